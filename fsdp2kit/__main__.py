@@ -1,0 +1,3 @@
+from fsdp2kit.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,59 @@
+"""`fsdp2kit check`: validate the config and describe the resolved plan, built on the meta device (no weights)."""
+
+from __future__ import annotations
+
+import json
+
+import yaml
+from torch.distributed.fsdp import FSDPModule
+
+from fsdp2kit.config.schema import JobConfig
+from fsdp2kit.distributed import Runtime
+from fsdp2kit.train.setup import build_sharded_model, count_parameters
+
+_DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", None: None}
+
+
+def describe(cfg: JobConfig, runtime: Runtime) -> dict:
+    training = cfg.strategy_args.strategy_name == "fsdp2_train"
+    sharded = build_sharded_model(cfg, runtime, training=training, materialize=False)
+    model, plan = sharded.model, sharded.plan
+    trainable, frozen = count_parameters(model)
+    return {
+        "world_size": runtime.world_size,
+        "mesh": {"shape": list(sharded.layout.shape), "dim_names": list(sharded.layout.dim_names)},
+        "strategy": cfg.strategy_args.strategy_name,
+        "model": {"name_or_path": cfg.model.name_or_path, "class": type(model).__mro__[1].__name__},
+        # Read back from the live modules, so this is what fully_shard did, not what we meant it to do.
+        "sharded_modules": [name for name, module in model.named_modules() if isinstance(module, FSDPModule)],
+        "ignored_modules": plan.ignored_modules,
+        "recompute_modules": plan.recompute_modules,
+        "frozen_modules": cfg.model.freeze_module_prefix,
+        "trainable_parameters": trainable,
+        "frozen_parameters": frozen,
+        "master_dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+        "mixed_precision": {"param_dtype": _DTYPE_NAMES[plan.param_dtype], "reduce_dtype": _DTYPE_NAMES[plan.reduce_dtype],
+                            "output_dtype": _DTYPE_NAMES[plan.output_dtype], "cast_forward_inputs": plan.cast_forward_inputs,
+                            "no_cast_modules": plan.no_cast_modules},
+        "reshard_after_forward": plan.reshard_after_forward,
+        "offload": plan.offload,
+        "pin_memory": plan.pin_memory,
+        "prefetch": {"forward": plan.forward_prefetch, "backward": plan.backward_prefetch},
+        "use_reentrant": plan.use_reentrant,
+        "ulysses_size": cfg.model.ulysses_size,
+        "custom_plan": plan.custom,
+        "notes": plan.notes,
+    }
+
+
+def print_check(cfg: JobConfig, runtime: Runtime, as_json: bool) -> None:
+    description = describe(cfg, runtime)
+    if not runtime.is_main:
+        return
+    if as_json:
+        print(json.dumps(description), flush=True)
+        return
+    print("# resolved config")
+    print(yaml.safe_dump(json.loads(cfg.model_dump_json()), sort_keys=False).rstrip())
+    print("# plan")
+    print(yaml.safe_dump(description, sort_keys=False).rstrip(), flush=True)

@@ -1,0 +1,123 @@
+"""The `fsdp2kit` command line (SPEC §2). The config is validated before any rank starts; a user's mistake found
+inside a rank is reported once, as one sentence, with exit code 2."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+from fsdp2kit.errors import UserError
+
+ERROR_DIR_ENV = "FSDP2KIT_ERROR_DIR"
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fsdp2kit", description="Train and serve transformer models with PyTorch FSDP2.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    for name, help_text in (("train", "train a model"), ("check", "validate the config and print the sharding plan")):
+        sub = commands.add_parser(name, help=help_text)
+        sub.add_argument("config", help="YAML config (native, or a ROLL file with roles)")
+        sub.add_argument("--nproc", type=int, default=None, help="launch this many local ranks (torch elastic)")
+        sub.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
+                         help="override a config key (value parsed as YAML); repeatable")
+        sub.add_argument("--role", default=None, help="the role of a ROLL config to use (default: the first)")
+        sub.add_argument("--fsdp-config", "--fsdp2-config-path", "--fsdp2-config", dest="fsdp_config", default=None,
+                         help="a MindSpeed-MM fsdp2_config.yaml or an Accelerate config replacing strategy_config")
+        if name == "check":
+            sub.add_argument("--json", action="store_true", help="print one JSON object")
+    return parser
+
+
+def _under_launcher() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def _strip_nproc(argv: list[str]) -> list[str]:
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--nproc":
+            skip = True
+        elif not arg.startswith("--nproc="):
+            out.append(arg)
+    return out
+
+
+def _launch(nproc: int, argv: list[str]) -> int:
+    """Start `nproc` local ranks with torch's own elastic launcher (torch.distributed.run), quietly."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    with tempfile.TemporaryDirectory(prefix="fsdp2kit-errors-") as error_dir:
+        os.environ[ERROR_DIR_ENV] = error_dir
+        args = get_args_parser().parse_args(
+            ["--standalone", f"--nproc-per-node={nproc}", "--max-restarts=0", "-m", "fsdp2kit", *_strip_nproc(argv)])
+        try:
+            run(args)
+        except ChildFailedError as failure:
+            reports = sorted(Path(error_dir).glob("rank*.txt"), key=lambda p: int(p.stem[4:]))
+            if reports:
+                print(f"error: {reports[0].read_text().strip()}", file=sys.stderr)
+                return 2
+            ranks = ", ".join(f"rank {r} (exit code {f.exitcode})" for r, f in sorted(failure.failures.items()))
+            print(f"error: training failed: {ranks}; its output is above", file=sys.stderr)
+            return 1
+    return 0
+
+
+def _report_user_error(exc: UserError) -> int:
+    error_dir = os.environ.get(ERROR_DIR_ENV)
+    rank = os.environ.get("RANK", "0")
+    if error_dir and Path(error_dir).is_dir():
+        (Path(error_dir) / f"rank{rank}.txt").write_text(str(exc))  # the launcher prints it once
+    elif rank == "0" or not _under_launcher():
+        print(f"error: {exc}", file=sys.stderr)
+    return 2
+
+
+def _run_rank(args: argparse.Namespace, cfg) -> int:
+    from fsdp2kit.distributed import init_distributed, shutdown
+
+    runtime = init_distributed(cfg.device_mapping)
+    try:
+        if args.command == "train":
+            if cfg.strategy_args.strategy_name != "fsdp2_train":
+                raise UserError("strategy_args.strategy_name is fsdp2_infer; use `fsdp2kit infer` or set fsdp2_train")
+            from fsdp2kit.train.loop import train
+
+            train(cfg, runtime)
+        elif args.command == "check":
+            from fsdp2kit.check import print_check
+
+            print_check(cfg, runtime, args.json)
+    finally:
+        shutdown()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = _parser().parse_args(argv)
+    try:
+        from fsdp2kit.config import load_config
+
+        cfg = load_config(args.config, args.overrides, role=args.role, strategy_file=args.fsdp_config)
+        nproc = args.nproc or (len(cfg.device_mapping) if cfg.device_mapping and not _under_launcher() else None)
+        if nproc is not None and nproc < 1:
+            raise UserError(f"--nproc {nproc}: give a number of ranks >= 1")
+        if nproc and nproc > 1 and not _under_launcher():
+            return _launch(nproc, argv)
+        return _run_rank(args, cfg)
+    except UserError as exc:
+        return _report_user_error(exc)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,159 @@
+"""Read a YAML file, apply `--set` overrides, validate, and turn pydantic errors into one clear sentence."""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from fsdp2kit.config.schema import JobConfig, Section
+from fsdp2kit.errors import UserError
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"config file '{path}' does not exist")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise UserError(f"config file '{path}' is not valid YAML{where}: {getattr(exc, 'problem', exc)}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise UserError(f"config file '{path}' must hold a mapping of keys, not a {type(data).__name__}")
+    return data
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """`key.path=value`, the value parsed as YAML (so `[a,b]` is a list and `1e-3` a number)."""
+    for item in overrides:
+        if "=" not in item:
+            raise UserError(f"--set '{item}' must look like key.path=value")
+        key, text = item.split("=", 1)
+        parts = key.strip().split(".")
+        if not all(parts):
+            raise UserError(f"--set '{item}': '{key}' is not a dotted key path")
+        try:
+            value = yaml.safe_load(text)
+        except yaml.YAMLError:
+            value = text
+        node = raw
+        for i, part in enumerate(parts[:-1]):
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise UserError(f"--set '{item}': '{'.'.join(parts[: i + 1])}' is a value, not a section")
+            node = child
+        node[parts[-1]] = value
+    return raw
+
+
+def validate(raw: dict[str, Any], source: str = "config") -> JobConfig:
+    try:
+        return JobConfig.model_validate(raw)
+    except ValidationError as exc:
+        raise UserError(describe_validation_error(exc, raw, source)) from None
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None, role: str | None = None,
+                strategy_file: str | None = None) -> JobConfig:
+    from fsdp2kit.config import dialects  # dialects import this module's helpers
+
+    raw = dialects.to_native(read_yaml(path), source=str(path), role=role)
+    raw = apply_overrides(raw, list(overrides or []))
+    strategy_path = strategy_file or (raw.get("strategy_args") or {}).get("strategy_config_path")
+    if strategy_path:
+        raw.setdefault("strategy_args", {})
+        raw["strategy_args"]["strategy_config"] = dialects.strategy_config_from_file(strategy_path)
+        raw["strategy_args"]["strategy_config_path"] = str(strategy_path)
+    return validate(raw, str(path))
+
+
+def _section_at(model: type[BaseModel], loc: tuple) -> type[BaseModel] | None:
+    """The pydantic model class that owns the key at `loc` (for 'did you mean' suggestions)."""
+    for part in loc[:-1]:
+        field = model.model_fields.get(part) if isinstance(part, str) else None
+        annotation = getattr(field, "annotation", None)
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return None
+        model = annotation
+    return model
+
+
+def _value_at(raw: Any, loc: tuple) -> Any:
+    for part in loc:
+        if isinstance(raw, dict) and part in raw:
+            raw = raw[part]
+        elif isinstance(raw, list) and isinstance(part, int) and part < len(raw):
+            raw = raw[part]
+        else:
+            return None
+    return raw
+
+
+_EXPECTED = {
+    "int_parsing": "an integer", "int_type": "an integer", "int_from_float": "an integer",
+    "float_parsing": "a number", "float_type": "a number",
+    "bool_parsing": "true or false", "bool_type": "true or false",
+    "string_type": "a string", "list_type": "a list", "dict_type": "a mapping", "model_type": "a mapping",
+}
+
+
+def _real_loc(raw: dict[str, Any], loc: tuple) -> tuple:
+    """Pydantic adds union-member tags ('int', 'literal[...]') to locations; keep the part that names real keys."""
+    real: tuple = ()
+    for part in loc:
+        if _value_at(raw, real + (part,)) is None and not (isinstance(part, str) and part.isidentifier() and "[" not in part
+                                                           and part not in ("int", "bool", "str", "float", "list", "dict")):
+            break
+        real += (part,)
+    return real
+
+
+def _expectation(error: dict) -> str:
+    expected = error.get("ctx", {}).get("expected")
+    if expected:
+        return f"one of {expected}"
+    if error["type"] in _EXPECTED:
+        return _EXPECTED[error["type"]]
+    message = error["msg"]
+    for lead in ("Value error, ", "Input should be "):
+        if message.startswith(lead):
+            return message[len(lead):]
+    return message
+
+
+def describe_validation_error(exc: ValidationError, raw: dict[str, Any], source: str) -> str:
+    """One sentence for the first error: the key, the bad value and what would be valid."""
+    errors = exc.errors()
+    loc = _real_loc(raw, errors[0]["loc"])
+    key = ".".join(str(p) for p in loc)
+    if errors[0]["type"] == "extra_forbidden":
+        owner = _section_at(JobConfig, loc)
+        message = f"{source}: unknown key '{key}'"
+        if owner is not None:
+            names = list(owner.model_fields) + list(getattr(owner, "ALIASES", {}))
+            close = difflib.get_close_matches(str(loc[-1]), names, n=1, cutoff=0.6)
+            prefix = ".".join(str(p) for p in loc[:-1])
+            if close:
+                message += f" (did you mean '{prefix + '.' if prefix else ''}{close[0]}'?)"
+            else:
+                message += f"; valid keys here: {', '.join(sorted(owner.model_fields))}"
+        return message
+    # A union (e.g. `int | 'auto'`) fails once per member: name them all.
+    same_key = [e for e in errors if _real_loc(raw, e["loc"]) == loc and e["type"] != "extra_forbidden"]
+    expectations = list(dict.fromkeys(_expectation(e) for e in same_key))
+    value = _value_at(raw, loc)
+    where = f"'{key}'" if key else "the top level"
+    return f"{source}: {where} = {value!r} is not valid: expected {' or '.join(expectations)}"
+
+
+def field_docs(section: type[Section]) -> dict[str, str]:
+    return {name: (field.description or "") for name, field in section.model_fields.items()}

@@ -1,0 +1,181 @@
+"""The native config: every key, its default and a one-line doc, validated by pydantic.
+
+Each section is its own model so that each function receives only the section it needs
+(e.g. `apply_fsdp` takes a `StrategyConfig`, the data pipeline a `DataConfig`).
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from typing import Annotated, Any, ClassVar, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+
+DTYPE_ALIASES = {
+    "bf16": "bf16", "bfloat16": "bf16",
+    "fp16": "fp16", "float16": "fp16", "half": "fp16",
+    "fp32": "fp32", "float32": "fp32", "float": "fp32",
+}
+
+
+def _dtype_name(value: Any) -> Any:
+    if isinstance(value, str) and value.lower() in DTYPE_ALIASES:
+        return DTYPE_ALIASES[value.lower()]
+    if isinstance(value, str) and value.lower() == "none":
+        return None
+    return value
+
+
+def _pattern_list(value: Any) -> Any:
+    """A single pattern may be written as a plain string (ROLL writes `freeze_module_prefix: vision_model`)."""
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value]
+    return value
+
+
+def _device_list(value: Any) -> Any:
+    """ROLL writes `device_mapping: list(range(0,16))`; accept that, a list literal, or a list."""
+    if not isinstance(value, str):
+        return value
+    text = value.strip()
+    match = re.fullmatch(r"list\(\s*range\(\s*(\d+)\s*(?:,\s*(\d+)\s*)?(?:,\s*(\d+)\s*)?\)\s*\)", text)
+    if match:
+        numbers = [int(g) for g in match.groups() if g is not None]
+        return list(range(*numbers))
+    try:
+        parsed = ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        raise ValueError("a list of device ids such as [0,1,2,3] or list(range(0,8))") from None
+    return list(parsed) if isinstance(parsed, (list, tuple)) else parsed
+
+
+DType = Annotated[Literal["bf16", "fp16", "fp32"], BeforeValidator(_dtype_name)]
+OptionalDType = Annotated[Literal["bf16", "fp16", "fp32"] | None, BeforeValidator(_dtype_name)]
+PatternList = Annotated[list[str], BeforeValidator(_pattern_list)]
+
+
+class Section(BaseModel):
+    """Base of every config section: unknown keys are errors; `ALIASES` maps other projects' spellings."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    ALIASES: ClassVar[dict[str, str]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _resolve_aliases(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or not cls.ALIASES:
+            return data
+        data = dict(data)
+        for alias, name in cls.ALIASES.items():
+            if alias in data:
+                if name in data and data[name] != data[alias]:
+                    raise ValueError(f"only one of '{alias}' and '{name}' (they are the same key)")
+                data[name] = data.pop(alias)
+        return data
+
+
+class ModelConfig(Section):
+    name_or_path: str = Field("builtin:tiny-llama", description="`builtin:<name>` or a local HF model folder")
+    config: dict[str, Any] = Field(default_factory=dict, description="overrides applied to the transformers config")
+    dtype: DType = Field("fp32", description="dtype of the model's weights (compute dtype unless param_dtype is set)")
+    init_on_meta: bool = Field(True, description="build on the meta device and materialise only each rank's shards")
+    freeze_module_prefix: PatternList = Field(default_factory=list, description="parameters under these prefixes are frozen")
+    ulysses_size: int = Field(1, ge=1, description="sequence-parallel (Ulysses) degree")
+    gradient_checkpointing: bool = Field(False, description="recompute every decoder layer in backward")
+    attn_implementation: Literal["sdpa", "eager"] = Field("sdpa", description="transformers attention implementation")
+
+    ALIASES: ClassVar[dict[str, str]] = {"model_name_or_path": "name_or_path"}
+
+
+class DataConfig(Section):
+    source: str = Field("builtin:corpus", description="`builtin:corpus`, a *.jsonl/*.parquet/*.txt file or glob, or a local HF dataset folder")
+    tokenizer: str | None = Field(None, description="tokenizer folder; default: the model's own (builtin models: the built-in tokenizer)")
+    text_key: str = Field("text", description="field holding the text in jsonl/parquet/HF datasets")
+    seq_len: int = Field(512, ge=2, description="tokens per training sample")
+    pack: bool = Field(True, description="concatenate documents and cut into seq_len windows (else pad each document)")
+    shuffle: bool = Field(True, description="shuffle the sample order every epoch (seeded)")
+
+
+class TrainingConfig(Section):
+    learning_rate: float = Field(1.0e-5, gt=0, description="peak learning rate of AdamW")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay (not applied to biases and norms)")
+    adam_beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1")
+    adam_beta2: float = Field(0.999, ge=0, lt=1, description="AdamW beta2")
+    adam_epsilon: float = Field(1.0e-8, gt=0, description="AdamW epsilon")
+    lr_scheduler_type: Literal["constant", "linear", "cosine"] = Field("cosine", description="decay after warmup")
+    warmup_steps: int = Field(0, ge=0, description="linear warmup steps from 0 to learning_rate")
+    per_device_train_batch_size: int = Field(1, ge=1, description="samples per micro-batch per data-parallel rank")
+    gradient_accumulation_steps: int = Field(1, ge=1, description="micro-batches per optimizer step")
+    num_train_epochs: float = Field(1.0, gt=0, description="epochs over the dataset (ignored when max_steps > 0)")
+    max_steps: int = Field(-1, description="optimizer steps to run; -1 = derive from num_train_epochs")
+    max_grad_norm: float = Field(1.0, ge=0, description="clip the global grad norm to this (0 = no clipping)")
+    seed: int = Field(42, description="seed of initial weights and data order")
+    output_dir: str = Field("runs/default", description="where metrics, checkpoints and the HF export go")
+    logging_steps: int = Field(1, ge=1, description="print a progress line every N steps (metrics.jsonl gets every step)")
+    save_steps: int = Field(0, ge=0, description="save a DCP checkpoint every N steps (0 = only at the end)")
+    save_total_limit: int | None = Field(None, ge=1, description="keep only the newest K checkpoints")
+    resume: str = Field("auto", description="`auto` (newest checkpoint in output_dir), `never`, or a checkpoint path")
+    export_hf: bool = Field(True, description="write the final model as an HF safetensors folder to output_dir/hf")
+
+    ALIASES: ClassVar[dict[str, str]] = {"resume_from_checkpoint": "resume"}
+
+
+class WrapPolicy(Section):
+    transformer_layer_cls_to_wrap: PatternList = Field(default_factory=list, description="wrap every instance of these classes")
+    wrap_embeddings: bool = Field(False, description="give the input embeddings their own shard group")
+    wrap_lm_output: bool = Field(False, description="give the LM head its own shard group")
+    moe_experts: PatternList = Field(default_factory=list, description="MoE expert classes to wrap one by one")
+    min_num_params: int = Field(0, ge=0, description="size-based wrapping: shard every module with at least this many params (0 = off)")
+
+
+class StrategyConfig(Section):
+    fsdp_size: int | Literal["auto"] | None = Field("auto", description="shard group size; auto/<=1/>=world = 1-D FSDP, else HSDP [ddp, fsdp]")
+    param_dtype: OptionalDType = Field(None, description="compute/all-gather dtype (default: model.dtype)")
+    reduce_dtype: OptionalDType = Field(None, description="gradient reduce-scatter dtype (default: param_dtype)")
+    output_dtype: OptionalDType = Field(None, description="dtype of forward outputs (default: unchanged)")
+    cast_forward_inputs: bool = Field(True, description="cast floating inputs to param_dtype (vision encoders: off)")
+    reshard_after_forward: bool | int = Field(True, description="true = ZeRO-3, false = ZeRO-2, int = reshard to a group of that size")
+    sharding_strategy: Literal["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"] | None = Field(
+        None, description="FSDP1/Accelerate strategy name, mapped onto mesh + reshard_after_forward")
+    sub_modules_to_wrap: PatternList = Field(default_factory=list, description="module-path patterns that get their own fully_shard")
+    wrap_policy: WrapPolicy = Field(default_factory=WrapPolicy, description="class/size based selection of shard groups")
+    ignored_modules: PatternList = Field(default_factory=list, description="module patterns left out of FSDP (replicated)")
+    recompute_modules: PatternList = Field(default_factory=list, description="module patterns recomputed in backward")
+    use_reentrant: bool = Field(True, description="reentrant activation checkpointing implementation")
+    offload_policy: bool = Field(False, description="CPUOffloadPolicy: sharded params, grads and optimizer step on CPU")
+    pin_memory: bool = Field(False, description="pinned host memory for offloaded tensors (only with offload)")
+    num_to_forward_prefetch: int = Field(0, ge=0, description="explicitly prefetch the next k shard groups in forward")
+    num_to_backward_prefetch: int = Field(1, ge=0, description="explicitly prefetch the previous k shard groups in backward")
+    apply_expert_patch: bool = Field(False, description="MoE: every rank runs every expert so collectives match")
+    apply_tiled_mlp: bool = Field(False, description="compute MLPs in sequence tiles to cut activation memory")
+    tiled_num_shards: int = Field(4, ge=1, description="number of sequence tiles for TiledMLP")
+    async_save_ckpt: bool = Field(True, description="overlap checkpoint writes with training")
+    ckpt_format: Literal["torch_dcp"] = Field("torch_dcp", description="sharded checkpoint format")
+
+    ALIASES: ClassVar[dict[str, str]] = {"sharding_size": "fsdp_size", "offload_to_cpu": "offload_policy"}
+
+    @field_validator("fsdp_size")
+    @classmethod
+    def _fsdp_size_positive(cls, value: Any) -> Any:
+        if isinstance(value, int) and value < 0:
+            raise ValueError("'auto' or an integer >= 0")
+        return value
+
+
+class StrategyArgs(Section):
+    strategy_name: Literal["fsdp2_train", "fsdp2_infer"] = Field("fsdp2_train", description="train or forward-only")
+    strategy_config: StrategyConfig = Field(default_factory=StrategyConfig, description="FSDP2 settings")
+    strategy_config_path: str | None = Field(None, description="a MindSpeed-MM fsdp2_config.yaml or Accelerate config replacing strategy_config")
+
+
+class JobConfig(Section):
+    model: ModelConfig = Field(default_factory=ModelConfig, description="what to train")
+    data: DataConfig = Field(default_factory=DataConfig, description="what to train on")
+    training: TrainingConfig = Field(default_factory=TrainingConfig, description="optimizer, schedule, outputs")
+    strategy_args: StrategyArgs = Field(default_factory=StrategyArgs, description="FSDP2 strategy")
+    device_mapping: Annotated[list[int] | None, BeforeValidator(_device_list)] = Field(
+        None, description="device ids this job uses; its length is the world size")
+    infer_batch_size: int = Field(1, ge=1, description="samples per forward in fsdp2_infer")

@@ -1,0 +1,57 @@
+"""Process-group setup: the same code under `--nproc`, `torchrun` (multi-node included) or a plain single process."""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from fsdp2kit.errors import UserError
+
+
+@dataclass(frozen=True)
+class Runtime:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def init_distributed(device_mapping: list[int] | None) -> Runtime:
+    """NCCL on CUDA (gloo kept for CPU tensors), gloo on CPU. Without a launcher, a world of one."""
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if device_mapping is not None and len(device_mapping) != world_size:
+        raise UserError(f"device_mapping lists {len(device_mapping)} devices but the job has {world_size} ranks; "
+                        f"give {world_size} device ids or launch {len(device_mapping)} ranks")
+    if torch.cuda.is_available():
+        index = device_mapping[rank] % torch.cuda.device_count() if device_mapping else local_rank
+        device = torch.device("cuda", index)
+        torch.cuda.set_device(device)
+        backend = "cpu:gloo,cuda:nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    if not dist.is_initialized():
+        dist.init_process_group(backend, rank=rank, world_size=world_size)
+    return Runtime(rank, world_size, local_rank, device)
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

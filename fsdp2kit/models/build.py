@@ -1,0 +1,180 @@
+"""Build a `transformers` causal LM on the meta device and give each rank only its own shards:
+fresh weights (seeded per module, identical at every world size and mesh) or weights read from safetensors."""
+
+from __future__ import annotations
+
+import copy
+import json
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from fsdp2kit.config.schema import ModelConfig
+from fsdp2kit.errors import UserError
+from fsdp2kit.models.builtin import BUILTIN_MODELS
+
+TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@dataclass
+class ModelSource:
+    """Where a model comes from: its transformers config, its tokenizer and (if pretrained) its weights."""
+
+    hf_config: object
+    tokenizer_path: Path
+    weights_dir: Path | None
+
+
+def resolve_model(cfg: ModelConfig, tokenizer: str | None = None) -> ModelSource:
+    from transformers import AutoConfig
+
+    from fsdp2kit.data.builtin import tokenizer_dir
+
+    name = cfg.name_or_path
+    if name.startswith("builtin:"):
+        key = name.split(":", 1)[1]
+        if key not in BUILTIN_MODELS:
+            raise UserError(f"model.name_or_path: unknown built-in model '{name}'; valid: "
+                            + ", ".join(f"builtin:{k}" for k in BUILTIN_MODELS))
+        settings = dict(BUILTIN_MODELS[key])
+        hf_config = AutoConfig.for_model(settings.pop("model_type"), **settings)
+        weights_dir, default_tokenizer = None, tokenizer_dir()
+    else:
+        folder = Path(name)
+        if not (folder / "config.json").is_file():
+            raise UserError(f"model.name_or_path: '{name}' is not a model folder with a config.json "
+                            "(or a builtin: model: " + ", ".join(f"builtin:{k}" for k in BUILTIN_MODELS) + ")")
+        try:
+            hf_config = AutoConfig.from_pretrained(folder)
+        except (ValueError, OSError, KeyError) as exc:
+            raise UserError(f"model.name_or_path: '{folder / 'config.json'}' is not a valid transformers config: {exc}") from None
+        weights_dir = folder if any(folder.glob("*.safetensors")) else None
+        default_tokenizer = folder
+    for key, value in cfg.config.items():
+        if not hasattr(hf_config, key):
+            raise UserError(f"model.config.{key}: the {type(hf_config).__name__} has no such setting")
+        setattr(hf_config, key, value)
+    tokenizer_path = Path(tokenizer) if tokenizer else default_tokenizer
+    if not (tokenizer_path / "tokenizer_config.json").is_file() and not (tokenizer_path / "tokenizer.json").is_file():
+        raise UserError(f"data.tokenizer: no tokenizer files in '{tokenizer_path}'")
+    return ModelSource(hf_config, tokenizer_path, weights_dir)
+
+
+def build_meta_model(source: ModelSource, cfg: ModelConfig) -> nn.Module:
+    """The model with every parameter and buffer on the meta device: no memory, any size."""
+    from transformers import AutoModelForCausalLM
+
+    source.hf_config._attn_implementation = cfg.attn_implementation
+    with torch.device("meta"):
+        try:
+            model = AutoModelForCausalLM.from_config(source.hf_config, dtype=TORCH_DTYPES[cfg.dtype])
+        except ValueError as exc:
+            raise UserError(f"model.name_or_path: transformers cannot build a causal LM from this config: {exc}") from None
+    return model
+
+
+def _local_part(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    """The slice of a full tensor that this rank holds (the whole tensor when `param` is not sharded)."""
+    if not isinstance(param, DTensor):
+        return full
+    shape, offset = compute_local_shape_and_global_offset(full.shape, param.device_mesh, param.placements)
+    index = tuple(slice(o, o + s) for o, s in zip(offset, shape))
+    return full[index]
+
+
+def _module_seed(seed: int, name: str) -> int:
+    return zlib.crc32(f"{seed}:{name}".encode())
+
+
+@torch.no_grad()
+def initialise_weights(model: nn.Module, seed: int, buffers_only: bool = False) -> None:
+    """Run the model family's own `_init_weights` module by module on full-size CPU copies, seeded by the
+    module's name, and keep each rank's slice: the weights depend on the seed only, not on the mesh.
+    Peak extra memory is the largest single module, never the model."""
+    initialised: set[int] = set()
+    for name, module in model.named_modules():
+        params = {} if buffers_only else {k: p for k, p in module._parameters.items() if p is not None}
+        buffers = {k: b for k, b in module._buffers.items() if b is not None}
+        if not params and not buffers:
+            continue
+        shadow = copy.copy(module)  # same class and attributes, own tensors
+        shadow._parameters = {k: None if p is None else nn.Parameter(torch.empty(p.shape, dtype=p.dtype), requires_grad=False)
+                              for k, p in module._parameters.items()}
+        shadow._buffers = {k: None if b is None else torch.empty(b.shape, dtype=b.dtype) for k, b in module._buffers.items()}
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(_module_seed(seed, name))
+            model._init_weights(shadow)
+        for key, param in params.items():
+            if id(param) not in initialised:  # a tied weight is initialised once
+                initialised.add(id(param))
+                local = param.to_local() if isinstance(param, DTensor) else param
+                local.copy_(_local_part(param, shadow._parameters[key]))
+        for key, buffer in buffers.items():
+            buffer.copy_(shadow._buffers[key])
+
+
+def _safetensors_index(folder: Path) -> dict[str, Path]:
+    index_file = folder / "model.safetensors.index.json"
+    if index_file.is_file():
+        weight_map = json.loads(index_file.read_text())["weight_map"]
+        return {name: folder / file for name, file in weight_map.items()}
+    from safetensors import safe_open
+
+    names: dict[str, Path] = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(file, framework="pt") as handle:
+            names.update({key: file for key in handle.keys()})
+    return names
+
+
+@torch.no_grad()
+def load_safetensors(model: nn.Module, folder: Path) -> None:
+    """Fill each rank's shards straight from the safetensors files, reading only the rows this rank owns."""
+    from safetensors import safe_open
+
+    locations = _safetensors_index(folder)
+    tied = getattr(model, "_tied_weights_keys", None) or {}
+    state = model.state_dict(keep_vars=True)
+    handles: dict[Path, object] = {}
+    try:
+        for name, param in state.items():
+            if name not in locations:
+                if name in tied and getattr(model.config, "tie_word_embeddings", False):
+                    continue  # tied to its source, loaded under that name
+                if name in dict(model.named_buffers()):
+                    continue  # non-persistent buffers are computed, not stored
+                raise UserError(f"model weights: tensor '{name}' is missing from the safetensors files in '{folder}'")
+            file = locations[name]
+            if not file.is_file():
+                raise UserError(f"model weights: file '{file}' named by the index does not exist")
+            handle = handles.setdefault(file, safe_open(file, framework="pt").__enter__())
+            view = handle.get_slice(name)
+            if tuple(view.get_shape()) != tuple(param.shape):
+                raise UserError(f"model weights: tensor '{name}' in '{file.name}' has shape {tuple(view.get_shape())}, "
+                                f"the model expects {tuple(param.shape)}")
+            local = param.to_local() if isinstance(param, DTensor) else param
+            if isinstance(param, DTensor):
+                shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+                index = tuple(slice(o, o + s) for o, s in zip(offset, shape))
+                data = view[index] if local.numel() else torch.empty(local.shape)
+            else:
+                data = view[:]
+            local.copy_(data.to(local.dtype))
+    finally:
+        for handle in handles.values():
+            handle.__exit__(None, None, None)
+
+
+def materialise(model: nn.Module, source: ModelSource, device: torch.device, seed: int) -> None:
+    """Allocate each rank's shards on `device`, then initialise them (fresh) or read them (pretrained)."""
+    model.to_empty(device=device)
+    if source.weights_dir is None:
+        initialise_weights(model, seed)
+    else:
+        initialise_weights(model, seed, buffers_only=True)  # rotary tables and other computed buffers
+        load_safetensors(model, source.weights_dir)

@@ -1,0 +1,221 @@
+"""Which modules get their own `fully_shard`, which are recomputed, ignored or frozen, and with which policies.
+
+The plan is computed from the (meta-device) model and the strategy section alone, so `fsdp2kit check` can print
+exactly what `apply_fsdp` will do.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import torch.nn as nn
+
+from fsdp2kit.config.schema import ModelConfig, StrategyConfig
+from fsdp2kit.errors import UserError
+
+_SEGMENT_RANGE = re.compile(r"\{(\d+)-(\d+)\}")
+_SEGMENT_LIST = re.compile(r"\{(\d+(?:\s*,\s*\d+)*)\}")
+
+
+def _segment_regex(segment: str) -> str:
+    if segment in ("{*}", "*"):
+        return r"[^.]+"
+    if match := _SEGMENT_RANGE.fullmatch(segment):
+        low, high = int(match.group(1)), int(match.group(2))
+        return "(?:" + "|".join(str(i) for i in range(low, high + 1)) + ")"
+    if match := _SEGMENT_LIST.fullmatch(segment):
+        return "(?:" + "|".join(s.strip() for s in match.group(1).split(",")) + ")"
+    return re.escape(segment)
+
+
+def compile_pattern(pattern: str) -> re.Pattern:
+    """MindSpeed-MM's module-path syntax: `model.layers.{*}`, `model.layers.{0-23}`, `model.layers.{1,3,5}`."""
+    return re.compile(r"\.".join(_segment_regex(s) for s in pattern.split(".")))
+
+
+def match_modules(model: nn.Module, patterns: list[str], key: str) -> list[str]:
+    """Module paths (in forward/definition order) matched by any pattern; a pattern matching nothing is an error."""
+    names = [name for name, _ in model.named_modules() if name]
+    matched: set[str] = set()
+    for pattern in patterns:
+        regex = compile_pattern(pattern)
+        hits = [n for n in names if regex.fullmatch(n)]
+        if not hits:
+            example = next((n for n in names if n.count(".") == pattern.count(".")), names[0] if names else "")
+            raise UserError(f"strategy_config.{key}: pattern '{pattern}' matches no module of the model "
+                            f"(module paths look like '{example}')")
+        matched.update(hits)
+    return [n for n in names if n in matched]
+
+
+def modules_of_classes(model: nn.Module, class_names: list[str], key: str) -> list[str]:
+    found: list[str] = []
+    for class_name in class_names:
+        hits = [n for n, m in model.named_modules() if n and type(m).__name__ == class_name]
+        if not hits:
+            present = sorted({type(m).__name__ for m in model.modules()})
+            raise UserError(f"{key}: class '{class_name}' matches no module of the model; its classes are {present}")
+        found.extend(hits)
+    order = [n for n, _ in model.named_modules()]
+    return sorted(set(found), key=order.index)
+
+
+def _is_ancestor(parent: str, child: str) -> bool:
+    return parent == "" or child.startswith(parent + ".")
+
+
+@dataclass
+class ShardingPlan:
+    """Everything `apply_fsdp` and `apply_recompute` will do, in plain data."""
+
+    groups: list[tuple[str, ...]]  # each tuple is one fully_shard call; forward order; the root is not listed
+    ignored_modules: list[str]
+    recompute_modules: list[str]
+    frozen_parameters: list[str]
+    reshard_after_forward: bool | int
+    param_dtype: str | None
+    reduce_dtype: str | None
+    output_dtype: str | None
+    cast_forward_inputs: bool
+    no_cast_modules: list[str]  # vision encoders: inputs are not cast (precision of pixel values)
+    offload: bool
+    pin_memory: bool
+    forward_prefetch: int
+    backward_prefetch: int
+    use_reentrant: bool
+    custom: bool = False  # the model's own `_fully_shard` decides the groups
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def sharded_modules(self) -> list[str]:
+        return [name for group in self.groups for name in group] + [""]
+
+
+def _size_based(model: nn.Module, min_num_params: int, taken: set[str]) -> list[str]:
+    """Accelerate's SIZE_BASED_WRAP: bottom-up, wrap a module once its not-yet-wrapped parameters reach the limit."""
+    chosen: list[str] = []
+
+    def visit(name: str, module: nn.Module) -> int:
+        count = sum(p.numel() for p in module.parameters(recurse=False))
+        for child_name, child in module.named_children():
+            count += visit(f"{name}.{child_name}" if name else child_name, child)
+        if name and (name in taken or count >= min_num_params):
+            if name not in taken:
+                chosen.append(name)
+            return 0
+        return count
+
+    visit("", model)
+    return chosen
+
+
+def _layer_classes(model: nn.Module) -> list[str]:
+    return list(getattr(model, "_no_split_modules", None) or [])
+
+
+def _embedding_modules(model: nn.Module) -> tuple[str | None, str | None]:
+    names = {id(m): n for n, m in model.named_modules()}
+    inputs = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    outputs = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return names.get(id(inputs)), names.get(id(outputs))
+
+
+def _tied(model: nn.Module, embed: str | None, head: str | None) -> bool:
+    if embed is None or head is None:
+        return False
+    return model.get_submodule(embed).weight is model.get_submodule(head).weight
+
+
+def effective_reshard(strategy: StrategyConfig) -> bool | int:
+    by_name = {"SHARD_GRAD_OP": False, "_HYBRID_SHARD_ZERO2": False, "FULL_SHARD": True, "HYBRID_SHARD": True, "NO_SHARD": False}
+    if strategy.sharding_strategy is None:
+        return strategy.reshard_after_forward
+    implied = by_name[strategy.sharding_strategy]
+    if "reshard_after_forward" in strategy.model_fields_set and strategy.reshard_after_forward != implied:
+        raise UserError(f"strategy_config.reshard_after_forward = {strategy.reshard_after_forward} contradicts "
+                        f"sharding_strategy {strategy.sharding_strategy} (which means {implied}); give one of them")
+    return implied
+
+
+def build_plan(model: nn.Module, strategy: StrategyConfig, model_cfg: ModelConfig) -> ShardingPlan:
+    for key in ("apply_expert_patch", "apply_tiled_mlp"):
+        if getattr(strategy, key):
+            raise UserError(f"strategy_config.{key}: not available in this version; set it to false")
+    if strategy.wrap_policy.moe_experts:
+        raise UserError("strategy_config.wrap_policy.moe_experts: per-expert wrapping is not available in this version")
+    if strategy.pin_memory and not strategy.offload_policy:
+        raise UserError("strategy_config.pin_memory: true only applies with offload_policy: true")
+
+    ignored = match_modules(model, strategy.ignored_modules, "ignored_modules")
+    custom = callable(getattr(model, "_fully_shard", None))
+    selected: list[str] = []
+    if not custom:
+        selected += match_modules(model, strategy.sub_modules_to_wrap, "sub_modules_to_wrap")
+        classes = strategy.wrap_policy.transformer_layer_cls_to_wrap
+        if not classes and not strategy.sub_modules_to_wrap and not strategy.wrap_policy.min_num_params:
+            classes = _layer_classes(model)
+        selected += modules_of_classes(model, classes, "strategy_config.wrap_policy.transformer_layer_cls_to_wrap")
+        if strategy.wrap_policy.min_num_params:
+            selected += _size_based(model, strategy.wrap_policy.min_num_params, set(selected))
+    embed, head = _embedding_modules(model)
+    extra: list[str] = []
+    if strategy.wrap_policy.wrap_embeddings:
+        if embed is None:
+            raise UserError("strategy_config.wrap_policy.wrap_embeddings: the model exposes no input embeddings")
+        extra.append(embed)
+    if strategy.wrap_policy.wrap_lm_output:
+        if head is None:
+            raise UserError("strategy_config.wrap_policy.wrap_lm_output: the model exposes no output embeddings")
+        extra.append(head)
+
+    overlap = [n for n in selected + extra if any(_is_ancestor(i, n) or _is_ancestor(n, i) for i in ignored)]
+    if overlap:
+        raise UserError(f"strategy_config.ignored_modules: '{overlap[0]}' is both ignored and sharded (or contains an ignored module)")
+
+    order = [n for n, _ in model.named_modules()]
+    names = sorted(set(selected), key=order.index)
+    groups: list[tuple[str, ...]] = [(n,) for n in names]
+    notes: list[str] = []
+    if extra:
+        # A weight shared by the embeddings and the LM head must live in one shard group, or the tie breaks.
+        if _tied(model, embed, head):
+            groups.append((embed, head))
+            notes.append(f"tied weights: '{embed}' and '{head}' share one shard group")
+        else:
+            groups += [(n,) for n in extra]
+        groups.sort(key=lambda g: order.index(g[0]))
+
+    recompute = match_modules(model, strategy.recompute_modules, "recompute_modules")
+    if model_cfg.gradient_checkpointing:
+        recompute = sorted(set(recompute) | set(modules_of_classes(model, _layer_classes(model), "model.gradient_checkpointing")),
+                           key=order.index)
+
+    frozen: list[str] = []
+    for prefix in model_cfg.freeze_module_prefix:
+        hits = [n for n, _ in model.named_parameters() if n == prefix or n.startswith(prefix.rstrip(".") + ".")]
+        if not hits:
+            raise UserError(f"model.freeze_module_prefix: '{prefix}' is the prefix of no parameter")
+        frozen += hits
+
+    model_dtype = model_cfg.dtype
+    param_dtype = strategy.param_dtype or model_dtype
+    return ShardingPlan(
+        groups=groups,
+        ignored_modules=ignored,
+        recompute_modules=recompute,
+        frozen_parameters=sorted(set(frozen), key=[n for n, _ in model.named_parameters()].index),
+        reshard_after_forward=effective_reshard(strategy),
+        param_dtype=param_dtype,
+        reduce_dtype=strategy.reduce_dtype or param_dtype,
+        output_dtype=strategy.output_dtype,
+        cast_forward_inputs=strategy.cast_forward_inputs,
+        no_cast_modules=[n for g in groups for n in g if re.search(r"vision|visual", n)],
+        offload=strategy.offload_policy,
+        pin_memory=strategy.pin_memory,
+        forward_prefetch=strategy.num_to_forward_prefetch,
+        backward_prefetch=strategy.num_to_backward_prefetch,
+        use_reentrant=strategy.use_reentrant,
+        custom=custom,
+        notes=notes,
+    )

@@ -1,0 +1,57 @@
+"""Per-step metrics: throughput, model FLOPs utilisation and peak memory, written as JSON lines on rank 0."""
+
+from __future__ import annotations
+
+import json
+import resource
+from pathlib import Path
+
+import torch
+
+# Dense bf16 peak FLOP/s of common accelerators (no sparsity).
+PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12, "L40S": 362e12,
+              "A10G": 125e12, "L4": 121e12, "B200": 2250e12}
+
+
+def flops_per_token(hf_config, num_params: int, seq_len: int) -> float:
+    """6N for the weights (forward + backward) plus the attention score/value matmuls: 12 * layers * hidden * seq."""
+    layers = getattr(hf_config, "num_hidden_layers", 0)
+    hidden = getattr(hf_config, "hidden_size", 0)
+    return 6.0 * num_params + 12.0 * layers * hidden * seq_len
+
+
+def device_peak_flops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((flops for key, flops in PEAK_FLOPS.items() if key in name), None)
+
+
+def peak_memory(device: torch.device) -> tuple[int, str]:
+    """CUDA: the caching allocator's peak allocation. CPU: the process's peak resident set size (it also counts
+    the Python runtime and libraries, so it is an upper bound of what training itself needs)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device), "cuda_max_allocated"
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "cpu_max_rss"
+
+
+class MetricsWriter:
+    """Appends one JSON object per optimizer step to metrics.jsonl (rank 0 only)."""
+
+    def __init__(self, path: Path, enabled: bool):
+        self.enabled = enabled
+        self.path = path
+        if enabled:
+            path.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(self, record: dict) -> None:
+        if self.enabled:
+            with self.path.open("a") as handle:
+                handle.write(json.dumps(record) + "\n")
+
+
+def truncate_metrics(path: Path, last_step: int) -> None:
+    """On resume, drop records of steps after the checkpoint: they are about to be recomputed."""
+    if path.exists():
+        kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= last_step]
+        path.write_text("".join(line + "\n" for line in kept))

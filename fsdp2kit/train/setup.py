@@ -1,0 +1,53 @@
+"""From a config to a sharded model: the steps `train`, `infer` and `check` share."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from fsdp2kit.config.schema import JobConfig
+from fsdp2kit.distributed import Runtime
+from fsdp2kit.models.build import ModelSource, build_meta_model, materialise, resolve_model
+from fsdp2kit.parallel.fsdp import apply_fsdp
+from fsdp2kit.parallel.mesh import MeshLayout, build_mesh, mesh_layout
+from fsdp2kit.parallel.plan import ShardingPlan, build_plan
+from fsdp2kit.parallel.recompute import apply_recompute
+
+
+@dataclass
+class ShardedModel:
+    model: nn.Module
+    plan: ShardingPlan
+    layout: MeshLayout
+    source: ModelSource
+
+
+def build_sharded_model(cfg: JobConfig, runtime: Runtime, training: bool, materialize: bool = True) -> ShardedModel:
+    """Meta-device model -> plan -> freeze -> recompute -> fully_shard -> (materialise each rank's shards).
+    Training keeps fp32 master weights and computes in `param_dtype` (default: model.dtype)."""
+    strategy = cfg.strategy_args.strategy_config
+    source = resolve_model(cfg.model, cfg.data.tokenizer)
+    layout = mesh_layout(runtime.world_size, strategy, cfg.model.ulysses_size)
+    mesh = build_mesh(runtime.device.type, layout)
+    master_dtype = "fp32" if training else cfg.model.dtype
+    model = build_meta_model(source, cfg.model.model_copy(update={"dtype": master_dtype}))
+    plan = build_plan(model, strategy, cfg.model)
+    frozen = set(plan.frozen_parameters)
+    for name, param in model.named_parameters():
+        param.requires_grad_(training and name not in frozen)
+    apply_recompute(model, plan.recompute_modules, plan.use_reentrant)
+    apply_fsdp(model, mesh, plan)
+    if materialize:
+        materialise(model, source, runtime.device, cfg.training.seed)
+    if not training:
+        model.eval()
+    return ShardedModel(model, plan, layout, source)
+
+
+def count_parameters(model: nn.Module) -> tuple[int, int]:
+    """(trainable, frozen) parameter counts of the full (unsharded) model."""
+    seen: dict[int, torch.Tensor] = {id(p): p for p in model.parameters()}
+    trainable = sum(p.numel() for p in seen.values() if p.requires_grad)
+    return trainable, sum(p.numel() for p in seen.values()) - trainable
