@@ -23,7 +23,7 @@ def describe(cfg: JobConfig, runtime: Runtime) -> dict:
         "world_size": runtime.world_size,
         "mesh": {"shape": list(sharded.layout.shape), "dim_names": list(sharded.layout.dim_names)},
         "strategy": cfg.strategy_args.strategy_name,
-        "model": {"name_or_path": cfg.model.name_or_path, "class": type(model).__mro__[1].__name__},
+        "model": {"name_or_path": cfg.model.name_or_path, "class": next(c.__name__ for c in type(model).__mro__ if not issubclass(c, FSDPModule))},
         # Read back from the live modules, so this is what fully_shard did, not what we meant it to do.
         "sharded_modules": [name for name, module in model.named_modules() if isinstance(module, FSDPModule)],
         "ignored_modules": plan.ignored_modules,
@@ -43,6 +43,7 @@ def describe(cfg: JobConfig, runtime: Runtime) -> dict:
         "ulysses_size": cfg.model.ulysses_size,
         "custom_plan": plan.custom,
         "notes": plan.notes,
+        "config_notes": cfg.notes,
     }
 
 

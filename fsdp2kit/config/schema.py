@@ -10,7 +10,7 @@ import ast
 import re
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 DTYPE_ALIASES = {
     "bf16": "bf16", "bfloat16": "bf16",
@@ -179,3 +179,9 @@ class JobConfig(Section):
     device_mapping: Annotated[list[int] | None, BeforeValidator(_device_list)] = Field(
         None, description="device ids this job uses; its length is the world size")
     infer_batch_size: int = Field(1, ge=1, description="samples per forward in fsdp2_infer")
+    # What a foreign dialect's loader mapped, renamed or could not use (printed by `fsdp2kit check`).
+    _notes: list[str] = PrivateAttr(default_factory=list)
+
+    @property
+    def notes(self) -> list[str]:
+        return self._notes
