@@ -1,0 +1,26 @@
+# A newcomer's commands: `make train` (the demo) and `make test` (the whole suite). Both install first if needed.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install train test clean
+
+install: $(STAMP)
+
+# torch is pinned here to the CPU build that lies on this machine's disk; pyproject only asks torch>=2.6.
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet torch==2.13.0
+	$(BIN)/python -m pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+train: install
+	OMP_NUM_THREADS=1 $(BIN)/fsdp2kit train examples/demo.yaml --nproc 2
+
+test: install
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q
+
+clean:
+	rm -rf runs .pytest_cache
