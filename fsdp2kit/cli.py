@@ -113,6 +113,9 @@ def main(argv: list[str] | None = None) -> int:
         if nproc is not None and nproc < 1:
             raise UserError(f"--nproc {nproc}: give a number of ranks >= 1")
         if nproc and nproc > 1 and not _under_launcher():
+            from fsdp2kit.parallel.mesh import mesh_layout
+
+            mesh_layout(nproc, cfg.strategy_args.strategy_config, cfg.model.ulysses_size)  # fail before spawning
             return _launch(nproc, argv)
         return _run_rank(args, cfg)
     except UserError as exc:

@@ -42,7 +42,8 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
         try:
             value = yaml.safe_load(text)
         except yaml.YAMLError:
-            value = text
+            raise UserError(f"--set '{item}': the value is not valid YAML; quote strings holding {{ }} [ ] "
+                            "inside it, e.g. key=[\"model.layers.{*}\"]") from None
         node = raw
         for i, part in enumerate(parts[:-1]):
             child = node.get(part)
@@ -120,7 +121,7 @@ def _real_loc(raw: dict[str, Any], loc: tuple) -> tuple:
 def _expectation(error: dict) -> str:
     expected = error.get("ctx", {}).get("expected")
     if expected:
-        return f"one of {expected}"
+        return f"one of {expected}" if " or " in expected else expected
     if error["type"] in _EXPECTED:
         return _EXPECTED[error["type"]]
     message = error["msg"]

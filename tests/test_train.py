@@ -1,0 +1,123 @@
+"""The walking skeleton end to end: built-in data, the deterministic data order, a 2-rank CPU training run,
+its metrics, checkpoints and HF export, and the demo's acceptance numbers."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import read_metrics, run_cli
+from fsdp2kit.config.schema import DataConfig
+from fsdp2kit.data.builtin import corpus_documents, tokenizer_dir
+from fsdp2kit.data.dataset import IGNORE_INDEX, GlobalBatches, collate, tokenize_samples
+from fsdp2kit.train.optim import lr_factor
+
+DEMO = "examples/demo.yaml"
+METRIC_FIELDS = {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "peak_mem_bytes", "data_time"}
+
+
+def test_builtin_tokenizer_is_a_real_hf_tokenizer():
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir())
+    text = corpus_documents()[0]
+    ids = tokenizer(text)["input_ids"]
+    assert len(tokenizer) == 4096
+    assert tokenizer.decode(ids) == text
+    assert len(ids) < len(text) / 2  # a trained BPE, not bytes
+
+
+def test_data_order_depends_only_on_seed_and_global_index():
+    """1 rank x 4 micro-batches and 2 ranks x 2 see exactly the same global batches."""
+    samples = [torch.arange(i, i + 9) for i in range(40)]
+    one = GlobalBatches(samples, 1, 4, 1, 0, seed=7, shuffle=True, pad_id=0)
+    two = [GlobalBatches(samples, 1, 2, 2, rank, seed=7, shuffle=True, pad_id=0) for rank in range(2)]
+    for step in (0, 3, 12):  # 12 is in the second epoch
+        single = [b["input_ids"] for b in one.micro_batches(step)]
+        split = [b["input_ids"] for rank in range(2) for b in two[rank].micro_batches(step)]
+        assert all(torch.equal(a, b) for a, b in zip(single, split))
+    assert not torch.equal(one.micro_batches(0)[0]["input_ids"], one.micro_batches(10)[0]["input_ids"])
+
+
+def test_collate_masks_padding_from_loss_and_attention():
+    batch = collate([torch.tensor([5, 6, 7, 8]), torch.tensor([9, 10])], pad_id=2)
+    assert batch["input_ids"].tolist() == [[5, 6, 7], [9, 2, 2]]
+    assert batch["labels"].tolist() == [[6, 7, 8], [10, IGNORE_INDEX, IGNORE_INDEX]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
+
+
+def test_packing_cuts_windows_of_seq_len_plus_one():
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir())
+    documents = corpus_documents()[:50]
+    samples = tokenize_samples(documents, tokenizer, DataConfig(seq_len=32, pack=True))
+    assert {len(s) for s in samples} == {33}
+    joined = [t for d in documents for t in tokenizer(d)["input_ids"] + [tokenizer.eos_token_id]]
+    assert torch.cat(samples).tolist() == joined[: len(samples) * 33]  # documents joined by EOS, in order
+
+
+def test_schedule_shapes():
+    assert [lr_factor(s, 10, 2, "constant") for s in (0, 1, 2, 9)] == [0.5, 1.0, 1.0, 1.0]
+    assert lr_factor(6, 10, 2, "linear") == pytest.approx(0.5)
+    assert lr_factor(6, 10, 2, "cosine") == pytest.approx(0.5)
+    assert lr_factor(10, 10, 2, "cosine") == pytest.approx(0.0)
+
+
+@pytest.mark.slow
+def test_two_rank_training_writes_metrics_checkpoints_and_hf_export(tmp_path, small_run):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    run = tmp_path / "run"
+    result = run_cli("train", DEMO, "--nproc", "2", *small_run, "--set", "training.export_hf=true",
+                     "--set", "training.max_steps=6", "--set", "training.save_steps=3")
+    assert result.returncode == 0, result.stderr
+    records = read_metrics(run)
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+    assert all(METRIC_FIELDS <= r.keys() and math.isfinite(r["loss"]) for r in records)
+    assert records[-1]["loss"] < records[0]["loss"]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_3", "step_6"]
+
+    model = AutoModelForCausalLM.from_pretrained(run / "hf")
+    tokenizer = AutoTokenizer.from_pretrained(run / "hf")
+    assert model.config.num_hidden_layers == 2
+    logits = model(**tokenizer("def main():\n    return 0", return_tensors="pt")).logits
+    assert torch.isfinite(logits).all()
+
+
+@pytest.mark.slow
+def test_resume_continues_the_same_loss_curve(tmp_path, small_run):
+    """A run stopped after its step-3 checkpoint and resumed gives the same later losses as one that never stopped."""
+    common = [*small_run, "--set", "training.lr_scheduler_type=constant", "--set", "training.save_steps=3",
+              "--set", "strategy_args.strategy_config.async_save_ckpt=false"]
+    straight = run_cli("train", DEMO, "--nproc", "2", *common, "--set", "training.max_steps=6",
+                       "--set", f"training.output_dir={tmp_path / 'straight'}")
+    assert straight.returncode == 0, straight.stderr
+    first = run_cli("train", DEMO, "--nproc", "2", *common, "--set", "training.max_steps=3",
+                    "--set", f"training.output_dir={tmp_path / 'resumed'}")
+    assert first.returncode == 0, first.stderr
+    second = run_cli("train", DEMO, "--nproc", "2", *common, "--set", "training.max_steps=6",
+                     "--set", f"training.output_dir={tmp_path / 'resumed'}")
+    assert second.returncode == 0, second.stderr
+    assert "resumed from" in second.stdout
+    expected = [r["loss"] for r in read_metrics(tmp_path / "straight")]
+    got = [r["loss"] for r in read_metrics(tmp_path / "resumed")]
+    assert got == pytest.approx(expected, rel=1e-6, abs=1e-6)
+
+
+@pytest.mark.slow
+def test_demo_meets_its_promise(tmp_path):
+    """What `make train` promises a newcomer: >= 30 steps, a clear loss drop, and an HF folder transformers loads."""
+    from transformers import AutoModelForCausalLM
+
+    run = tmp_path / "demo"
+    result = run_cli("train", DEMO, "--nproc", "2", "--set", f"training.output_dir={run}")
+    assert result.returncode == 0, result.stderr
+    losses = [r["loss"] for r in read_metrics(run)]
+    assert len(losses) >= 30
+    assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5
+    model = AutoModelForCausalLM.from_pretrained(Path(run) / "hf")
+    assert torch.isfinite(model(torch.tensor([[1, 2, 3, 4]])).logits).all()
