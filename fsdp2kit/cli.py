@@ -18,7 +18,9 @@ ERROR_DIR_ENV = "FSDP2KIT_ERROR_DIR"
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fsdp2kit", description="Train and serve transformer models with PyTorch FSDP2.")
     commands = parser.add_subparsers(dest="command", required=True)
-    for name, help_text in (("train", "train a model"), ("check", "validate the config and print the sharding plan")):
+    for name, help_text in (("train", "train a model"),
+                            ("infer", "fsdp2_infer: forward-only per-sample log-probs and perplexity"),
+                            ("check", "validate the config and print the sharding plan")):
         sub = commands.add_parser(name, help=help_text)
         sub.add_argument("config", help="YAML config (native, or a ROLL file with roles)")
         sub.add_argument("--nproc", type=int, default=None, help="launch this many local ranks (torch elastic)")
@@ -93,6 +95,10 @@ def _run_rank(args: argparse.Namespace, cfg) -> int:
             from fsdp2kit.train.loop import train
 
             train(cfg, runtime)
+        elif args.command == "infer":
+            from fsdp2kit.infer.logprobs import infer
+
+            infer(cfg, runtime)
         elif args.command == "check":
             from fsdp2kit.check import print_check
 

@@ -1,0 +1,1 @@
+"""Sharded DCP checkpoints: save (sync or async), atomic commit, resume."""

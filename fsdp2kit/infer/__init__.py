@@ -1,0 +1,1 @@
+"""Forward-only strategy (fsdp2_infer): per-sample log-probs."""

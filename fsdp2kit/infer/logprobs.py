@@ -1,0 +1,76 @@
+"""`fsdp2kit infer` (`fsdp2_infer`): forward-only per-token log-probs of every sample, e.g. an RL reference model.
+
+Sample i goes to rank i % world. Every rank runs the same number of forwards (a rank with fewer samples repeats
+a dummy batch) because each forward all-gathers parameters from all ranks."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from fsdp2kit.config.schema import JobConfig
+from fsdp2kit.data.dataset import collate, load_documents
+from fsdp2kit.distributed import Runtime
+from fsdp2kit.train.setup import build_sharded_model
+
+
+def load_infer_tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+@torch.no_grad()
+def sample_logprobs(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[list[float], list[int]]:
+    """Per sample: the sum of log p(token_i | tokens_<i) over i >= 1, and the number of those terms."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float()
+    logprobs = torch.log_softmax(logits, dim=-1)
+    targets = batch["labels"]
+    mask = targets != -100
+    picked = logprobs.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1) * mask
+    return picked.sum(dim=1).double().cpu().tolist(), mask.sum(dim=1).cpu().tolist()
+
+
+def infer(cfg: JobConfig, runtime: Runtime) -> None:
+    sharded = build_sharded_model(cfg, runtime, training=False)
+    model = sharded.model
+    tokenizer = load_infer_tokenizer(sharded.source.tokenizer_path)
+    documents = load_documents(cfg.data)
+    # As the model's users tokenise: default special tokens, no packing, no truncation below data.seq_len.
+    encoded = [torch.tensor(ids[: cfg.data.seq_len]) for ids in tokenizer(documents)["input_ids"]]
+    mine = [(i, ids) for i, ids in enumerate(encoded) if i % runtime.world_size == runtime.rank and len(ids) >= 1]
+    size = cfg.infer_batch_size
+    rounds = torch.tensor(math.ceil(len(mine) / size))
+    dist.all_reduce(rounds, op=dist.ReduceOp.MAX)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+
+    results: list[dict] = []
+    for r in range(int(rounds)):
+        chunk = mine[r * size: (r + 1) * size]
+        batch = collate([ids for _, ids in chunk] or [torch.tensor([pad_id, pad_id])], pad_id)
+        sums, counts = sample_logprobs(model, {k: v.to(runtime.device) for k, v in batch.items()})
+        for (index, _), total, count in zip(chunk, sums, counts):
+            results.append({"index": index, "num_tokens": count, "sum_logprob": total,
+                            "mean_logprob": total / count if count else None})
+
+    gathered: list[list[dict] | None] = [None] * runtime.world_size
+    dist.all_gather_object(gathered, results)
+    if not runtime.is_main:
+        return
+    records = sorted((r for part in gathered for r in part), key=lambda r: r["index"])
+    tokens = sum(r["num_tokens"] for r in records)
+    total = sum(r["sum_logprob"] for r in records)
+    out = Path(cfg.training.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    summary = {"summary": True, "num_samples": len(records), "num_tokens": tokens,
+               "mean_logprob": total / tokens if tokens else None,
+               "perplexity": math.exp(-total / tokens) if tokens else None}
+    with (out / "infer.jsonl").open("w") as handle:
+        for record in records + [summary]:
+            handle.write(json.dumps(record) + "\n")
+    print(f"infer: {len(records)} samples, {tokens} tokens, perplexity {summary['perplexity']:.4f}; "
+          f"wrote {out / 'infer.jsonl'}", flush=True)

@@ -1,0 +1,1 @@
+"""Training: setup of the sharded model, optimizer and schedule, metrics, the loop."""
