@@ -9,6 +9,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from fsdp2kit.config.schema import JobConfig
 from fsdp2kit.distributed import Runtime
+from fsdp2kit.parallel.fsdp import describe_groups
 from fsdp2kit.train.setup import build_sharded_model, count_parameters
 
 _DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", None: None}
@@ -26,6 +27,7 @@ def describe(cfg: JobConfig, runtime: Runtime) -> dict:
         "model": {"name_or_path": cfg.model.name_or_path, "class": next(c.__name__ for c in type(model).__mro__ if not issubclass(c, FSDPModule))},
         # Read back from the live modules, so this is what fully_shard did, not what we meant it to do.
         "sharded_modules": [name for name, module in model.named_modules() if isinstance(module, FSDPModule)],
+        "groups": describe_groups(model),
         "ignored_modules": plan.ignored_modules,
         "recompute_modules": plan.recompute_modules,
         "frozen_modules": cfg.model.freeze_module_prefix,

@@ -31,6 +31,12 @@ def _parser() -> argparse.ArgumentParser:
                          help="a MindSpeed-MM fsdp2_config.yaml or an Accelerate config replacing strategy_config")
         if name == "check":
             sub.add_argument("--json", action="store_true", help="print one JSON object")
+    convert = commands.add_parser("convert", help="convert a checkpoint: DCP -> HF/torch, HF -> DCP")
+    convert.add_argument("src", help="a DCP checkpoint folder (checkpoints/step_N) or an HF model folder")
+    convert.add_argument("dst", help="a new folder")
+    convert.add_argument("--to", required=True, choices=["hf", "torch", "dcp"], help="target format")
+    convert.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None,
+                         help="cast the weights (default: keep the stored dtype)")
     return parser
 
 
@@ -112,6 +118,13 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
     try:
+        if args.command == "convert":
+            from fsdp2kit.checkpoint.convert import convert
+            from fsdp2kit.models.build import TORCH_DTYPES
+
+            convert(Path(args.src), Path(args.dst), args.to, TORCH_DTYPES.get(args.dtype))
+            print(f"converted {args.src} -> {args.dst} ({args.to})")
+            return 0
         from fsdp2kit.config import load_config
 
         cfg = load_config(args.config, args.overrides, role=args.role, strategy_file=args.fsdp_config)

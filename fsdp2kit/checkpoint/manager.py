@@ -20,6 +20,7 @@ import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from fsdp2kit.errors import UserError
+from fsdp2kit.models.export import write_config_and_tokenizer
 
 STATE_FILE = "trainer_state.json"
 
@@ -48,8 +49,13 @@ def committed_checkpoints(root: Path) -> list[Path]:
 
 
 class CheckpointManager:
-    def __init__(self, output_dir: Path, rank: int, async_save: bool, keep: int | None):
+    def __init__(self, output_dir: Path, rank: int, async_save: bool, keep: int | None,
+                 hf_config=None, tokenizer_path: Path | None = None):
         self.root = output_dir / "checkpoints"
+        # Each checkpoint carries the model's config and tokenizer, so it is a model source by itself
+        # (`model.name_or_path: .../step_N`, `fsdp2kit convert`).
+        self.hf_config = hf_config
+        self.tokenizer_path = tokenizer_path
         self.rank = rank
         self.keep = keep
         self.async_save = async_save
@@ -64,6 +70,8 @@ class CheckpointManager:
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
+            if self.hf_config is not None:
+                write_config_and_tokenizer(tmp, self.hf_config, self.tokenizer_path, next(model.parameters()).dtype)
         dist.barrier()
         model_state, optim_state = get_state_dict(model, optimizer)
         state = {"model": model_state, "optim": optim_state}

@@ -4,7 +4,9 @@ fresh weights (seeded per module, identical at every world size and mesh) or wei
 from __future__ import annotations
 
 import copy
+import importlib.util
 import json
+import sys
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,11 +30,27 @@ class ModelSource:
     hf_config: object
     tokenizer_path: Path
     weights_dir: Path | None
+    weights_format: str | None = None  # "safetensors" (an HF folder) or "dcp" (a checkpoint of ours)
+
+
+def _hf_config(model_type: str | None, folder: Path | None, overrides: dict):
+    """A transformers config built with `model.config` overrides (so derived fields such as layer_types follow)."""
+    from transformers import AutoConfig
+
+    try:
+        base = AutoConfig.from_pretrained(folder) if folder else AutoConfig.for_model(model_type)
+        for key in overrides:
+            if not hasattr(base, key):
+                raise UserError(f"model.config.{key}: the {type(base).__name__} has no such setting")
+        if folder:
+            return AutoConfig.from_pretrained(folder, **overrides)
+        return AutoConfig.for_model(model_type, **overrides)
+    except (ValueError, TypeError, OSError, KeyError) as exc:
+        where = f"'{folder / 'config.json'}'" if folder else "model.config"
+        raise UserError(f"{where} is not a valid transformers config: {str(exc).strip().splitlines()[-1]}") from None
 
 
 def resolve_model(cfg: ModelConfig, tokenizer: str | None = None) -> ModelSource:
-    from transformers import AutoConfig
-
     from fsdp2kit.data.builtin import tokenizer_dir
 
     name = cfg.name_or_path
@@ -42,27 +60,55 @@ def resolve_model(cfg: ModelConfig, tokenizer: str | None = None) -> ModelSource
             raise UserError(f"model.name_or_path: unknown built-in model '{name}'; valid: "
                             + ", ".join(f"builtin:{k}" for k in BUILTIN_MODELS))
         settings = dict(BUILTIN_MODELS[key])
-        hf_config = AutoConfig.for_model(settings.pop("model_type"), **settings)
-        weights_dir, default_tokenizer = None, tokenizer_dir()
+        hf_config = _hf_config(settings.pop("model_type"), None, {**settings, **cfg.config})
+        weights_dir, weights_format, default_tokenizer = None, None, tokenizer_dir()
     else:
         folder = Path(name)
         if not (folder / "config.json").is_file():
-            raise UserError(f"model.name_or_path: '{name}' is not a model folder with a config.json "
+            raise UserError(f"model.name_or_path: '{name}' is not a model folder or checkpoint with a config.json "
                             "(or a builtin: model: " + ", ".join(f"builtin:{k}" for k in BUILTIN_MODELS) + ")")
-        try:
-            hf_config = AutoConfig.from_pretrained(folder)
-        except (ValueError, OSError, KeyError) as exc:
-            raise UserError(f"model.name_or_path: '{folder / 'config.json'}' is not a valid transformers config: {exc}") from None
-        weights_dir = folder if any(folder.glob("*.safetensors")) else None
+        hf_config = _hf_config(None, folder, cfg.config)
+        if (folder / ".metadata").is_file():
+            weights_dir, weights_format = folder, "dcp"
+        elif any(folder.glob("*.safetensors")):
+            weights_dir, weights_format = folder, "safetensors"
+        else:
+            weights_dir, weights_format = None, None
         default_tokenizer = folder
-    for key, value in cfg.config.items():
-        if not hasattr(hf_config, key):
-            raise UserError(f"model.config.{key}: the {type(hf_config).__name__} has no such setting")
-        setattr(hf_config, key, value)
     tokenizer_path = Path(tokenizer) if tokenizer else default_tokenizer
     if not (tokenizer_path / "tokenizer_config.json").is_file() and not (tokenizer_path / "tokenizer.json").is_file():
         raise UserError(f"data.tokenizer: no tokenizer files in '{tokenizer_path}'")
-    return ModelSource(hf_config, tokenizer_path, weights_dir)
+    return ModelSource(hf_config, tokenizer_path, weights_dir, weights_format)
+
+
+def load_model_class(spec: str, hf_config) -> type:
+    """`model.model_class`: a transformers model class for this config, from an importable module or a .py file
+    (relative paths from the current directory). Local code only: nothing is downloaded."""
+    from transformers import PreTrainedModel
+
+    where, _, class_name = spec.rpartition(":")
+    if not where or not class_name:
+        raise UserError(f"model.model_class: '{spec}' must look like 'package.module:Class' or 'path/to/file.py:Class'")
+    if where.endswith(".py"):
+        path = Path(where)
+        if not path.is_file():
+            raise UserError(f"model.model_class: no such file '{path}'")
+        module_spec = importlib.util.spec_from_file_location(f"fsdp2kit_model_class.{path.stem}", path)
+        module = importlib.util.module_from_spec(module_spec)
+        sys.modules[module_spec.name] = module  # so that the module can refer to itself (dataclasses, pickling)
+        module_spec.loader.exec_module(module)
+    else:
+        try:
+            module = importlib.import_module(where)
+        except ImportError as exc:
+            raise UserError(f"model.model_class: cannot import '{where}': {exc}") from None
+    model_class = getattr(module, class_name, None)
+    if not (isinstance(model_class, type) and issubclass(model_class, PreTrainedModel)):
+        raise UserError(f"model.model_class: '{where}' has no transformers model class named '{class_name}'")
+    if not isinstance(hf_config, model_class.config_class):
+        raise UserError(f"model.model_class: {class_name} takes a {model_class.config_class.__name__}, but the model's "
+                        f"config is a {type(hf_config).__name__}")
+    return model_class
 
 
 def build_meta_model(source: ModelSource, cfg: ModelConfig) -> nn.Module:
@@ -70,9 +116,12 @@ def build_meta_model(source: ModelSource, cfg: ModelConfig) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
     source.hf_config._attn_implementation = cfg.attn_implementation
+    dtype = TORCH_DTYPES[cfg.dtype]
     with torch.device("meta"):
+        if cfg.model_class:
+            return load_model_class(cfg.model_class, source.hf_config)._from_config(source.hf_config, dtype=dtype)
         try:
-            model = AutoModelForCausalLM.from_config(source.hf_config, dtype=TORCH_DTYPES[cfg.dtype])
+            model = AutoModelForCausalLM.from_config(source.hf_config, dtype=dtype)
         except ValueError as exc:
             raise UserError(f"model.name_or_path: transformers cannot build a causal LM from this config: {exc}") from None
     return model
@@ -140,6 +189,10 @@ def load_safetensors(model: nn.Module, folder: Path) -> None:
     locations = _safetensors_index(folder)
     tied = getattr(model, "_tied_weights_keys", None) or {}
     state = model.state_dict(keep_vars=True)
+    unexpected = sorted(set(locations) - set(state))
+    if unexpected:
+        raise UserError(f"model weights: tensor '{unexpected[0]}' in '{folder}' is not part of the model its "
+                        f"config.json describes ({len(unexpected)} such tensors); config and weights do not match")
     handles: dict[Path, object] = {}
     try:
         for name, param in state.items():
@@ -170,11 +223,27 @@ def load_safetensors(model: nn.Module, folder: Path) -> None:
             handle.__exit__(None, None, None)
 
 
+def load_dcp(model: nn.Module, folder: Path) -> None:
+    """Load the model part of a DCP checkpoint; DCP reshards it to this run's mesh and world size."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    state = get_model_state_dict(model)  # the live sharded parameters: DCP reads into them in place
+    try:
+        dcp.load({"model": state}, checkpoint_id=str(folder))
+    except Exception as exc:  # DCP reports missing keys and shape mismatches as several exception types
+        raise UserError(f"model weights: checkpoint '{folder}' does not fit this model: "
+                        f"{str(exc).strip().splitlines()[-1][:300]}") from None
+
+
 def materialise(model: nn.Module, source: ModelSource, device: torch.device, seed: int) -> None:
     """Allocate each rank's shards on `device`, then initialise them (fresh) or read them (pretrained)."""
     model.to_empty(device=device)
     if source.weights_dir is None:
         initialise_weights(model, seed)
+        return
+    initialise_weights(model, seed, buffers_only=True)  # rotary tables and other computed buffers
+    if source.weights_format == "dcp":
+        load_dcp(model, source.weights_dir)
     else:
-        initialise_weights(model, seed, buffers_only=True)  # rotary tables and other computed buffers
         load_safetensors(model, source.weights_dir)

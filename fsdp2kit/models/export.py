@@ -1,48 +1,109 @@
-"""Write a sharded model as an HF safetensors folder (config, weights, tokenizer) that `transformers` loads."""
+"""Write a model as an HF safetensors folder (config, weights, tokenizer) that `transformers` loads.
+
+Tensors are streamed: gathered one at a time and flushed to `model-0000k-of-0000n.safetensors` files of at most
+`max_shard_bytes`, so rank 0 never holds more than one shard file plus one tensor — never the whole model."""
 
 from __future__ import annotations
 
+import copy
 import json
+import os
+import shutil
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 import torch.nn as nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.tensor import DTensor
 
 from fsdp2kit.models.build import TORCH_DTYPES
 
-MAX_SHARD_SIZE = "2GB"
+MAX_SHARD_BYTES = 2 * 1024**3
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "chat_template.jinja", "added_tokens.json")
 
 
-def export_hf(model: nn.Module, out_dir: Path, tokenizer_path: Path, dtype: str, is_main: bool) -> None:
-    """All ranks take part in gathering; only rank 0 holds the full state dict, on CPU."""
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if not is_main:
-        return
-    hf_config = model.config
-    tied = getattr(model, "_tied_weights_keys", None) or {}
-    if getattr(hf_config, "tie_word_embeddings", False):
-        state = {k: v for k, v in state.items() if k not in tied}
-    write_hf_folder(state, out_dir, hf_config, tokenizer_path, TORCH_DTYPES[dtype])
+class SafetensorsWriter:
+    """Collects tensors into shard files as they arrive; `close()` names the files and writes the index."""
+
+    def __init__(self, out_dir: Path, max_shard_bytes: int = MAX_SHARD_BYTES):
+        self.out_dir = out_dir
+        self.max_shard_bytes = max_shard_bytes
+        self.pending: dict[str, torch.Tensor] = {}
+        self.pending_bytes = 0
+        self.files: list[list[str]] = []
+        self.total_bytes = 0
+        out_dir.mkdir(parents=True, exist_ok=True)
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        size = tensor.numel() * tensor.element_size()
+        if self.pending and self.pending_bytes + size > self.max_shard_bytes:
+            self._flush()
+        self.pending[name] = tensor.contiguous()
+        self.pending_bytes += size
+        self.total_bytes += size
+
+    def _flush(self) -> None:
+        from safetensors.torch import save_file
+
+        save_file(self.pending, str(self.out_dir / f".part-{len(self.files)}.safetensors"), metadata={"format": "pt"})
+        self.files.append(list(self.pending))
+        self.pending, self.pending_bytes = {}, 0
+
+    def close(self) -> None:
+        if self.pending or not self.files:
+            self._flush()
+        count = len(self.files)
+        names = ["model.safetensors"] if count == 1 else [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+        for i, name in enumerate(names):
+            os.replace(self.out_dir / f".part-{i}.safetensors", self.out_dir / name)
+        if count > 1:
+            weight_map = {tensor: names[i] for i, tensors in enumerate(self.files) for tensor in tensors}
+            index = {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}
+            (self.out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
-def write_hf_folder(state: dict[str, torch.Tensor], out_dir: Path, hf_config, tokenizer_path: Path | None,
-                    dtype: torch.dtype) -> None:
-    from huggingface_hub import split_torch_state_dict_into_shards
-    from safetensors.torch import save_file
+def hf_state_names(model: nn.Module) -> list[str]:
+    """State-dict names as transformers writes them: a tied output weight is stored once, under its source."""
+    tied = set(getattr(model, "_tied_weights_keys", None) or {}) if getattr(model.config, "tie_word_embeddings", False) else set()
+    return [name for name in model.state_dict() if name not in tied]
 
-    out_dir.mkdir(parents=True, exist_ok=True)
-    state = {k: v.to(dtype).contiguous() for k, v in state.items()}
-    split = split_torch_state_dict_into_shards(state, max_shard_size=MAX_SHARD_SIZE)
-    for file, names in split.filename_to_tensors.items():
-        save_file({n: state[n] for n in names}, str(out_dir / file), metadata={"format": "pt"})
-    if split.is_sharded:
-        index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())},
-                 "weight_map": split.tensor_to_filename}
-        (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+def write_config_and_tokenizer(out_dir: Path, hf_config, tokenizer_path: Path | None, dtype: torch.dtype) -> None:
+    hf_config = copy.deepcopy(hf_config)
     hf_config.dtype = dtype
     hf_config.save_pretrained(out_dir)
     if tokenizer_path is not None:
-        from transformers import AutoTokenizer
+        for name in TOKENIZER_FILES:
+            if (tokenizer_path / name).is_file():
+                shutil.copy(tokenizer_path / name, out_dir / name)
 
-        AutoTokenizer.from_pretrained(tokenizer_path).save_pretrained(out_dir)
+
+def write_hf_folder(tensors: Iterable[tuple[str, torch.Tensor]], out_dir: Path, hf_config, tokenizer_path: Path | None,
+                    dtype: torch.dtype, max_shard_bytes: int = MAX_SHARD_BYTES) -> None:
+    writer = SafetensorsWriter(out_dir, max_shard_bytes)
+    for name, tensor in tensors:
+        writer.add(name, tensor.to(dtype))
+    writer.close()
+    write_config_and_tokenizer(out_dir, hf_config, tokenizer_path, dtype)
+
+
+@torch.no_grad()
+def export_hf(model: nn.Module, out_dir: Path, tokenizer_path: Path, dtype: str, is_main: bool,
+              max_shard_bytes: int = MAX_SHARD_BYTES) -> None:
+    """Every rank joins each tensor's all-gather; only rank 0 keeps the result, on CPU, until its file is written."""
+    state = model.state_dict()
+    torch_dtype = TORCH_DTYPES[dtype]
+
+    def gathered():
+        for name in hf_state_names(model):
+            tensor = state[name]
+            full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+            if is_main:
+                yield name, full.detach().to("cpu", torch_dtype)
+
+    if is_main:
+        write_hf_folder(gathered(), out_dir, model.config, tokenizer_path, torch_dtype, max_shard_bytes)
+    else:
+        for _ in gathered():
+            pass

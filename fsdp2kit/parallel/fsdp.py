@@ -25,11 +25,20 @@ def _mp_policy(plan: ShardingPlan, master_dtype: torch.dtype, cast_inputs: bool)
     )
 
 
+def _check_reshard(reshard: bool | int, mesh: DeviceMesh) -> None:
+    shard_size = mesh.size(mesh.ndim - 1)  # the shard dimension is the last one ([fsdp] or [ddp, fsdp])
+    if not isinstance(reshard, bool) and (reshard < 1 or shard_size % reshard):
+        divisors = [d for d in range(1, shard_size + 1) if shard_size % d == 0]
+        raise UserError(f"strategy_config.reshard_after_forward = {reshard}: an integer must divide the shard group "
+                        f"size {shard_size}; valid: true, false or one of {divisors}")
+
+
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan) -> list[FSDPModule]:
     """Shard `model` in place; returns the non-root shard groups in forward order."""
     if plan.offload and not torch.cuda.is_available():
         raise UserError("strategy_config.offload_policy: CPU offload needs an accelerator (CUDA) and this machine "
                         "has none; set offload_policy: false")
+    _check_reshard(plan.reshard_after_forward, mesh)
     master_dtype = next(model.parameters()).dtype
     ignored = {p for name in plan.ignored_modules for p in model.get_submodule(name).parameters()}
     offload: OffloadPolicy = CPUOffloadPolicy(pin_memory=plan.pin_memory) if plan.offload else OffloadPolicy()
@@ -48,9 +57,11 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan) -> list[F
             modules = [model.get_submodule(n) for n in names]
             shard(modules if len(modules) > 1 else modules[0], names)
         groups = [model.get_submodule(names[0]) for names in plan.groups]
-    # The root keeps whatever no group took (embeddings, final norm, head); FSDP itself never reshards the
-    # root after forward, since backward needs it at once.
-    fully_shard(model, mp_policy=_mp_policy(plan, master_dtype, plan.cast_forward_inputs), **common)
+    # The root keeps whatever no group took (embeddings, final norm, head). It is never resharded after forward:
+    # backward needs it at once (FSDP's own default, which an explicit reshard_after_forward would override).
+    # Its inputs are not cast when a vision encoder must see its pixel values in full precision.
+    root_cast = plan.cast_forward_inputs and not plan.no_cast_modules
+    fully_shard(model, mp_policy=_mp_policy(plan, master_dtype, root_cast), **dict(common, reshard_after_forward=False))
     _set_prefetch(groups, plan.forward_prefetch, plan.backward_prefetch)
     return groups
 
@@ -64,3 +75,45 @@ def _set_prefetch(groups: list[FSDPModule], forward: int, backward: int) -> None
             group.set_modules_to_forward_prefetch(groups[i + 1: i + 1 + forward])
         if backward != 1:
             group.set_modules_to_backward_prefetch(list(reversed(groups[max(0, i - backward): i])))
+
+
+def describe_groups(model: nn.Module) -> list[dict]:
+    """Each `fully_shard` call as FSDP recorded it, read back from its (private) state so that `fsdp2kit check`
+    shows what was done, not what was meant. A group is named by its first module ('' is the root)."""
+    names = {id(m): n for n, m in model.named_modules()}
+    states = list(dict.fromkeys(m._get_fsdp_state() for m in model.modules() if isinstance(m, FSDPModule)))
+
+    def name(state) -> str:
+        return names[id(state._modules[0])]
+
+    def dtype(value: torch.dtype) -> str:
+        return str(value).removeprefix("torch.")
+
+    master = next(model.parameters()).dtype
+    groups = []
+    for state in states:
+        policy = state._mp_policy
+        param_dtype = policy.param_dtype or master  # FSDP's defaults: compute in the master dtype,
+        reduce_dtype = policy.reduce_dtype or param_dtype  # reduce in the compute dtype
+        groups.append({
+            "modules": [names[id(m)] for m in state._modules],
+            "reshard_after_forward": _live_reshard(state),
+            "param_dtype": dtype(param_dtype),
+            "reduce_dtype": dtype(reduce_dtype),
+            "output_dtype": policy.output_dtype and dtype(policy.output_dtype),
+            "cast_forward_inputs": policy.cast_forward_inputs,
+            "forward_prefetch": [name(s) for s in state._states_to_forward_prefetch],
+            "backward_prefetch": [name(s) for s in state._states_to_backward_prefetch],
+        })
+    return groups
+
+
+def _live_reshard(state) -> bool | int | None:
+    """True (reshard to the full shard group), False, or the size of the smaller group; None: no parameters."""
+    if not state._fsdp_param_groups:
+        return None
+    group = state._fsdp_param_groups[0]
+    if group.post_forward_mesh_info is None:
+        return False
+    size = group.post_forward_mesh_info.shard_mesh_size
+    return True if size == group.mesh_info.shard_mesh_size else size

@@ -127,6 +127,20 @@ def _tied(model: nn.Module, embed: str | None, head: str | None) -> bool:
     return model.get_submodule(embed).weight is model.get_submodule(head).weight
 
 
+def _no_selection_keys(strategy: StrategyConfig, model_class: str) -> None:
+    """A model with its own plan (`_fully_shard`) chooses its shard groups itself; keys that would choose
+    others are a contradiction, not something to ignore silently."""
+    policy = strategy.wrap_policy
+    chosen = {"sub_modules_to_wrap": strategy.sub_modules_to_wrap,
+              "wrap_policy.transformer_layer_cls_to_wrap": policy.transformer_layer_cls_to_wrap,
+              "wrap_policy.min_num_params": policy.min_num_params, "wrap_policy.wrap_embeddings": policy.wrap_embeddings,
+              "wrap_policy.wrap_lm_output": policy.wrap_lm_output}
+    for key, value in chosen.items():
+        if value:
+            raise UserError(f"strategy_config.{key}: {model_class} defines its own sharding plan (_fully_shard), "
+                            "which chooses the shard groups; drop this key")
+
+
 def effective_reshard(strategy: StrategyConfig) -> bool | int:
     by_name = {"SHARD_GRAD_OP": False, "_HYBRID_SHARD_ZERO2": False, "FULL_SHARD": True, "HYBRID_SHARD": True, "NO_SHARD": False}
     if strategy.sharding_strategy is None:
@@ -149,6 +163,8 @@ def build_plan(model: nn.Module, strategy: StrategyConfig, model_cfg: ModelConfi
 
     ignored = match_modules(model, strategy.ignored_modules, "ignored_modules")
     custom = callable(getattr(model, "_fully_shard", None))
+    if custom:
+        _no_selection_keys(strategy, type(model).__name__)
     selected: list[str] = []
     if not custom:
         selected += match_modules(model, strategy.sub_modules_to_wrap, "sub_modules_to_wrap")

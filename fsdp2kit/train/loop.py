@@ -31,24 +31,27 @@ def load_tokenizer(path: Path):
 
 
 def token_loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Summed next-token cross-entropy over the batch's target tokens (normalised by the caller)."""
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    """Summed next-token cross-entropy over the batch's target tokens (normalised by the caller).
+    No KV cache: training never reuses one, and a recomputed (checkpointed) layer would append to it twice."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
     return F.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
 
 
 def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
     """Global L2 norm over sharded (DTensor) and replicated (ignored-module) gradients; clip if max_norm > 0."""
-    grads = [p.grad for p in params if p.grad is not None]
-    sharded = [g for g in grads if isinstance(g, DTensor)]
-    plain = [g for g in grads if not isinstance(g, DTensor)]
+    with_grad = [p for p in params if p.grad is not None]
+    # Kept apart: one foreach op cannot mix DTensors and plain tensors.
+    sharded = [p for p in with_grad if isinstance(p.grad, DTensor)]
+    plain = [p for p in with_grad if not isinstance(p.grad, DTensor)]
     squares = torch.zeros((), dtype=torch.float32)
     if sharded:
-        squares = squares + torch.nn.utils.get_total_norm(sharded).full_tensor().float().cpu() ** 2
+        squares = squares + torch.nn.utils.get_total_norm([p.grad for p in sharded]).full_tensor().float().cpu() ** 2
     if plain:
-        squares = squares + torch.nn.utils.get_total_norm(plain).float().cpu() ** 2
+        squares = squares + torch.nn.utils.get_total_norm([p.grad for p in plain]).float().cpu() ** 2
     total = squares.sqrt()
     if max_norm > 0 and math.isfinite(total.item()):
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        for group in (sharded, plain):
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
     return total
 
 
@@ -81,7 +84,7 @@ def train(cfg: JobConfig, runtime: Runtime) -> None:
 
     # Resume from the newest complete checkpoint (or the one named).
     checkpoints = CheckpointManager(output_dir, runtime.rank, cfg.strategy_args.strategy_config.async_save_ckpt,
-                                    tc.save_total_limit)
+                                    tc.save_total_limit, sharded.source.hf_config, sharded.source.tokenizer_path)
     metrics_path = output_dir / "metrics.jsonl"
     start_step = 0
     resume_from = checkpoints.resolve(tc.resume)

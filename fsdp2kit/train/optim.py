@@ -6,20 +6,22 @@ import math
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
 from fsdp2kit.config.schema import TrainingConfig
 
 
 def build_optimizer(model: nn.Module, cfg: TrainingConfig) -> torch.optim.AdamW:
-    """Biases and norm weights (1-D tensors) get no weight decay, as in HF Trainer."""
-    decay, no_decay = [], []
+    """Biases and norm weights (1-D tensors) get no weight decay, as in HF Trainer. Sharded (DTensor) and
+    replicated (ignored-module) parameters go in separate groups: one foreach op cannot mix the two."""
+    groups: dict[tuple[bool, bool], list[nn.Parameter]] = {}
     for param in model.parameters():
         if param.requires_grad:
-            (decay if param.dim() >= 2 else no_decay).append(param)
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    on_cuda = any(p.is_cuda for p in decay + no_decay)
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.learning_rate,
+            groups.setdefault((param.dim() >= 2, isinstance(param, DTensor)), []).append(param)
+    on_cuda = any(p.is_cuda for params in groups.values() for p in params)
+    return torch.optim.AdamW([{"params": params, "weight_decay": cfg.weight_decay if decay else 0.0}
+                              for (decay, _), params in groups.items()], lr=cfg.learning_rate,
                              betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon,
                              fused=True if on_cuda else None, foreach=None if on_cuda else True)
 

@@ -1,0 +1,123 @@
+"""`fsdp2kit convert SRC DST --to hf|torch|dcp`, in one process, without a process group.
+
+- DCP checkpoint (from any world size or mesh) -> HF safetensors folder, streamed group by group;
+- DCP checkpoint -> one `torch.save` file holding the model's state dict (HF names);
+- HF safetensors folder -> DCP checkpoint usable as `model.name_or_path`.
+"""
+
+from __future__ import annotations
+
+import shutil
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from fsdp2kit.errors import UserError
+from fsdp2kit.models.export import TOKENIZER_FILES, SafetensorsWriter
+
+MODEL_PREFIX = "model."
+LOAD_GROUP_BYTES = 1024**3
+
+
+def _is_dcp(path: Path) -> bool:
+    return (path / ".metadata").is_file()
+
+
+def _model_tensors(src: Path) -> dict[str, TensorStorageMetadata]:
+    try:
+        metadata = FileSystemReader(str(src)).read_metadata()
+    except Exception as exc:  # unreadable or truncated metadata
+        raise UserError(f"convert: '{src}/.metadata' cannot be read: {exc}") from None
+    return {key[len(MODEL_PREFIX):]: meta for key, meta in metadata.state_dict_metadata.items()
+            if key.startswith(MODEL_PREFIX) and isinstance(meta, TensorStorageMetadata)}
+
+
+def _tied_names(src: Path) -> set[str]:
+    """Output weights tied to the input embeddings are written once, as transformers expects."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(src)
+    if not getattr(config, "tie_word_embeddings", False):
+        return set()
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return set(getattr(model, "_tied_weights_keys", None) or {})
+
+
+def read_dcp_model(src: Path, names: list[str], tensors: dict[str, TensorStorageMetadata]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Full tensors from a sharded checkpoint, loaded in groups of about LOAD_GROUP_BYTES."""
+    group: dict[str, torch.Tensor] = {}
+    size = 0
+    for i, name in enumerate(names):
+        meta = tensors[name]
+        group[name] = torch.empty(meta.size, dtype=meta.properties.dtype)
+        size += group[name].numel() * group[name].element_size()
+        if size >= LOAD_GROUP_BYTES or i == len(names) - 1:
+            try:
+                dcp.load({"model": group}, checkpoint_id=str(src), no_dist=True)
+            except Exception as exc:  # missing or truncated shard files
+                raise UserError(f"convert: checkpoint '{src}' is incomplete or corrupt: "
+                                f"{str(exc).strip().splitlines()[-1][:300]}") from None
+            yield from group.items()
+            group, size = {}, 0
+
+
+def _copy_model_files(src: Path, dst: Path) -> None:
+    for name in ("config.json", "generation_config.json", *TOKENIZER_FILES):
+        if (src / name).is_file():
+            shutil.copy(src / name, dst / name)
+
+
+def convert(src: Path, dst: Path, to: str, dtype: torch.dtype | None = None) -> None:
+    with warnings.catch_warnings():  # DCP warns that it runs without a process group: that is the intent here
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        _convert(src, dst, to, dtype)
+
+
+def _convert(src: Path, dst: Path, to: str, dtype: torch.dtype | None) -> None:
+    if not src.is_dir():
+        raise UserError(f"convert: '{src}' is not a folder")
+    if dst.exists() and any(dst.iterdir()):
+        raise UserError(f"convert: '{dst}' exists and is not empty; give a new folder")
+    if to == "dcp":
+        _hf_to_dcp(src, dst)
+        return
+    if not _is_dcp(src):
+        raise UserError(f"convert --to {to}: '{src}' is not a DCP checkpoint (it has no .metadata)")
+    if not (src / "config.json").is_file():
+        raise UserError(f"convert: '{src}' has no config.json; it was not written by fsdp2kit")
+    tensors = _model_tensors(src)
+    tied = _tied_names(src)
+    names = [n for n in tensors if n not in tied]
+    cast = (lambda t: t.to(dtype)) if dtype is not None else (lambda t: t)
+    dst.mkdir(parents=True, exist_ok=True)
+    if to == "hf":
+        writer = SafetensorsWriter(dst)
+        for name, tensor in read_dcp_model(src, names, tensors):
+            writer.add(name, cast(tensor))
+        writer.close()
+        _copy_model_files(src, dst)
+    else:  # torch
+        state = {name: cast(tensor) for name, tensor in read_dcp_model(src, list(tensors), tensors)}
+        torch.save(state, dst / "model.pt")
+        _copy_model_files(src, dst)
+
+
+def _hf_to_dcp(src: Path, dst: Path) -> None:
+    from safetensors import safe_open
+
+    files = sorted(src.glob("*.safetensors"))
+    if not (src / "config.json").is_file() or not files:
+        raise UserError(f"convert --to dcp: '{src}' is not an HF model folder (config.json + *.safetensors)")
+    state: dict[str, torch.Tensor] = {}
+    for file in files:  # safetensors memory-maps: pages are read as DCP writes them
+        with safe_open(file, framework="pt") as handle:
+            state.update({key: handle.get_tensor(key) for key in handle.keys()})
+    dst.mkdir(parents=True, exist_ok=True)
+    dcp.save({"model": state}, checkpoint_id=str(dst), no_dist=True)
+    _copy_model_files(src, dst)

@@ -1,0 +1,115 @@
+"""Models in and out: HF folders loaded shard by shard, exports transformers trusts, conversions, load errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from conftest import read_metrics, run_cli
+from test_infer import TEXTS, make_hf_folder, reference_logprobs
+
+DEMO = "examples/demo.yaml"
+
+
+def _infer(folder, data, out, nproc=1):
+    result = run_cli("infer", DEMO, "--nproc", nproc, "--set", f"model.name_or_path={folder}",
+                     "--set", f"data.source={data}", "--set", f"training.output_dir={out}", "--set", "infer_batch_size=2")
+    assert result.returncode == 0, result.stderr
+    return [json.loads(line) for line in (out / "infer.jsonl").read_text().splitlines()][:-1]
+
+
+@pytest.fixture
+def texts_file(tmp_path):
+    path = tmp_path / "texts.jsonl"
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
+    return path
+
+
+def test_convert_hf_dcp_hf_is_bit_identical(tmp_path):
+    folder = tmp_path / "hf"
+    make_hf_folder(folder, "tiny-qwen3", max_shard_size="1MB")  # several files and an index
+    assert (folder / "model.safetensors.index.json").is_file()
+    assert run_cli("convert", folder, tmp_path / "dcp", "--to", "dcp").returncode == 0
+    assert run_cli("convert", tmp_path / "dcp", tmp_path / "back", "--to", "hf").returncode == 0
+    original = {k: v for f in folder.glob("*.safetensors") for k, v in load_file(f).items()}
+    back = {k: v for f in (tmp_path / "back").glob("*.safetensors") for k, v in load_file(f).items()}
+    assert original.keys() == back.keys()
+    assert all(torch.equal(original[k], back[k]) and original[k].dtype == back[k].dtype for k in original)
+    assert (folder / "config.json").read_text() == (tmp_path / "back" / "config.json").read_text()
+
+
+@pytest.mark.slow
+def test_export_and_checkpoint_give_the_same_logprobs(tmp_path, texts_file, small_run):
+    """Train 3 steps; the HF export (through transformers) and the run's own DCP checkpoint (through
+    `fsdp2kit infer`) give the same log-probs; `convert --to hf|torch` of the checkpoint agree with the export."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    run = tmp_path / "run"
+    result = run_cli("train", DEMO, "--nproc", 2, *small_run, "--set", "training.export_hf=true",
+                     "--set", "training.max_steps=3", "--set", "model.name_or_path=builtin:tiny-qwen3")
+    assert result.returncode == 0, result.stderr
+    assert len(read_metrics(run)) == 3
+    AutoTokenizer.from_pretrained(run / "hf")
+    exported = AutoModelForCausalLM.from_pretrained(run / "hf")
+    assert exported.lm_head.weight.data_ptr() == exported.model.embed_tokens.weight.data_ptr()  # still tied
+    expected = reference_logprobs(exported, run / "hf")
+    got = _infer(run / "checkpoints" / "step_3", texts_file, tmp_path / "infer", nproc=2)
+    assert [r["sum_logprob"] for r in got] == pytest.approx(expected, abs=1e-4)
+
+    assert run_cli("convert", run / "checkpoints" / "step_3", tmp_path / "conv", "--to", "hf").returncode == 0
+    assert run_cli("convert", run / "checkpoints" / "step_3", tmp_path / "pt", "--to", "torch").returncode == 0
+    exported_state = load_file(run / "hf" / "model.safetensors")
+    converted_state = load_file(tmp_path / "conv" / "model.safetensors")
+    torch_state = torch.load(tmp_path / "pt" / "model.pt", weights_only=True)
+    assert all(torch.equal(exported_state[k], converted_state[k]) for k in exported_state)
+    assert all(torch.equal(exported_state[k], torch_state[k]) for k in exported_state)
+
+
+@pytest.mark.slow
+def test_load_at_four_ranks(tmp_path, texts_file):
+    folder = tmp_path / "hf"
+    model = make_hf_folder(folder, "tiny-llama")
+    expected = reference_logprobs(model, folder)
+    got = _infer(folder, texts_file, tmp_path / "out", nproc=4)
+    assert [r["sum_logprob"] for r in got] == pytest.approx(expected, abs=1e-4)
+
+
+@pytest.mark.slow
+def test_weight_mistakes_exit_2_naming_the_tensor_or_file(tmp_path, texts_file):
+    folder = tmp_path / "hf"
+    make_hf_folder(folder, "tiny-llama")
+    weights = load_file(folder / "model.safetensors")
+
+    def attempt(state, config_changes=None):
+        save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+        if config_changes:
+            config = json.loads((folder / "config.json").read_text())
+            (folder / "config.json").write_text(json.dumps({**config, **config_changes}))
+        return run_cli("infer", DEMO, "--set", f"model.name_or_path={folder}", "--set", f"data.source={texts_file}",
+                       "--set", f"training.output_dir={tmp_path / 'out'}")
+
+    missing = {k: v for k, v in weights.items() if k != "model.norm.weight"}
+    result = attempt(missing)
+    assert result.returncode == 2
+    assert "tensor 'model.norm.weight' is missing from the safetensors files" in result.stderr
+
+    wrong = dict(weights, **{"model.norm.weight": torch.ones(7)})
+    result = attempt(wrong)
+    assert result.returncode == 2
+    assert "tensor 'model.norm.weight' in 'model.safetensors' has shape (7,), the model expects (256,)" in result.stderr
+
+    result = attempt(weights, {"num_hidden_layers": 1})
+    assert result.returncode == 2
+    assert "tensor 'model.layers.1.input_layernorm.weight'" in result.stderr and "config and weights do not match" in result.stderr
+
+    (folder / "model.safetensors").unlink()
+    (folder / "config.json").write_text(json.dumps({**json.loads((folder / "config.json").read_text()), "num_hidden_layers": 2}))
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {k: "gone.safetensors" for k in weights}}))
+    save_file({"x": torch.zeros(1)}, folder / "other.safetensors")
+    result = run_cli("infer", DEMO, "--set", f"model.name_or_path={folder}", "--set", f"data.source={texts_file}",
+                     "--set", f"training.output_dir={tmp_path / 'out'}")
+    assert result.returncode == 2
+    assert result.stderr.strip() == f"error: model weights: file '{folder / 'gone.safetensors'}' named by the index does not exist"
