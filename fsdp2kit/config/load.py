@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -56,25 +57,25 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
     return raw
 
 
-def validate(raw: dict[str, Any], source: str = "config") -> JobConfig:
+# Where a native key was written, as (file, key in that file), so errors name a foreign dialect's keys as written.
+WrittenAs = Callable[[str], tuple[str, str]]
+
+
+def validate(raw: dict[str, Any], source: str = "config", written_as: WrittenAs | None = None) -> JobConfig:
     try:
         return JobConfig.model_validate(raw)
     except ValidationError as exc:
-        raise UserError(describe_validation_error(exc, raw, source)) from None
+        raise UserError(describe_validation_error(exc, raw, source, written_as)) from None
 
 
 def load_config(path: str | Path, overrides: list[str] | None = None, role: str | None = None,
                 strategy_file: str | None = None) -> JobConfig:
     from fsdp2kit.config import dialects  # dialects import this module's helpers
 
-    raw = dialects.to_native(read_yaml(path), source=str(path), role=role)
-    raw = apply_overrides(raw, list(overrides or []))
-    strategy_path = strategy_file or (raw.get("strategy_args") or {}).get("strategy_config_path")
-    if strategy_path:
-        raw.setdefault("strategy_args", {})
-        raw["strategy_args"]["strategy_config"] = dialects.strategy_config_from_file(strategy_path)
-        raw["strategy_args"]["strategy_config_path"] = str(strategy_path)
-    return validate(raw, str(path))
+    translation = dialects.read_config(path, list(overrides or []), role=role, strategy_file=strategy_file)
+    cfg = validate(translation.config, str(path), translation.written_as)
+    cfg.notes.extend(translation.notes)
+    return cfg
 
 
 def _section_at(model: type[BaseModel], loc: tuple) -> type[BaseModel] | None:
@@ -131,20 +132,23 @@ def _expectation(error: dict) -> str:
     return message
 
 
-def describe_validation_error(exc: ValidationError, raw: dict[str, Any], source: str) -> str:
+def describe_validation_error(exc: ValidationError, raw: dict[str, Any], source: str,
+                              written_as: WrittenAs | None = None) -> str:
     """One sentence for the first error: the key, the bad value and what would be valid."""
+    written_as = written_as or (lambda native_key: (source, native_key))
     errors = exc.errors()
     loc = _real_loc(raw, errors[0]["loc"])
     key = ".".join(str(p) for p in loc)
+    file, written_key = written_as(key)
     if errors[0]["type"] == "extra_forbidden":
         owner = _section_at(JobConfig, loc)
-        message = f"{source}: unknown key '{key}'"
+        message = f"{file}: unknown key '{written_key}'"
         if owner is not None:
             names = list(owner.model_fields) + list(getattr(owner, "ALIASES", {}))
             close = difflib.get_close_matches(str(loc[-1]), names, n=1, cutoff=0.6)
             prefix = ".".join(str(p) for p in loc[:-1])
             if close:
-                message += f" (did you mean '{prefix + '.' if prefix else ''}{close[0]}'?)"
+                message += f" (did you mean '{written_as(prefix + '.' + close[0] if prefix else close[0])[1]}'?)"
             else:
                 message += f"; valid keys here: {', '.join(sorted(owner.model_fields))}"
         return message
@@ -152,8 +156,8 @@ def describe_validation_error(exc: ValidationError, raw: dict[str, Any], source:
     same_key = [e for e in errors if _real_loc(raw, e["loc"]) == loc and e["type"] != "extra_forbidden"]
     expectations = list(dict.fromkeys(_expectation(e) for e in same_key))
     value = _value_at(raw, loc)
-    where = f"'{key}'" if key else "the top level"
-    return f"{source}: {where} = {value!r} is not valid: expected {' or '.join(expectations)}"
+    where = f"'{written_key}'" if key else "the top level"
+    return f"{file}: {where} = {value!r} is not valid: expected {' or '.join(expectations)}"
 
 
 def field_docs(section: type[Section]) -> dict[str, str]:

@@ -1,0 +1,95 @@
+"""Foreign config dialects mapped onto the native schema: ROLL role files, MindSpeed-MM fsdp2_config.yaml,
+Accelerate config files and the Trainer's `fsdp`/`fsdp_config` (see docs/dialects.md).
+
+`read_config` turns whatever the user gave into one native dict, in this order:
+1. `${...}` interpolations resolved (Hydra/OmegaConf, as ROLL writes them);
+2. a ROLL file becomes its chosen role; a native file stays as it is;
+3. `--set` overrides;
+4. a strategy file (`--fsdp-config`, or `strategy_args.strategy_config_path` relative to the config's folder)
+   replaces strategy_config, and `--set` is applied again so the command line wins over that file too;
+5. the Trainer's `fsdp`/`fsdp_config` keys inside strategy_config become native keys.
+Every step records where each native key came from (for error messages) and what it mapped or ignored (notes).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from fsdp2kit.config.dialects import accelerate, mindspeed, roll
+from fsdp2kit.config.dialects.translation import STRATEGY_CONFIG, Translation, Written
+from fsdp2kit.config.load import apply_overrides, read_yaml
+from fsdp2kit.errors import UserError
+
+__all__ = ["Translation", "Written", "read_config"]
+
+
+def read_config(path: str | Path, overrides: list[str], role: str | None = None,
+                strategy_file: str | None = None) -> Translation:
+    source = str(path)
+    raw = _resolve_interpolations(read_yaml(path), source)
+    if roll.is_roll_file(raw):
+        translation = roll.translate(raw, source, role)
+    elif role is not None:
+        raise UserError(f"--role {role}: '{source}' is a native fsdp2kit config, which has no roles "
+                        "(--role picks a role of a ROLL file)")
+    else:
+        translation = Translation(source, raw)
+    apply_overrides(translation.config, overrides)
+    strategy_path = _strategy_file(translation, strategy_file)
+    if strategy_path is not None:
+        _read_strategy_file(translation, strategy_path)
+        apply_overrides(translation.config, overrides)
+    for item in overrides:  # an error in an overridden key names it as given to --set
+        key = item.split("=", 1)[0].strip()
+        translation.replace_origin(key, Written(source, key))
+    accelerate.translate_trainer_keys(translation)
+    return translation
+
+
+def _has_interpolation(node: Any) -> bool:
+    if isinstance(node, dict):
+        return any(_has_interpolation(value) for value in node.values())
+    if isinstance(node, list):
+        return any(_has_interpolation(value) for value in node)
+    return isinstance(node, str) and "${" in node
+
+
+def _resolve_interpolations(raw: dict[str, Any], source: str) -> dict[str, Any]:
+    """`${key}` references resolved as Hydra/OmegaConf would. The `hydra:` section is left as written: its
+    resolvers (`${now:...}`, `${hydra:...}`) exist only inside a Hydra run, and no key of ours reads it."""
+    body = {key: value for key, value in raw.items() if key != "hydra"}
+    if not _has_interpolation(body):
+        return raw
+    try:
+        resolved = OmegaConf.to_container(OmegaConf.create(body), resolve=True)
+    except OmegaConfBaseException as exc:
+        reason = str(exc.msg).splitlines()[0] if getattr(exc, "msg", None) else str(exc).splitlines()[0]
+        where = f"'{exc.full_key}'" if getattr(exc, "full_key", None) else "an interpolation"
+        raise UserError(f"{source}: cannot resolve {where}: {reason}") from None
+    return {**resolved, **({"hydra": raw["hydra"]} if "hydra" in raw else {})}
+
+
+def _strategy_file(translation: Translation, from_command_line: str | None) -> Path | None:
+    """`--fsdp-config` is relative to the working directory; a path named in the config, to the config's folder."""
+    if from_command_line is not None:
+        return Path(from_command_line)
+    named = translation.get("strategy_args.strategy_config_path")
+    if named is None:
+        return None
+    return Path(translation.written_as("strategy_args.strategy_config_path").file).parent / str(named)
+
+
+def _read_strategy_file(translation: Translation, path: Path) -> None:
+    """A MindSpeed-MM fsdp2_config.yaml or an Accelerate config, told apart by their keys, replaces strategy_config."""
+    data = read_yaml(path)
+    replaced = translation.get(STRATEGY_CONFIG)
+    if isinstance(replaced, dict) and replaced:
+        where = translation.written_as(STRATEGY_CONFIG)
+        translation.note(f"{where.path} of {where.file} replaced by {path} (keys dropped: {', '.join(replaced)})")
+    dialect = accelerate if accelerate.is_accelerate_config(data) else mindspeed
+    dialect.translate_file(translation, data, str(path))
+    translation.replace("strategy_args.strategy_config_path", str(path), Written(str(path), ""))

@@ -1,0 +1,274 @@
+"""Hugging Face Accelerate and Trainer FSDP settings, mapped onto strategy_config.
+
+Two spellings arrive here:
+- an `accelerate config` file (`distributed_type: FSDP`, `mixed_precision`, `fsdp_config: {fsdp_*}` and launcher
+  keys), given with `--fsdp-config` or `strategy_args.strategy_config_path`; it replaces strategy_config;
+- TrainingArguments' `fsdp: "full_shard auto_wrap offload"` and `fsdp_config: {...}`, written as two keys inside
+  `strategy_args.strategy_config` and translated in place (beside native keys) before validation.
+Both share the `fsdp_config` table; the Trainer writes its keys with or without the `fsdp_` prefix.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from fsdp2kit.config.dialects.translation import (
+    STRATEGY_CONFIG, Rule, Translation, Written, already_read, apply_rules, comma_list, converted, ignored, section, to,
+    unsupported)
+from fsdp2kit.errors import UserError
+
+# Accelerate's names, numbered 1-5 in this order (torch's ShardingStrategy values), and ours.
+SHARDING_STRATEGIES = {"FULL_SHARD": "FULL_SHARD", "SHARD_GRAD_OP": "SHARD_GRAD_OP", "NO_SHARD": "NO_SHARD",
+                       "HYBRID_SHARD": "HYBRID_SHARD", "HYBRID_SHARD_ZERO2": "_HYBRID_SHARD_ZERO2"}
+WRAP_POLICIES = ("TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP")
+# The wrap settings each policy reads: key -> (policy, native key, conversion).
+WRAP_SETTINGS = {
+    "fsdp_transformer_layer_cls_to_wrap": ("TRANSFORMER_BASED_WRAP",
+                                           f"{STRATEGY_CONFIG}.wrap_policy.transformer_layer_cls_to_wrap", comma_list),
+    "fsdp_min_num_params": ("SIZE_BASED_WRAP", f"{STRATEGY_CONFIG}.wrap_policy.min_num_params", None),
+}
+LAUNCHER = "Accelerate launcher settings; --nproc N or torchrun decide processes and machines"
+
+
+def _sharding_strategy(value: Any) -> str:
+    names = list(SHARDING_STRATEGIES)
+    name = str(value).upper().lstrip("_")
+    if name.isdigit() and 1 <= int(name) <= len(names):
+        return SHARDING_STRATEGIES[names[int(name) - 1]]
+    if name not in SHARDING_STRATEGIES:
+        raise ValueError(f"expected one of {', '.join(names)} (or their numbers 1-{len(names)})")
+    return SHARDING_STRATEGIES[name]
+
+
+def _flag(value: Any) -> bool:
+    """Accelerate and the Trainer accept booleans written as strings ('true', 'False')."""
+    if isinstance(value, bool):
+        return value
+    if str(value).lower() in ("true", "false"):
+        return str(value).lower() == "true"
+    raise ValueError("expected true or false")
+
+
+def _reshard_after_forward(translation: Translation, key: Written, value: Any) -> None:
+    """FSDP2 configs write a bool here; FSDP1 configs write a sharding strategy name."""
+    try:
+        _flag(value)
+    except ValueError:
+        to(f"{STRATEGY_CONFIG}.sharding_strategy", _sharding_strategy)(translation, key, value)
+    else:
+        to(f"{STRATEGY_CONFIG}.reshard_after_forward", _flag)(translation, key, value)
+
+
+def _backward_prefetch(value: Any) -> int:
+    """FSDP2 has no post-gradient prefetch: BACKWARD_POST also prefetches the previous group before its backward."""
+    groups = {"BACKWARD_PRE": 1, "BACKWARD_POST": 1, "NO_PREFETCH": 0}
+    if str(value).upper() not in groups:
+        raise ValueError(f"expected one of {', '.join(groups)}")
+    return groups[str(value).upper()]
+
+
+def _module_path(value: Any) -> list[str]:
+    """Accelerate's fsdp_ignored_modules is a regex; a plain module path reads the same as an fsdp2kit pattern."""
+    if not isinstance(value, str) or not re.fullmatch(r"[\w.]+", value):
+        raise ValueError("expected a module path such as 'model.visual' (regular expressions are not read; "
+                         "write strategy_config.ignored_modules patterns such as 'model.layers.{0-3}' instead)")
+    return [value]
+
+
+def _version(translation: Translation, key: Written, value: Any) -> None:
+    if str(value) not in ("1", "2"):
+        raise UserError(f"{key.file}: '{key}' = {value!r} is not valid: expected 1 or 2")
+    if str(value) == "1":
+        translation.note(f"{key}=1: FSDP1 settings read as FSDP2 (fsdp2kit only runs fully_shard)")
+
+
+def _activation_checkpointing(translation: Translation, key: Written, value: Any) -> None:
+    """Accelerate recomputes each wrapped layer with the non-reentrant checkpoint implementation."""
+    if converted(key, value, _flag):
+        translation.set("model.gradient_checkpointing", True, key)
+        translation.set(f"{STRATEGY_CONFIG}.use_reentrant", False, key)
+        translation.note(f"mapped {key} → model.gradient_checkpointing=True, {STRATEGY_CONFIG}.use_reentrant=False")
+    else:
+        to("model.gradient_checkpointing", _flag)(translation, key, value)
+
+
+FSDP_CONFIG: dict[str, Rule] = {
+    **dict.fromkeys(("fsdp_auto_wrap_policy", *WRAP_SETTINGS), already_read),
+    "fsdp_version": _version,
+    "fsdp_reshard_after_forward": _reshard_after_forward,
+    "fsdp_sharding_strategy": to(f"{STRATEGY_CONFIG}.sharding_strategy", _sharding_strategy),
+    "fsdp_offload_params": to(f"{STRATEGY_CONFIG}.offload_policy", _flag),
+    "fsdp_cpu_offload": to(f"{STRATEGY_CONFIG}.offload_policy", _flag),  # the Trainer's spelling
+    "fsdp_backward_prefetch": to(f"{STRATEGY_CONFIG}.num_to_backward_prefetch", _backward_prefetch),
+    "fsdp_forward_prefetch": to(f"{STRATEGY_CONFIG}.num_to_forward_prefetch", lambda on: int(_flag(on))),
+    "fsdp_activation_checkpointing": _activation_checkpointing,
+    "fsdp_ignored_modules": to(f"{STRATEGY_CONFIG}.ignored_modules", _module_path),
+    "fsdp_state_dict_type": ignored("checkpoints are always sharded DCP; the full model is written by "
+                                    "training.export_hf"),
+    "fsdp_cpu_ram_efficient_loading": ignored("always on: model.init_on_meta materialises only each rank's shards"),
+    "fsdp_sync_module_states": ignored("FSDP2 needs no broadcast: every rank builds its shards from the same "
+                                       "weights and seed"),
+    "fsdp_use_orig_params": ignored("FSDP2 always keeps the original parameters (as DTensors)"),
+    "fsdp_limit_all_gathers": ignored("an FSDP1 rate limiter; FSDP2 bounds all-gathers itself"),
+    **dict.fromkeys(("fsdp_xla", "fsdp_xla_fsdp_v2", "fsdp_xla_fsdp_grad_ckpt"),
+                    unsupported("PyTorch/XLA FSDP is not available", harmless=(False,))),
+    "fsdp_xla_fsdp_settings": unsupported("PyTorch/XLA FSDP is not available", harmless=({},)),
+}
+
+
+# The Trainer writes the same settings without the `fsdp_` prefix (`version`, `cpu_offload`, `backward_prefetch`).
+FSDP_CONFIG_BOTH_SPELLINGS = FSDP_CONFIG | {key.removeprefix("fsdp_"): rule for key, rule in FSDP_CONFIG.items()}
+
+
+def _parallelism(translation: Translation, key: Written, value: Any) -> None:
+    """Accelerate's N-D mesh: dp_shard is our fsdp_size; dp_replicate follows from it and the world size."""
+    section(PARALLELISM)(translation, key, value)
+    replicate = value.get("parallelism_config_dp_replicate_size")
+    if isinstance(replicate, int) and replicate > 1 and value.get("parallelism_config_dp_shard_size") is None:
+        raise UserError(f"{key.file}: '{key}' sets parallelism_config_dp_replicate_size without "
+                        "parallelism_config_dp_shard_size; give the shard size (fsdp2kit derives the replicate size)")
+
+
+PARALLELISM: dict[str, Rule] = {
+    "parallelism_config_dp_shard_size": to(f"{STRATEGY_CONFIG}.fsdp_size"),
+    "parallelism_config_dp_replicate_size": ignored("the replicate size is the world size / fsdp_size"),
+    "parallelism_config_sp_size": to("model.ulysses_size"),
+    "parallelism_config_tp_size": unsupported("tensor parallelism is not available", harmless=(1,)),
+    "parallelism_config_cp_size": unsupported("context parallelism is not available; use parallelism_config_sp_size "
+                                              "(Ulysses)", harmless=(1,)),
+    **dict.fromkeys(("parallelism_config_cp_backend", "parallelism_config_cp_comm_strategy",
+                     "parallelism_config_sp_backend", "parallelism_config_sp_seq_length",
+                     "parallelism_config_sp_seq_length_is_variable", "parallelism_config_sp_attn_implementation"),
+                    ignored()),
+}
+
+
+def _distributed_type(translation: Translation, key: Written, value: Any) -> None:
+    if str(value).upper() != "FSDP":
+        raise UserError(f"{key.file}: '{key}' = {value!r} is not valid: fsdp2kit reads Accelerate configs with "
+                        "distributed_type: FSDP")
+
+
+def _mixed_precision(translation: Translation, key: Written, value: Any) -> None:
+    """Accelerate keeps fp32 master weights, autocasts the forward, reduces gradients in fp32 and returns fp32
+    outputs: with FSDP2's MixedPrecisionPolicy that is param_dtype=bf16|fp16, reduce and output dtype fp32."""
+    name = "no" if value is False else str(value).lower()  # YAML reads an unquoted `no` as false
+    if name in ("no", "fp32"):
+        translation.ignore(key, "full precision: param_dtype stays the model's dtype")
+        return
+    if name not in ("bf16", "fp16"):
+        raise UserError(f"{key.file}: '{key}' = {value!r} is not valid: expected one of 'no', 'bf16' or 'fp16'")
+    for native, dtype in (("param_dtype", name), ("reduce_dtype", "fp32"), ("output_dtype", "fp32")):
+        translation.set(f"{STRATEGY_CONFIG}.{native}", dtype, key)
+    translation.note(f"mapped {key}={name} → param_dtype={name}, reduce_dtype=fp32, output_dtype=fp32 "
+                     "(Accelerate's autocast with fp32 master weights)")
+
+
+def _accelerate_fsdp_config(translation: Translation, key: Written, value: Any) -> None:
+    """Without fsdp_auto_wrap_policy Accelerate's FSDP plugin wraps nothing (NO_WRAP); the Trainer wraps layers."""
+    translate_fsdp_config(translation, value, key, default_wrap_policy="NO_WRAP")
+
+
+ACCELERATE_CONFIG: dict[str, Rule] = {
+    "distributed_type": _distributed_type,
+    "mixed_precision": _mixed_precision,
+    "fsdp_config": _accelerate_fsdp_config,
+    "parallelism_config": _parallelism,
+    **dict.fromkeys(("compute_environment", "use_cpu", "debug", "num_processes", "machine_rank", "num_machines",
+                     "gpu_ids", "main_process_ip", "main_process_port", "rdzv_backend", "same_network",
+                     "main_training_function", "enable_cpu_affinity"), ignored(LAUNCHER)),
+    **dict.fromkeys(("downcast_bf16", "tpu_name", "tpu_zone", "tpu_use_cluster", "tpu_use_sudo", "command_file",
+                     "commands", "tpu_vm", "tpu_env"), ignored("TPU settings")),
+    "dynamo_config": ignored("torch.compile settings; fsdp2kit does not compile"),
+    **dict.fromkeys(("deepspeed_config", "megatron_lm_config", "fp8_config", "mpirun_config", "tp_config",
+                     "ipex_config"), ignored("not used with distributed_type FSDP")),
+}
+
+
+def is_accelerate_config(data: dict[str, Any]) -> bool:
+    """An Accelerate file always has some of its own top-level keys; a MindSpeed-MM file has none of them."""
+    return any(key in ACCELERATE_CONFIG for key in data)
+
+
+def translate_file(translation: Translation, data: dict[str, Any], path: str) -> None:
+    """An `accelerate config` file replaces strategy_config."""
+    translation.replace(STRATEGY_CONFIG, {}, Written(path, ""))
+    translation.note(f"{STRATEGY_CONFIG} read from {path} (Accelerate config)")
+    apply_rules(translation, data, ACCELERATE_CONFIG, Written(path, ""))
+
+
+def translate_fsdp_config(translation: Translation, values: Any, where: Written, default_wrap_policy: str) -> None:
+    """An Accelerate `fsdp_config` section, or the Trainer's `fsdp_config` dict, which drops the `fsdp_` prefix."""
+    if not isinstance(values, dict):
+        raise UserError(f"{where.file}: '{where}' must be a mapping of fsdp_* keys, not {values!r}")
+    _wrap_policy(translation, values, where, default_wrap_policy)
+    apply_rules(translation, values, FSDP_CONFIG_BOTH_SPELLINGS, where)
+
+
+def _setting(values: dict[str, Any], name: str) -> tuple[str, Any]:
+    """(the key as written, its value) for an `fsdp_*` setting written with or without its prefix."""
+    for key in (name, name.removeprefix("fsdp_")):
+        if values.get(key) is not None:
+            return key, values[key]
+    return name, None
+
+
+def _wrap_policy(translation: Translation, values: dict[str, Any], where: Written, default: str) -> None:
+    """The policy decides which of the class list and the size limit Accelerate reads; the other is unused."""
+    policy_name, policy = _setting(values, "fsdp_auto_wrap_policy")
+    policy_key, policy = where.child(policy_name), str(policy or default).upper()
+    if policy not in WRAP_POLICIES:
+        raise UserError(f"{policy_key.file}: '{policy_key}' = {policy!r} is not valid: expected one of "
+                        f"{', '.join(WRAP_POLICIES)}")
+    for name, (reader, native_key, convert) in WRAP_SETTINGS.items():
+        written, value = _setting(values, name)
+        if policy == reader == "SIZE_BASED_WRAP" and not value:
+            raise UserError(f"{policy_key.file}: '{policy_key}' = SIZE_BASED_WRAP needs '{where.child(name)}' > 0")
+        if value is None:
+            continue
+        if policy == reader:
+            to(native_key, convert)(translation, where.child(written), value)
+        else:
+            translation.ignore(where.child(written), f"read only with fsdp_auto_wrap_policy {reader}")
+    if policy == "NO_WRAP":
+        translation.note(f"{policy_key}=NO_WRAP: fsdp2kit has no root-only plan; each of the model's "
+                         "_no_split_modules (decoder layers) gets its own shard group, as TRANSFORMER_BASED_WRAP does")
+
+
+def translate_trainer_keys(translation: Translation) -> None:
+    """TrainingArguments' `fsdp` option string and `fsdp_config` dict, written inside strategy_config."""
+    strategy = translation.get(STRATEGY_CONFIG)
+    if not isinstance(strategy, dict) or not {"fsdp", "fsdp_config"} & strategy.keys():
+        return
+    where = translation.written_as(STRATEGY_CONFIG)
+    options, fsdp_config = strategy.pop("fsdp", None), strategy.pop("fsdp_config", None)
+    if options is not None:
+        _fsdp_options(translation, options, where.child("fsdp"))
+    if fsdp_config is not None:
+        translate_fsdp_config(translation, fsdp_config, where.child("fsdp_config"), "TRANSFORMER_BASED_WRAP")
+
+
+def _fsdp_options(translation: Translation, value: Any, key: Written) -> None:
+    """'full_shard auto_wrap offload' (or a list, or true). auto_wrap is the default: each decoder layer is a group."""
+    if value is True:
+        translation.ignore(key, "fsdp2kit always shards with FSDP2")
+        return
+    options = value.split() if isinstance(value, str) else value
+    if not options or not isinstance(options, list):
+        raise UserError(f"{key.file}: '{key}' = {value!r} is not valid: fsdp2kit always shards with FSDP2; give "
+                        "sharding options such as 'full_shard auto_wrap' or drop the key")
+    mapped = []
+    for option in options:
+        if str(option).upper() in SHARDING_STRATEGIES:
+            mapped.append(("sharding_strategy", SHARDING_STRATEGIES[str(option).upper()]))
+        elif option == "offload":
+            mapped.append(("offload_policy", True))
+        elif option != "auto_wrap":
+            valid = [name.lower() for name in SHARDING_STRATEGIES] + ["offload", "auto_wrap"]
+            raise UserError(f"{key.file}: '{key}' = {value!r} is not valid: unknown option {option!r}; "
+                            f"options: {', '.join(valid)}")
+    for native, new_value in mapped:
+        translation.set(f"{STRATEGY_CONFIG}.{native}", new_value, key)
+    summary = ", ".join(f"{native}={new_value!r}" for native, new_value in mapped) or "the default plan"
+    translation.note(f"mapped {key}={value!r} → {STRATEGY_CONFIG}: {summary}")
