@@ -26,7 +26,8 @@ def _parser() -> argparse.ArgumentParser:
         sub.add_argument("--nproc", type=int, default=None, help="launch this many local ranks (torch elastic)")
         sub.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
                          help="override a config key (value parsed as YAML); repeatable")
-        sub.add_argument("--role", default=None, help="the role of a ROLL config to use (default: the first)")
+        sub.add_argument("--role", default=None,
+                         help="the role of a ROLL config to use (default: its first fsdp2_train/fsdp2_infer role)")
         sub.add_argument("--fsdp-config", "--fsdp2-config-path", "--fsdp2-config", dest="fsdp_config", default=None,
                          help="a MindSpeed-MM fsdp2_config.yaml or an Accelerate config replacing strategy_config")
         if name == "check":

@@ -17,6 +17,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from fsdp2kit.checkpoint.manager import read_dcp
 from fsdp2kit.errors import UserError
 from fsdp2kit.models.export import TOKENIZER_FILES, SafetensorsWriter
 
@@ -58,11 +59,7 @@ def read_dcp_model(src: Path, names: list[str], tensors: dict[str, TensorStorage
         group[name] = torch.empty(meta.size, dtype=meta.properties.dtype)
         size += group[name].numel() * group[name].element_size()
         if size >= LOAD_GROUP_BYTES or i == len(names) - 1:
-            try:
-                dcp.load({"model": group}, checkpoint_id=str(src), no_dist=True)
-            except Exception as exc:  # missing or truncated shard files
-                raise UserError(f"convert: checkpoint '{src}' is incomplete or corrupt: "
-                                f"{str(exc).strip().splitlines()[-1][:300]}") from None
+            read_dcp({"model": group}, src, f"convert: checkpoint '{src}' is incomplete or corrupt", no_dist=True)
             yield from group.items()
             group, size = {}, 0
 

@@ -10,12 +10,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -40,6 +42,33 @@ def _write_durable(path: Path, text: str) -> None:
         os.fsync(handle.fileno())
 
 
+FAULT_ENV = "FSDP2KIT_FAULT"
+
+
+def fault_point(name: str, step: int, rank: int) -> None:
+    """Crash-test hook: with `FSDP2KIT_FAULT=name:step[:rank]` the process SIGKILLs itself here, on the first
+    attempt only (not after an elastic restart). The tests use it to stop a run at exact moments of a save."""
+    spec = os.environ.get(FAULT_ENV)
+    if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return
+    parts = spec.split(":")
+    if parts[0] == name and int(parts[1]) == step and (len(parts) < 3 or int(parts[2]) == rank):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def read_dcp(state: dict, folder: Path, error_prefix: str, no_dist: bool = False) -> None:
+    """`dcp.load` into `state` in place; any failure (missing key or rank file, shape mismatch, truncated file)
+    becomes one UserError sentence. DCP raises CheckpointException, a BaseException, wrapping each rank's error."""
+    try:
+        dcp.load(state, checkpoint_id=str(folder), no_dist=no_dist)
+    except (Exception, CheckpointException) as exc:
+        if isinstance(exc, CheckpointException) and exc.failures:
+            exc = next(iter(exc.failures.values()))
+            exc = getattr(exc, "exc", exc)  # the rank's own exception inside DCP's wrapper
+        reason = str(exc).strip().splitlines()[-1][:300] if str(exc).strip() else type(exc).__name__
+        raise UserError(f"{error_prefix}: {reason}") from None
+
+
 def committed_checkpoints(root: Path) -> list[Path]:
     """Complete checkpoints under `root`, oldest first."""
     if not root.is_dir():
@@ -62,6 +91,9 @@ class CheckpointManager:
         # Async writes run collectives from a background thread: give them their own gloo group.
         self.group = dist.new_group(backend="gloo") if async_save else None
         self.pending: tuple[Any, Path, Path, dict] | None = None
+        if rank == 0:  # folders of saves that a crash interrupted: never complete, never resumed from
+            for stale in self.root.glob(".tmp-step_*"):
+                shutil.rmtree(stale, ignore_errors=True)
 
     def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, trainer_state: dict,
              blocking: bool = False) -> None:
@@ -73,16 +105,30 @@ class CheckpointManager:
             if self.hf_config is not None:
                 write_config_and_tokenizer(tmp, self.hf_config, self.tokenizer_path, next(model.parameters()).dtype)
         dist.barrier()
+        fault_point("before_save", step, self.rank)
         model_state, optim_state = get_state_dict(model, optimizer)
         state = {"model": model_state, "optim": optim_state}
-        torch.save({"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
-                   tmp / f"rng_rank{self.rank}.pt")
+        rng = {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+        with (tmp / f"rng_rank{self.rank}.pt").open("wb") as handle:
+            torch.save(rng, handle)
+            handle.flush()
+            os.fsync(handle.fileno())
         if self.async_save and not blocking:
             future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.group)
             self.pending = (future, tmp, final, trainer_state)
         else:
-            dcp.save(state, checkpoint_id=str(tmp))
+            dcp.save(state, checkpoint_id=str(tmp))  # DCP fsyncs every file it writes
             self._commit(tmp, final, trainer_state)
+
+    def poll(self) -> None:
+        """Publish a background write as soon as every rank has finished it (one tiny all-reduce per step),
+        rather than at the next save."""
+        if self.pending is None:  # the same on every rank: all ranks save at the same steps
+            return
+        done = torch.tensor([int(self.pending[0].done())])
+        dist.all_reduce(done, op=dist.ReduceOp.MIN)
+        if done.item():
+            self.wait()
 
     def wait(self) -> None:
         """Finish and publish the checkpoint still being written in the background, if any."""
@@ -93,18 +139,23 @@ class CheckpointManager:
             self._commit(tmp, final, trainer_state)
 
     def _commit(self, tmp: Path, final: Path, trainer_state: dict) -> None:
-        dist.barrier()  # every rank's shards (and rank 0's .metadata) are written
+        step = trainer_state["step"]
+        fault_point("after_shards", step, self.rank)
+        dist.barrier()  # every rank's shards (and rank 0's .metadata) are written and synced
         if self.rank == 0:
-            for file in tmp.iterdir():
+            for file in tmp.iterdir():  # the config and tokenizer files rank 0 wrote
                 with file.open("rb") as handle:
                     os.fsync(handle.fileno())
+            fault_point("before_state", step, self.rank)
             _write_durable(tmp / STATE_FILE, json.dumps(trainer_state, indent=2))
+            fault_point("before_rename", step, self.rank)
             if final.exists():
                 shutil.rmtree(final)
             os.rename(tmp, final)
             _fsync_dir(self.root)
             self._prune()
         dist.barrier()
+        fault_point("after_commit", step, self.rank)
 
     def _prune(self) -> None:
         if self.keep is None:
@@ -128,11 +179,7 @@ class CheckpointManager:
     def load(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
         model_state, optim_state = get_state_dict(model, optimizer)
         state = {"model": model_state, "optim": optim_state}
-        try:
-            dcp.load(state, checkpoint_id=str(path))
-        except Exception as exc:  # DCP reports missing keys, shape mismatches and unreadable files alike
-            raise UserError(f"training.resume: checkpoint '{path}' cannot be loaded into this model: "
-                            f"{str(exc).strip().splitlines()[-1][:300]}") from None
+        read_dcp(state, path, f"training.resume: checkpoint '{path}' cannot be loaded into this model")
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         rng_file = path / f"rng_rank{self.rank}.pt"
         if rng_file.is_file():

@@ -3,7 +3,6 @@ fresh weights (seeded per module, identical at every world size and mesh) or wei
 
 from __future__ import annotations
 
-import copy
 import importlib.util
 import json
 import sys
@@ -151,7 +150,10 @@ def initialise_weights(model: nn.Module, seed: int, buffers_only: bool = False) 
         buffers = {k: b for k, b in module._buffers.items() if b is not None}
         if not params and not buffers:
             continue
-        shadow = copy.copy(module)  # same class and attributes, own tensors
+        # Same class and attributes, own tensors. Not copy.copy: on a module that is itself a shard group (an
+        # embedding, a head) it would call FSDP's class __new__, which runs __init__ again without arguments.
+        shadow = object.__new__(type(module))
+        shadow.__dict__.update(module.__dict__)
         shadow._parameters = {k: None if p is None else nn.Parameter(torch.empty(p.shape, dtype=p.dtype), requires_grad=False)
                               for k, p in module._parameters.items()}
         shadow._buffers = {k: None if b is None else torch.empty(b.shape, dtype=b.dtype) for k, b in module._buffers.items()}
@@ -225,15 +227,12 @@ def load_safetensors(model: nn.Module, folder: Path) -> None:
 
 def load_dcp(model: nn.Module, folder: Path) -> None:
     """Load the model part of a DCP checkpoint; DCP reshards it to this run's mesh and world size."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
+    from fsdp2kit.checkpoint.manager import read_dcp
+
     state = get_model_state_dict(model)  # the live sharded parameters: DCP reads into them in place
-    try:
-        dcp.load({"model": state}, checkpoint_id=str(folder))
-    except Exception as exc:  # DCP reports missing keys and shape mismatches as several exception types
-        raise UserError(f"model weights: checkpoint '{folder}' does not fit this model: "
-                        f"{str(exc).strip().splitlines()[-1][:300]}") from None
+    read_dcp({"model": state}, folder, f"model weights: checkpoint '{folder}' does not fit this model")
 
 
 def materialise(model: nn.Module, source: ModelSource, device: torch.device, seed: int) -> None:

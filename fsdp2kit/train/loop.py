@@ -12,10 +12,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from fsdp2kit.checkpoint.manager import CheckpointManager
+from fsdp2kit.checkpoint.manager import CheckpointManager, fault_point
 from fsdp2kit.config.schema import JobConfig
 from fsdp2kit.data.dataset import IGNORE_INDEX, GlobalBatches, load_documents, tokenize_samples
 from fsdp2kit.distributed import Runtime
+from fsdp2kit.errors import UserError
 from fsdp2kit.models.export import export_hf
 from fsdp2kit.train.metrics import MetricsWriter, device_peak_flops, flops_per_token, peak_memory, truncate_metrics
 from fsdp2kit.train.optim import build_optimizer, build_scheduler
@@ -91,6 +92,11 @@ def train(cfg: JobConfig, runtime: Runtime) -> None:
     if resume_from is not None:
         state = checkpoints.load(resume_from, model, optimizer)
         start_step = state["step"]
+        if state["consumed_samples"] != start_step * batches.global_batch_size:
+            raise UserError(f"training.resume: '{resume_from}' was trained with a global batch of "
+                            f"{state['consumed_samples'] // max(1, start_step)} samples, this run has "
+                            f"{batches.global_batch_size}; keep per_device_train_batch_size x gradient_accumulation_steps "
+                            "x ranks the same to continue the same run")
         scheduler.load_state_dict(state["scheduler"])
         if runtime.is_main:
             print(f"resumed from {resume_from} at step {start_step}", flush=True)
@@ -159,8 +165,14 @@ def train(cfg: JobConfig, runtime: Runtime) -> None:
                                f"(last at step {step + 1}); lower training.learning_rate or use fp32/bf16")
 
         done = step + 1
+        fault_point("step", done, runtime.rank)
+        checkpoints.poll()
         if done < total_steps and tc.save_steps and done % tc.save_steps == 0:
+            save_started = time.perf_counter()
             checkpoints.save(done, model, optimizer, _trainer_state(done, scheduler, batches, cfg))
+            stall = time.perf_counter() - save_started  # the time training waits; the write may go on
+            if runtime.is_main:
+                print(f"checkpoint step_{done}: training paused {stall:.2f}s", flush=True)
 
     checkpoints.save(total_steps, model, optimizer, _trainer_state(total_steps, scheduler, batches, cfg), blocking=True)
     if tc.export_hf:

@@ -1,0 +1,164 @@
+"""Checkpoints that survive anything: SIGKILL after and during saves, resume at other world sizes and meshes,
+elastic restarts under torchrun, a two-"node" run on localhost, and corrupt checkpoints."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import uuid
+
+import pytest
+
+from conftest import REPO, read_metrics, run_cli
+from fsdp2kit.checkpoint.manager import committed_checkpoints
+from fsdp2kit.distributed import free_port
+
+DEMO = "examples/demo.yaml"
+pytestmark = pytest.mark.slow
+
+
+def base(run_dir, steps=12, save=6, async_save=False):
+    return ["--set", "model.config.num_hidden_layers=2", "--set", "data.seq_len=64", "--set", "training.export_hf=false",
+            "--set", "training.per_device_train_batch_size=1", "--set", "training.gradient_accumulation_steps=1",
+            "--set", f"training.output_dir={run_dir}", "--set", f"training.max_steps={steps}",
+            "--set", f"training.save_steps={save}", "--set", f"strategy_args.strategy_config.async_save_ckpt={str(async_save).lower()}"]
+
+
+def losses(run_dir):
+    return {r["step"]: r["loss"] for r in read_metrics(run_dir)}
+
+
+def train(*args, fault=None, nproc=2):
+    result = run_cli("train", DEMO, "--nproc", nproc, *args, env={"FSDP2KIT_FAULT": fault} if fault else None)
+    if fault is None:
+        assert result.returncode == 0, result.stderr
+    else:
+        assert result.returncode != 0, "the injected fault did not fire"
+    return result
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """12 steps, 2 ranks, never interrupted: the curve every interrupted run must reproduce."""
+    run = tmp_path_factory.mktemp("straight") / "run"
+    train(*base(run))
+    return losses(run)
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_sigkill_after_checkpoint_then_resume_is_exact(tmp_path, straight, async_save):
+    run = tmp_path / "run"
+    train(*base(run, async_save=async_save), fault="after_commit:6")  # every rank SIGKILLs itself
+    assert [p.name for p in committed_checkpoints(run / "checkpoints")] == ["step_6"]
+    result = train(*base(run, async_save=async_save))
+    assert "resumed from" in result.stdout and "step_6" in result.stdout
+    got = losses(run)
+    assert sorted(got) == list(range(1, 13))
+    for step in range(7, 13):
+        assert abs(got[step] - straight[step]) <= 1e-6, (step, got[step], straight[step])
+
+
+@pytest.mark.parametrize("moment", ["before_save:8", "after_shards:8:1", "before_state:8", "before_rename:8"])
+def test_sigkill_during_save_leaves_only_complete_checkpoints(tmp_path, straight, moment):
+    """Killed while step 8 is being saved: resume must take step 4 (complete), never a half-written step 8."""
+    run = tmp_path / "run"
+    train(*base(run, save=4), fault=moment)
+    assert [p.name for p in committed_checkpoints(run / "checkpoints")] == ["step_4"]
+    result = train(*base(run, save=4))
+    assert "step_4 at step 4" in result.stdout
+    got = losses(run)
+    assert all(abs(got[s] - straight[s]) <= 1e-6 for s in range(5, 13))
+
+
+@pytest.mark.parametrize("nproc, accumulation, fsdp_size", [(4, 1, 2), (1, 4, "auto")], ids=["4-ranks-hsdp", "1-rank"])
+def test_resume_at_another_world_size_and_mesh(tmp_path, nproc, accumulation, fsdp_size):
+    """Saved by 2 ranks (1-D mesh, 2 micro-batches each), resumed by 4 ranks on a 2x2 HSDP mesh or by 1 rank: the
+    same global batches, model, optimizer state and position, so the same losses as the uninterrupted 2-rank run."""
+    reference = tmp_path / "reference"
+    common = []
+    train(*base(reference, steps=8, save=0), *common, "--set", "training.gradient_accumulation_steps=2")
+    saved = tmp_path / "saved"
+    train(*base(saved, steps=8, save=4), *common, "--set", "training.gradient_accumulation_steps=2", fault="after_commit:4")
+    resumed = tmp_path / "resumed"
+    train(*base(resumed, steps=8, save=4), *common, "--set", f"training.gradient_accumulation_steps={accumulation}",
+          "--set", f"strategy_args.strategy_config.fsdp_size={fsdp_size}",
+          "--set", f"training.resume={saved / 'checkpoints' / 'step_4'}", nproc=nproc)
+    expected, got = losses(reference), losses(resumed)
+    assert sorted(got) == [5, 6, 7, 8]
+    for step in got:
+        assert got[step] == pytest.approx(expected[step], rel=1e-5)
+
+
+def test_global_batch_change_on_resume_is_refused(tmp_path):
+    run = tmp_path / "run"
+    train(*base(run, steps=4, save=2), fault="after_commit:2")
+    result = run_cli("train", DEMO, "--nproc", 2, *base(run, steps=4, save=2), "--set", "training.gradient_accumulation_steps=2")
+    assert result.returncode == 2
+    assert "was trained with a global batch of 2 samples, this run has 4" in result.stderr
+
+
+def _torchrun(*args, env=None, timeout=600):
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *args], cwd=REPO, env=full_env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_rank_killed_under_torchrun_max_restarts_recovers(tmp_path, straight):
+    """Rank 1 is SIGKILLed after step 8; torchrun restarts the job, which resumes from step 6 by itself."""
+    run = tmp_path / "run"
+    proc = _torchrun("--standalone", "--nproc-per-node=2", "--max-restarts=1", "-m", "fsdp2kit", "train", DEMO,
+                     *base(run), env={"FSDP2KIT_FAULT": "step:8:1"})
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err
+    assert "resumed from" in out
+    got = losses(run)
+    assert sorted(got) == list(range(1, 13))
+    assert got[12] == pytest.approx(straight[12], abs=1e-6)
+
+
+def test_two_nodes_on_localhost_train_checkpoint_and_resume(tmp_path, straight):
+    """Two launchers (`torchrun --nnodes 2`, c10d rendezvous on localhost) are two "nodes" of one rank each."""
+    run = tmp_path / "run"
+
+    def both_nodes(fault=None):
+        endpoint, run_id = f"localhost:{free_port()}", uuid.uuid4().hex[:8]
+        args = ["--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}",
+                f"--rdzv-id={run_id}", "--max-restarts=0", "-m", "fsdp2kit", "train", DEMO, *base(run)]
+        nodes = [_torchrun(*args, env={"FSDP2KIT_FAULT": fault} if fault else None) for _ in range(2)]
+        return [(node.wait(timeout=600), node.communicate()) for node in nodes]
+
+    crashed = both_nodes(fault="after_commit:6")
+    assert all(code != 0 for code, _ in crashed)
+    finished = both_nodes()
+    assert all(code == 0 for code, _ in finished), [err for _, (_, err) in finished]
+    got = losses(run)
+    assert all(abs(got[s] - straight[s]) <= 1e-6 for s in range(1, 13))
+
+
+def test_corrupt_truncated_or_mismatched_checkpoints_exit_2(tmp_path):
+    run = tmp_path / "run"
+    train(*base(run, steps=2, save=2))
+    checkpoint = run / "checkpoints" / "step_2"
+
+    def resume(*extra):
+        return run_cli("train", DEMO, "--nproc", 2, *base(tmp_path / "other", steps=4, save=2),
+                       "--set", f"training.resume={checkpoint}", *extra)
+
+    result = resume("--set", "model.config.num_hidden_layers=3")  # another model
+    assert result.returncode == 2
+    assert f"training.resume: checkpoint '{checkpoint}' cannot be loaded into this model" in result.stderr
+
+    shard = checkpoint / "__1_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:100])  # truncated
+    result = resume()
+    assert result.returncode == 2 and f"checkpoint '{checkpoint}' cannot be loaded" in result.stderr
+
+    shard.unlink()  # a rank's file missing
+    result = resume()
+    assert result.returncode == 2 and f"checkpoint '{checkpoint}' cannot be loaded" in result.stderr
+
+    (checkpoint / ".metadata").unlink()
+    result = resume()
+    assert result.returncode == 2
+    assert f"training.resume: '{checkpoint}' is not a complete checkpoint (it needs trainer_state.json and .metadata)" in result.stderr
