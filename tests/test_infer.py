@@ -16,10 +16,10 @@ from fsdp2kit.models.builtin import BUILTIN_MODELS
 TEXTS = [d[:400] for d in corpus_documents()[100:107]]
 
 
-def make_hf_folder(path, builtin: str, max_shard_size: str | None = None):
+def make_hf_folder(path, builtin: str, max_shard_size: str | None = None, layers: int = 2):
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    settings = dict(BUILTIN_MODELS[builtin], num_hidden_layers=2)
+    settings = dict(BUILTIN_MODELS[builtin], num_hidden_layers=layers)
     config = AutoConfig.for_model(settings.pop("model_type"), **settings)
     torch.manual_seed(3)
     model = AutoModelForCausalLM.from_config(config)

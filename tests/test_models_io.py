@@ -14,8 +14,8 @@ from test_infer import TEXTS, make_hf_folder, reference_logprobs
 DEMO = "examples/demo.yaml"
 
 
-def _infer(folder, data, out, nproc=1):
-    result = run_cli("infer", DEMO, "--nproc", nproc, "--set", f"model.name_or_path={folder}",
+def _infer(folder, data, out, nproc=1, *extra):
+    result = run_cli("infer", DEMO, "--nproc", nproc, "--set", f"model.name_or_path={folder}", *extra,
                      "--set", f"data.source={data}", "--set", f"training.output_dir={out}", "--set", "infer_batch_size=2")
     assert result.returncode == 0, result.stderr
     return [json.loads(line) for line in (out / "infer.jsonl").read_text().splitlines()][:-1]
@@ -69,11 +69,12 @@ def test_export_and_checkpoint_give_the_same_logprobs(tmp_path, texts_file, smal
 
 
 @pytest.mark.slow
-def test_load_at_four_ranks(tmp_path, texts_file):
+@pytest.mark.parametrize("nproc, loading", [(4, "sliced"), (2, "rank0_broadcast")])
+def test_load_modes_and_world_sizes(tmp_path, texts_file, nproc, loading):
     folder = tmp_path / "hf"
-    model = make_hf_folder(folder, "tiny-llama")
+    model = make_hf_folder(folder, "tiny-qwen3", max_shard_size="1MB")
     expected = reference_logprobs(model, folder)
-    got = _infer(folder, texts_file, tmp_path / "out", nproc=4)
+    got = _infer(folder, texts_file, tmp_path / "out", nproc, "--set", f"model.weights_loading={loading}")
     assert [r["sum_logprob"] for r in got] == pytest.approx(expected, abs=1e-4)
 
 

@@ -86,6 +86,8 @@ class ModelConfig(Section):
     ulysses_size: int = Field(1, ge=1, description="sequence-parallel (Ulysses) degree")
     gradient_checkpointing: bool = Field(False, description="recompute every decoder layer in backward")
     attn_implementation: Literal["sdpa", "eager"] = Field("sdpa", description="transformers attention implementation")
+    weights_loading: Literal["sliced", "rank0_broadcast"] = Field(
+        "sliced", description="safetensors loading: each rank reads its own rows, or rank 0 reads and scatters")
     model_class: str | None = Field(None, description="build this transformers model class instead of the Auto class: "
                                     "'package.module:Class' or 'path/to/file.py:Class' (it may define its own plan, `_fully_shard`)")
 

@@ -184,8 +184,8 @@ def _safetensors_index(folder: Path) -> dict[str, Path]:
 
 
 @torch.no_grad()
-def load_safetensors(model: nn.Module, folder: Path) -> None:
-    """Fill each rank's shards straight from the safetensors files, reading only the rows this rank owns."""
+def _safetensors_views(model: nn.Module, folder: Path, handles: dict) -> dict[str, object]:
+    """Each state-dict tensor's lazy view in the files (headers only), checked against the model."""
     from safetensors import safe_open
 
     locations = _safetensors_index(folder)
@@ -195,31 +195,51 @@ def load_safetensors(model: nn.Module, folder: Path) -> None:
     if unexpected:
         raise UserError(f"model weights: tensor '{unexpected[0]}' in '{folder}' is not part of the model its "
                         f"config.json describes ({len(unexpected)} such tensors); config and weights do not match")
+    views = {}
+    for name, param in state.items():
+        if name not in locations:
+            if name in tied and getattr(model.config, "tie_word_embeddings", False):
+                continue  # tied to its source, loaded under that name
+            raise UserError(f"model weights: tensor '{name}' is missing from the safetensors files in '{folder}'")
+        file = locations[name]
+        if not file.is_file():
+            raise UserError(f"model weights: file '{file}' named by the index does not exist")
+        view = handles.setdefault(file, safe_open(file, framework="pt").__enter__()).get_slice(name)
+        if tuple(view.get_shape()) != tuple(param.shape):
+            raise UserError(f"model weights: tensor '{name}' in '{file.name}' has shape {tuple(view.get_shape())}, "
+                            f"the model expects {tuple(param.shape)}")
+        views[name] = view
+    return views
+
+
+@torch.no_grad()
+def load_safetensors(model: nn.Module, folder: Path, mode: str = "sliced") -> None:
+    """Fill each rank's shards from the safetensors files.
+
+    `sliced` (default): every rank reads only the rows it owns — no rank ever holds a whole tensor, the files are
+    read once in total, and no network traffic is needed. `rank0_broadcast`: rank 0 reads each whole tensor and
+    scatters the shards — for file systems where many readers are slow; its peak is one full tensor."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import distribute_tensor
+
     handles: dict[Path, object] = {}
     try:
-        for name, param in state.items():
-            if name not in locations:
-                if name in tied and getattr(model.config, "tie_word_embeddings", False):
-                    continue  # tied to its source, loaded under that name
-                if name in dict(model.named_buffers()):
-                    continue  # non-persistent buffers are computed, not stored
-                raise UserError(f"model weights: tensor '{name}' is missing from the safetensors files in '{folder}'")
-            file = locations[name]
-            if not file.is_file():
-                raise UserError(f"model weights: file '{file}' named by the index does not exist")
-            handle = handles.setdefault(file, safe_open(file, framework="pt").__enter__())
-            view = handle.get_slice(name)
-            if tuple(view.get_shape()) != tuple(param.shape):
-                raise UserError(f"model weights: tensor '{name}' in '{file.name}' has shape {tuple(view.get_shape())}, "
-                                f"the model expects {tuple(param.shape)}")
-            local = param.to_local() if isinstance(param, DTensor) else param
-            if isinstance(param, DTensor):
+        views = _safetensors_views(model, folder, handles)  # every rank validates: errors come before any collective
+        state = model.state_dict(keep_vars=True)
+        for name, view in views.items():
+            param = state[name]
+            if not isinstance(param, DTensor):  # a replicated (ignored) module: every rank reads it
+                param.copy_(view[:].to(param.dtype))
+                continue
+            local = param.to_local()
+            if mode == "rank0_broadcast":
+                full = (view[:].to(local.dtype) if dist.get_rank() == 0
+                        else torch.empty(param.shape, dtype=local.dtype)).to(local.device)
+                local.copy_(distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=0).to_local())
+            else:
                 shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
                 index = tuple(slice(o, o + s) for o, s in zip(offset, shape))
-                data = view[index] if local.numel() else torch.empty(local.shape)
-            else:
-                data = view[:]
-            local.copy_(data.to(local.dtype))
+                local.copy_((view[index] if local.numel() else torch.empty(local.shape)).to(local.dtype))
     finally:
         for handle in handles.values():
             handle.__exit__(None, None, None)
@@ -235,7 +255,7 @@ def load_dcp(model: nn.Module, folder: Path) -> None:
     read_dcp({"model": state}, folder, f"model weights: checkpoint '{folder}' does not fit this model")
 
 
-def materialise(model: nn.Module, source: ModelSource, device: torch.device, seed: int) -> None:
+def materialise(model: nn.Module, source: ModelSource, device: torch.device, seed: int, loading: str = "sliced") -> None:
     """Allocate each rank's shards on `device`, then initialise them (fresh) or read them (pretrained)."""
     model.to_empty(device=device)
     if source.weights_dir is None:
@@ -245,4 +265,4 @@ def materialise(model: nn.Module, source: ModelSource, device: torch.device, see
     if source.weights_format == "dcp":
         load_dcp(model, source.weights_dir)
     else:
-        load_safetensors(model, source.weights_dir)
+        load_safetensors(model, source.weights_dir, loading)

@@ -40,7 +40,7 @@ def build_sharded_model(cfg: JobConfig, runtime: Runtime, training: bool, materi
     apply_recompute(model, plan.recompute_modules, plan.use_reentrant)
     apply_fsdp(model, mesh, plan)
     if materialize:
-        materialise(model, source, runtime.device, cfg.training.seed)
+        materialise(model, source, runtime.device, cfg.training.seed, cfg.model.weights_loading)
     if not training:
         model.eval()
     return ShardedModel(model, plan, layout, source)
