@@ -162,3 +162,11 @@ def test_corrupt_truncated_or_mismatched_checkpoints_exit_2(tmp_path):
     result = resume()
     assert result.returncode == 2
     assert f"training.resume: '{checkpoint}' is not a complete checkpoint (it needs trainer_state.json and .metadata)" in result.stderr
+
+
+def test_keep_last_k_keeps_the_newest_complete_ones(tmp_path):
+    run = tmp_path / "run"
+    train(*base(run, steps=6, save=2), "--set", "training.save_total_limit=2", "--set",
+          "strategy_args.strategy_config.async_save_ckpt=true")
+    assert [p.name for p in committed_checkpoints(run / "checkpoints")] == ["step_4", "step_6"]
+    assert not list((run / "checkpoints").glob(".tmp-*"))

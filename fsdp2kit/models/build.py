@@ -58,8 +58,8 @@ def resolve_model(cfg: ModelConfig, tokenizer: str | None = None) -> ModelSource
         if key not in BUILTIN_MODELS:
             raise UserError(f"model.name_or_path: unknown built-in model '{name}'; valid: "
                             + ", ".join(f"builtin:{k}" for k in BUILTIN_MODELS))
-        settings = dict(BUILTIN_MODELS[key])
-        hf_config = _hf_config(settings.pop("model_type"), None, {**settings, **cfg.config})
+        settings = {**BUILTIN_MODELS[key], **cfg.config}  # model.config may even pick another architecture
+        hf_config = _hf_config(settings.pop("model_type"), None, settings)
         weights_dir, weights_format, default_tokenizer = None, None, tokenizer_dir()
     else:
         folder = Path(name)
