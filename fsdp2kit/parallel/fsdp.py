@@ -14,13 +14,15 @@ from fsdp2kit.parallel.plan import ShardingPlan
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, None: None}
 
 
-def _mp_policy(plan: ShardingPlan, master_dtype: torch.dtype, cast_inputs: bool) -> MixedPrecisionPolicy:
+def _mp_policy(plan: ShardingPlan, master_dtype: torch.dtype, cast_inputs: bool, root: bool) -> MixedPrecisionPolicy:
+    """output_dtype is the dtype of the model's outputs, so only the root casts to it: inner groups that did would
+    hand the next module (e.g. the LM head) inputs of another dtype than its weights."""
     param_dtype = _DTYPES[plan.param_dtype]
     reduce_dtype = _DTYPES[plan.reduce_dtype]
     return MixedPrecisionPolicy(
         param_dtype=None if param_dtype == master_dtype else param_dtype,
         reduce_dtype=None if reduce_dtype == param_dtype else reduce_dtype,
-        output_dtype=_DTYPES[plan.output_dtype],
+        output_dtype=_DTYPES[plan.output_dtype] if root else None,
         cast_forward_inputs=cast_inputs,
     )
 
@@ -47,10 +49,10 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan) -> list[F
 
     def shard(modules: list[nn.Module] | nn.Module, names: tuple[str, ...]) -> None:
         cast = plan.cast_forward_inputs and not set(names) & set(plan.no_cast_modules)
-        fully_shard(modules, mp_policy=_mp_policy(plan, master_dtype, cast), **common)
+        fully_shard(modules, mp_policy=_mp_policy(plan, master_dtype, cast, root=False), **common)
 
     if plan.custom:
-        model._fully_shard(dict(common, mp_policy=_mp_policy(plan, master_dtype, plan.cast_forward_inputs)))
+        model._fully_shard(dict(common, mp_policy=_mp_policy(plan, master_dtype, plan.cast_forward_inputs, root=False)))
         groups = [m for m in model.modules() if isinstance(m, FSDPModule) and m is not model]
     else:
         for names in reversed(plan.groups):  # bottom-up: inner groups before the modules that contain them
@@ -61,7 +63,8 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan) -> list[F
     # backward needs it at once (FSDP's own default, which an explicit reshard_after_forward would override).
     # Its inputs are not cast when a vision encoder must see its pixel values in full precision.
     root_cast = plan.cast_forward_inputs and not plan.no_cast_modules
-    fully_shard(model, mp_policy=_mp_policy(plan, master_dtype, root_cast), **dict(common, reshard_after_forward=False))
+    fully_shard(model, mp_policy=_mp_policy(plan, master_dtype, root_cast, root=True),
+                **dict(common, reshard_after_forward=False))
     _set_prefetch(groups, plan.forward_prefetch, plan.backward_prefetch)
     return groups
 

@@ -201,6 +201,8 @@ def build_plan(model: nn.Module, strategy: StrategyConfig, model_cfg: ModelConfi
         else:
             groups += [(n,) for n in extra]
         groups.sort(key=lambda g: order.index(g[0]))
+    if strategy.num_to_backward_prefetch == 0:
+        notes.append("num_to_backward_prefetch 0 acts as 1: FSDP2 always prefetches the previous group in backward")
 
     recompute = match_modules(model, strategy.recompute_modules, "recompute_modules")
     if model_cfg.gradient_checkpointing:
