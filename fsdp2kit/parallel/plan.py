@@ -72,6 +72,8 @@ class ShardingPlan:
     groups: list[tuple[str, ...]]  # each tuple is one fully_shard call; forward order; the root is not listed
     ignored_modules: list[str]
     recompute_modules: list[str]
+    tiled_mlp_modules: list[str]
+    tiled_num_shards: int
     frozen_parameters: list[str]
     reshard_after_forward: bool | int
     param_dtype: str | None
@@ -141,6 +143,27 @@ def _no_selection_keys(strategy: StrategyConfig, model_class: str) -> None:
                             "which chooses the shard groups; drop this key")
 
 
+def _tiled_mlps(model: nn.Module, groups: list[tuple[str, ...]], notes: list[str]) -> list[str]:
+    """The `mlp` of every decoder layer (the `_no_split_modules` classes). Mixture-of-experts blocks are left
+    whole: their router logits feed the auxiliary loss and must keep their autograd graph."""
+    layers = modules_of_classes(model, _layer_classes(model), "strategy_config.apply_tiled_mlp: decoder layer")
+    mlps = [f"{layer}.mlp" for layer in layers if isinstance(getattr(model.get_submodule(layer), "mlp", None), nn.Module)]
+    moe_blocks = [name for name in mlps if hasattr(model.get_submodule(name), "experts")]
+    if moe_blocks:
+        notes.append(f"apply_tiled_mlp: {len(moe_blocks)} mixture-of-experts blocks are not tiled (router outputs "
+                     "feed the auxiliary loss)")
+    tiled = [name for name in mlps if name not in moe_blocks]
+    if not tiled:
+        raise UserError("strategy_config.apply_tiled_mlp: the model's decoder layers have no dense `mlp` module to tile")
+    # A shard group inside a tiled MLP would be all-gathered once per tile, in forward and again in backward.
+    for name in (n for group in groups for n in group):
+        inside = next((mlp for mlp in tiled if name.startswith(mlp + ".")), None)
+        if inside:
+            raise UserError(f"strategy_config.apply_tiled_mlp: '{name}' is a shard group inside the tiled MLP "
+                            f"'{inside}'; shard the MLP as a whole or turn apply_tiled_mlp off")
+    return tiled
+
+
 def effective_reshard(strategy: StrategyConfig) -> bool | int:
     by_name = {"SHARD_GRAD_OP": False, "_HYBRID_SHARD_ZERO2": False, "FULL_SHARD": True, "HYBRID_SHARD": True, "NO_SHARD": False}
     if strategy.sharding_strategy is None:
@@ -153,9 +176,8 @@ def effective_reshard(strategy: StrategyConfig) -> bool | int:
 
 
 def build_plan(model: nn.Module, strategy: StrategyConfig, model_cfg: ModelConfig) -> ShardingPlan:
-    for key in ("apply_expert_patch", "apply_tiled_mlp"):
-        if getattr(strategy, key):
-            raise UserError(f"strategy_config.{key}: not available in this version; set it to false")
+    if strategy.apply_expert_patch:
+        raise UserError("strategy_config.apply_expert_patch: not available in this version; set it to false")
     if strategy.wrap_policy.moe_experts:
         raise UserError("strategy_config.wrap_policy.moe_experts: per-expert wrapping is not available in this version")
     if strategy.pin_memory and not strategy.offload_policy:
@@ -216,12 +238,15 @@ def build_plan(model: nn.Module, strategy: StrategyConfig, model_cfg: ModelConfi
             raise UserError(f"model.freeze_module_prefix: '{prefix}' is the prefix of no parameter")
         frozen += hits
 
+    tiled_mlps = _tiled_mlps(model, groups, notes) if strategy.apply_tiled_mlp else []
     model_dtype = model_cfg.dtype
     param_dtype = strategy.param_dtype or model_dtype
     return ShardingPlan(
         groups=groups,
         ignored_modules=ignored,
         recompute_modules=recompute,
+        tiled_mlp_modules=tiled_mlps,
+        tiled_num_shards=strategy.tiled_num_shards,
         frozen_parameters=sorted(set(frozen), key=[n for n, _ in model.named_parameters()].index),
         reshard_after_forward=effective_reshard(strategy),
         param_dtype=param_dtype,

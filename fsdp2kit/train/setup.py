@@ -14,6 +14,7 @@ from fsdp2kit.parallel.fsdp import apply_fsdp
 from fsdp2kit.parallel.mesh import MeshLayout, build_mesh, mesh_layout
 from fsdp2kit.parallel.plan import ShardingPlan, build_plan
 from fsdp2kit.parallel.recompute import apply_recompute
+from fsdp2kit.parallel.tiled_mlp import apply_tiled_mlp
 
 
 @dataclass
@@ -25,7 +26,7 @@ class ShardedModel:
 
 
 def build_sharded_model(cfg: JobConfig, runtime: Runtime, training: bool, materialize: bool = True) -> ShardedModel:
-    """Meta-device model -> plan -> freeze -> recompute -> fully_shard -> (materialise each rank's shards).
+    """Meta-device model -> plan -> freeze -> recompute, TiledMLP -> fully_shard -> (materialise each rank's shards).
     Training keeps fp32 master weights and computes in `param_dtype` (default: model.dtype)."""
     strategy = cfg.strategy_args.strategy_config
     source = resolve_model(cfg.model, cfg.data.tokenizer)
@@ -38,6 +39,7 @@ def build_sharded_model(cfg: JobConfig, runtime: Runtime, training: bool, materi
     for name, param in model.named_parameters():
         param.requires_grad_(training and name not in frozen)
     apply_recompute(model, plan.recompute_modules, plan.use_reentrant)
+    apply_tiled_mlp(model, plan.tiled_mlp_modules, plan.tiled_num_shards)
     apply_fsdp(model, mesh, plan)
     if materialize:
         materialise(model, source, runtime.device, cfg.training.seed, cfg.model.weights_loading)
