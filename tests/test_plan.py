@@ -76,7 +76,8 @@ def sharded(runtime: Runtime, strategy: dict | None = None, **model) -> nn.Modul
 
 def random_batch(rows: int = 2, length: int = 16) -> dict[str, torch.Tensor]:
     tokens = torch.randint(0, VOCAB_SIZE, (rows, length + 1), generator=torch.Generator().manual_seed(0))
-    return {"input_ids": tokens[:, :-1], "attention_mask": torch.ones(rows, length, dtype=torch.long), "labels": tokens[:, 1:]}
+    return {"input_ids": tokens[:, :-1], "attention_mask": torch.ones(rows, length, dtype=torch.long),
+            "labels": tokens[:, 1:]}
 
 
 def train_steps(model: nn.Module, steps: int = 2) -> torch.optim.Optimizer:
@@ -137,25 +138,29 @@ def test_fsdp_size_shapes_the_mesh(strategy, shape, names, placements):
         cfg = job(strategy)
         model = build_sharded_model(cfg, runtime, training=True, materialize=False).model
         weight = model.model.layers[0].mlp.up_proj.weight
-        assert (weight.device_mesh.shape, weight.device_mesh.mesh_dim_names, weight.placements) == (shape, names, placements)
+        mesh = weight.device_mesh
+        assert (mesh.shape, mesh.mesh_dim_names, weight.placements) == (shape, names, placements)
         assert describe(cfg, runtime)["mesh"] == {"shape": list(shape), "dim_names": list(names)}
 
 
 def test_fsdp_size_must_divide_the_world(run_main, config_file):
     code, _, err = run_main("check", config_file, "--nproc", 3, "--set", "strategy_args.strategy_config.fsdp_size=2")
     assert code == 2
-    assert err == "error: strategy_config.fsdp_size = 2 does not divide the world size 3; valid: 'auto' or one of [1, 3]\n"
+    assert err == ("error: strategy_config.fsdp_size = 2 does not divide the world size 3; "
+                   "valid: 'auto' or one of [1, 3]\n")
 
 
 # Mixed precision.
 
+def policies(plan: dict) -> list[tuple]:
+    return [(g["param_dtype"], g["reduce_dtype"], g["output_dtype"], g["cast_forward_inputs"]) for g in plan["groups"]]
+
+
 def test_mixed_precision_policy_of_every_group():
     plan = check({"param_dtype": "bf16", "reduce_dtype": "fp32", "output_dtype": "fp32", "cast_forward_inputs": False})
-    policies = [(g["param_dtype"], g["reduce_dtype"], g["output_dtype"], g["cast_forward_inputs"]) for g in plan["groups"]]
     # Only the root casts its outputs: the model's outputs.
-    assert policies == [("bfloat16", "float32", "float32", False)] + [("bfloat16", "float32", None, False)] * 2
-    defaults = {(g["param_dtype"], g["reduce_dtype"], g["output_dtype"], g["cast_forward_inputs"]) for g in check()["groups"]}
-    assert defaults == {("float32", "float32", None, True)}
+    assert policies(plan) == [("bfloat16", "float32", "float32", False)] + [("bfloat16", "float32", None, False)] * 2
+    assert policies(check()) == [("float32", "float32", None, True)] * 3
 
 
 @pytest.mark.parametrize("strategy, compute, logits", [
@@ -201,7 +206,8 @@ def test_cast_forward_inputs_except_into_a_vision_encoder(gloo, cast, text_dtype
     """Floating inputs are cast to param_dtype, but a vision encoder sees its pixel values in full precision:
     neither its own group nor the root casts them."""
     model = ToyVisionLanguageModel()
-    strategy = StrategyConfig(sub_modules_to_wrap=["visual", "layers.{*}"], param_dtype="bf16", cast_forward_inputs=cast)
+    strategy = StrategyConfig(sub_modules_to_wrap=["visual", "layers.{*}"], param_dtype="bf16",
+                              cast_forward_inputs=cast)
     plan = build_plan(model, strategy, ModelConfig())
     assert plan.no_cast_modules == ["visual"]
     apply_fsdp(model, init_device_mesh("cpu", (1,)), plan)
@@ -244,8 +250,8 @@ def test_reshard_after_forward_frees_the_gathered_weights(gloo, reshard):
     (["model.layers.{*}"], ["model.layers.0", "model.layers.1", "model.layers.2", "model.layers.3"]),
     (["model.layers.{1-2}"], ["model.layers.1", "model.layers.2"]),
     (["model.layers.{0,3}"], ["model.layers.0", "model.layers.3"]),
-    (["model.layers.{0-1}.mlp", "model.layers.{*}"],
-     ["model.layers.0", "model.layers.0.mlp", "model.layers.1", "model.layers.1.mlp", "model.layers.2", "model.layers.3"]),
+    (["model.layers.{0-1}.mlp", "model.layers.{*}"], ["model.layers.0", "model.layers.0.mlp", "model.layers.1",
+                                                      "model.layers.1.mlp", "model.layers.2", "model.layers.3"]),
 ], ids=["all", "range", "list", "nested"])
 def test_sub_modules_to_wrap(patterns, expected):
     assert check({"sub_modules_to_wrap": patterns}, layers=4)["sharded_modules"] == ["", *expected]
@@ -256,7 +262,8 @@ def test_sub_modules_to_wrap(patterns, expected):
     ({"wrap_policy": {"transformer_layer_cls_to_wrap": ["LlamaMLP"]}}, ["model.layers.0.mlp", "model.layers.1.mlp"]),
     # Size-based: a module is wrapped once its not-yet-wrapped parameters reach the limit. An MLP holds 528k,
     # a layer's attention and norms 197k, the embeddings and the head 1M each.
-    ({"wrap_policy": {"min_num_params": 500_000}}, ["model.embed_tokens", "model.layers.0.mlp", "model.layers.1.mlp", "lm_head"]),
+    ({"wrap_policy": {"min_num_params": 500_000}},
+     ["model.embed_tokens", "model.layers.0.mlp", "model.layers.1.mlp", "lm_head"]),
     ({"wrap_policy": {"wrap_embeddings": True}}, ["model.embed_tokens", *LAYERS]),
     ({"wrap_policy": {"wrap_lm_output": True}}, [*LAYERS, "lm_head"]),
 ], ids=["default", "class", "size", "embeddings", "lm_output"])
@@ -281,7 +288,8 @@ def test_ignored_modules_stay_plain_replicated_tensors(gloo):
     assert plan_of(gloo, {"ignored_modules": ["model.embed_tokens"]})["ignored_modules"] == ["model.embed_tokens"]
     model = sharded(gloo, {"ignored_modules": ["model.embed_tokens"]})
     assert not isinstance(model.model.embed_tokens.weight, DTensor)
-    assert all(isinstance(p, DTensor) for name, p in model.named_parameters() if not name.startswith("model.embed_tokens"))
+    others = [p for name, p in model.named_parameters() if not name.startswith("model.embed_tokens")]
+    assert all(isinstance(p, DTensor) for p in others)
     train_steps(model)  # plain and sharded parameters train side by side (gradient clipping and AdamW included)
 
 
