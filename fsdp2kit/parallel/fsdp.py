@@ -53,7 +53,12 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan) -> list[F
 
     if plan.custom:
         model._fully_shard(dict(common, mp_policy=_mp_policy(plan, master_dtype, plan.cast_forward_inputs, root=False)))
-        groups = [m for m in model.modules() if isinstance(m, FSDPModule) and m is not model]
+        # One entry per fully_shard call: a group of several modules shares one FSDP state.
+        states: dict[int, nn.Module] = {}
+        for module in model.modules():
+            if isinstance(module, FSDPModule) and module is not model:
+                states.setdefault(id(module._get_fsdp_state()), module)
+        groups = list(states.values())
     else:
         for names in reversed(plan.groups):  # bottom-up: inner groups before the modules that contain them
             modules = [model.get_submodule(n) for n in names]
