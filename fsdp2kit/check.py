@@ -31,6 +31,7 @@ def describe(cfg: JobConfig, runtime: Runtime) -> dict:
         "ignored_modules": plan.ignored_modules,
         "recompute_modules": plan.recompute_modules,
         "tiled_mlp": {"modules": plan.tiled_mlp_modules, "num_shards": plan.tiled_num_shards} if plan.tiled_mlp_modules else None,
+        "expert_patch": plan.expert_patch,
         "frozen_modules": cfg.model.freeze_module_prefix,
         "trainable_parameters": trainable,
         "frozen_parameters": frozen,

@@ -5,17 +5,13 @@ reshard_after_forward), and measurably fewer activation bytes kept for backward 
 from __future__ import annotations
 
 import json
-from contextlib import contextmanager
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from conftest import read_metrics, run_cli
+from conftest import process_group, read_metrics, run_cli, token_batch
 from fsdp2kit.config.schema import JobConfig
-from fsdp2kit.data.builtin import VOCAB_SIZE
-from fsdp2kit.distributed import Runtime
 from fsdp2kit.errors import UserError
 from fsdp2kit.models.builtin import BUILTIN_MODELS
 from fsdp2kit.train.loop import token_loss_sum
@@ -24,27 +20,13 @@ from fsdp2kit.train.setup import build_sharded_model
 LAYERS = 2
 
 
-@contextmanager
-def one_rank():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield Runtime(0, 1, 0, torch.device("cpu"))
-    finally:
-        dist.destroy_process_group()
-
-
 def job(strategy: dict, name: str = "builtin:tiny-llama") -> JobConfig:
     return JobConfig.model_validate({"model": {"name_or_path": name, "config": {"num_hidden_layers": LAYERS}},
                                      "strategy_args": {"strategy_config": strategy}})
 
 
-def token_batch(rows: int, length: int) -> dict[str, torch.Tensor]:
-    tokens = torch.randint(0, VOCAB_SIZE, (rows, length + 1), generator=torch.Generator().manual_seed(0))
-    return {"input_ids": tokens[:, :-1], "attention_mask": torch.ones(rows, length, dtype=torch.long), "labels": tokens[:, 1:]}
-
-
 def loss_and_gradients(strategy: dict) -> tuple[float, dict[str, torch.Tensor]]:
-    with one_rank() as runtime:
+    with process_group() as runtime:
         model = build_sharded_model(job(strategy), runtime, training=True).model
         loss = token_loss_sum(model, token_batch(2, 37))  # 74 tokens: tiles of unequal size
         loss.backward()
@@ -74,7 +56,7 @@ def saved_activation_bytes(strategy: dict, seq_len: int) -> int:
             storages[storage.data_ptr()] = storage.nbytes()
         return tensor
 
-    with one_rank() as runtime:
+    with process_group() as runtime:
         model = build_sharded_model(job(strategy), runtime, training=True).model
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
             loss = token_loss_sum(model, token_batch(1, seq_len))
@@ -96,14 +78,14 @@ def test_saves_the_mlp_activations_at_a_long_sequence():
 
 
 def test_moe_blocks_are_left_whole_and_a_dense_model_is_needed():
-    with one_rank() as runtime:
+    with process_group() as runtime:
         with pytest.raises(UserError, match="no dense `mlp` module to tile"):
             build_sharded_model(job({"apply_tiled_mlp": True}, "builtin:tiny-qwen3-moe"), runtime, training=True,
                                 materialize=False)
 
 
 def test_a_shard_group_inside_a_tiled_mlp_is_refused():
-    with one_rank() as runtime:
+    with process_group() as runtime:
         with pytest.raises(UserError, match="'model.layers.0.mlp.gate_proj' is a shard group inside the tiled MLP"):
             build_sharded_model(job({"apply_tiled_mlp": True, "sub_modules_to_wrap": ["model.layers.{*}.mlp.gate_proj"]}),
                                 runtime, training=True, materialize=False)

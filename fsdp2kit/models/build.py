@@ -18,6 +18,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from fsdp2kit.config.schema import ModelConfig
 from fsdp2kit.errors import UserError
 from fsdp2kit.models.builtin import BUILTIN_MODELS
+from fsdp2kit.parallel.moe import expert_views_from_other_layout
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -191,22 +192,32 @@ def _safetensors_views(model: nn.Module, folder: Path, handles: dict) -> dict[st
     locations = _safetensors_index(folder)
     tied = getattr(model, "_tied_weights_keys", None) or {}
     state = model.state_dict(keep_vars=True)
-    unexpected = sorted(set(locations) - set(state))
+
+    def stored_view(name: str):
+        file = locations[name]
+        if not file.is_file():
+            raise UserError(f"model weights: file '{file}' named by the index does not exist")
+        return handles.setdefault(file, safe_open(file, framework="pt").__enter__()).get_slice(name)
+
+    # MoE experts stored per expert while the model holds them fused, or the other way round.
+    other_layout = expert_views_from_other_layout(model, [n for n in state if n not in locations], set(locations),
+                                                  stored_view)
+    unexpected = sorted(set(locations) - set(state) - {source for _, sources in other_layout.values() for source in sources})
     if unexpected:
         raise UserError(f"model weights: tensor '{unexpected[0]}' in '{folder}' is not part of the model its "
                         f"config.json describes ({len(unexpected)} such tensors); config and weights do not match")
     views = {}
     for name, param in state.items():
-        if name not in locations:
-            if name in tied and getattr(model.config, "tie_word_embeddings", False):
-                continue  # tied to its source, loaded under that name
+        if name in other_layout:
+            view, where = other_layout[name][0], f"'{other_layout[name][1][0]}' and the like"
+        elif name in locations:
+            view, where = stored_view(name), f"'{locations[name].name}'"
+        elif name in tied and getattr(model.config, "tie_word_embeddings", False):
+            continue  # tied to its source, loaded under that name
+        else:
             raise UserError(f"model weights: tensor '{name}' is missing from the safetensors files in '{folder}'")
-        file = locations[name]
-        if not file.is_file():
-            raise UserError(f"model weights: file '{file}' named by the index does not exist")
-        view = handles.setdefault(file, safe_open(file, framework="pt").__enter__()).get_slice(name)
         if tuple(view.get_shape()) != tuple(param.shape):
-            raise UserError(f"model weights: tensor '{name}' in '{file.name}' has shape {tuple(view.get_shape())}, "
+            raise UserError(f"model weights: tensor '{name}' in {where} has shape {tuple(view.get_shape())}, "
                             f"the model expects {tuple(param.shape)}")
         views[name] = view
     return views

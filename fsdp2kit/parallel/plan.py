@@ -13,6 +13,7 @@ import torch.nn as nn
 
 from fsdp2kit.config.schema import ModelConfig, StrategyConfig
 from fsdp2kit.errors import UserError
+from fsdp2kit.parallel.moe import expert_class_choices, separately_wrapped_experts
 
 _SEGMENT_RANGE = re.compile(r"\{(\d+)-(\d+)\}")
 _SEGMENT_LIST = re.compile(r"\{(\d+(?:\s*,\s*\d+)*)\}")
@@ -74,6 +75,7 @@ class ShardingPlan:
     recompute_modules: list[str]
     tiled_mlp_modules: list[str]
     tiled_num_shards: int
+    expert_patch: bool  # every rank runs every separately sharded expert (fsdp2kit.parallel.moe)
     frozen_parameters: list[str]
     reshard_after_forward: bool | int
     param_dtype: str | None
@@ -136,7 +138,7 @@ def _no_selection_keys(strategy: StrategyConfig, model_class: str) -> None:
     chosen = {"sub_modules_to_wrap": strategy.sub_modules_to_wrap,
               "wrap_policy.transformer_layer_cls_to_wrap": policy.transformer_layer_cls_to_wrap,
               "wrap_policy.min_num_params": policy.min_num_params, "wrap_policy.wrap_embeddings": policy.wrap_embeddings,
-              "wrap_policy.wrap_lm_output": policy.wrap_lm_output}
+              "wrap_policy.wrap_lm_output": policy.wrap_lm_output, "wrap_policy.moe_experts": policy.moe_experts}
     for key, value in chosen.items():
         if value:
             raise UserError(f"strategy_config.{key}: {model_class} defines its own sharding plan (_fully_shard), "
@@ -164,6 +166,29 @@ def _tiled_mlps(model: nn.Module, groups: list[tuple[str, ...]], notes: list[str
     return tiled
 
 
+def _moe_experts(model: nn.Module, class_names: list[str]) -> list[str]:
+    present = {type(m).__name__ for m in model.modules()}
+    unknown = [name for name in class_names if name not in present]
+    if unknown and (choices := expert_class_choices(model)):
+        raise UserError(f"strategy_config.wrap_policy.moe_experts: class '{unknown[0]}' matches no module of the model; "
+                        f"for its experts name {choices}")
+    return modules_of_classes(model, class_names, "strategy_config.wrap_policy.moe_experts")
+
+
+def _expert_patch(model: nn.Module, experts: list[str], requested: bool, notes: list[str]) -> bool:
+    """Experts sharded one by one need the patch: without it the job hangs as soon as ranks route differently."""
+    single = separately_wrapped_experts(model, experts)
+    if single and not requested:
+        raise UserError(f"strategy_config.apply_expert_patch: wrap_policy.moe_experts shards every expert on its own "
+                        f"('{single[0]}', ...), and ranks whose tokens go to different experts would wait for each "
+                        "other's all-gathers forever; set apply_expert_patch: true (every rank runs every expert) or "
+                        "name the fused experts class instead")
+    if requested and not single:
+        notes.append("apply_expert_patch changes nothing: no expert is sharded on its own "
+                     "(wrap_policy.moe_experts names no per-expert class)")
+    return requested and bool(single)
+
+
 def effective_reshard(strategy: StrategyConfig) -> bool | int:
     by_name = {"SHARD_GRAD_OP": False, "_HYBRID_SHARD_ZERO2": False, "FULL_SHARD": True, "HYBRID_SHARD": True, "NO_SHARD": False}
     if strategy.sharding_strategy is None:
@@ -176,10 +201,6 @@ def effective_reshard(strategy: StrategyConfig) -> bool | int:
 
 
 def build_plan(model: nn.Module, strategy: StrategyConfig, model_cfg: ModelConfig) -> ShardingPlan:
-    if strategy.apply_expert_patch:
-        raise UserError("strategy_config.apply_expert_patch: not available in this version; set it to false")
-    if strategy.wrap_policy.moe_experts:
-        raise UserError("strategy_config.wrap_policy.moe_experts: per-expert wrapping is not available in this version")
     if strategy.pin_memory and not strategy.offload_policy:
         raise UserError("strategy_config.pin_memory: true only applies with offload_policy: true")
 
@@ -188,12 +209,15 @@ def build_plan(model: nn.Module, strategy: StrategyConfig, model_cfg: ModelConfi
     if custom:
         _no_selection_keys(strategy, type(model).__name__)
     selected: list[str] = []
+    experts: list[str] = []
     if not custom:
         selected += match_modules(model, strategy.sub_modules_to_wrap, "sub_modules_to_wrap")
         classes = strategy.wrap_policy.transformer_layer_cls_to_wrap
         if not classes and not strategy.sub_modules_to_wrap and not strategy.wrap_policy.min_num_params:
             classes = _layer_classes(model)
         selected += modules_of_classes(model, classes, "strategy_config.wrap_policy.transformer_layer_cls_to_wrap")
+        experts = _moe_experts(model, strategy.wrap_policy.moe_experts)
+        selected += experts
         if strategy.wrap_policy.min_num_params:
             selected += _size_based(model, strategy.wrap_policy.min_num_params, set(selected))
     embed, head = _embedding_modules(model)
@@ -223,6 +247,7 @@ def build_plan(model: nn.Module, strategy: StrategyConfig, model_cfg: ModelConfi
         else:
             groups += [(n,) for n in extra]
         groups.sort(key=lambda g: order.index(g[0]))
+    expert_patch = _expert_patch(model, experts, strategy.apply_expert_patch, notes)
     if strategy.num_to_backward_prefetch == 0:
         notes.append("num_to_backward_prefetch 0 acts as 1: FSDP2 always prefetches the previous group in backward")
 
@@ -247,6 +272,7 @@ def build_plan(model: nn.Module, strategy: StrategyConfig, model_cfg: ModelConfi
         recompute_modules=recompute,
         tiled_mlp_modules=tiled_mlps,
         tiled_num_shards=strategy.tiled_num_shards,
+        expert_patch=expert_patch,
         frozen_parameters=sorted(set(frozen), key=[n for n, _ in model.named_parameters()].index),
         reshard_after_forward=effective_reshard(strategy),
         param_dtype=param_dtype,

@@ -12,6 +12,7 @@ from fsdp2kit.distributed import Runtime
 from fsdp2kit.models.build import ModelSource, build_meta_model, materialise, resolve_model
 from fsdp2kit.parallel.fsdp import apply_fsdp
 from fsdp2kit.parallel.mesh import MeshLayout, build_mesh, mesh_layout
+from fsdp2kit.parallel.moe import apply_expert_patch, split_experts
 from fsdp2kit.parallel.plan import ShardingPlan, build_plan
 from fsdp2kit.parallel.recompute import apply_recompute
 from fsdp2kit.parallel.tiled_mlp import apply_tiled_mlp
@@ -26,7 +27,8 @@ class ShardedModel:
 
 
 def build_sharded_model(cfg: JobConfig, runtime: Runtime, training: bool, materialize: bool = True) -> ShardedModel:
-    """Meta-device model -> plan -> freeze -> recompute, TiledMLP -> fully_shard -> (materialise each rank's shards).
+    """Meta-device model -> split experts -> plan -> freeze -> recompute, TiledMLP, expert patch -> fully_shard ->
+    (materialise each rank's shards).
     Training keeps fp32 master weights and computes in `param_dtype` (default: model.dtype)."""
     strategy = cfg.strategy_args.strategy_config
     source = resolve_model(cfg.model, cfg.data.tokenizer)
@@ -34,12 +36,15 @@ def build_sharded_model(cfg: JobConfig, runtime: Runtime, training: bool, materi
     mesh = build_mesh(runtime.device.type, layout)
     master_dtype = "fp32" if training else cfg.model.dtype
     model = build_meta_model(source, cfg.model.model_copy(update={"dtype": master_dtype}))
+    split_experts(model, strategy.wrap_policy.moe_experts)  # where moe_experts names a per-expert class
     plan = build_plan(model, strategy, cfg.model)
     frozen = set(plan.frozen_parameters)
     for name, param in model.named_parameters():
         param.requires_grad_(training and name not in frozen)
     apply_recompute(model, plan.recompute_modules, plan.use_reentrant)
     apply_tiled_mlp(model, plan.tiled_mlp_modules, plan.tiled_num_shards)
+    if plan.expert_patch:
+        apply_expert_patch(model)
     apply_fsdp(model, mesh, plan)
     if materialize:
         materialise(model, source, runtime.device, cfg.training.seed, cfg.model.weights_loading)

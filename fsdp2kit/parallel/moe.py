@@ -1,0 +1,150 @@
+"""Mixture of experts under FSDP2 (Qwen3-MoE).
+
+transformers 5 keeps the experts of a MoE block in one fused module (`Qwen3MoeExperts`: 3-D `gate_up_proj` and
+`down_proj` parameters). `wrap_policy.moe_experts: [Qwen3MoeExperts]` shards that module as its own group: it is
+called on every rank in every layer, so its collectives always match. Naming the per-expert class instead
+(`[Qwen3MoeMLP]`, as ROLL does) first splits each fused module into one `Qwen3MoeMLP` per expert
+(`split_experts`), with the per-expert parameter names of Qwen3-MoE checkpoints (`mlp.experts.<i>.gate_proj.weight`),
+so that each expert can be its own shard group and only one expert's weights are ever gathered at a time.
+
+A separately sharded expert all-gathers its weights when it is called and reduce-scatters its gradient in
+backward. Ranks whose tokens go to different experts would call different experts: their collectives no longer
+pair up and the job hangs (or, where sizes happen to agree, silently mixes up experts). `apply_expert_patch` makes
+every rank call every expert in every layer, in the same order, giving an expert that got no token a dummy token
+whose output is weighted by zero: the results and gradients are exactly those of the unpatched block.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+
+import torch
+import torch.nn as nn
+
+# Fused experts class -> the class of one expert, as the checkpoints of the model family store it.
+SPLITTABLE_EXPERTS = {"Qwen3MoeExperts": "Qwen3MoeMLP"}
+
+_FUSED_NAME = re.compile(r"(?P<experts>.*\.experts)\.(?P<kind>gate_up_proj|down_proj)")
+_SPLIT_NAME = re.compile(r"(?P<experts>.*\.experts)\.(?P<index>\d+)\.(?P<kind>gate_proj|up_proj|down_proj)\.weight")
+
+
+class ExpertList(nn.ModuleList):
+    """One module per expert in place of a fused experts module, called like it:
+    (hidden_states [tokens, hidden], top_k_index [tokens, k], top_k_weights [tokens, k])."""
+
+    run_every_expert = False  # apply_expert_patch
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(hidden_states)
+        for index, expert in enumerate(self):
+            tokens, slot = torch.where(top_k_index == index)
+            weights = top_k_weights[tokens, slot]
+            if len(tokens) == 0:
+                if not self.run_every_expert:
+                    continue
+                # The patch: token 0 goes through this expert too, weighted by zero, so that this rank joins the
+                # expert's all-gather in forward and its reduce-scatter in backward like the ranks that use it.
+                tokens = torch.zeros(1, dtype=torch.long, device=hidden_states.device)
+                weights = torch.zeros(1, dtype=top_k_weights.dtype, device=top_k_weights.device)
+            outputs = expert(hidden_states[tokens]) * weights[:, None]
+            out.index_add_(0, tokens, outputs.to(out.dtype))
+        return out
+
+
+def split_experts(model: nn.Module, class_names: list[str]) -> None:
+    """Replace every fused experts module whose per-expert class is in `class_names` by an ExpertList of
+    per-expert modules, on the fused module's device and dtype (the meta device before sharding: no memory)."""
+    fused = [(name, module) for name, module in model.named_modules()
+             if SPLITTABLE_EXPERTS.get(type(module).__name__) in class_names]
+    for name, module in fused:
+        expert_class = getattr(importlib.import_module(type(module).__module__), SPLITTABLE_EXPERTS[type(module).__name__])
+        parameter = module.gate_up_proj
+        with torch.device(parameter.device):
+            experts = ExpertList(expert_class(module.config, intermediate_size=module.intermediate_dim)
+                                 for _ in range(module.num_experts))
+        parent, _, attribute = name.rpartition(".")
+        setattr(model.get_submodule(parent), attribute, experts.to(parameter.dtype))
+
+
+def apply_expert_patch(model: nn.Module) -> None:
+    for module in model.modules():
+        if isinstance(module, ExpertList):
+            module.run_every_expert = True
+
+
+def expert_class_choices(model: nn.Module) -> str | None:
+    """What `wrap_policy.moe_experts` can name for this model's experts, in words (None: no known experts)."""
+    for module in model.modules():
+        if type(module).__name__ in SPLITTABLE_EXPERTS:
+            return (f"'{type(module).__name__}' (each layer's experts as one shard group) or "
+                    f"'{SPLITTABLE_EXPERTS[type(module).__name__]}' (each expert alone, with apply_expert_patch: true)")
+        if isinstance(module, ExpertList):
+            return f"'{type(module[0]).__name__}' (each expert alone, with apply_expert_patch: true)"
+    return None
+
+
+def separately_wrapped_experts(model: nn.Module, names: list[str]) -> list[str]:
+    """Those of `names` that are single experts of an ExpertList."""
+    return [n for n in names if "." in n and isinstance(model.get_submodule(n.rpartition(".")[0]), ExpertList)]
+
+
+# Checkpoints store a Qwen3-MoE block's experts one by one (as transformers writes them); a model may hold them
+# fused or split. These read one layout as the other, lazily, with the slice interface of safetensors.
+
+def _full_index(index, ndim: int) -> tuple[slice, ...]:
+    index = index if isinstance(index, tuple) else (index,)
+    return tuple(index) + (slice(None),) * (ndim - len(index))
+
+
+class _FusedFromExperts:
+    """A fused [experts, rows, cols] tensor stacked from per-expert tensors (gate and up concatenated by rows)."""
+
+    def __init__(self, per_expert: list[list]):
+        self.per_expert = per_expert
+
+    def get_shape(self) -> list[int]:
+        first = [view.get_shape() for view in self.per_expert[0]]
+        return [len(self.per_expert), sum(shape[0] for shape in first), first[0][1]]
+
+    def __getitem__(self, index) -> torch.Tensor:
+        experts, rows, cols = _full_index(index, 3)
+        return torch.stack([torch.cat([view[:] for view in self.per_expert[e]])[rows, cols]
+                            for e in range(len(self.per_expert))[experts]])
+
+
+class _ExpertOfFused:
+    """One expert's [rows, cols] weight inside a fused [experts, rows, cols] tensor, from row `first_row` on."""
+
+    def __init__(self, fused, expert: int, first_row: int, rows: int):
+        self.fused, self.expert, self.first_row, self.rows = fused, expert, first_row, rows
+
+    def get_shape(self) -> list[int]:
+        return [self.rows, self.fused.get_shape()[2]]
+
+    def __getitem__(self, index) -> torch.Tensor:
+        rows, cols = _full_index(index, 2)
+        start, stop, _ = rows.indices(self.rows)
+        return self.fused[self.expert: self.expert + 1, self.first_row + start: self.first_row + stop, cols][0]
+
+
+def expert_views_from_other_layout(model: nn.Module, missing: list[str], stored: set[str], view) -> dict[str, tuple]:
+    """For each expert weight in `missing` (model tensors the files lack under that name), a view that reads it from
+    the other layout's tensors in `stored`, and the names it reads. `view(name)` opens one stored tensor."""
+    found: dict[str, tuple] = {}
+    for name in missing:
+        if (match := _FUSED_NAME.fullmatch(name)) and type(model.get_submodule(match["experts"])).__name__ in SPLITTABLE_EXPERTS:
+            prefix = match["experts"]
+            kinds = ["gate_proj", "up_proj"] if match["kind"] == "gate_up_proj" else ["down_proj"]
+            sources = [[f"{prefix}.{e}.{kind}.weight" for kind in kinds] for e in range(model.get_parameter(name).shape[0])]
+            if all(source in stored for names in sources for source in names):
+                found[name] = (_FusedFromExperts([[view(source) for source in names] for names in sources]),
+                               [source for names in sources for source in names])
+        elif (match := _SPLIT_NAME.fullmatch(name)) and isinstance(model.get_submodule(match["experts"]), ExpertList):
+            source = f"{match['experts']}.{'down_proj' if match['kind'] == 'down_proj' else 'gate_up_proj'}"
+            if source in stored:
+                fused = view(source)
+                rows = fused.get_shape()[1] // (1 if match["kind"] == "down_proj" else 2)
+                first_row = rows if match["kind"] == "up_proj" else 0
+                found[name] = (_ExpertOfFused(fused, int(match["index"]), first_row, rows), [source])
+    return found

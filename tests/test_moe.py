@@ -1,0 +1,197 @@
+"""SPEC §4.9 MoE on the built-in tiny Qwen3-MoE: experts sharded per layer or one by one, the expert patch that keeps
+the ranks' collectives paired when they route to different experts, the router's auxiliary loss in the training
+loss, and weights in and out in both expert layouts (transformers loads the export)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import yaml
+
+from conftest import REPO, process_group, read_metrics, run_cli, token_batch
+from fsdp2kit.check import describe
+from fsdp2kit.config.schema import JobConfig
+from fsdp2kit.distributed import free_port
+from fsdp2kit.errors import UserError
+from fsdp2kit.models.export import export_hf
+from fsdp2kit.train.loop import token_loss_sum
+from fsdp2kit.train.setup import build_sharded_model
+
+PER_EXPERT = {"apply_expert_patch": True, "wrap_policy": {"moe_experts": ["Qwen3MoeMLP"]}}
+FUSED = {"wrap_policy": {"moe_experts": ["Qwen3MoeExperts"]}}
+
+
+def job(strategy: dict, name: str = "builtin:tiny-qwen3-moe", **model) -> JobConfig:
+    return JobConfig.model_validate({"model": {"name_or_path": name, "config": {"num_hidden_layers": 2}, **model},
+                                     "strategy_args": {"strategy_config": strategy}})
+
+
+def test_experts_become_shard_groups_per_layer_or_one_by_one():
+    with process_group() as runtime:
+        fused = describe(job(FUSED), runtime)
+        single = describe(job(PER_EXPERT), runtime)
+    assert fused["sharded_modules"] == ["", "model.layers.0", "model.layers.0.mlp.experts",
+                                        "model.layers.1", "model.layers.1.mlp.experts"]
+    assert single["sharded_modules"] == ["", "model.layers.0", *(f"model.layers.0.mlp.experts.{i}" for i in range(4)),
+                                         "model.layers.1", *(f"model.layers.1.mlp.experts.{i}" for i in range(4))]
+    assert (fused["expert_patch"], single["expert_patch"]) == (False, True)
+
+
+@pytest.mark.parametrize("strategy, message", [
+    ({"wrap_policy": {"moe_experts": ["Qwen3MoeExpert"]}},
+     "strategy_config.wrap_policy.moe_experts: class 'Qwen3MoeExpert' matches no module of the model; for its experts "
+     "name 'Qwen3MoeExperts' (each layer's experts as one shard group) or 'Qwen3MoeMLP' (each expert alone, with "
+     "apply_expert_patch: true)"),
+    ({"wrap_policy": {"moe_experts": ["Qwen3MoeMLP"]}},
+     "strategy_config.apply_expert_patch: wrap_policy.moe_experts shards every expert on its own "
+     "('model.layers.0.mlp.experts.0', ...), and ranks whose tokens go to different experts would wait for each other's "
+     "all-gathers forever; set apply_expert_patch: true"),
+], ids=["unknown class", "per-expert without the patch"])
+def test_expert_settings_that_cannot_work_are_refused(strategy, message):
+    with process_group() as runtime, pytest.raises(UserError) as error:
+        describe(job(strategy), runtime)
+    assert str(error.value).startswith(message)
+
+
+def test_router_aux_loss_is_part_of_the_training_loss():
+    with process_group() as runtime:
+        model = build_sharded_model(job({}), runtime, training=True).model
+        batch = token_batch(2, 16)
+        aux_loss = model(input_ids=batch["input_ids"], use_cache=False).aux_loss
+        plain = token_loss_sum(model, batch)
+        weighted = token_loss_sum(model, batch, aux_loss_weight=10.0)
+        weighted.backward()
+        router_grad = model.model.layers[0].mlp.gate.weight.grad
+    assert aux_loss > 0
+    assert (weighted - plain).item() == pytest.approx(10.0 * aux_loss.item(), rel=1e-5)
+    assert router_grad.abs().sum() > 0
+
+
+def logits_of(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model.eval()(input_ids=input_ids, use_cache=False).logits
+
+
+def test_weights_move_between_expert_layouts_and_transformers(tmp_path):
+    """A split model's export (per-expert names, as Qwen3-MoE checkpoints store them) loads in transformers, which
+    fuses the experts, with the same logits. Our loader reads either layout into either kind of model, each rank
+    only its own rows (checked as rank 1 of 2)."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    input_ids = token_batch(2, 12)["input_ids"]
+    with process_group() as runtime:
+        split = build_sharded_model(job(PER_EXPERT), runtime, training=False)
+        logits = logits_of(split.model, input_ids)
+        export_hf(split.model, tmp_path / "per_expert", split.source.tokenizer_path, "fp32", is_main=True)
+    hf_model = AutoModelForCausalLM.from_pretrained(tmp_path / "per_expert", dtype=torch.float32)
+    assert type(hf_model.model.layers[0].mlp.experts).__name__ == "Qwen3MoeExperts"
+    torch.testing.assert_close(logits_of(hf_model, input_ids), logits, rtol=1e-5, atol=1e-5)
+    fused_weights = hf_model.state_dict()["model.layers.1.mlp.experts.gate_up_proj"]  # [experts, gate + up rows, hidden]
+
+    with process_group() as runtime:  # per-expert files into a fused model, exported with fused names
+        fused = build_sharded_model(job({}, str(tmp_path / "per_expert"), config={}), runtime, training=False)
+        torch.testing.assert_close(logits_of(fused.model, input_ids), logits, rtol=1e-5, atol=1e-5)
+        export_hf(fused.model, tmp_path / "fused", fused.source.tokenizer_path, "fp32", is_main=True)
+    with safe_open(tmp_path / "fused" / "model.safetensors", "pt") as handle:
+        assert "model.layers.1.mlp.experts.gate_up_proj" in handle.keys()
+    with process_group() as runtime:  # fused files into a split model
+        model = build_sharded_model(job(PER_EXPERT, str(tmp_path / "fused"), config={}), runtime, training=False).model
+        torch.testing.assert_close(logits_of(model, input_ids), logits, rtol=1e-5, atol=1e-5)
+
+    for folder in ("per_expert", "fused"):
+        with process_group(size=2, rank=1) as runtime:
+            model = build_sharded_model(job(PER_EXPERT, str(tmp_path / folder), config={}), runtime, training=False).model
+            up_proj = model.model.layers[1].mlp.experts[3].up_proj.weight  # rows 64-127 of 128 on rank 1
+            torch.testing.assert_close(up_proj.to_local(), fused_weights[3, 128 + 64:], rtol=0, atol=0)
+        with process_group(size=2, rank=1) as runtime:
+            model = build_sharded_model(job({}, str(tmp_path / folder), config={}), runtime, training=False).model
+            gate_up_proj = model.model.layers[1].mlp.experts.gate_up_proj  # experts 2 and 3 of 4 on rank 1
+            torch.testing.assert_close(gate_up_proj.to_local(), fused_weights[2:], rtol=0, atol=0)
+
+
+# Routing forced to differ across ranks: tests/moe_forced_routing.py sends rank 0's tokens to experts 0-1 and rank 1's
+# to experts 2-5, so rank 0 calls 2 experts per layer and rank 1 calls 4.
+
+@pytest.fixture(scope="module")
+def forced_routing(tmp_path_factory):
+    config = {
+        "model": {"name_or_path": "builtin:tiny-qwen3-moe", "model_class": "tests/moe_forced_routing.py:ForcedRoutingQwen3Moe",
+                  "dtype": "fp32", "config": {"num_hidden_layers": 2, "num_experts": 6, "router_aux_loss_coef": 0.1}},
+        "data": {"source": "builtin:corpus", "seq_len": 64},
+        "training": {"learning_rate": 3.0e-3, "max_steps": 3, "per_device_train_batch_size": 1, "seed": 7,
+                     "save_steps": 0, "export_hf": False},
+        "strategy_args": {"strategy_config": PER_EXPERT},
+    }
+    path = tmp_path_factory.mktemp("moe") / "forced_routing.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def settings(output_dir, ranks: int) -> list[str]:
+    accumulation = 2 // ranks  # a global batch of 2 one-sample micro-batches, as the forced routing expects
+    return ["--set", f"training.gradient_accumulation_steps={accumulation}", "--set", f"training.output_dir={output_dir}"]
+
+
+@pytest.mark.slow
+def test_with_the_patch_ranks_routing_differently_train_like_one_rank(forced_routing, tmp_path):
+    one = run_cli("train", forced_routing, *settings(tmp_path / "one", 1), timeout=180)
+    assert one.returncode == 0, one.stderr[-3000:]
+    started = time.monotonic()
+    two = run_cli("train", forced_routing, "--nproc", "2", *settings(tmp_path / "two", 2), timeout=180)
+    assert two.returncode == 0, two.stderr[-3000:]
+    print(f"\n2 ranks with the expert patch: {time.monotonic() - started:.0f}s")
+    single, double = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")
+    assert len(single) == len(double) == 3
+    for a, b in zip(single, double):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+
+
+# The run of a config with the expert patch step skipped.
+WITHOUT_PATCH = """
+import sys
+import fsdp2kit.train.setup as setup
+setup.apply_expert_patch = lambda model: None
+from fsdp2kit.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow
+def test_without_the_patch_ranks_routing_differently_never_finish(forced_routing, tmp_path):
+    """Rank 0's next collective meets rank 1's third expert all-gather. NCCL would wait there forever; gloo checks
+    message sizes and aborts ("collective mismatch"). Either way the first step never finishes (patched: ~1s)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    logs = [tmp_path / f"rank{rank}.log" for rank in range(2)]
+    ranks = [subprocess.Popen([sys.executable, "-c", WITHOUT_PATCH, "train", str(forced_routing), *settings(tmp_path, 2)],
+                              cwd=REPO, env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                              stdout=log.open("w"), stderr=subprocess.STDOUT) for rank, log in enumerate(logs)]
+
+    def output() -> str:
+        return "".join(log.read_text() for log in logs)
+
+    def wait_until(condition, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline and not condition():
+            time.sleep(0.5)
+
+    try:
+        # Start-up (imports, model, data) takes 10-40s on a busy machine; the clock starts in the first step.
+        wait_until(lambda: output().count("forced routing:") == 2 or any(r.poll() is not None for r in ranks), 180)
+        assert output().count("forced routing:") == 2, output()[-3000:]
+        wait_until(lambda: any(r.poll() is not None for r in ranks), 30)
+        hung = all(r.poll() is None for r in ranks)
+    finally:
+        for rank in ranks:
+            rank.kill()
+            rank.wait()
+    print(f"\nwithout the patch: {'hung for 30s in step 1' if hung else 'aborted by gloo in step 1'}")
+    assert hung or "Is there a distributed collective mismatch" in output(), output()[-3000:]
+    assert not (tmp_path / "metrics.jsonl").exists() or not read_metrics(tmp_path)
