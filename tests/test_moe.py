@@ -73,6 +73,21 @@ def test_router_aux_loss_is_part_of_the_training_loss():
     assert router_grad.abs().sum() > 0
 
 
+def test_recomputed_moe_layers_keep_the_aux_loss_gradient():
+    """Reentrant checkpointing would run the layers' first forward without autograd: the router logits the aux loss
+    is computed from would carry no gradient. The plan switches those layers to non-reentrant checkpointing."""
+    def router_gradient(strategy: dict) -> tuple[torch.Tensor, list[str]]:
+        with process_group() as runtime:
+            sharded = build_sharded_model(job(strategy), runtime, training=True)
+            token_loss_sum(sharded.model, token_batch(2, 16), aux_loss_weight=100.0).backward()
+            return sharded.model.model.layers[0].mlp.gate.weight.grad.full_tensor(), sharded.plan.notes
+
+    plain, _ = router_gradient({})
+    recomputed, notes = router_gradient({"recompute_modules": ["model.layers.{*}"], "use_reentrant": True})
+    assert any(note.startswith("use_reentrant: false: reentrant checkpointing") for note in notes)
+    torch.testing.assert_close(recomputed, plain, rtol=1e-5, atol=1e-6)
+
+
 def logits_of(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         return model.eval()(input_ids=input_ids, use_cache=False).logits

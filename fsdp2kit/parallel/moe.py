@@ -52,6 +52,10 @@ class ExpertList(nn.ModuleList):
         return out
 
 
+def is_moe_block(module: nn.Module) -> bool:
+    return isinstance(getattr(module, "experts", None), nn.Module)
+
+
 def split_experts(model: nn.Module, class_names: list[str]) -> None:
     """Replace every fused experts module whose per-expert class is in `class_names` by an ExpertList of
     per-expert modules, on the fused module's device and dtype (the meta device before sharding: no memory)."""

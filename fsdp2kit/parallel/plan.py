@@ -13,7 +13,7 @@ import torch.nn as nn
 
 from fsdp2kit.config.schema import ModelConfig, StrategyConfig
 from fsdp2kit.errors import UserError
-from fsdp2kit.parallel.moe import expert_class_choices, separately_wrapped_experts
+from fsdp2kit.parallel.moe import expert_class_choices, is_moe_block, separately_wrapped_experts
 
 _SEGMENT_RANGE = re.compile(r"\{(\d+)-(\d+)\}")
 _SEGMENT_LIST = re.compile(r"\{(\d+(?:\s*,\s*\d+)*)\}")
@@ -150,7 +150,7 @@ def _tiled_mlps(model: nn.Module, groups: list[tuple[str, ...]], notes: list[str
     whole: their router logits feed the auxiliary loss and must keep their autograd graph."""
     layers = modules_of_classes(model, _layer_classes(model), "strategy_config.apply_tiled_mlp: decoder layer")
     mlps = [f"{layer}.mlp" for layer in layers if isinstance(getattr(model.get_submodule(layer), "mlp", None), nn.Module)]
-    moe_blocks = [name for name in mlps if hasattr(model.get_submodule(name), "experts")]
+    moe_blocks = [name for name in mlps if is_moe_block(model.get_submodule(name))]
     if moe_blocks:
         notes.append(f"apply_tiled_mlp: {len(moe_blocks)} mixture-of-experts blocks are not tiled (router outputs "
                      "feed the auxiliary loss)")
@@ -187,6 +187,12 @@ def _expert_patch(model: nn.Module, experts: list[str], requested: bool, notes: 
         notes.append("apply_expert_patch changes nothing: no expert is sharded on its own "
                      "(wrap_policy.moe_experts names no per-expert class)")
     return requested and bool(single)
+
+
+def _recomputes_router_loss(model: nn.Module, recompute: list[str]) -> bool:
+    """Whether a recomputed module holds an MoE block whose router logits feed the model's auxiliary loss."""
+    return bool(getattr(getattr(model, "config", None), "output_router_logits", False)) and any(
+        is_moe_block(module) for name in recompute for module in model.get_submodule(name).modules())
 
 
 def effective_reshard(strategy: StrategyConfig) -> bool | int:
@@ -255,6 +261,11 @@ def build_plan(model: nn.Module, strategy: StrategyConfig, model_cfg: ModelConfi
     if model_cfg.gradient_checkpointing:
         recompute = sorted(set(recompute) | set(modules_of_classes(model, _layer_classes(model), "model.gradient_checkpointing")),
                            key=order.index)
+    use_reentrant = strategy.use_reentrant
+    if use_reentrant and _recomputes_router_loss(model, recompute):
+        use_reentrant = False
+        notes.append("use_reentrant: false: reentrant checkpointing runs the first forward without autograd, so the "
+                     "router logits of recomputed MoE blocks would give the auxiliary loss no gradient")
 
     frozen: list[str] = []
     for prefix in model_cfg.freeze_module_prefix:
@@ -284,7 +295,7 @@ def build_plan(model: nn.Module, strategy: StrategyConfig, model_cfg: ModelConfi
         pin_memory=strategy.pin_memory,
         forward_prefetch=strategy.num_to_forward_prefetch,
         backward_prefetch=strategy.num_to_backward_prefetch,
-        use_reentrant=strategy.use_reentrant,
+        use_reentrant=use_reentrant,
         custom=custom,
         notes=notes,
     )
