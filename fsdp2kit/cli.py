@@ -1,16 +1,17 @@
 """The `fsdp2kit` command line (SPEC §2). The config is validated before any rank starts; a user's mistake found
-inside a rank is reported once, as one sentence, with exit code 2."""
+inside a rank is reported once, as one sentence, with exit code 2; a diverged run likewise, with exit code 1."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
 import tempfile
 from pathlib import Path
 
-from fsdp2kit.errors import UserError
+from fsdp2kit.errors import TrainingDiverged, UserError
 
 ERROR_DIR_ENV = "FSDP2KIT_ERROR_DIR"
 
@@ -38,6 +39,9 @@ def _parser() -> argparse.ArgumentParser:
     convert.add_argument("--to", required=True, choices=["hf", "torch", "dcp"], help="target format")
     convert.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None,
                          help="cast the weights (default: keep the stored dtype)")
+    report = commands.add_parser("report", help="plot runs' metrics (loss, lr, grad norm, tokens/s, memory) and summarise them")
+    report.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="training output folders holding metrics.jsonl; "
+                        "several are overlaid, and the plots go to the first one's report/ folder")
     return parser
 
 
@@ -71,24 +75,25 @@ def _launch(nproc: int, argv: list[str]) -> int:
         try:
             run(args)
         except ChildFailedError as failure:
-            reports = sorted(Path(error_dir).glob("rank*.txt"), key=lambda p: int(p.stem[4:]))
+            reports = sorted(Path(error_dir).glob("rank*.json"), key=lambda p: int(p.stem[4:]))
             if reports:
-                print(f"error: {reports[0].read_text().strip()}", file=sys.stderr)
-                return 2
+                report = json.loads(reports[0].read_text())
+                print(f"error: {report['message']}", file=sys.stderr)
+                return report["exit_code"]
             ranks = ", ".join(f"rank {r} (exit code {f.exitcode})" for r, f in sorted(failure.failures.items()))
             print(f"error: training failed: {ranks}; its output is above", file=sys.stderr)
             return 1
     return 0
 
 
-def _report_user_error(exc: UserError) -> int:
+def _report_error(message: str, exit_code: int) -> int:
     error_dir = os.environ.get(ERROR_DIR_ENV)
     rank = os.environ.get("RANK", "0")
-    if error_dir and Path(error_dir).is_dir():
-        (Path(error_dir) / f"rank{rank}.txt").write_text(str(exc))  # the launcher prints it once
+    if error_dir and Path(error_dir).is_dir():  # the launcher prints it once
+        (Path(error_dir) / f"rank{rank}.json").write_text(json.dumps({"message": message, "exit_code": exit_code}))
     elif rank == "0" or not _under_launcher():
-        print(f"error: {exc}", file=sys.stderr)
-    return 2
+        print(f"error: {message}", file=sys.stderr)
+    return exit_code
 
 
 def _run_rank(args: argparse.Namespace, cfg) -> int:
@@ -126,6 +131,11 @@ def main(argv: list[str] | None = None) -> int:
             convert(Path(args.src), Path(args.dst), args.to, TORCH_DTYPES.get(args.dtype))
             print(f"converted {args.src} -> {args.dst} ({args.to})")
             return 0
+        if args.command == "report":
+            from fsdp2kit.report import write_report
+
+            print(write_report([Path(d) for d in args.run_dirs]))
+            return 0
         from fsdp2kit.config import load_config
 
         cfg = load_config(args.config, args.overrides, role=args.role, strategy_file=args.fsdp_config)
@@ -139,7 +149,9 @@ def main(argv: list[str] | None = None) -> int:
             return _launch(nproc, argv)
         return _run_rank(args, cfg)
     except UserError as exc:
-        return _report_user_error(exc)
+        return _report_error(str(exc), 2)
+    except TrainingDiverged as exc:
+        return _report_error(str(exc), 1)
 
 
 if __name__ == "__main__":

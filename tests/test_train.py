@@ -55,9 +55,9 @@ def test_packing_cuts_windows_of_seq_len_plus_one():
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir())
     documents = corpus_documents()[:50]
     samples = tokenize_samples(documents, tokenizer, DataConfig(seq_len=32, pack=True))
-    assert {len(s) for s in samples} == {33}
+    assert {len(s.tokens) for s in samples} == {33}
     joined = [t for d in documents for t in tokenizer(d)["input_ids"] + [tokenizer.eos_token_id]]
-    assert torch.cat(samples).tolist() == joined[: len(samples) * 33]  # documents joined by EOS, in order
+    assert torch.cat([s.tokens for s in samples]).tolist() == joined[: len(samples) * 33]  # joined by EOS, in order
 
 
 def test_schedule_shapes():

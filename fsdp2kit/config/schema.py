@@ -55,6 +55,8 @@ def _device_list(value: Any) -> Any:
 DType = Annotated[Literal["bf16", "fp16", "fp32"], BeforeValidator(_dtype_name)]
 OptionalDType = Annotated[Literal["bf16", "fp16", "fp32"] | None, BeforeValidator(_dtype_name)]
 PatternList = Annotated[list[str], BeforeValidator(_pattern_list)]
+ReportTargets = Annotated[list[Literal["tensorboard", "wandb"]], BeforeValidator(
+    lambda value: [] if value in ("none", None) else _pattern_list(value))]  # HF Trainer writes report_to: none
 
 
 class Section(BaseModel):
@@ -101,6 +103,10 @@ class DataConfig(Section):
     seq_len: int = Field(512, ge=2, description="tokens per training sample")
     pack: bool = Field(True, description="concatenate documents and cut into seq_len windows (else pad each document)")
     shuffle: bool = Field(True, description="shuffle the sample order every epoch (seeded)")
+    prompt_key: str = Field("prompt", description="SFT: with this and response_key both present, the loss is on the response only")
+    response_key: str = Field("response", description="SFT: field holding the response (followed by EOS)")
+    document_mask: bool = Field(True, description="packing: restart position ids at each document so attention never crosses documents")
+    max_samples: int | None = Field(None, ge=1, description="use only the first N documents of the source (default: all)")
 
 
 class TrainingConfig(Section):
@@ -123,8 +129,19 @@ class TrainingConfig(Section):
     save_total_limit: int | None = Field(None, ge=1, description="keep only the newest K checkpoints")
     resume: str = Field("auto", description="`auto` (newest checkpoint in output_dir), `never`, or a checkpoint path")
     export_hf: bool = Field(True, description="write the final model as an HF safetensors folder to output_dir/hf")
+    max_nonfinite_steps: int = Field(5, ge=1, description="stop (exit code 1) after this many steps in a row skipped for a non-finite loss or grad norm")
+    fp16_initial_scale: float = Field(65536.0, gt=0, description="fp16 compute: initial loss scale (halved on overflow, doubled after 2000 clean steps)")
+    report_to: ReportTargets = Field(default_factory=lambda: ["tensorboard"], description="where metrics go besides metrics.jsonl: tensorboard (output_dir/tb), wandb; [] for neither")
+    profile_steps: list[int] | None = Field(None, description="[first, last] steps (1-based) to trace with torch.profiler into output_dir/profile/")
 
     ALIASES: ClassVar[dict[str, str]] = {"resume_from_checkpoint": "resume"}
+
+    @field_validator("profile_steps")
+    @classmethod
+    def _profile_range(cls, value: list[int] | None) -> list[int] | None:
+        if value is not None and not (len(value) == 2 and 1 <= value[0] <= value[1]):
+            raise ValueError("[first, last] with 1 <= first <= last")
+        return value
 
 
 class WrapPolicy(Section):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import glob
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -16,71 +17,152 @@ IGNORE_INDEX = -100
 _FILE_KINDS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text"}
 
 
-def load_documents(cfg: DataConfig) -> list[str]:
-    if cfg.source == "builtin:corpus":
-        from fsdp2kit.data.builtin import corpus_documents
+class PromptResponse(NamedTuple):
+    """An SFT example: the prompt is context only, the loss is on the response (and the EOS after it)."""
 
-        return corpus_documents()
-    if cfg.source.startswith("builtin:"):
-        raise UserError(f"data.source: unknown built-in dataset '{cfg.source}'; valid: builtin:corpus")
-    path = Path(cfg.source)
+    prompt: str
+    response: str
+
+
+def _read_table(source: str):
+    """A local HF dataset folder or *.jsonl / *.parquet / *.txt files, as a `datasets.Dataset`, and which of
+    those it was ('disk', 'json', 'parquet' or 'text')."""
+    import datasets
+
+    datasets.disable_progress_bars()  # a bar per split of a local file is noise in a training log
+    path = Path(source)
     if path.is_dir():
         if not (path / "dataset_info.json").exists() and not (path / "dataset_dict.json").exists():
             raise UserError(f"data.source: '{path}' is a folder but not a saved HF dataset (no dataset_info.json)")
-        import datasets
-
         dataset = datasets.load_from_disk(str(path))
         if isinstance(dataset, datasets.DatasetDict):
             dataset = dataset["train"] if "train" in dataset else next(iter(dataset.values()))
-    else:
-        files = sorted(glob.glob(cfg.source)) if any(c in cfg.source for c in "*?[") else [cfg.source]
-        if not files or not all(Path(f).is_file() for f in files):
-            raise UserError(f"data.source: no such file '{cfg.source}'")
-        kinds = {_FILE_KINDS.get(Path(f).suffix) for f in files}
-        if None in kinds or len(kinds) > 1:
-            raise UserError(f"data.source: '{cfg.source}' must be *.jsonl, *.parquet or *.txt files of one kind")
-        import datasets
-
-        try:
-            dataset = datasets.load_dataset(kinds.pop(), data_files=files, split="train")
-        except Exception as exc:  # datasets raises many types for unreadable files
-            raise UserError(f"data.source: cannot read '{cfg.source}': {exc}") from None
-    key = "text" if "text" in dataset.column_names and cfg.text_key not in dataset.column_names else cfg.text_key
-    if key not in dataset.column_names:
-        raise UserError(f"data.text_key: '{cfg.text_key}' is not a field of '{cfg.source}'; fields: {dataset.column_names}")
-    return [t for t in dataset[key] if isinstance(t, str) and t]
+        return dataset, "disk"
+    files = sorted(glob.glob(source)) if any(c in source for c in "*?[") else [source]
+    if not files or not all(Path(f).is_file() for f in files):
+        raise UserError(f"data.source: no such file '{source}'")
+    kinds = {_FILE_KINDS.get(Path(f).suffix) for f in files}
+    if None in kinds or len(kinds) > 1:
+        raise UserError(f"data.source: '{source}' must be *.jsonl, *.parquet or *.txt files of one kind")
+    kind = kinds.pop()
+    try:
+        return datasets.load_dataset(kind, data_files=files, split="train"), kind
+    except Exception as exc:  # datasets raises many types for unreadable files
+        raise UserError(f"data.source: cannot read '{source}': {exc}") from None
 
 
-def tokenize_samples(documents: list[str], tokenizer, cfg: DataConfig) -> list[torch.Tensor]:
-    """Each sample holds seq_len + 1 tokens (inputs and their shifted targets). Packing joins documents with EOS
-    and cuts windows; without packing each document is one (truncated) sample."""
-    eos = tokenizer.eos_token_id
-    encoded = tokenizer(documents, add_special_tokens=True)["input_ids"]
+def load_documents(cfg: DataConfig) -> list[str] | list[PromptResponse]:
+    """The source's documents in file order (the first `max_samples`): texts, or prompt/response pairs when the
+    source has both `prompt_key` and `response_key` fields. Empty texts and responses are dropped."""
+    if cfg.source == "builtin:corpus":
+        from fsdp2kit.data.builtin import corpus_documents
+
+        return corpus_documents()[: cfg.max_samples]
+    if cfg.source.startswith("builtin:"):
+        raise UserError(f"data.source: unknown built-in dataset '{cfg.source}'; valid: builtin:corpus")
+    table, kind = _read_table(cfg.source)
+    text_key = "text" if kind == "text" else cfg.text_key  # a text file's lines have no field names to choose from
+    table = table.select(range(min(cfg.max_samples, len(table)))) if cfg.max_samples is not None else table
+    if cfg.prompt_key in table.column_names and cfg.response_key in table.column_names:
+        return [PromptResponse(p if isinstance(p, str) else "", r) for p, r in
+                zip(table[cfg.prompt_key], table[cfg.response_key]) if isinstance(r, str) and r]
+    if text_key not in table.column_names:
+        raise UserError(f"data.text_key: '{cfg.source}' has no field '{text_key}' (nor both '{cfg.prompt_key}' "
+                        f"and '{cfg.response_key}' for SFT); its fields: {', '.join(table.column_names)}")
+    return [t for t in table[text_key] if isinstance(t, str) and t]
+
+
+@dataclass(frozen=True)
+class Sample:
+    """Up to seq_len + 1 tokens: the model reads tokens[:-1] and predicts tokens[1:]. `trained[i]` says whether
+    token i is a loss target; `positions` (packing with document_mask) is each token's position in its document."""
+
+    tokens: torch.Tensor
+    trained: torch.Tensor
+    positions: torch.Tensor | None = None
+
+    @classmethod
+    def document(cls, tokens: torch.Tensor) -> Sample:
+        """One whole document, every token after the first trained on."""
+        trained = torch.ones(len(tokens), dtype=torch.bool)
+        trained[0] = False
+        return cls(tokens, trained)
+
+
+def _encode(documents: list[str] | list[PromptResponse], tokenizer) -> list[tuple[list[int], int]]:
+    """Each document's token ids with EOS appended, and how many leading ids are prompt (not trained on).
+    A prompt gets the tokenizer's default special tokens (e.g. BOS); the response is joined as ids, not text."""
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    if all(isinstance(d, str) for d in documents):
+        return [(ids + eos, 0) for ids in tokenizer(list(documents))["input_ids"]]
+    prompts = tokenizer([d.prompt for d in documents])["input_ids"]
+    responses = tokenizer([d.response for d in documents], add_special_tokens=False)["input_ids"]
+    return [(p + r + eos, len(p)) for p, r in zip(prompts, responses)]
+
+
+def _positions_in_document(starts: torch.Tensor) -> torch.Tensor:
+    """0, 1, 2, ... restarting at every True of `starts` (and at the window's first token)."""
+    index = torch.arange(len(starts))
+    starts = starts.clone()
+    starts[0] = True
+    return index - torch.cummax(torch.where(starts, index, 0), dim=0).values
+
+
+def tokenize_samples(documents: list[str] | list[PromptResponse], tokenizer, cfg: DataConfig) -> list[Sample]:
+    """Without packing each document is one sample, truncated to seq_len + 1 tokens. Packing joins the documents
+    (each ending in EOS) into one stream and cuts windows of seq_len + 1 tokens; the trained-on mask travels with
+    the tokens, and with `document_mask` so do positions that restart at each document, from which transformers
+    builds a block-diagonal causal mask: no token attends across a document boundary. A document's first token is
+    never a target (nothing of its own document precedes it); samples without any target are dropped."""
     width = cfg.seq_len + 1
+    encoded = _encode(documents, tokenizer)
+    trained_masks = []
+    for ids, prompt_len in encoded:
+        trained = torch.ones(len(ids), dtype=torch.bool)
+        trained[: max(prompt_len, 1)] = False
+        trained_masks.append(trained)
     if not cfg.pack:
-        return [torch.tensor(ids[:width]) for ids in encoded if len(ids) >= 2]
-    stream: list[int] = []
-    for ids in encoded:
-        stream.extend(ids)
-        if eos is not None:
-            stream.append(eos)
-    count = len(stream) // width
-    return list(torch.tensor(stream[: count * width]).view(count, width))
+        samples = [Sample(torch.tensor(ids[:width]), trained[:width]) for (ids, _), trained in zip(encoded, trained_masks)]
+        return [s for s in samples if s.trained[1:].any()]
+    tokens = torch.tensor([t for ids, _ in encoded for t in ids], dtype=torch.long)
+    trained = torch.cat(trained_masks) if trained_masks else torch.zeros(0, dtype=torch.bool)
+    starts = torch.cat([torch.arange(len(ids)) == 0 for ids, _ in encoded]) if encoded else trained
+    count = len(tokens) // width
+    windows = [slice(i * width, (i + 1) * width) for i in range(count)]
+    samples = [Sample(tokens[w], trained[w], _positions_in_document(starts[w]) if cfg.document_mask else None)
+               for w in windows]
+    return [s for s in samples if s.trained[1:].any()]
 
 
-def collate(samples: list[torch.Tensor], pad_id: int) -> dict[str, torch.Tensor]:
-    """Right-pad to the longest sample; padded positions are masked from attention and loss."""
-    length = max(len(s) for s in samples) - 1
+def collate(samples: list[Sample | torch.Tensor], pad_id: int) -> dict[str, torch.Tensor]:
+    """The model's inputs and the labels. Samples are right-padded to the longest; padding is masked from attention
+    (`attention_mask`) and loss. Packed samples with document positions are never padded and carry `position_ids`
+    instead of an attention mask. A plain tensor is one document's tokens."""
+    samples = [s if isinstance(s, Sample) else Sample.document(s) for s in samples]
+    length = max(len(s.tokens) for s in samples) - 1
     batch = len(samples)
     input_ids = torch.full((batch, length), pad_id, dtype=torch.long)
     labels = torch.full((batch, length), IGNORE_INDEX, dtype=torch.long)
     attention_mask = torch.zeros((batch, length), dtype=torch.long)
     for i, sample in enumerate(samples):
-        n = len(sample) - 1
-        input_ids[i, :n] = sample[:-1]
-        labels[i, :n] = sample[1:]
+        n = len(sample.tokens) - 1
+        input_ids[i, :n] = sample.tokens[:-1]
+        labels[i, :n] = sample.tokens[1:].masked_fill(~sample.trained[1:], IGNORE_INDEX)
         attention_mask[i, :n] = 1
-    return {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask}
+    if all(s.positions is not None for s in samples):
+        return {"input_ids": input_ids, "position_ids": torch.stack([s.positions[:-1] for s in samples]), "labels": labels}
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
+
+def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The keyword arguments of the model's forward: all but the labels."""
+    return {key: value for key, value in batch.items() if key != "labels"}
+
+
+def input_token_count(batch: dict[str, torch.Tensor]) -> int:
+    """Tokens the model reads, padding excluded."""
+    mask = batch.get("attention_mask")
+    return int(mask.sum()) if mask is not None else batch["input_ids"].numel()
 
 
 @dataclass
@@ -88,7 +170,7 @@ class GlobalBatches:
     """Step s uses the global samples [s*G, (s+1)*G) of a seeded per-epoch permutation; rank r takes its
     contiguous `per_rank` share, cut into micro-batches. The position is just the step (world-size free)."""
 
-    samples: list[torch.Tensor]
+    samples: list[Sample]
     micro_batch_size: int
     accumulation_steps: int
     data_parallel_size: int

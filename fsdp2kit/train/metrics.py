@@ -1,10 +1,8 @@
-"""Per-step metrics: throughput, model FLOPs utilisation and peak memory, written as JSON lines on rank 0."""
+"""Per-step measurements: model FLOPs per token, the device's peak FLOP/s (for MFU) and peak memory."""
 
 from __future__ import annotations
 
-import json
 import resource
-from pathlib import Path
 
 import torch
 
@@ -33,25 +31,3 @@ def peak_memory(device: torch.device) -> tuple[int, str]:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device), "cuda_max_allocated"
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "cpu_max_rss"
-
-
-class MetricsWriter:
-    """Appends one JSON object per optimizer step to metrics.jsonl (rank 0 only)."""
-
-    def __init__(self, path: Path, enabled: bool):
-        self.enabled = enabled
-        self.path = path
-        if enabled:
-            path.parent.mkdir(parents=True, exist_ok=True)
-
-    def write(self, record: dict) -> None:
-        if self.enabled:
-            with self.path.open("a") as handle:
-                handle.write(json.dumps(record) + "\n")
-
-
-def truncate_metrics(path: Path, last_step: int) -> None:
-    """On resume, drop records of steps after the checkpoint: they are about to be recomputed."""
-    if path.exists():
-        kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= last_step]
-        path.write_text("".join(line + "\n" for line in kept))

@@ -1,0 +1,82 @@
+"""`fsdp2kit report RUN_DIR [RUN_DIR ...]`: PNG plots of each run's metrics.jsonl against the step (several runs
+overlaid), written to the first run's report/ folder, and a short text summary of every run."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from fsdp2kit.errors import UserError
+
+GIB = 1024**3
+# file name: (metrics.jsonl field, y-axis label, scale)
+PLOTS = {
+    "loss": ("loss", "loss", 1),
+    "lr": ("lr", "learning rate", 1),
+    "grad_norm": ("grad_norm", "gradient norm (before clipping)", 1),
+    "tokens_per_s": ("tokens_per_s", "tokens/s (all ranks)", 1),
+    "memory": ("peak_mem_bytes", "peak memory per rank (GiB)", 1 / GIB),
+}
+
+
+def read_run(run_dir: Path) -> list[dict]:
+    metrics = run_dir / "metrics.jsonl"
+    if not run_dir.is_dir():
+        raise UserError(f"report: run folder '{run_dir}' does not exist")
+    if not metrics.is_file():
+        raise UserError(f"report: '{run_dir}' has no metrics.jsonl; give the training.output_dir of a run")
+    records = []
+    for number, line in enumerate(metrics.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            raise UserError(f"report: line {number} of '{metrics}' is not a JSON object") from None
+    if not records:
+        raise UserError(f"report: '{metrics}' has no steps yet")
+    return records
+
+
+def summary(run_dir: Path, records: list[dict]) -> str:
+    finite = [r["loss"] for r in records if math.isfinite(r["loss"])]
+    skipped = sum(1 for r in records if r.get("skipped"))
+    tokens_per_s = sum(r["tokens_per_s"] for r in records) / len(records)
+    peak = max(records, key=lambda r: r["peak_mem_bytes"])
+    loss = f"loss {finite[0]:.4f} -> {finite[-1]:.4f}" if finite else "no finite loss"
+    return (f"{run_dir}: {len(records)} steps (last {records[-1]['step']}), {loss}"
+            + (f", {skipped} skipped" if skipped else "")
+            + f", mean {tokens_per_s:,.0f} tokens/s, peak memory {peak['peak_mem_bytes'] / GIB:.2f} GiB"
+            + (f" ({peak['peak_mem_kind']})" if "peak_mem_kind" in peak else ""))
+
+
+def write_report(run_dirs: list[Path]) -> str:
+    """Plots to run_dirs[0]/report/<name>.png; returns the summary lines and where the plots went."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    runs = [(run_dir, read_run(run_dir)) for run_dir in run_dirs]
+    names = [d.name for d in run_dirs]
+    labels = names if len(set(names)) == len(names) else [str(d) for d in run_dirs]
+    out_dir = run_dirs[0] / "report"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for file_name, (field, ylabel, scale) in PLOTS.items():
+        fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+        for label, (_, records) in zip(labels, runs):
+            points = [(r["step"], r[field] * scale) for r in records if field in r]
+            ax.plot([s for s, _ in points], [v for _, v in points], label=label, linewidth=1.2)
+        ax.set_xlabel("step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        if len(runs) > 1:
+            ax.legend()
+        fig.tight_layout()
+        fig.savefig(out_dir / f"{file_name}.png")
+        plt.close(fig)
+    lines = [summary(run_dir, records) for run_dir, records in runs]
+    return "\n".join(lines + [f"plots: {', '.join(f'{n}.png' for n in PLOTS)} in {out_dir}"])

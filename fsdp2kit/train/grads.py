@@ -1,0 +1,114 @@
+"""Between backward and the optimizer step: averaging the gradients FSDP does not manage, fp16 loss scaling, the
+global norm and its clipping over sharded (DTensor) and replicated gradients, and skipping non-finite steps."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from fsdp2kit.errors import TrainingDiverged
+
+
+def _split_sharded(params: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(sharded, plain) parameters that have a gradient: one foreach op cannot mix DTensors and plain tensors."""
+    with_grad = [p for p in params if p.grad is not None]
+    return [p for p in with_grad if isinstance(p.grad, DTensor)], [p for p in with_grad if not isinstance(p.grad, DTensor)]
+
+
+def all_reduce_replicated_grads(params: list[torch.Tensor], world_size: int) -> None:
+    """Parameters of ignored modules are outside FSDP: average their gradients as DDP would."""
+    for param in _split_sharded(params)[1]:
+        dist.all_reduce(param.grad)
+        param.grad.div_(world_size)
+
+
+def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """Global L2 norm over sharded and replicated gradients (the same value on every rank); clip if max_norm > 0."""
+    sharded, plain = _split_sharded(params)
+    squares = torch.zeros((), dtype=torch.float32)
+    if sharded:
+        squares = squares + torch.nn.utils.get_total_norm([p.grad for p in sharded]).full_tensor().float().cpu() ** 2
+    if plain:
+        squares = squares + torch.nn.utils.get_total_norm([p.grad for p in plain]).float().cpu() ** 2
+    total = squares.sqrt()
+    if max_norm > 0 and math.isfinite(total.item()):
+        for group in (sharded, plain):
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
+    return total
+
+
+class LossScaler:
+    """Dynamic loss scaling, on when gradients are computed or reduced in fp16, whose 5 exponent bits flush small
+    gradients to zero (bf16 and fp32 have fp32's range: scale 1, nothing to do). The loss is multiplied by `scale`
+    before backward and the gradients divided by it before clipping. An overflow shows as a non-finite global
+    gradient norm, which every rank computes over all shards, so the ranks agree on it with no extra collective.
+    (torch's ShardedGradScaler all-reduces a per-rank flag instead, and cannot unscale a mix of DTensor and plain
+    gradients, which ignored modules give.) An overflow halves the scale; `GROWTH_INTERVAL` clean steps double it."""
+
+    GROWTH_INTERVAL = 2000
+
+    def __init__(self, enabled: bool, initial_scale: float):
+        self.enabled = enabled
+        self.scale = initial_scale if enabled else 1.0
+        self.clean_steps = 0
+
+    def unscale_(self, params: list[torch.Tensor]) -> None:
+        if self.enabled:
+            for group in _split_sharded(params):
+                if group:
+                    torch._foreach_mul_([p.grad for p in group], 1.0 / self.scale)
+
+    def update(self, overflowed: bool) -> None:
+        if not self.enabled:
+            return
+        if overflowed:
+            self.scale /= 2
+            self.clean_steps = 0
+        else:
+            self.clean_steps += 1
+            if self.clean_steps == self.GROWTH_INTERVAL:
+                self.scale *= 2
+                self.clean_steps = 0
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale, "clean_steps": self.clean_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scale, self.clean_steps = state["scale"], state["clean_steps"]
+
+
+class NonFiniteGuard:
+    """A step whose loss or gradient norm is not finite is skipped; `limit` skipped steps in a row end the run.
+    Under fp16 loss scaling, overflowing gradients with a finite loss are the scaler's business (the scale halves and
+    the next step tries again) and do not count, unless the scale has fallen below 1: then even the true gradients
+    overflow fp16 (DeepSpeed stops there too: min_loss_scale)."""
+
+    def __init__(self, limit: int, scaler: LossScaler):
+        self.limit = limit
+        self.scaler = scaler
+        self.skipped_in_a_row = 0
+
+    def step_is_finite(self, loss: float, grad_norm: float) -> bool:
+        """Whether to apply this step's update; also tells the loss scaler whether the gradients overflowed."""
+        overflowed = not math.isfinite(grad_norm)
+        self.scaler.update(overflowed)
+        if math.isfinite(loss) and not overflowed:
+            self.skipped_in_a_row = 0
+            return True
+        if not (math.isfinite(loss) and self.scaler.enabled):
+            self.skipped_in_a_row += 1
+        return False
+
+    def stop_if_diverged(self, step: int) -> None:
+        if self.skipped_in_a_row >= self.limit:
+            raise TrainingDiverged(
+                f"training diverged: the loss or gradient norm was non-finite for {self.skipped_in_a_row} steps in a row "
+                f"(steps {step - self.skipped_in_a_row + 1}-{step}, training.max_nonfinite_steps = {self.limit}); "
+                "lower training.learning_rate or compute in bf16/fp32")
+        if self.scaler.scale < 1:
+            raise TrainingDiverged(
+                f"training diverged: fp16 gradients overflow even unscaled (the loss scale fell below 1 at step {step}); "
+                "lower training.learning_rate or compute in bf16")
