@@ -32,11 +32,18 @@ def load_tokenizer(path: Path):
     return AutoTokenizer.from_pretrained(path)
 
 
-def token_loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Summed next-token cross-entropy over the batch's target tokens (normalised by the caller).
-    No KV cache: training never reuses one, and a recomputed (checkpointed) layer would append to it twice."""
-    logits = model(**model_inputs(batch), use_cache=False).logits
-    return F.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+def token_loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor], aux_loss_weight: float = 0.0) -> torch.Tensor:
+    """Summed next-token cross-entropy over the batch's target tokens (normalised by the caller), plus
+    `aux_loss_weight` times the router's load-balancing loss where the model returns one (a mixture of experts
+    with `output_router_logits`). No KV cache: training never reuses one, and a recomputed (checkpointed) layer
+    would append to it twice."""
+    outputs = model(**model_inputs(batch), use_cache=False)
+    loss = F.cross_entropy(outputs.logits.float().flatten(0, 1), batch["labels"].flatten(), ignore_index=IGNORE_INDEX,
+                           reduction="sum")
+    aux_loss = getattr(outputs, "aux_loss", None)
+    if aux_loss_weight and isinstance(aux_loss, torch.Tensor):
+        loss = loss + aux_loss_weight * aux_loss.float()
+    return loss
 
 
 def train(cfg: JobConfig, runtime: Runtime) -> None:
@@ -88,6 +95,7 @@ def train(cfg: JobConfig, runtime: Runtime) -> None:
     trainable, _ = count_parameters(model)
     flops_token = flops_per_token(sharded.source.hf_config, trainable, cfg.data.seq_len)
     peak_flops = device_peak_flops(runtime.device)
+    aux_loss_coef = getattr(sharded.source.hf_config, "router_aux_loss_coef", 0.0)
     model.train()
 
     with (RunLoggers(cfg, runtime.is_main, total_steps, start_step if resume_from is not None else None) as loggers,
@@ -103,13 +111,16 @@ def train(cfg: JobConfig, runtime: Runtime) -> None:
             dist.all_reduce(counts)
             # Every rank of a sequence-parallel group holds the group's whole micro-batches: count them once.
             target_tokens, input_tokens = (counts / layout.ulysses_size).tolist()
+            # A mixture of experts adds router_aux_loss_coef x its load-balancing loss averaged over all micro-batches
+            # of all ranks, as transformers adds it to each batch's mean loss; in units of summed token losses:
+            aux_loss_weight = aux_loss_coef * target_tokens / (len(micro_batches) * runtime.world_size)
             loss_sum = torch.zeros((), dtype=torch.float64)
             for index, batch in enumerate(micro_batches):
                 last = index == len(micro_batches) - 1
                 model.set_requires_gradient_sync(last)  # reduce-scatter once per step, not per micro-batch
                 if sharded.sp_group is not None:
                     batch = shard_sequence(batch, sharded.sp_group)  # this rank's slice of the tokens
-                micro_loss = token_loss_sum(model, batch)
+                micro_loss = token_loss_sum(model, batch, aux_loss_weight)
                 # FSDP averages gradients over all ranks; scale so the result is the global token mean (times the
                 # fp16 loss scale, 1 otherwise). With sequence parallel each rank of a group holds a part of the
                 # group's gradient, and the average over all ranks sums those parts.
