@@ -23,6 +23,9 @@ def describe(cfg: JobConfig, runtime: Runtime) -> dict:
     return {
         "world_size": runtime.world_size,
         "mesh": {"shape": list(sharded.layout.shape), "dim_names": list(sharded.layout.dim_names)},
+        # Ulysses: groups of consecutive ranks that share samples, each rank holding a slice of their tokens.
+        "sequence_parallel": {"size": sharded.layout.ulysses_size, "groups": sharded.layout.sequence_parallel_groups(),
+                              "data_parallel_size": sharded.layout.data_parallel_size},
         "strategy": cfg.strategy_args.strategy_name,
         "model": {"name_or_path": cfg.model.name_or_path, "class": next(c.__name__ for c in type(model).__mro__ if not issubclass(c, FSDPModule))},
         # Read back from the live modules, so this is what fully_shard did, not what we meant it to do.

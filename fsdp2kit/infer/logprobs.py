@@ -1,7 +1,8 @@
 """`fsdp2kit infer` (`fsdp2_infer`): forward-only per-token log-probs of every sample, e.g. an RL reference model.
 
-Sample i goes to rank i % world. Every rank runs the same number of forwards (a rank with fewer samples repeats
-a dummy batch) because each forward all-gathers parameters from all ranks."""
+Sample i goes to data-parallel rank i % (world / ulysses_size); with sequence parallel the ranks of a group each
+read a slice of its tokens and add up their partial sums. Every rank runs the same number of forwards (a rank with
+fewer samples repeats a dummy batch) because each forward all-gathers parameters from all ranks."""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ import torch
 import torch.distributed as dist
 
 from fsdp2kit.config.schema import JobConfig
-from fsdp2kit.data.dataset import collate, load_documents
+from fsdp2kit.data.dataset import collate, load_documents, model_inputs
 from fsdp2kit.distributed import Runtime
+from fsdp2kit.parallel.ulysses import shard_sequence
 from fsdp2kit.train.setup import build_sharded_model
 
 
@@ -25,14 +27,20 @@ def load_infer_tokenizer(path: Path):
 
 
 @torch.no_grad()
-def sample_logprobs(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[list[float], list[int]]:
-    """Per sample: the sum of log p(token_i | tokens_<i) over i >= 1, and the number of those terms."""
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float()
+def sample_logprobs(model: torch.nn.Module, batch: dict[str, torch.Tensor],
+                    sp_group: dist.ProcessGroup | None = None) -> tuple[list[float], list[int]]:
+    """Per sample: the sum of log p(token_i | tokens_<i) over i >= 1, and the number of those terms. With sequence
+    parallel the batch holds this rank's slice of the tokens, and the sums over the group's slices are added up."""
+    logits = model(**model_inputs(batch), use_cache=False).logits.float()  # one pass: a KV cache is wasted memory
     logprobs = torch.log_softmax(logits, dim=-1)
     targets = batch["labels"]
     mask = targets != -100
     picked = logprobs.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1) * mask
-    return picked.sum(dim=1).double().cpu().tolist(), mask.sum(dim=1).cpu().tolist()
+    sums, counts = picked.sum(dim=1).double(), mask.sum(dim=1)
+    if sp_group is not None:
+        dist.all_reduce(sums, group=sp_group)
+        dist.all_reduce(counts, group=sp_group)
+    return sums.cpu().tolist(), counts.cpu().tolist()
 
 
 def infer(cfg: JobConfig, runtime: Runtime) -> None:
@@ -42,7 +50,9 @@ def infer(cfg: JobConfig, runtime: Runtime) -> None:
     documents = load_documents(cfg.data)
     # As the model's users tokenise: default special tokens, no packing, no truncation below data.seq_len.
     encoded = [torch.tensor(ids[: cfg.data.seq_len]) for ids in tokenizer(documents)["input_ids"]]
-    mine = [(i, ids) for i, ids in enumerate(encoded) if i % runtime.world_size == runtime.rank and len(ids) >= 1]
+    layout = sharded.layout
+    mine = [(i, ids) for i, ids in enumerate(encoded)
+            if i % layout.data_parallel_size == layout.data_parallel_rank(runtime.rank) and len(ids) >= 1]
     size = cfg.infer_batch_size
     rounds = torch.tensor(math.ceil(len(mine) / size))
     dist.all_reduce(rounds, op=dist.ReduceOp.MAX)
@@ -52,13 +62,16 @@ def infer(cfg: JobConfig, runtime: Runtime) -> None:
     for r in range(int(rounds)):
         chunk = mine[r * size: (r + 1) * size]
         batch = collate([ids for _, ids in chunk] or [torch.tensor([pad_id, pad_id])], pad_id)
-        sums, counts = sample_logprobs(model, {k: v.to(runtime.device) for k, v in batch.items()})
+        batch = {k: v.to(runtime.device) for k, v in batch.items()}
+        if sharded.sp_group is not None:
+            batch = shard_sequence(batch, sharded.sp_group)
+        sums, counts = sample_logprobs(model, batch, sharded.sp_group)
         for (index, _), total, count in zip(chunk, sums, counts):
             results.append({"index": index, "num_tokens": count, "sum_logprob": total,
                             "mean_logprob": total / count if count else None})
 
     gathered: list[list[dict] | None] = [None] * runtime.world_size
-    dist.all_gather_object(gathered, results)
+    dist.all_gather_object(gathered, results if runtime.rank % layout.ulysses_size == 0 else [])  # once per SP group
     if not runtime.is_main:
         return
     records = sorted((r for part in gathered for r in part), key=lambda r: r["index"])

@@ -1,10 +1,14 @@
-"""The device mesh: 1-D `[fsdp]`, or HSDP `[ddp, fsdp]` (replicate across ddp, shard within fsdp)."""
+"""The device mesh: 1-D `[fsdp]`, or HSDP `[ddp, fsdp]` (replicate across ddp, shard within fsdp); and the
+sequence-parallel (Ulysses) groups of `ulysses_size` consecutive ranks, laid over that mesh without changing it:
+FSDP still shards over all ranks (or each fsdp group), while the ranks of an SP group share their samples."""
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from fsdp2kit.config.schema import StrategyConfig
@@ -15,6 +19,7 @@ from fsdp2kit.errors import UserError
 class MeshLayout:
     shape: tuple[int, ...]
     dim_names: tuple[str, ...]
+    ulysses_size: int = 1
 
     @property
     def world_size(self) -> int:
@@ -23,12 +28,29 @@ class MeshLayout:
             size *= dim
         return size
 
+    @property
+    def data_parallel_size(self) -> int:
+        """How many different micro-batches the ranks train on at once: the ranks of an SP group share theirs."""
+        return self.world_size // self.ulysses_size
+
+    def data_parallel_rank(self, rank: int) -> int:
+        return rank // self.ulysses_size
+
+    def sequence_parallel_groups(self) -> list[list[int]]:
+        return [list(range(start, start + self.ulysses_size)) for start in range(0, self.world_size, self.ulysses_size)]
+
 
 def mesh_layout(world_size: int, strategy: StrategyConfig, ulysses_size: int = 1) -> MeshLayout:
     """ROLL's rule: fsdp_size auto, <= 1 or >= world -> pure FSDP; otherwise HSDP (world/fsdp_size, fsdp_size).
-    FSDP1/Accelerate names: NO_SHARD replicates everywhere; HYBRID_SHARD shards within a node by default."""
-    if ulysses_size > 1:
-        raise UserError("model.ulysses_size > 1: Ulysses sequence parallel is not available in this version; use 1")
+    FSDP1/Accelerate names: NO_SHARD replicates everywhere; HYBRID_SHARD shards within a node by default.
+    `ulysses_size` (which must divide the world size) groups consecutive ranks for sequence parallel."""
+    if world_size % ulysses_size:
+        raise UserError(f"model.ulysses_size = {ulysses_size} does not divide the world size {world_size}; valid: "
+                        f"{', '.join(str(d) for d in range(1, world_size + 1) if world_size % d == 0)}")
+    return replace(_fsdp_layout(world_size, strategy), ulysses_size=ulysses_size)
+
+
+def _fsdp_layout(world_size: int, strategy: StrategyConfig) -> MeshLayout:
     size = strategy.fsdp_size
     if strategy.sharding_strategy == "NO_SHARD":
         if size not in ("auto", None, 0, 1) and size < world_size:
@@ -46,3 +68,11 @@ def mesh_layout(world_size: int, strategy: StrategyConfig, ulysses_size: int = 1
 
 def build_mesh(device_type: str, layout: MeshLayout) -> DeviceMesh:
     return init_device_mesh(device_type, layout.shape, mesh_dim_names=layout.dim_names)
+
+
+def sequence_parallel_group(layout: MeshLayout) -> ProcessGroup | None:
+    """This rank's SP group (None without sequence parallel). Every rank creates every group, as torch requires."""
+    if layout.ulysses_size == 1:
+        return None
+    group, _ = dist.new_subgroups_by_enumeration(layout.sequence_parallel_groups())
+    return group

@@ -6,16 +6,18 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
+from torch.distributed import ProcessGroup
 
 from fsdp2kit.config.schema import JobConfig
 from fsdp2kit.distributed import Runtime
 from fsdp2kit.models.build import ModelSource, build_meta_model, materialise, resolve_model
 from fsdp2kit.parallel.fsdp import apply_fsdp
-from fsdp2kit.parallel.mesh import MeshLayout, build_mesh, mesh_layout
+from fsdp2kit.parallel.mesh import MeshLayout, build_mesh, mesh_layout, sequence_parallel_group
 from fsdp2kit.parallel.moe import apply_expert_patch, split_experts
 from fsdp2kit.parallel.plan import ShardingPlan, build_plan
 from fsdp2kit.parallel.recompute import apply_recompute
 from fsdp2kit.parallel.tiled_mlp import apply_tiled_mlp
+from fsdp2kit.parallel.ulysses import apply_ulysses
 
 
 @dataclass
@@ -24,19 +26,23 @@ class ShardedModel:
     plan: ShardingPlan
     layout: MeshLayout
     source: ModelSource
+    sp_group: ProcessGroup | None  # this rank's Ulysses sequence-parallel group; None without
 
 
 def build_sharded_model(cfg: JobConfig, runtime: Runtime, training: bool, materialize: bool = True) -> ShardedModel:
-    """Meta-device model -> split experts -> plan -> freeze -> recompute, TiledMLP, expert patch -> fully_shard ->
-    (materialise each rank's shards).
-    Training keeps fp32 master weights and computes in `param_dtype` (default: model.dtype)."""
+    """Meta-device model -> split experts, Ulysses attention -> plan -> freeze -> recompute, TiledMLP, expert
+    patch -> fully_shard -> (materialise each rank's shards). Training keeps fp32 master weights and computes in
+    `param_dtype` (default: model.dtype)."""
     strategy = cfg.strategy_args.strategy_config
     source = resolve_model(cfg.model, cfg.data.tokenizer)
     layout = mesh_layout(runtime.world_size, strategy, cfg.model.ulysses_size)
     mesh = build_mesh(runtime.device.type, layout)
+    sp_group = sequence_parallel_group(layout)
     master_dtype = "fp32" if training else cfg.model.dtype
     model = build_meta_model(source, cfg.model.model_copy(update={"dtype": master_dtype}))
     split_experts(model, strategy.wrap_policy.moe_experts)  # where moe_experts names a per-expert class
+    if sp_group is not None:
+        apply_ulysses(model, sp_group)
     plan = build_plan(model, strategy, cfg.model)
     frozen = set(plan.frozen_parameters)
     for name, param in model.named_parameters():
@@ -50,7 +56,7 @@ def build_sharded_model(cfg: JobConfig, runtime: Runtime, training: bool, materi
         materialise(model, source, runtime.device, cfg.training.seed, cfg.model.weights_loading)
     if not training:
         model.eval()
-    return ShardedModel(model, plan, layout, source)
+    return ShardedModel(model, plan, layout, source, sp_group)
 
 
 def count_parameters(model: nn.Module) -> tuple[int, int]:

@@ -1,0 +1,161 @@
+"""Ulysses sequence parallel (DeepSpeed-Ulysses), `model.ulysses_size: k`.
+
+The k consecutive ranks of a sequence-parallel (SP) group train on the same samples, each holding a contiguous 1/k
+of every sample's tokens. Everything but attention works token by token, so it runs on the local slice as it is;
+attention needs the whole sequence, so around it an all-to-all trades the sequence split for a head split
+([batch, heads, seq/k, dim] -> [batch, heads/k, seq, dim]): each rank attends over the whole sequence with 1/k of
+the heads, and a second all-to-all trades back. The model's code is not touched: the wrapper is registered as a
+transformers attention implementation (around the configured sdpa or eager) and the model is switched to it.
+
+Masks: the model builds none for an implementation transformers does not know (it cannot: it sees only the local
+slice). The wrapper applies causal attention over the gathered sequence, which is exact for right-padded samples
+(padding comes after every real token, so no real token attends to it), narrowed to the layer's sliding window if
+it has one. Packed documents need a block-diagonal mask over the whole sequence: `shard_sequence` builds it from
+the global position ids and hands it to the model as a 4-D `attention_mask`, which transformers passes through.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed import ProcessGroup
+
+from fsdp2kit.data.dataset import IGNORE_INDEX
+from fsdp2kit.errors import UserError
+
+
+def apply_ulysses(model: torch.nn.Module, group: ProcessGroup) -> None:
+    """Switch the model's attention to the Ulysses wrapper around its configured implementation (sdpa or eager)."""
+    from transformers import AttentionInterface
+
+    size = group.size()
+    heads = model.config.get_text_config().num_attention_heads
+    if heads % size:
+        world = dist.get_world_size()
+        valid = [d for d in range(1, world + 1) if world % d == 0 and heads % d == 0]
+        raise UserError(f"model.ulysses_size = {size} does not divide the model's {heads} attention heads (each rank "
+                        f"attends with heads / ulysses_size of them); valid here: {', '.join(map(str, valid))}")
+    inner = model.config._attn_implementation
+    name = f"ulysses_{inner}"
+    # One SP group per process, so one registration per inner implementation serves every model of the process.
+    AttentionInterface.register(name, _ulysses_attention(inner, group))
+    model.set_attn_implementation(name)
+
+
+def shard_sequence(batch: dict[str, torch.Tensor], group: ProcessGroup) -> dict[str, torch.Tensor]:
+    """This rank's contiguous 1/k of every sample of a collated micro-batch: input ids, labels and the global position
+    ids (rotary embeddings need them), the sequence padded at the end to a multiple of k with non-target tokens.
+    The 2-D padding mask is dropped (right padding needs none under causal attention, see the module docstring);
+    packed documents get their block-diagonal causal mask over the whole sequence."""
+    size, rank = group.size(), group.rank()
+    input_ids, labels = batch["input_ids"], batch["labels"]
+    length = input_ids.shape[1]
+    pad = -length % size
+    positions = batch.get("position_ids")
+    if positions is None:
+        positions = torch.arange(length, device=input_ids.device).expand(input_ids.shape[0], -1)
+    if pad:
+        input_ids = F.pad(input_ids, (0, pad))  # any token id will do: it is no target and attended by none
+        labels = F.pad(labels, (0, pad), value=IGNORE_INDEX)
+        # Continuing the last position keeps the padding inside the last document: no extra document to mask.
+        positions = torch.cat([positions, positions[:, -1:] + torch.arange(1, pad + 1, device=positions.device)], 1)
+    local = slice(rank * (length + pad) // size, (rank + 1) * (length + pad) // size)
+    shard = {"input_ids": input_ids[:, local], "position_ids": positions[:, local], "labels": labels[:, local]}
+    # transformers' rule for packed samples: a new document starts wherever the position does not grow by one.
+    documents = (torch.diff(positions, prepend=positions[:, :1] - 1) != 1).cumsum(-1)
+    if documents[:, -1].any():
+        causal = torch.ones(length + pad, length + pad, dtype=torch.bool, device=positions.device).tril()
+        shard["attention_mask"] = (causal & (documents[:, :, None] == documents[:, None, :]))[:, None]
+    return shard
+
+
+def _all_to_all(x: torch.Tensor, group: ProcessGroup, scatter_dim: int, gather_dim: int) -> torch.Tensor:
+    """Cut `x` into k chunks along `scatter_dim`, send chunk i to rank i of the group, and join the chunks that
+    arrive along `gather_dim`, in rank order."""
+    send = torch.stack(x.chunk(group.size(), dim=scatter_dim))
+    received = torch.empty_like(send)
+    dist.all_to_all_single(received, send, group=group)
+    return torch.cat(received.unbind(0), dim=gather_dim)
+
+
+class _AllToAll(torch.autograd.Function):
+    """`_all_to_all` with its gradient: the reverse exchange (gather_dim scattered, scatter_dim gathered)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup, scatter_dim: int, gather_dim: int) -> torch.Tensor:
+        ctx.group, ctx.scatter_dim, ctx.gather_dim = group, scatter_dim, gather_dim
+        return _all_to_all(x, group, scatter_dim, gather_dim)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _all_to_all(grad, ctx.group, ctx.gather_dim, ctx.scatter_dim), None, None, None
+
+
+class _RegroupedAttention:
+    """The attention module as the inner implementation sees it once key/value heads were repeated: each key/value
+    head serves fewer query heads (`num_key_value_groups`); every other attribute is the module's own."""
+
+    def __init__(self, module: torch.nn.Module, num_key_value_groups: int):
+        self._module = module
+        self.num_key_value_groups = num_key_value_groups
+
+    def __getattr__(self, name: str):
+        return getattr(self._module, name)
+
+
+def _eager_attention(module: torch.nn.Module) -> Callable:
+    """The eager attention of the module's own modeling file: transformers registers no generic one."""
+    for cls in type(module).__mro__:  # fully_shard subclasses the module's class in a module of its own
+        function = getattr(sys.modules.get(cls.__module__), "eager_attention_forward", None)
+        if function is not None:
+            return function
+    raise UserError(f"model.attn_implementation: eager with model.ulysses_size > 1 needs the eager_attention_forward "
+                    f"of {type(module).__name__}'s modeling file, which has none; use sdpa")
+
+
+def _full_sequence_mask(attention_mask: torch.Tensor | None, length: int, sliding_window: int | None,
+                        additive_dtype: torch.dtype | None, device: torch.device) -> torch.Tensor | None:
+    """The boolean mask over the gathered sequence (True = attend): the packed-document mask the batch brought, or
+    causal (None, which sdpa applies itself), narrowed to a sliding window that is shorter than the sequence.
+    Eager applies no causal mask of its own and adds the mask to the scores: it gets an additive one."""
+    mask = attention_mask
+    if sliding_window is not None and length > sliding_window:
+        position = torch.arange(length, device=device)
+        distance = position[:, None] - position[None, :]
+        band = (distance >= 0) & (distance < sliding_window)
+        mask = band if mask is None else mask & band
+    if additive_dtype is None:
+        return mask
+    if mask is None:
+        mask = torch.ones(length, length, dtype=torch.bool, device=device).tril()
+    additive = torch.zeros(mask.shape, dtype=additive_dtype, device=device)
+    return additive.masked_fill(~mask, torch.finfo(additive_dtype).min)
+
+
+def _ulysses_attention(inner: str, group: ProcessGroup) -> Callable:
+    """A transformers attention function: query [batch, heads, seq/k, dim] and key/value [batch, kv_heads, seq/k, dim]
+    in, [batch, seq/k, heads, dim] out, computed by `inner` over the whole sequence with heads/k heads."""
+    from transformers.integrations.sdpa_attention import repeat_kv
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    size = group.size()
+
+    def attention(module, query, key, value, attention_mask, **kwargs):
+        inner_attention = ALL_ATTENTION_FUNCTIONS["sdpa"] if inner == "sdpa" else _eager_attention(module)
+        kv_repeats = math.lcm(key.shape[1], size) // key.shape[1]
+        if kv_repeats > 1:  # fewer key/value heads than ranks (GQA): repeat them so that every rank gets whole ones
+            key, value = repeat_kv(key, kv_repeats), repeat_kv(value, kv_repeats)
+            module = _RegroupedAttention(module, query.shape[1] // key.shape[1])
+        query, key, value = (_AllToAll.apply(t, group, 1, 2) for t in (query, key, value))  # heads out, sequence in
+        mask = _full_sequence_mask(attention_mask, query.shape[2], kwargs.get("sliding_window"),
+                                   query.dtype if inner == "eager" else None, query.device)
+        output, _ = inner_attention(module, query, key, value, mask, **kwargs)  # [batch, seq, heads/k, dim]
+        # The attention weights (eager) cover this rank's heads only; training never reads them.
+        return _AllToAll.apply(output, group, 1, 2), None  # sequence out, heads in
+
+    return attention

@@ -1,0 +1,262 @@
+"""SPEC §4.8: Ulysses sequence parallel. Ranks of a sequence-parallel group share their samples, each holding a slice
+of the tokens, and attention sees the whole sequence through two all-to-alls. Trained that way, the model follows
+one plain PyTorch process with no FSDP and no SP: the same losses, and after one step the same gradient for every
+parameter. Sequence lengths that k does not divide, right padding (unpacked documents), packed documents (their
+block-diagonal mask), HSDP, GQA with fewer key/value heads than ranks, eager attention and a sliding window are
+all covered."""
+
+from __future__ import annotations
+
+import json
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+import yaml
+from safetensors.torch import load_file
+
+from conftest import read_metrics, run_cli
+from fsdp2kit.config.load import load_config
+from fsdp2kit.config.schema import StrategyConfig
+from fsdp2kit.data.builtin import corpus_documents
+from fsdp2kit.data.dataset import IGNORE_INDEX, GlobalBatches, collate, load_documents, model_inputs, tokenize_samples
+from fsdp2kit.errors import UserError
+from fsdp2kit.models.build import build_meta_model, materialise, resolve_model
+from fsdp2kit.parallel.mesh import mesh_layout
+from fsdp2kit.parallel.ulysses import shard_sequence
+from fsdp2kit.train.optim import build_optimizer, build_scheduler
+
+STEPS = 8
+GLOBAL_BATCH = 4
+TOLERANCE = 1e-5  # relative, per step
+
+CONFIG = {
+    "model": {"name_or_path": "builtin:tiny-llama", "dtype": "fp32"},
+    "data": {"source": "builtin:corpus"},
+    "training": {"learning_rate": 3.0e-3, "weight_decay": 0.01, "warmup_steps": 4, "lr_scheduler_type": "cosine",
+                 "max_steps": STEPS, "max_grad_norm": 1.0, "seed": 7, "per_device_train_batch_size": 1,
+                 "save_steps": 0, "export_hf": False, "report_to": []},
+}
+# An odd sequence length: k = 2 never divides it, so every batch is padded for the split.
+SMALL = {"model.config.num_hidden_layers": 2, "data.seq_len": 63}
+
+
+def as_overrides(settings: dict) -> list[str]:
+    return [f"{key}={json.dumps(value)}" for key, value in settings.items()]
+
+
+def set_args(settings: dict) -> list[str]:
+    return [arg for item in as_overrides(settings) for arg in ("--set", item)]
+
+
+@pytest.fixture(scope="module")
+def config_file(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("ulysses")
+    path = folder / "ulysses.yaml"
+    path.write_text(yaml.safe_dump(CONFIG))
+    return path
+
+
+@pytest.fixture(scope="module")
+def uneven_jsonl(tmp_path_factory):
+    """Documents of 20 to 400 characters, unpacked: samples of many lengths, right-padded in every batch."""
+    path = tmp_path_factory.mktemp("ulysses_data") / "uneven.jsonl"
+    rng = random.Random(0)
+    path.write_text("".join(json.dumps({"text": doc[: rng.randint(20, 400)]}) + "\n" for doc in corpus_documents()[:64]))
+    return path
+
+
+def plain_model(config_file, settings: dict):
+    """The config's model and tokenizer in one process, no FSDP, no SP, with the weights every rank would have."""
+    from transformers import AutoTokenizer
+
+    cfg = load_config(config_file, as_overrides(settings | {"training.per_device_train_batch_size": GLOBAL_BATCH}))
+    source = resolve_model(cfg.model)
+    model = build_meta_model(source, cfg.model)
+    materialise(model, source, torch.device("cpu"), cfg.training.seed)  # seeded per module name, as on every rank
+    return cfg, model, AutoTokenizer.from_pretrained(source.tokenizer_path)
+
+
+def reference_run(config_file, settings: dict, steps: int = STEPS) -> tuple[list[float], dict, dict]:
+    """One process, no FSDP, no SP: the mean token cross-entropy of each whole global batch, clip, AdamW step.
+    Returns the losses, the initial weights and the gradients of the first step."""
+    cfg, model, tokenizer = plain_model(config_file, settings)
+    tc = cfg.training
+    optimizer = build_optimizer(model, tc)
+    scheduler = build_scheduler(optimizer, tc, steps)
+    samples = tokenize_samples(load_documents(cfg.data), tokenizer, cfg.data)
+    batches = GlobalBatches(samples, GLOBAL_BATCH, 1, 1, 0, tc.seed, cfg.data.shuffle, tokenizer.pad_token_id)
+    initial = {name: p.detach().clone() for name, p in model.named_parameters()}
+    losses, first_grads = [], {}
+    for step in range(steps):
+        (batch,) = batches.micro_batches(step)
+        logits = model(**model_inputs(batch), use_cache=False).logits  # as training: a cache turns packing off
+        targets = batch["labels"].flatten()
+        loss = F.cross_entropy(logits.flatten(0, 1), targets, ignore_index=IGNORE_INDEX, reduction="sum")
+        loss = loss / (targets != IGNORE_INDEX).sum()
+        loss.backward()
+        if step == 0:
+            first_grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+        torch.nn.utils.clip_grad_norm_(model.parameters(), tc.max_grad_norm)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses, initial, first_grads
+
+
+def train_cli(config_file, ranks: int, settings: dict, output_dir) -> None:
+    result = run_cli("train", config_file, "--nproc", ranks, *set_args(settings | {"training.output_dir": str(output_dir)}))
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+def assert_losses_match(losses: list[float], reference: list[float]) -> float:
+    assert len(losses) == len(reference) == STEPS
+    differences = [abs(a - b) / abs(b) for a, b in zip(losses, reference)]
+    assert max(differences) < TOLERANCE, f"relative differences per step {differences}"
+    assert reference[-1] < reference[0] - 0.5  # the comparison means something only if the loss moves
+    return max(differences)
+
+
+# Unit level: the layout, and how a batch is cut.
+
+
+def test_layout_groups_consecutive_ranks_and_divides_data_parallel():
+    """ROLL's example: 8 ranks, fsdp_size 4, ulysses 2 -> FSDP mesh (2, 4) [ddp, fsdp] unchanged, 4 SP groups,
+    4 data-parallel ranks."""
+    layout = mesh_layout(8, StrategyConfig(fsdp_size=4), ulysses_size=2)
+    assert (layout.shape, layout.dim_names) == ((2, 4), ("ddp", "fsdp"))
+    assert layout.sequence_parallel_groups() == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert layout.data_parallel_size == 4
+    assert [layout.data_parallel_rank(r) for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
+
+
+def test_ulysses_size_must_divide_the_world():
+    with pytest.raises(UserError, match=r"model.ulysses_size = 3 does not divide the world size 4; valid: 1, 2, 4"):
+        mesh_layout(4, StrategyConfig(), ulysses_size=3)
+
+
+def fake_group(rank: int, size: int):
+    return SimpleNamespace(rank=lambda: rank, size=lambda: size)
+
+
+def test_shard_sequence_pads_and_slices_with_global_positions():
+    batch = collate([torch.arange(10, 16), torch.arange(20, 24)], pad_id=2)  # 5 and 3 inputs, padded to 5
+    shards = [shard_sequence(batch, fake_group(rank, 2)) for rank in range(2)]
+    joined = {key: torch.cat([s[key] for s in shards], dim=1) for key in ("input_ids", "labels", "position_ids")}
+    assert joined["input_ids"][:, :5].tolist() == batch["input_ids"].tolist()
+    assert joined["labels"].tolist() == [[11, 12, 13, 14, 15, IGNORE_INDEX], [21, 22, 23] + [IGNORE_INDEX] * 3]
+    assert joined["position_ids"].tolist() == [list(range(6))] * 2  # the global positions, padding continuing them
+    assert shards[1]["position_ids"].tolist() == [[3, 4, 5]] * 2
+    assert "attention_mask" not in shards[0]  # right padding under causal attention needs no mask
+
+
+def test_shard_sequence_gives_packed_documents_their_full_length_mask():
+    packed = {"input_ids": torch.arange(5)[None], "labels": torch.arange(1, 6)[None],
+              "position_ids": torch.tensor([[0, 1, 2, 0, 1]])}
+    shard = shard_sequence(packed, fake_group(0, 2))
+    mask = shard["attention_mask"][0, 0].int().tolist()
+    # Two documents (positions 0-2 and 3-4), the padding (5) continuing the second: causal within each.
+    assert mask == [[1, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0], [1, 1, 1, 0, 0, 0],
+                    [0, 0, 0, 1, 0, 0], [0, 0, 0, 1, 1, 0], [0, 0, 0, 1, 1, 1]]
+
+
+# End to end, through the command line.
+
+
+@pytest.mark.slow
+def test_two_ranks_ulysses_matches_one_process_on_uneven_unpacked_samples(config_file, uneven_jsonl, tmp_path):
+    settings = SMALL | {"data.source": str(uneven_jsonl), "data.pack": False}
+    reference, _, _ = reference_run(config_file, settings)
+    train_cli(config_file, 2, settings | {"model.ulysses_size": 2, "training.gradient_accumulation_steps": 4}, tmp_path)
+    records = read_metrics(tmp_path)
+    print("max relative loss difference:", assert_losses_match([r["loss"] for r in records], reference))
+
+
+@pytest.mark.slow
+def test_ulysses_with_data_parallel_and_hsdp_matches_one_process_on_packed_documents(config_file, tmp_path):
+    """4 ranks, ulysses 2 (2 data-parallel ranks, as 2 ranks of plain FSDP would be), HSDP (2, 2), recomputed
+    layers: packed documents with their block-diagonal mask, on a Mistral whose sliding window (16) is shorter than
+    the sequence."""
+    settings = SMALL | {"model.config.model_type": "mistral", "model.config.sliding_window": 16}
+    reference, _, _ = reference_run(config_file, settings)
+    train_cli(config_file, 4, settings | {"model.ulysses_size": 2, "training.gradient_accumulation_steps": 2,
+                                          "strategy_args.strategy_config.fsdp_size": 2,
+                                          "strategy_args.strategy_config.recompute_modules": ["model.layers.{*}"]},
+              tmp_path)
+    print("max relative loss difference:", assert_losses_match([r["loss"] for r in read_metrics(tmp_path)], reference))
+
+
+@pytest.mark.slow
+def test_every_gradient_matches_one_process_after_one_step(config_file, uneven_jsonl, tmp_path):
+    """One AdamW step with epsilon >> |grad| and lr = epsilon moves each weight by lr * g / (|g| + eps) = g (to 1e-7):
+    the exported weights give every parameter's gradient. Eager attention, and one key/value head for two ranks
+    (each rank needs its own copy of it)."""
+    settings = SMALL | {"data.source": str(uneven_jsonl), "data.pack": False, "model.config.num_key_value_heads": 1}
+    _, initial, reference_grads = reference_run(config_file, settings, steps=1)
+    one_step = {"training.max_steps": 1, "training.learning_rate": 1.0e6, "training.adam_epsilon": 1.0e6,
+                "training.weight_decay": 0.0, "training.max_grad_norm": 0.0, "training.warmup_steps": 0,
+                "training.lr_scheduler_type": "constant", "training.export_hf": True}
+    train_cli(config_file, 2, settings | one_step | {"model.ulysses_size": 2, "model.attn_implementation": "eager",
+                                                     "training.gradient_accumulation_steps": 4}, tmp_path)
+    trained = {k: v for f in sorted((tmp_path / "hf").glob("*.safetensors")) for k, v in load_file(f).items()}
+    assert set(trained) == set(reference_grads)
+    worst = 0.0
+    for name, grad in reference_grads.items():
+        measured = initial[name] - trained[name]
+        error = ((measured - grad).abs().max() / grad.abs().max()).item()
+        assert error < 1e-4, f"{name}: gradient differs by {error:.2e} of its largest element"
+        worst = max(worst, error)
+    print("max relative gradient difference:", worst)
+
+
+@pytest.mark.slow
+def test_infer_with_ulysses_matches_one_process(config_file, uneven_jsonl, tmp_path):
+    """fsdp2_infer: per-sample log-prob sums of unpadded samples of uneven lengths, in padded batches of 3."""
+    settings = {"model.config.num_hidden_layers": 2, "data.source": str(uneven_jsonl), "data.max_samples": 7}
+    cfg, model, tokenizer = plain_model(config_file, settings)
+    expected = []
+    with torch.no_grad():
+        for document in load_documents(cfg.data):
+            ids = torch.tensor([tokenizer(document)["input_ids"][: cfg.data.seq_len]])
+            logprobs = torch.log_softmax(model(ids).logits[0, :-1], -1)
+            expected.append(logprobs.gather(-1, ids[0, 1:, None]).sum().item())
+    result = run_cli("infer", config_file, "--nproc", 2, *set_args(settings | {
+        "model.ulysses_size": 2, "strategy_args.strategy_name": "fsdp2_infer", "infer_batch_size": 3,
+        "training.output_dir": str(tmp_path)}))
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "infer.jsonl").read_text().splitlines()][:-1]
+    assert [r["index"] for r in records] == list(range(len(expected)))  # each sample once, not once per SP rank
+    differences = [abs(r["sum_logprob"] - e) / abs(e) for r, e in zip(records, expected)]
+    assert max(differences) < TOLERANCE, differences
+    print("max relative log-prob difference:", max(differences))
+
+
+@pytest.mark.slow
+def test_heads_not_divisible_by_ulysses_size_is_one_sentence(config_file, tmp_path):
+    result = run_cli("train", config_file, "--nproc", 2, *set_args(SMALL | {
+        "model.ulysses_size": 2, "model.config.num_attention_heads": 1, "model.config.num_key_value_heads": 1,
+        "training.output_dir": str(tmp_path)}))
+    assert result.returncode == 2
+    assert "error: model.ulysses_size = 2 does not divide the model's 1 attention heads" in result.stderr
+    assert "valid here: 1" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_ulysses_size_not_dividing_nproc_fails_before_spawning(config_file, tmp_path):
+    result = run_cli("train", config_file, "--nproc", 2, "--set", "model.ulysses_size=3")
+    assert result.returncode == 2
+    assert result.stderr.strip() == "error: model.ulysses_size = 3 does not divide the world size 2; valid: 1, 2"
+
+
+@pytest.mark.slow
+def test_check_shows_the_sequence_parallel_layout(config_file):
+    result = run_cli("check", config_file, "--nproc", 2, "--json",
+                     *set_args({"model.ulysses_size": 2, "model.config.num_hidden_layers": 1}))
+    assert result.returncode == 0, result.stderr[-3000:]
+    plan = json.loads(result.stdout.strip().splitlines()[-1])
+    assert plan["mesh"] == {"shape": [2], "dim_names": ["fsdp"]}  # FSDP still shards over both ranks
+    assert plan["sequence_parallel"] == {"size": 2, "groups": [[0, 1]], "data_parallel_size": 1}
+    assert plan["ulysses_size"] == 2
