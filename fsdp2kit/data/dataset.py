@@ -89,10 +89,11 @@ class Sample:
         return cls(tokens, trained)
 
 
-def _encode(documents: list[str] | list[PromptResponse], tokenizer) -> list[tuple[list[int], int]]:
-    """Each document's token ids with EOS appended, and how many leading ids are prompt (not trained on).
-    A prompt gets the tokenizer's default special tokens (e.g. BOS); the response is joined as ids, not text."""
-    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+def encode_documents(documents: list[str] | list[PromptResponse], tokenizer,
+                     append_eos: bool = True) -> list[tuple[list[int], int]]:
+    """Each document's token ids (with EOS appended for training), and how many leading ids are prompt (not
+    trained on). A prompt gets the tokenizer's default special tokens (e.g. BOS); the response is joined as ids."""
+    eos = [tokenizer.eos_token_id] if append_eos and tokenizer.eos_token_id is not None else []
     if all(isinstance(d, str) for d in documents):
         return [(ids + eos, 0) for ids in tokenizer(list(documents))["input_ids"]]
     prompts = tokenizer([d.prompt for d in documents])["input_ids"]
@@ -115,7 +116,7 @@ def tokenize_samples(documents: list[str] | list[PromptResponse], tokenizer, cfg
     builds a block-diagonal causal mask: no token attends across a document boundary. A document's first token is
     never a target (nothing of its own document precedes it); samples without any target are dropped."""
     width = cfg.seq_len + 1
-    encoded = _encode(documents, tokenizer)
+    encoded = encode_documents(documents, tokenizer)
     trained_masks = []
     for ids, prompt_len in encoded:
         trained = torch.ones(len(ids), dtype=torch.bool)

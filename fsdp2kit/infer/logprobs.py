@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp2kit.config.schema import JobConfig
-from fsdp2kit.data.dataset import collate, load_documents, model_inputs
+from fsdp2kit.data.dataset import collate, encode_documents, load_documents, model_inputs
 from fsdp2kit.distributed import Runtime
 from fsdp2kit.parallel.ulysses import shard_sequence
 from fsdp2kit.train.setup import build_sharded_model
@@ -48,8 +48,9 @@ def infer(cfg: JobConfig, runtime: Runtime) -> None:
     model = sharded.model
     tokenizer = load_infer_tokenizer(sharded.source.tokenizer_path)
     documents = load_documents(cfg.data)
-    # As the model's users tokenise: default special tokens, no packing, no truncation below data.seq_len.
-    encoded = [torch.tensor(ids[: cfg.data.seq_len]) for ids in tokenizer(documents)["input_ids"]]
+    # As the model's users tokenise: default special tokens, no EOS added, no packing, truncated at data.seq_len
+    # (a prompt/response record is the prompt's ids followed by the response's).
+    encoded = [torch.tensor(ids[: cfg.data.seq_len]) for ids, _ in encode_documents(documents, tokenizer, append_eos=False)]
     layout = sharded.layout
     mine = [(i, ids) for i, ids in enumerate(encoded)
             if i % layout.data_parallel_size == layout.data_parallel_rank(runtime.rank) and len(ids) >= 1]

@@ -87,6 +87,9 @@ def train(cfg: JobConfig, runtime: Runtime) -> None:
             scaler.load_state_dict(state["loss_scaler"])
         if runtime.is_main:
             print(f"resumed from {resume_from} at step {start_step}", flush=True)
+        if start_step > total_steps:
+            raise UserError(f"training.resume: '{resume_from}' is at step {start_step}, past this run's "
+                            f"{total_steps} steps; raise training.max_steps or start a new output_dir")
     if runtime.is_main:
         output_dir.mkdir(parents=True, exist_ok=True)
         (output_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
@@ -164,8 +167,9 @@ def train(cfg: JobConfig, runtime: Runtime) -> None:
                 if runtime.is_main:
                     print(f"checkpoint step_{done}: training paused {stall:.2f}s", flush=True)
 
-    checkpoints.save(total_steps, model, optimizer, _trainer_state(total_steps, scheduler, scaler, batches, cfg),
-                     blocking=True)
+    if start_step < total_steps:  # a run resumed at its end has nothing new to save
+        checkpoints.save(total_steps, model, optimizer, _trainer_state(total_steps, scheduler, scaler, batches, cfg),
+                         blocking=True)
     if tc.export_hf:
         export_hf(model, output_dir / "hf", sharded.source.tokenizer_path, cfg.model.dtype, runtime.is_main)
     if runtime.is_main:
