@@ -61,7 +61,12 @@ def init_distributed(device_mapping: list[int] | None) -> Runtime:
         device, backend = torch.device("cpu"), "gloo"
         return_large_frees_to_os()
     if not dist.is_initialized():
-        dist.init_process_group(backend, rank=rank, world_size=world_size)
+        # Under `torchrun --max-restarts`, every attempt meets in the same store: keys of the attempt before (a dead
+        # rank's address) would be read by a fast rank of this one. A prefix per attempt keeps them apart.
+        store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size))
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        dist.init_process_group(backend, store=dist.PrefixStore(f"fsdp2kit/attempt_{attempt}", store),
+                                rank=rank, world_size=world_size)
     return Runtime(rank, world_size, local_rank, device)
 
 
