@@ -7,6 +7,7 @@ A folder named `step_N` with a `trainer_state.json` is therefore complete; anyth
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
@@ -35,9 +36,14 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _write_durable(path: Path, text: str) -> None:
-    with path.open("w") as handle:
-        handle.write(text)
+def _fsync_file(path: Path) -> None:
+    with path.open("rb") as handle:
+        os.fsync(handle.fileno())
+
+
+def _write_durable(path: Path, payload: bytes) -> None:
+    with path.open("wb") as handle:
+        handle.write(payload)
         handle.flush()
         os.fsync(handle.fileno())
 
@@ -104,15 +110,16 @@ class CheckpointManager:
             tmp.mkdir(parents=True)
             if self.hf_config is not None:
                 write_config_and_tokenizer(tmp, self.hf_config, self.tokenizer_path, next(model.parameters()).dtype)
+                for file in tmp.iterdir():  # only rank 0's files exist yet; DCP syncs the shards it writes
+                    _fsync_file(file)
         dist.barrier()
         fault_point("before_save", step, self.rank)
         model_state, optim_state = get_state_dict(model, optimizer)
         state = {"model": model_state, "optim": optim_state}
-        rng = {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
-        with (tmp / f"rng_rank{self.rank}.pt").open("wb") as handle:
-            torch.save(rng, handle)
-            handle.flush()
-            os.fsync(handle.fileno())
+        rng = io.BytesIO()
+        torch.save({"cpu": torch.get_rng_state(),
+                    "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}, rng)
+        _write_durable(tmp / f"rng_rank{self.rank}.pt", rng.getvalue())
         if self.async_save and not blocking:
             future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.group)
             self.pending = (future, tmp, final, trainer_state)
@@ -143,11 +150,8 @@ class CheckpointManager:
         fault_point("after_shards", step, self.rank)
         dist.barrier()  # every rank's shards (and rank 0's .metadata) are written and synced
         if self.rank == 0:
-            for file in tmp.iterdir():  # the config and tokenizer files rank 0 wrote
-                with file.open("rb") as handle:
-                    os.fsync(handle.fileno())
             fault_point("before_state", step, self.rank)
-            _write_durable(tmp / STATE_FILE, json.dumps(trainer_state, indent=2))
+            _write_durable(tmp / STATE_FILE, json.dumps(trainer_state, indent=2).encode())
             fault_point("before_rename", step, self.rank)
             if final.exists():
                 shutil.rmtree(final)
