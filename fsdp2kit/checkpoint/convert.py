@@ -7,7 +7,6 @@
 
 from __future__ import annotations
 
-import shutil
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,9 +18,10 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from fsdp2kit.checkpoint.manager import read_dcp
 from fsdp2kit.errors import UserError
-from fsdp2kit.models.export import TOKENIZER_FILES, SafetensorsWriter
+from fsdp2kit.models.export import TOKENIZER_FILES, SafetensorsWriter, copy_present_files
 
 MODEL_PREFIX = "model."
+MODEL_FILES = ("config.json", "generation_config.json", *TOKENIZER_FILES)  # copied verbatim, so round trips are exact
 LOAD_GROUP_BYTES = 1024**3
 
 
@@ -64,12 +64,6 @@ def read_dcp_model(src: Path, names: list[str], tensors: dict[str, TensorStorage
             group, size = {}, 0
 
 
-def _copy_model_files(src: Path, dst: Path) -> None:
-    for name in ("config.json", "generation_config.json", *TOKENIZER_FILES):
-        if (src / name).is_file():
-            shutil.copy(src / name, dst / name)
-
-
 def convert(src: Path, dst: Path, to: str, dtype: torch.dtype | None = None) -> None:
     with warnings.catch_warnings():  # DCP warns that it runs without a process group: that is the intent here
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -98,11 +92,10 @@ def _convert(src: Path, dst: Path, to: str, dtype: torch.dtype | None) -> None:
         for name, tensor in read_dcp_model(src, names, tensors):
             writer.add(name, cast(tensor))
         writer.close()
-        _copy_model_files(src, dst)
     else:  # torch
         state = {name: cast(tensor) for name, tensor in read_dcp_model(src, list(tensors), tensors)}
         torch.save(state, dst / "model.pt")
-        _copy_model_files(src, dst)
+    copy_present_files(src, dst, MODEL_FILES)
 
 
 def _hf_to_dcp(src: Path, dst: Path) -> None:
@@ -117,4 +110,4 @@ def _hf_to_dcp(src: Path, dst: Path) -> None:
             state.update({key: handle.get_tensor(key) for key in handle.keys()})
     dst.mkdir(parents=True, exist_ok=True)
     dcp.save({"model": state}, checkpoint_id=str(dst), no_dist=True)
-    _copy_model_files(src, dst)
+    copy_present_files(src, dst, MODEL_FILES)

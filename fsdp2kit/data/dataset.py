@@ -51,6 +51,13 @@ def _read_table(source: str):
         raise UserError(f"data.source: cannot read '{source}': {exc}") from None
 
 
+def load_tokenizer(path: Path):
+    """The tokenizer of a model folder, a checkpoint or `data.tokenizer`, through transformers."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
 def load_documents(cfg: DataConfig) -> list[str] | list[PromptResponse]:
     """The source's documents in file order (the first `max_samples`): texts, or prompt/response pairs when the
     source has both `prompt_key` and `response_key` fields. Empty texts and responses are dropped."""

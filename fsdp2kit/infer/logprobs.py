@@ -14,16 +14,10 @@ import torch
 import torch.distributed as dist
 
 from fsdp2kit.config.schema import JobConfig
-from fsdp2kit.data.dataset import collate, encode_documents, load_documents, model_inputs
+from fsdp2kit.data.dataset import collate, encode_documents, load_documents, load_tokenizer, model_inputs
 from fsdp2kit.distributed import Runtime
 from fsdp2kit.parallel.ulysses import shard_sequence
 from fsdp2kit.train.setup import build_sharded_model
-
-
-def load_infer_tokenizer(path: Path):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path)
 
 
 @torch.no_grad()
@@ -46,7 +40,7 @@ def sample_logprobs(model: torch.nn.Module, batch: dict[str, torch.Tensor],
 def infer(cfg: JobConfig, runtime: Runtime) -> None:
     sharded = build_sharded_model(cfg, runtime, training=False)
     model = sharded.model
-    tokenizer = load_infer_tokenizer(sharded.source.tokenizer_path)
+    tokenizer = load_tokenizer(sharded.source.tokenizer_path)
     documents = load_documents(cfg.data)
     # As the model's users tokenise: default special tokens, no EOS added, no packing, truncated at data.seq_len
     # (a prompt/response record is the prompt's ids followed by the response's).

@@ -39,6 +39,8 @@ def _hf_config(model_type: str | None, folder: Path | None, overrides: dict):
 
     try:
         base = AutoConfig.from_pretrained(folder) if folder else AutoConfig.for_model(model_type)
+        if not overrides:
+            return base
         for key in overrides:
             if not hasattr(base, key):
                 raise UserError(f"model.config.{key}: the {type(base).__name__} has no such setting")
@@ -127,13 +129,10 @@ def build_meta_model(source: ModelSource, cfg: ModelConfig) -> nn.Module:
     return model
 
 
-def _local_part(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
-    """The slice of a full tensor that this rank holds (the whole tensor when `param` is not sharded)."""
-    if not isinstance(param, DTensor):
-        return full
-    shape, offset = compute_local_shape_and_global_offset(full.shape, param.device_mesh, param.placements)
-    index = tuple(slice(o, o + s) for o, s in zip(offset, shape))
-    return full[index]
+def _local_index(param: DTensor) -> tuple[slice, ...]:
+    """Where this rank's shard of a sharded parameter sits in the full tensor."""
+    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    return tuple(slice(o, o + s) for o, s in zip(offset, shape))
 
 
 def _module_seed(seed: int, name: str) -> int:
@@ -164,8 +163,11 @@ def initialise_weights(model: nn.Module, seed: int, buffers_only: bool = False) 
         for key, param in params.items():
             if id(param) not in initialised:  # a tied weight is initialised once
                 initialised.add(id(param))
-                local = param.to_local() if isinstance(param, DTensor) else param
-                local.copy_(_local_part(param, shadow._parameters[key]))
+                full = shadow._parameters[key]
+                if isinstance(param, DTensor):
+                    param.to_local().copy_(full[_local_index(param)])
+                else:
+                    param.copy_(full)
         for key, buffer in buffers.items():
             buffer.copy_(shadow._buffers[key])
 
@@ -185,8 +187,8 @@ def _safetensors_index(folder: Path) -> dict[str, Path]:
 
 
 @torch.no_grad()
-def _safetensors_views(model: nn.Module, folder: Path, handles: dict) -> dict[str, object]:
-    """Each state-dict tensor's lazy view in the files (headers only), checked against the model."""
+def _safetensors_views(model: nn.Module, folder: Path, handles: dict) -> dict[str, tuple[torch.Tensor, object]]:
+    """Each state-dict tensor with its lazy view in the files (headers only), checked against the model."""
     from safetensors import safe_open
 
     locations = _safetensors_index(folder)
@@ -219,7 +221,7 @@ def _safetensors_views(model: nn.Module, folder: Path, handles: dict) -> dict[st
         if tuple(view.get_shape()) != tuple(param.shape):
             raise UserError(f"model weights: tensor '{name}' in {where} has shape {tuple(view.get_shape())}, "
                             f"the model expects {tuple(param.shape)}")
-        views[name] = view
+        views[name] = (param, view)
     return views
 
 
@@ -236,9 +238,7 @@ def load_safetensors(model: nn.Module, folder: Path, mode: str = "sliced") -> No
     handles: dict[Path, object] = {}
     try:
         views = _safetensors_views(model, folder, handles)  # every rank validates: errors come before any collective
-        state = model.state_dict(keep_vars=True)
-        for name, view in views.items():
-            param = state[name]
+        for param, view in views.values():
             if not isinstance(param, DTensor):  # a replicated (ignored) module: every rank reads it
                 param.copy_(view[:].to(param.dtype))
                 continue
@@ -248,9 +248,7 @@ def load_safetensors(model: nn.Module, folder: Path, mode: str = "sliced") -> No
                         else torch.empty(param.shape, dtype=local.dtype)).to(local.device)
                 local.copy_(distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=0).to_local())
             else:
-                shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
-                index = tuple(slice(o, o + s) for o, s in zip(offset, shape))
-                local.copy_((view[index] if local.numel() else torch.empty(local.shape)).to(local.dtype))
+                local.copy_((view[_local_index(param)] if local.numel() else torch.empty(local.shape)).to(local.dtype))
     finally:
         for handle in handles.values():
             handle.__exit__(None, None, None)

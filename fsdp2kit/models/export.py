@@ -69,14 +69,19 @@ def hf_state_names(model: nn.Module) -> list[str]:
     return [name for name in model.state_dict() if name not in tied]
 
 
+def copy_present_files(src: Path, dst: Path, names: Iterable[str]) -> None:
+    """Copy those of `names` that exist in `src` (a tokenizer has some of TOKENIZER_FILES, never all)."""
+    for name in names:
+        if (src / name).is_file():
+            shutil.copy(src / name, dst / name)
+
+
 def write_config_and_tokenizer(out_dir: Path, hf_config, tokenizer_path: Path | None, dtype: torch.dtype) -> None:
     hf_config = copy.deepcopy(hf_config)
     hf_config.dtype = dtype
     hf_config.save_pretrained(out_dir)
     if tokenizer_path is not None:
-        for name in TOKENIZER_FILES:
-            if (tokenizer_path / name).is_file():
-                shutil.copy(tokenizer_path / name, out_dir / name)
+        copy_present_files(tokenizer_path, out_dir, TOKENIZER_FILES)
 
 
 def write_hf_folder(tensors: Iterable[tuple[str, torch.Tensor]], out_dir: Path, hf_config, tokenizer_path: Path | None,

@@ -9,6 +9,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from fsdp2kit.errors import UserError
+from fsdp2kit.parallel.mesh import divisors
 from fsdp2kit.parallel.plan import ShardingPlan
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, None: None}
@@ -30,9 +31,8 @@ def _mp_policy(plan: ShardingPlan, master_dtype: torch.dtype, cast_inputs: bool,
 def _check_reshard(reshard: bool | int, mesh: DeviceMesh) -> None:
     shard_size = mesh.size(mesh.ndim - 1)  # the shard dimension is the last one ([fsdp] or [ddp, fsdp])
     if not isinstance(reshard, bool) and (reshard < 1 or shard_size % reshard):
-        divisors = [d for d in range(1, shard_size + 1) if shard_size % d == 0]
         raise UserError(f"strategy_config.reshard_after_forward = {reshard}: an integer must divide the shard group "
-                        f"size {shard_size}; valid: true, false or one of {divisors}")
+                        f"size {shard_size}; valid: true, false or one of {divisors(shard_size)}")
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan) -> list[FSDPModule]:

@@ -4,6 +4,7 @@ FSDP still shards over all ranks (or each fsdp group), while the ranks of an SP 
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, replace
 
@@ -23,10 +24,7 @@ class MeshLayout:
 
     @property
     def world_size(self) -> int:
-        size = 1
-        for dim in self.shape:
-            size *= dim
-        return size
+        return math.prod(self.shape)
 
     @property
     def data_parallel_size(self) -> int:
@@ -46,7 +44,7 @@ def mesh_layout(world_size: int, strategy: StrategyConfig, ulysses_size: int = 1
     `ulysses_size` (which must divide the world size) groups consecutive ranks for sequence parallel."""
     if world_size % ulysses_size:
         raise UserError(f"model.ulysses_size = {ulysses_size} does not divide the world size {world_size}; valid: "
-                        f"{', '.join(str(d) for d in range(1, world_size + 1) if world_size % d == 0)}")
+                        f"{', '.join(map(str, divisors(world_size)))}")
     return replace(_fsdp_layout(world_size, strategy), ulysses_size=ulysses_size)
 
 
@@ -62,8 +60,13 @@ def _fsdp_layout(world_size: int, strategy: StrategyConfig) -> MeshLayout:
         return MeshLayout((world_size,), ("fsdp",))
     if world_size % size:
         raise UserError(f"strategy_config.fsdp_size = {size} does not divide the world size {world_size}; "
-                        f"valid: 'auto' or one of {[d for d in range(1, world_size + 1) if world_size % d == 0]}")
+                        f"valid: 'auto' or one of {divisors(world_size)}")
     return MeshLayout((world_size // size, size), ("ddp", "fsdp"))
+
+
+def divisors(n: int) -> list[int]:
+    """The sizes a group of n ranks splits evenly into (what error messages offer as valid)."""
+    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def build_mesh(device_type: str, layout: MeshLayout) -> DeviceMesh:

@@ -27,6 +27,7 @@ from torch.distributed import ProcessGroup
 
 from fsdp2kit.data.dataset import IGNORE_INDEX
 from fsdp2kit.errors import UserError
+from fsdp2kit.parallel.mesh import divisors
 
 
 def apply_ulysses(model: torch.nn.Module, group: ProcessGroup) -> None:
@@ -37,7 +38,7 @@ def apply_ulysses(model: torch.nn.Module, group: ProcessGroup) -> None:
     heads = model.config.get_text_config().num_attention_heads
     if heads % size:
         world = dist.get_world_size()
-        valid = [d for d in range(1, world + 1) if world % d == 0 and heads % d == 0]
+        valid = [d for d in divisors(world) if heads % d == 0]
         raise UserError(f"model.ulysses_size = {size} does not divide the model's {heads} attention heads (each rank "
                         f"attends with heads / ulysses_size of them); valid here: {', '.join(map(str, valid))}")
     inner = model.config._attn_implementation

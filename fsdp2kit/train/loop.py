@@ -12,8 +12,8 @@ import torch.nn.functional as F
 
 from fsdp2kit.checkpoint.manager import CheckpointManager, fault_point
 from fsdp2kit.config.schema import JobConfig
-from fsdp2kit.data.dataset import (IGNORE_INDEX, GlobalBatches, input_token_count, load_documents, model_inputs,
-                                   tokenize_samples)
+from fsdp2kit.data.dataset import (IGNORE_INDEX, GlobalBatches, input_token_count, load_documents, load_tokenizer,
+                                   model_inputs, tokenize_samples)
 from fsdp2kit.distributed import Runtime
 from fsdp2kit.errors import UserError
 from fsdp2kit.models.export import export_hf
@@ -24,12 +24,6 @@ from fsdp2kit.train.metrics import device_peak_flops, flops_per_token, peak_memo
 from fsdp2kit.train.optim import build_optimizer, build_scheduler
 from fsdp2kit.train.profiling import StepProfiler
 from fsdp2kit.train.setup import build_sharded_model, count_parameters
-
-
-def load_tokenizer(path: Path):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path)
 
 
 def token_loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor], aux_loss_weight: float = 0.0) -> torch.Tensor:
