@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install train test clean
+.PHONY: install train test lint clean
 
 install: $(STAMP)
 
@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet torch==2.13.0
-	$(BIN)/python -m pip install --quiet -e '.[test]'
+	$(BIN)/python -m pip install --quiet -e '.[test,lint]'
 	touch $(STAMP)
 
 train: install
@@ -21,6 +21,11 @@ train: install
 
 test: install
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
 
 clean:
 	rm -rf runs .pytest_cache

@@ -24,24 +24,36 @@ def describe(cfg: JobConfig, runtime: Runtime) -> dict:
         "world_size": runtime.world_size,
         "mesh": {"shape": list(sharded.layout.shape), "dim_names": list(sharded.layout.dim_names)},
         # Ulysses: groups of consecutive ranks that share samples, each rank holding a slice of their tokens.
-        "sequence_parallel": {"size": sharded.layout.ulysses_size, "groups": sharded.layout.sequence_parallel_groups(),
-                              "data_parallel_size": sharded.layout.data_parallel_size},
+        "sequence_parallel": {
+            "size": sharded.layout.ulysses_size,
+            "groups": sharded.layout.sequence_parallel_groups(),
+            "data_parallel_size": sharded.layout.data_parallel_size,
+        },
         "strategy": cfg.strategy_args.strategy_name,
-        "model": {"name_or_path": cfg.model.name_or_path, "class": next(c.__name__ for c in type(model).__mro__ if not issubclass(c, FSDPModule))},
+        "model": {
+            "name_or_path": cfg.model.name_or_path,
+            "class": next(c.__name__ for c in type(model).__mro__ if not issubclass(c, FSDPModule)),
+        },
         # Read back from the live modules, so this is what fully_shard did, not what we meant it to do.
         "sharded_modules": [name for name, module in model.named_modules() if isinstance(module, FSDPModule)],
         "groups": describe_groups(model),
         "ignored_modules": plan.ignored_modules,
         "recompute_modules": plan.recompute_modules,
-        "tiled_mlp": {"modules": plan.tiled_mlp_modules, "num_shards": plan.tiled_num_shards} if plan.tiled_mlp_modules else None,
+        "tiled_mlp": {"modules": plan.tiled_mlp_modules, "num_shards": plan.tiled_num_shards}
+        if plan.tiled_mlp_modules
+        else None,
         "expert_patch": plan.expert_patch,
         "frozen_modules": cfg.model.freeze_module_prefix,
         "trainable_parameters": trainable,
         "frozen_parameters": frozen,
         "master_dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
-        "mixed_precision": {"param_dtype": _DTYPE_NAMES[plan.param_dtype], "reduce_dtype": _DTYPE_NAMES[plan.reduce_dtype],
-                            "output_dtype": _DTYPE_NAMES[plan.output_dtype], "cast_forward_inputs": plan.cast_forward_inputs,
-                            "no_cast_modules": plan.no_cast_modules},
+        "mixed_precision": {
+            "param_dtype": _DTYPE_NAMES[plan.param_dtype],
+            "reduce_dtype": _DTYPE_NAMES[plan.reduce_dtype],
+            "output_dtype": _DTYPE_NAMES[plan.output_dtype],
+            "cast_forward_inputs": plan.cast_forward_inputs,
+            "no_cast_modules": plan.no_cast_modules,
+        },
         "reshard_after_forward": plan.reshard_after_forward,
         "offload": plan.offload,
         "pin_memory": plan.pin_memory,

@@ -17,31 +17,61 @@ ERROR_DIR_ENV = "FSDP2KIT_ERROR_DIR"
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fsdp2kit", description="Train and serve transformer models with PyTorch FSDP2.")
+    parser = argparse.ArgumentParser(
+        prog="fsdp2kit", description="Train and serve transformer models with PyTorch FSDP2."
+    )
     commands = parser.add_subparsers(dest="command", required=True)
-    for name, help_text in (("train", "train a model"),
-                            ("infer", "fsdp2_infer: forward-only per-sample log-probs and perplexity"),
-                            ("check", "validate the config and print the sharding plan")):
+    for name, help_text in (
+        ("train", "train a model"),
+        ("infer", "fsdp2_infer: forward-only per-sample log-probs and perplexity"),
+        ("check", "validate the config and print the sharding plan"),
+    ):
         sub = commands.add_parser(name, help=help_text)
         sub.add_argument("config", help="YAML config (native, or a ROLL file with roles)")
         sub.add_argument("--nproc", type=int, default=None, help="launch this many local ranks (torch elastic)")
-        sub.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
-                         help="override a config key (value parsed as YAML); repeatable")
-        sub.add_argument("--role", default=None,
-                         help="the role of a ROLL config to use (default: its first fsdp2_train/fsdp2_infer role)")
-        sub.add_argument("--fsdp-config", "--fsdp2-config-path", "--fsdp2-config", dest="fsdp_config", default=None,
-                         help="a MindSpeed-MM fsdp2_config.yaml or an Accelerate config replacing strategy_config")
+        sub.add_argument(
+            "--set",
+            dest="overrides",
+            action="append",
+            default=[],
+            metavar="KEY.PATH=VALUE",
+            help="override a config key (value parsed as YAML); repeatable",
+        )
+        sub.add_argument(
+            "--role",
+            default=None,
+            help="the role of a ROLL config to use (default: its first fsdp2_train/fsdp2_infer role)",
+        )
+        sub.add_argument(
+            "--fsdp-config",
+            "--fsdp2-config-path",
+            "--fsdp2-config",
+            dest="fsdp_config",
+            default=None,
+            help="a MindSpeed-MM fsdp2_config.yaml or an Accelerate config replacing strategy_config",
+        )
         if name == "check":
             sub.add_argument("--json", action="store_true", help="print one JSON object")
     convert = commands.add_parser("convert", help="convert a checkpoint: DCP -> HF/torch, HF -> DCP")
     convert.add_argument("src", help="a DCP checkpoint folder (checkpoints/step_N) or an HF model folder")
     convert.add_argument("dst", help="a new folder")
     convert.add_argument("--to", required=True, choices=["hf", "torch", "dcp"], help="target format")
-    convert.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None,
-                         help="cast the weights (default: keep the stored dtype)")
-    report = commands.add_parser("report", help="plot runs' metrics (loss, lr, grad norm, tokens/s, memory) and summarise them")
-    report.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="training output folders holding metrics.jsonl; "
-                        "several are overlaid, and the plots go to the first one's report/ folder")
+    convert.add_argument(
+        "--dtype",
+        choices=["bf16", "fp16", "fp32"],
+        default=None,
+        help="cast the weights (default: keep the stored dtype)",
+    )
+    report = commands.add_parser(
+        "report", help="plot runs' metrics (loss, lr, grad norm, tokens/s, memory) and summarise them"
+    )
+    report.add_argument(
+        "run_dirs",
+        nargs="+",
+        metavar="RUN_DIR",
+        help="training output folders holding metrics.jsonl; "
+        "several are overlaid, and the plots go to the first one's report/ folder",
+    )
     return parser
 
 
@@ -71,7 +101,8 @@ def _launch(nproc: int, argv: list[str]) -> int:
     with tempfile.TemporaryDirectory(prefix="fsdp2kit-errors-") as error_dir:
         os.environ[ERROR_DIR_ENV] = error_dir
         args = get_args_parser().parse_args(
-            ["--standalone", f"--nproc-per-node={nproc}", "--max-restarts=0", "-m", "fsdp2kit", *_strip_nproc(argv)])
+            ["--standalone", f"--nproc-per-node={nproc}", "--max-restarts=0", "-m", "fsdp2kit", *_strip_nproc(argv)]
+        )
         try:
             run(args)
         except ChildFailedError as failure:

@@ -45,13 +45,21 @@ def return_large_frees_to_os(threshold_bytes: int = 4 << 20) -> None:
 def init_distributed(device_mapping: list[int] | None) -> Runtime:
     """NCCL on CUDA (gloo kept for CPU tensors), gloo on CPU. Without a launcher, a world of one."""
     if "RANK" not in os.environ:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+        os.environ.update(
+            RANK="0",
+            WORLD_SIZE="1",
+            LOCAL_RANK="0",
+            LOCAL_WORLD_SIZE="1",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(free_port()),
+        )
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if device_mapping is not None and len(device_mapping) != world_size:
-        raise UserError(f"device_mapping lists {len(device_mapping)} devices but the job has {world_size} ranks; "
-                        f"give {world_size} device ids or launch {len(device_mapping)} ranks")
+        raise UserError(
+            f"device_mapping lists {len(device_mapping)} devices but the job has {world_size} ranks; "
+            f"give {world_size} device ids or launch {len(device_mapping)} ranks"
+        )
     if torch.cuda.is_available():
         index = device_mapping[rank] % torch.cuda.device_count() if device_mapping else local_rank
         device = torch.device("cuda", index)
@@ -65,8 +73,9 @@ def init_distributed(device_mapping: list[int] | None) -> Runtime:
         # rank's address) would be read by a fast rank of this one. A prefix per attempt keeps them apart.
         store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size))
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        dist.init_process_group(backend, store=dist.PrefixStore(f"fsdp2kit/attempt_{attempt}", store),
-                                rank=rank, world_size=world_size)
+        dist.init_process_group(
+            backend, store=dist.PrefixStore(f"fsdp2kit/attempt_{attempt}", store), rank=rank, world_size=world_size
+        )
     return Runtime(rank, world_size, local_rank, device)
 
 

@@ -45,10 +45,12 @@ def summary(run_dir: Path, records: list[dict]) -> str:
     tokens_per_s = sum(r["tokens_per_s"] for r in records) / len(records)
     peak = max(records, key=lambda r: r["peak_mem_bytes"])
     loss = f"loss {finite[0]:.4f} -> {finite[-1]:.4f}" if finite else "no finite loss"
-    return (f"{run_dir}: {len(records)} steps (last {records[-1]['step']}), {loss}"
-            + (f", {skipped} skipped" if skipped else "")
-            + f", mean {tokens_per_s:,.0f} tokens/s, peak memory {peak['peak_mem_bytes'] / GIB:.2f} GiB"
-            + (f" ({peak['peak_mem_kind']})" if "peak_mem_kind" in peak else ""))
+    return (
+        f"{run_dir}: {len(records)} steps (last {records[-1]['step']}), {loss}"
+        + (f", {skipped} skipped" if skipped else "")
+        + f", mean {tokens_per_s:,.0f} tokens/s, peak memory {peak['peak_mem_bytes'] / GIB:.2f} GiB"
+        + (f" ({peak['peak_mem_kind']})" if "peak_mem_kind" in peak else "")
+    )
 
 
 def write_report(run_dirs: list[Path]) -> str:

@@ -22,8 +22,14 @@ def run_cli(*args: str, timeout: int = 600, env: dict | None = None) -> subproce
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     full_env.pop("RANK", None)
     full_env.pop("WORLD_SIZE", None)
-    return subprocess.run([sys.executable, "-m", "fsdp2kit", *map(str, args)], cwd=REPO, env=full_env,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "fsdp2kit", *map(str, args)],
+        cwd=REPO,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 @contextmanager
@@ -49,7 +55,11 @@ def token_batch(rows: int, length: int) -> dict[str, torch.Tensor]:
     from fsdp2kit.data.builtin import VOCAB_SIZE
 
     tokens = torch.randint(0, VOCAB_SIZE, (rows, length + 1), generator=torch.Generator().manual_seed(0))
-    return {"input_ids": tokens[:, :-1], "attention_mask": torch.ones(rows, length, dtype=torch.long), "labels": tokens[:, 1:]}
+    return {
+        "input_ids": tokens[:, :-1],
+        "attention_mask": torch.ones(rows, length, dtype=torch.long),
+        "labels": tokens[:, 1:],
+    }
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
@@ -59,5 +69,13 @@ def read_metrics(run_dir: Path) -> list[dict]:
 @pytest.fixture
 def small_run(tmp_path):
     """--set overrides for a fast run of the built-in tiny Llama: 2 layers, 64-token samples, no checkpoints."""
-    return ["--set", "model.config.num_hidden_layers=2", "--set", "data.seq_len=64",
-            "--set", f"training.output_dir={tmp_path / 'run'}", "--set", "training.export_hf=false"]
+    return [
+        "--set",
+        "model.config.num_hidden_layers=2",
+        "--set",
+        "data.seq_len=64",
+        "--set",
+        f"training.output_dir={tmp_path / 'run'}",
+        "--set",
+        "training.export_hf=false",
+    ]

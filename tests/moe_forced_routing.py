@@ -32,8 +32,10 @@ class ForcedRoutingQwen3Moe(Qwen3MoeForCausalLM):
             per_rank = GLOBAL_BATCH // dist.get_world_size()
             self.position = dist.get_rank() * per_rank + self.training_forwards % per_rank
             if self.training_forwards == 0:  # tells the test that this rank's first step has begun
-                print(f"forced routing: rank {dist.get_rank()}, position {self.position}, experts {ROUTES[self.position]}",
-                      flush=True)
+                print(
+                    f"forced routing: rank {dist.get_rank()}, position {self.position}, experts {ROUTES[self.position]}",
+                    flush=True,
+                )
             self.training_forwards += 1
         return super().forward(*args, **kwargs)
 

@@ -9,8 +9,8 @@ import sys
 import uuid
 
 import pytest
-
 from conftest import REPO, read_metrics, run_cli
+
 from fsdp2kit.checkpoint.manager import committed_checkpoints
 from fsdp2kit.distributed import free_port
 
@@ -19,10 +19,26 @@ pytestmark = pytest.mark.slow
 
 
 def base(run_dir, steps=12, save=6, async_save=False):
-    return ["--set", "model.config.num_hidden_layers=2", "--set", "data.seq_len=64", "--set", "training.export_hf=false",
-            "--set", "training.per_device_train_batch_size=1", "--set", "training.gradient_accumulation_steps=1",
-            "--set", f"training.output_dir={run_dir}", "--set", f"training.max_steps={steps}",
-            "--set", f"training.save_steps={save}", "--set", f"strategy_args.strategy_config.async_save_ckpt={str(async_save).lower()}"]
+    return [
+        "--set",
+        "model.config.num_hidden_layers=2",
+        "--set",
+        "data.seq_len=64",
+        "--set",
+        "training.export_hf=false",
+        "--set",
+        "training.per_device_train_batch_size=1",
+        "--set",
+        "training.gradient_accumulation_steps=1",
+        "--set",
+        f"training.output_dir={run_dir}",
+        "--set",
+        f"training.max_steps={steps}",
+        "--set",
+        f"training.save_steps={save}",
+        "--set",
+        f"strategy_args.strategy_config.async_save_ckpt={str(async_save).lower()}",
+    ]
 
 
 def losses(run_dir):
@@ -79,11 +95,25 @@ def test_resume_at_another_world_size_and_mesh(tmp_path, nproc, accumulation, fs
     common = []
     train(*base(reference, steps=8, save=0), *common, "--set", "training.gradient_accumulation_steps=2")
     saved = tmp_path / "saved"
-    train(*base(saved, steps=8, save=4), *common, "--set", "training.gradient_accumulation_steps=2", fault="after_commit:4")
+    train(
+        *base(saved, steps=8, save=4),
+        *common,
+        "--set",
+        "training.gradient_accumulation_steps=2",
+        fault="after_commit:4",
+    )
     resumed = tmp_path / "resumed"
-    train(*base(resumed, steps=8, save=4), *common, "--set", f"training.gradient_accumulation_steps={accumulation}",
-          "--set", f"strategy_args.strategy_config.fsdp_size={fsdp_size}",
-          "--set", f"training.resume={saved / 'checkpoints' / 'step_4'}", nproc=nproc)
+    train(
+        *base(resumed, steps=8, save=4),
+        *common,
+        "--set",
+        f"training.gradient_accumulation_steps={accumulation}",
+        "--set",
+        f"strategy_args.strategy_config.fsdp_size={fsdp_size}",
+        "--set",
+        f"training.resume={saved / 'checkpoints' / 'step_4'}",
+        nproc=nproc,
+    )
     expected, got = losses(reference), losses(resumed)
     assert sorted(got) == [5, 6, 7, 8]
     for step in got:
@@ -93,22 +123,39 @@ def test_resume_at_another_world_size_and_mesh(tmp_path, nproc, accumulation, fs
 def test_global_batch_change_on_resume_is_refused(tmp_path):
     run = tmp_path / "run"
     train(*base(run, steps=4, save=2), fault="after_commit:2")
-    result = run_cli("train", DEMO, "--nproc", 2, *base(run, steps=4, save=2), "--set", "training.gradient_accumulation_steps=2")
+    result = run_cli(
+        "train", DEMO, "--nproc", 2, *base(run, steps=4, save=2), "--set", "training.gradient_accumulation_steps=2"
+    )
     assert result.returncode == 2
     assert "was trained with a global batch of 2 samples, this run has 4" in result.stderr
 
 
 def _torchrun(*args, env=None, timeout=600):
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *args], cwd=REPO, env=full_env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", *args],
+        cwd=REPO,
+        env=full_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def test_rank_killed_under_torchrun_max_restarts_recovers(tmp_path, straight):
     """Rank 1 is SIGKILLed after step 8; torchrun restarts the job, which resumes from step 6 by itself."""
     run = tmp_path / "run"
-    proc = _torchrun("--standalone", "--nproc-per-node=2", "--max-restarts=1", "-m", "fsdp2kit", "train", DEMO,
-                     *base(run), env={"FSDP2KIT_FAULT": "step:8:1"})
+    proc = _torchrun(
+        "--standalone",
+        "--nproc-per-node=2",
+        "--max-restarts=1",
+        "-m",
+        "fsdp2kit",
+        "train",
+        DEMO,
+        *base(run),
+        env={"FSDP2KIT_FAULT": "step:8:1"},
+    )
     out, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err
     assert "resumed from" in out
@@ -123,8 +170,19 @@ def test_two_nodes_on_localhost_train_checkpoint_and_resume(tmp_path, straight):
 
     def both_nodes(fault=None):
         endpoint, run_id = f"localhost:{free_port()}", uuid.uuid4().hex[:8]
-        args = ["--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}",
-                f"--rdzv-id={run_id}", "--max-restarts=0", "-m", "fsdp2kit", "train", DEMO, *base(run)]
+        args = [
+            "--nnodes=2",
+            "--nproc-per-node=1",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={endpoint}",
+            f"--rdzv-id={run_id}",
+            "--max-restarts=0",
+            "-m",
+            "fsdp2kit",
+            "train",
+            DEMO,
+            *base(run),
+        ]
         nodes = [_torchrun(*args, env={"FSDP2KIT_FAULT": fault} if fault else None) for _ in range(2)]
         return [(node.wait(timeout=600), node.communicate()) for node in nodes]
 
@@ -142,8 +200,16 @@ def test_corrupt_truncated_or_mismatched_checkpoints_exit_2(tmp_path):
     checkpoint = run / "checkpoints" / "step_2"
 
     def resume(*extra):
-        return run_cli("train", DEMO, "--nproc", 2, *base(tmp_path / "other", steps=4, save=2),
-                       "--set", f"training.resume={checkpoint}", *extra)
+        return run_cli(
+            "train",
+            DEMO,
+            "--nproc",
+            2,
+            *base(tmp_path / "other", steps=4, save=2),
+            "--set",
+            f"training.resume={checkpoint}",
+            *extra,
+        )
 
     result = resume("--set", "model.config.num_hidden_layers=3")  # another model
     assert result.returncode == 2
@@ -161,12 +227,20 @@ def test_corrupt_truncated_or_mismatched_checkpoints_exit_2(tmp_path):
     (checkpoint / ".metadata").unlink()
     result = resume()
     assert result.returncode == 2
-    assert f"training.resume: '{checkpoint}' is not a complete checkpoint (it needs trainer_state.json and .metadata)" in result.stderr
+    assert (
+        f"training.resume: '{checkpoint}' is not a complete checkpoint (it needs trainer_state.json and .metadata)"
+        in result.stderr
+    )
 
 
 def test_keep_last_k_keeps_the_newest_complete_ones(tmp_path):
     run = tmp_path / "run"
-    train(*base(run, steps=6, save=2), "--set", "training.save_total_limit=2", "--set",
-          "strategy_args.strategy_config.async_save_ckpt=true")
+    train(
+        *base(run, steps=6, save=2),
+        "--set",
+        "training.save_total_limit=2",
+        "--set",
+        "strategy_args.strategy_config.async_save_ckpt=true",
+    )
     assert [p.name for p in committed_checkpoints(run / "checkpoints")] == ["step_4", "step_6"]
     assert not list((run / "checkpoints").glob(".tmp-*"))

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-
 from conftest import run_cli
+
 from fsdp2kit.cli import main
 from fsdp2kit.config.load import apply_overrides, load_config, validate
 from fsdp2kit.errors import UserError
@@ -15,30 +15,51 @@ DEMO = "examples/demo.yaml"
 @pytest.mark.parametrize(
     "override, message",
     [
-        ("training.learning_rat=1",
-         "examples/demo.yaml: unknown key 'training.learning_rat' (did you mean 'training.learning_rate'?)"),
-        ("strategy_args.strategy_config.wrap_policy.wrap_embedding=true",
-         "examples/demo.yaml: unknown key 'strategy_args.strategy_config.wrap_policy.wrap_embedding' "
-         "(did you mean 'strategy_args.strategy_config.wrap_policy.wrap_embeddings'?)"),
-        ("colour=blue",
-         "examples/demo.yaml: unknown key 'colour'; valid keys here: data, device_mapping, infer_batch_size, model, "
-         "strategy_args, training"),
-        ("training.max_steps=abc", "examples/demo.yaml: 'training.max_steps' = 'abc' is not valid: expected an integer"),
-        ("model.dtype=int8",
-         "examples/demo.yaml: 'model.dtype' = 'int8' is not valid: expected one of 'bf16', 'fp16' or 'fp32'"),
-        ("training.learning_rate=-1",
-         "examples/demo.yaml: 'training.learning_rate' = -1 is not valid: expected greater than 0"),
-        ("strategy_args.strategy_config.fsdp_size=foo",
-         "examples/demo.yaml: 'strategy_args.strategy_config.fsdp_size' = 'foo' is not valid: expected an integer or 'auto'"),
-        ("strategy_args.strategy_config.reshard_after_forward=maybe",
-         "examples/demo.yaml: 'strategy_args.strategy_config.reshard_after_forward' = 'maybe' is not valid: "
-         "expected true or false or an integer"),
-        ("strategy_args.strategy_name=fsdp3",
-         "examples/demo.yaml: 'strategy_args.strategy_name' = 'fsdp3' is not valid: "
-         "expected one of 'fsdp2_train' or 'fsdp2_infer'"),
-        ("device_mapping=list(rang(8))",
-         "examples/demo.yaml: 'device_mapping' = 'list(rang(8))' is not valid: "
-         "expected a list of device ids such as [0,1,2,3] or list(range(0,8))"),
+        (
+            "training.learning_rat=1",
+            "examples/demo.yaml: unknown key 'training.learning_rat' (did you mean 'training.learning_rate'?)",
+        ),
+        (
+            "strategy_args.strategy_config.wrap_policy.wrap_embedding=true",
+            "examples/demo.yaml: unknown key 'strategy_args.strategy_config.wrap_policy.wrap_embedding' "
+            "(did you mean 'strategy_args.strategy_config.wrap_policy.wrap_embeddings'?)",
+        ),
+        (
+            "colour=blue",
+            "examples/demo.yaml: unknown key 'colour'; valid keys here: data, device_mapping, infer_batch_size, model, "
+            "strategy_args, training",
+        ),
+        (
+            "training.max_steps=abc",
+            "examples/demo.yaml: 'training.max_steps' = 'abc' is not valid: expected an integer",
+        ),
+        (
+            "model.dtype=int8",
+            "examples/demo.yaml: 'model.dtype' = 'int8' is not valid: expected one of 'bf16', 'fp16' or 'fp32'",
+        ),
+        (
+            "training.learning_rate=-1",
+            "examples/demo.yaml: 'training.learning_rate' = -1 is not valid: expected greater than 0",
+        ),
+        (
+            "strategy_args.strategy_config.fsdp_size=foo",
+            "examples/demo.yaml: 'strategy_args.strategy_config.fsdp_size' = 'foo' is not valid: expected an integer or 'auto'",
+        ),
+        (
+            "strategy_args.strategy_config.reshard_after_forward=maybe",
+            "examples/demo.yaml: 'strategy_args.strategy_config.reshard_after_forward' = 'maybe' is not valid: "
+            "expected true or false or an integer",
+        ),
+        (
+            "strategy_args.strategy_name=fsdp3",
+            "examples/demo.yaml: 'strategy_args.strategy_name' = 'fsdp3' is not valid: "
+            "expected one of 'fsdp2_train' or 'fsdp2_infer'",
+        ),
+        (
+            "device_mapping=list(rang(8))",
+            "examples/demo.yaml: 'device_mapping' = 'list(rang(8))' is not valid: "
+            "expected a list of device ids such as [0,1,2,3] or list(range(0,8))",
+        ),
         ("training=[1,2]", "examples/demo.yaml: 'training' = [1, 2] is not valid: expected a mapping"),
         ("training.max_steps", "--set 'training.max_steps' must look like key.path=value"),
         ("training.max_steps.x=1", "--set 'training.max_steps.x=1': 'training.max_steps' is a value, not a section"),
@@ -52,12 +73,21 @@ def test_bad_config_exits_2_with_one_message(override, message, capsys):
 @pytest.mark.parametrize(
     "override, message",
     [
-        ("model.name_or_path=builtin:gpt5", "model.name_or_path: unknown built-in model 'builtin:gpt5'; valid: "
-         "builtin:tiny-llama, builtin:tiny-qwen3, builtin:tiny-qwen3-moe"),
-        ("model.name_or_path=/no/such/model", "model.name_or_path: '/no/such/model' is not a model folder or checkpoint with a "
-         "config.json (or a builtin: model: builtin:tiny-llama, builtin:tiny-qwen3, builtin:tiny-qwen3-moe)"),
-        ("strategy_args.strategy_config.offload_policy=true", "strategy_config.offload_policy: CPU offload needs an "
-         "accelerator (CUDA) and this machine has none; set offload_policy: false"),
+        (
+            "model.name_or_path=builtin:gpt5",
+            "model.name_or_path: unknown built-in model 'builtin:gpt5'; valid: "
+            "builtin:tiny-llama, builtin:tiny-qwen3, builtin:tiny-qwen3-moe",
+        ),
+        (
+            "model.name_or_path=/no/such/model",
+            "model.name_or_path: '/no/such/model' is not a model folder or checkpoint with a "
+            "config.json (or a builtin: model: builtin:tiny-llama, builtin:tiny-qwen3, builtin:tiny-qwen3-moe)",
+        ),
+        (
+            "strategy_args.strategy_config.offload_policy=true",
+            "strategy_config.offload_policy: CPU offload needs an "
+            "accelerator (CUDA) and this machine has none; set offload_policy: false",
+        ),
         ("model.config.num_hidden_layerz=2", "model.config.num_hidden_layerz: the LlamaConfig has no such setting"),
     ],
 )
@@ -76,8 +106,15 @@ def test_missing_and_broken_config_files(tmp_path, capsys):
 
 
 def test_set_parses_values_as_yaml():
-    raw = apply_overrides({}, ["training.learning_rate=1e-3", "model.freeze_module_prefix=[a,b]",
-                               "training.export_hf=false", "strategy_args.strategy_config.fsdp_size=auto"])
+    raw = apply_overrides(
+        {},
+        [
+            "training.learning_rate=1e-3",
+            "model.freeze_module_prefix=[a,b]",
+            "training.export_hf=false",
+            "strategy_args.strategy_config.fsdp_size=auto",
+        ],
+    )
     cfg = validate(raw)
     assert cfg.training.learning_rate == 1e-3
     assert cfg.model.freeze_module_prefix == ["a", "b"]
@@ -86,9 +123,13 @@ def test_set_parses_values_as_yaml():
 
 
 def test_roll_device_mapping_and_aliases():
-    cfg = validate({"device_mapping": "list(range(0,8))",
-                    "strategy_args": {"strategy_config": {"sharding_size": 4, "offload_to_cpu": False}},
-                    "model": {"dtype": "bfloat16", "freeze_module_prefix": "vision_model"}})
+    cfg = validate(
+        {
+            "device_mapping": "list(range(0,8))",
+            "strategy_args": {"strategy_config": {"sharding_size": 4, "offload_to_cpu": False}},
+            "model": {"dtype": "bfloat16", "freeze_module_prefix": "vision_model"},
+        }
+    )
     assert cfg.device_mapping == list(range(8))
     assert cfg.strategy_args.strategy_config.fsdp_size == 4
     assert cfg.model.dtype == "bf16"
@@ -100,8 +141,15 @@ def test_roll_device_mapping_and_aliases():
 def test_every_field_is_documented():
     from fsdp2kit.config import schema
 
-    sections = [schema.ModelConfig, schema.DataConfig, schema.TrainingConfig, schema.WrapPolicy,
-                schema.StrategyConfig, schema.StrategyArgs, schema.JobConfig]
+    sections = [
+        schema.ModelConfig,
+        schema.DataConfig,
+        schema.TrainingConfig,
+        schema.WrapPolicy,
+        schema.StrategyConfig,
+        schema.StrategyArgs,
+        schema.JobConfig,
+    ]
     undocumented = [f"{s.__name__}.{n}" for s in sections for n, f in s.model_fields.items() if not f.description]
     assert undocumented == []
 
@@ -116,16 +164,25 @@ def test_demo_config_loads():
 def test_fsdp_size_not_dividing_world_fails_before_spawning():
     result = run_cli("check", DEMO, "--nproc", "4", "--set", "strategy_args.strategy_config.fsdp_size=3")
     assert result.returncode == 2
-    assert result.stderr == ("error: strategy_config.fsdp_size = 3 does not divide the world size 4; "
-                             "valid: 'auto' or one of [1, 2, 4]\n")
+    assert result.stderr == (
+        "error: strategy_config.fsdp_size = 3 does not divide the world size 4; valid: 'auto' or one of [1, 2, 4]\n"
+    )
 
 
 @pytest.mark.slow
 def test_mistake_found_inside_ranks_is_one_message(tmp_path):
     """A data file that is missing is only noticed by the ranks: still one line and exit code 2, no launcher report."""
     missing = tmp_path / "missing.jsonl"
-    result = run_cli("train", DEMO, "--nproc", "2", "--set", f"data.source={missing}",
-                     "--set", f"training.output_dir={tmp_path / 'run'}")
+    result = run_cli(
+        "train",
+        DEMO,
+        "--nproc",
+        "2",
+        "--set",
+        f"data.source={missing}",
+        "--set",
+        f"training.output_dir={tmp_path / 'run'}",
+    )
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip().splitlines() == [f"error: data.source: no such file '{missing}'"]
     assert "Traceback" not in result.stdout + result.stderr
@@ -135,5 +192,6 @@ def test_mistake_found_inside_ranks_is_one_message(tmp_path):
 def test_device_mapping_must_match_world_size(tmp_path):
     result = run_cli("check", DEMO, "--nproc", "2", "--set", "device_mapping=[0,1,2,3]")
     assert result.returncode == 2
-    assert result.stderr.strip() == ("error: device_mapping lists 4 devices but the job has 2 ranks; "
-                                     "give 2 device ids or launch 4 ranks")
+    assert result.stderr.strip() == (
+        "error: device_mapping lists 4 devices but the job has 2 ranks; give 2 device ids or launch 4 ranks"
+    )

@@ -15,10 +15,15 @@ from fsdp2kit.data.dataset import IGNORE_INDEX, PromptResponse, collate, load_do
 from fsdp2kit.errors import UserError
 from fsdp2kit.train.loop import token_loss_sum
 
-DOCS = ["The quick brown fox jumps over the lazy dog.", "Return the sum of two numbers.",
-        "A third, somewhat longer document about packing samples into windows of tokens."]
-SFT = [{"prompt": "Question: what is 2+2?\nAnswer:", "response": " 4"},
-       {"prompt": "Name a colour.", "response": " Blue, or green, or any other colour you like."}]
+DOCS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Return the sum of two numbers.",
+    "A third, somewhat longer document about packing samples into windows of tokens.",
+]
+SFT = [
+    {"prompt": "Question: what is 2+2?\nAnswer:", "response": " 4"},
+    {"prompt": "Name a colour.", "response": " Blue, or green, or any other colour you like."},
+]
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +53,9 @@ def test_every_source_kind_yields_the_same_documents(tmp_path):
     table.to_parquet(str(sources["parquet"]))
     sources["txt"].write_text("\n".join(DOCS) + "\n\n")  # one document a line; the blank line is dropped
     table.save_to_disk(str(sources["HF dataset folder"]))
-    datasets.DatasetDict({"train": table, "test": table.select([0])}).save_to_disk(str(sources["HF DatasetDict folder"]))
+    datasets.DatasetDict({"train": table, "test": table.select([0])}).save_to_disk(
+        str(sources["HF DatasetDict folder"])
+    )
     write_jsonl(tmp_path / "part-0.jsonl", [{"text": DOCS[0]}])
     write_jsonl(tmp_path / "part-1.jsonl", [{"text": d} for d in DOCS[1:]])
     for kind, source in sources.items():
@@ -71,8 +78,13 @@ def test_sft_fields_give_prompt_response_pairs(tmp_path):
 
 def expected_sft_tokens(tokenizer):
     """Per example: prompt ids (with default special tokens), response ids + EOS."""
-    return [(tokenizer(r["prompt"])["input_ids"], tokenizer(r["response"], add_special_tokens=False)["input_ids"]
-             + [tokenizer.eos_token_id]) for r in SFT]
+    return [
+        (
+            tokenizer(r["prompt"])["input_ids"],
+            tokenizer(r["response"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id],
+        )
+        for r in SFT
+    ]
 
 
 def test_sft_loss_is_on_the_response_and_eos_only(tokenizer):
@@ -85,7 +97,7 @@ def test_sft_loss_is_on_the_response_and_eos_only(tokenizer):
         # label i is token i+1: the prompt's tokens (after the first) are never targets, every response token is
         expected = [IGNORE_INDEX] * (len(prompt) - 1) + response
         assert batch["labels"][row, : len(tokens) - 1].tolist() == expected
-        assert (batch["labels"][row, len(tokens) - 1:] == IGNORE_INDEX).all()
+        assert (batch["labels"][row, len(tokens) - 1 :] == IGNORE_INDEX).all()
 
 
 def test_sft_masks_travel_with_the_tokens_when_packing(tokenizer):
@@ -151,14 +163,20 @@ def test_packed_positions_restart_at_each_document(tokenizer):
     assert all(batch["labels"][0, i - 1] == IGNORE_INDEX for i in first_tokens)  # nothing of its own precedes it
 
 
-@pytest.mark.parametrize("source, message", [
-    ("{tmp}/missing.jsonl", "data.source: no such file '{tmp}/missing.jsonl'"),
-    ("{tmp}/folder", "data.source: '{tmp}/folder' is a folder but not a saved HF dataset (no dataset_info.json)"),
-    ("{tmp}/*.*", "data.source: '{tmp}/*.*' must be *.jsonl, *.parquet or *.txt files of one kind"),
-    ("{tmp}/fields.jsonl", "data.text_key: '{tmp}/fields.jsonl' has no field 'text' (nor both 'prompt' and 'response' "
-                           "for SFT); its fields: prompt, answer"),
-    ("builtin:wiki", "data.source: unknown built-in dataset 'builtin:wiki'; valid: builtin:corpus"),
-])
+@pytest.mark.parametrize(
+    "source, message",
+    [
+        ("{tmp}/missing.jsonl", "data.source: no such file '{tmp}/missing.jsonl'"),
+        ("{tmp}/folder", "data.source: '{tmp}/folder' is a folder but not a saved HF dataset (no dataset_info.json)"),
+        ("{tmp}/*.*", "data.source: '{tmp}/*.*' must be *.jsonl, *.parquet or *.txt files of one kind"),
+        (
+            "{tmp}/fields.jsonl",
+            "data.text_key: '{tmp}/fields.jsonl' has no field 'text' (nor both 'prompt' and 'response' "
+            "for SFT); its fields: prompt, answer",
+        ),
+        ("builtin:wiki", "data.source: unknown built-in dataset 'builtin:wiki'; valid: builtin:corpus"),
+    ],
+)
 def test_bad_sources_are_one_sentence(tmp_path, source, message):
     (tmp_path / "folder").mkdir()
     write_jsonl(tmp_path / "fields.jsonl", [{"prompt": "p", "answer": "a"}])

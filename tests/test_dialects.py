@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from conftest import REPO, run_cli
+
 from fsdp2kit.cli import main
 from fsdp2kit.config.dialects.translation import Translation, Written, apply_rules, ignored, to
 from fsdp2kit.config.load import load_config
@@ -40,6 +40,7 @@ def load_error(*args, **kwargs) -> str:
 
 # ---------------------------------------------------------------- the examples, through `fsdp2kit check --json`
 
+
 @pytest.mark.slow
 def test_roll_example_runs_its_first_fsdp2_role_on_the_ranks_of_its_device_mapping():
     plan = check_json(ROLL_EXAMPLE)  # device_mapping: list(range(0,2)) launches 2 ranks
@@ -50,8 +51,13 @@ def test_roll_example_runs_its_first_fsdp2_role_on_the_ranks_of_its_device_mappi
     assert plan["sharded_modules"] == ["", *LAYERS]
     assert plan["recompute_modules"] == LAYERS  # disable_gradient_checkpointing: false
     assert plan["ignored_modules"] == []
-    assert plan["mixed_precision"] == {"param_dtype": "bfloat16", "reduce_dtype": "float32", "output_dtype": None,
-                                       "cast_forward_inputs": True, "no_cast_modules": []}
+    assert plan["mixed_precision"] == {
+        "param_dtype": "bfloat16",
+        "reduce_dtype": "float32",
+        "output_dtype": None,
+        "cast_forward_inputs": True,
+        "no_cast_modules": [],
+    }
     assert plan["reshard_after_forward"] is True
     assert plan["offload"] is False
     assert plan["prefetch"] == {"forward": 0, "backward": 1}
@@ -60,11 +66,16 @@ def test_roll_example_runs_its_first_fsdp2_role_on_the_ranks_of_its_device_mappi
     assert notes[0] == f"ROLL role 'actor_train' (fsdp2_train) of {ROLL_EXAMPLE}: the first role with an FSDP2 strategy"
     assert "ROLL role 'reference' (fsdp2_infer) not used; pick it with --role reference" in notes
     assert "ignored (roles whose strategy is not FSDP2): actor_infer (vllm)" in notes
-    assert "mapped actor_train.model_args.disable_gradient_checkpointing=False → model.gradient_checkpointing=True" in notes
+    assert (
+        "mapped actor_train.model_args.disable_gradient_checkpointing=False → model.gradient_checkpointing=True"
+        in notes
+    )
     assert "mapped prompt_length + response_length = 128 → data.seq_len (ROLL's sequence_length)" in notes
     assert "ignored (Hydra runtime settings): hydra" in notes
-    assert ("ignored (no FSDP2 meaning): exp_name, logging_dir, track_with, tracker_kwargs, rollout_batch_size, "
-            "num_return_sequences_in_group, ppo_epochs, adv_estimator") in notes
+    assert (
+        "ignored (no FSDP2 meaning): exp_name, logging_dir, track_with, tracker_kwargs, rollout_batch_size, "
+        "num_return_sequences_in_group, ppo_epochs, adv_estimator"
+    ) in notes
 
 
 def test_roll_example_reference_role_is_forward_only():
@@ -87,14 +98,20 @@ def test_mindspeed_example_strategy_comes_from_its_fsdp2_config_yaml():
     assert plan["sharded_modules"] == ["", "model.embed_tokens", *LAYERS]  # sub_modules_to_wrap
     assert plan["recompute_modules"] == ["model.layers.0", "model.layers.1"]  # model.layers.{0-1}
     assert plan["ignored_modules"] == []
-    assert plan["mixed_precision"] == {"param_dtype": "bfloat16", "reduce_dtype": "float32", "output_dtype": "float32",
-                                       "cast_forward_inputs": True, "no_cast_modules": []}
+    assert plan["mixed_precision"] == {
+        "param_dtype": "bfloat16",
+        "reduce_dtype": "float32",
+        "output_dtype": "float32",
+        "cast_forward_inputs": True,
+        "no_cast_modules": [],
+    }
     assert plan["use_reentrant"] is False
     assert plan["reshard_after_forward"] is True
     assert plan["offload"] is False
     assert plan["prefetch"] == {"forward": 1, "backward": 2}
     assert plan["config_notes"] == [
-        "strategy_args.strategy_config read from examples/mindspeed_fsdp2_config.yaml (MindSpeed-MM fsdp2_config)"]
+        "strategy_args.strategy_config read from examples/mindspeed_fsdp2_config.yaml (MindSpeed-MM fsdp2_config)"
+    ]
 
 
 def test_accelerate_example_replaces_the_strategy_given_with_fsdp_config():
@@ -103,8 +120,13 @@ def test_accelerate_example_replaces_the_strategy_given_with_fsdp_config():
     assert plan["sharded_modules"] == ["", *LAYERS]  # TRANSFORMER_BASED_WRAP of LlamaDecoderLayer
     assert plan["recompute_modules"] == LAYERS  # fsdp_activation_checkpointing
     assert plan["use_reentrant"] is False
-    assert plan["mixed_precision"] == {"param_dtype": "bfloat16", "reduce_dtype": "float32", "output_dtype": "float32",
-                                       "cast_forward_inputs": True, "no_cast_modules": []}
+    assert plan["mixed_precision"] == {
+        "param_dtype": "bfloat16",
+        "reduce_dtype": "float32",
+        "output_dtype": "float32",
+        "cast_forward_inputs": True,
+        "no_cast_modules": [],
+    }
     assert plan["reshard_after_forward"] is False  # fsdp_reshard_after_forward: false
     assert plan["offload"] is False
     assert plan["prefetch"] == {"forward": 1, "backward": 1}
@@ -112,14 +134,20 @@ def test_accelerate_example_replaces_the_strategy_given_with_fsdp_config():
     assert notes[:2] == [
         "strategy_args.strategy_config of examples/accelerate_trainer.yaml replaced by "
         "examples/accelerate_fsdp_config.yaml (keys dropped: fsdp, fsdp_config, param_dtype)",
-        "strategy_args.strategy_config read from examples/accelerate_fsdp_config.yaml (Accelerate config)"]
-    assert ("mapped mixed_precision=bf16 → param_dtype=bf16, reduce_dtype=fp32, output_dtype=fp32 "
-            "(Accelerate's autocast with fp32 master weights)") in notes
-    assert ("ignored (FSDP2 always keeps the original parameters (as DTensors)): fsdp_config.fsdp_use_orig_params"
-            in notes)
-    assert ("ignored (Accelerate launcher settings; --nproc N or torchrun decide processes and machines): "
-            "compute_environment, debug, enable_cpu_affinity, machine_rank, main_training_function, num_machines, "
-            "num_processes, rdzv_backend, same_network, use_cpu") in notes
+        "strategy_args.strategy_config read from examples/accelerate_fsdp_config.yaml (Accelerate config)",
+    ]
+    assert (
+        "mapped mixed_precision=bf16 → param_dtype=bf16, reduce_dtype=fp32, output_dtype=fp32 "
+        "(Accelerate's autocast with fp32 master weights)"
+    ) in notes
+    assert (
+        "ignored (FSDP2 always keeps the original parameters (as DTensors)): fsdp_config.fsdp_use_orig_params" in notes
+    )
+    assert (
+        "ignored (Accelerate launcher settings; --nproc N or torchrun decide processes and machines): "
+        "compute_environment, debug, enable_cpu_affinity, machine_rank, main_training_function, num_machines, "
+        "num_processes, rdzv_backend, same_network, use_cpu"
+    ) in notes
 
 
 def test_trainer_fsdp_string_example():
@@ -129,8 +157,10 @@ def test_trainer_fsdp_string_example():
     assert plan["recompute_modules"] == []
     assert plan["mixed_precision"]["param_dtype"] == "bfloat16"
     assert plan["prefetch"] == {"forward": 0, "backward": 1}
-    assert ("mapped strategy_args.strategy_config.fsdp='shard_grad_op auto_wrap' → strategy_args.strategy_config: "
-            "sharding_strategy='SHARD_GRAD_OP'") in plan["config_notes"]
+    assert (
+        "mapped strategy_args.strategy_config.fsdp='shard_grad_op auto_wrap' → strategy_args.strategy_config: "
+        "sharding_strategy='SHARD_GRAD_OP'"
+    ) in plan["config_notes"]
 
 
 def test_accelerate_offload_on_a_cpu_only_machine_exits_2(tmp_path, capsys):
@@ -191,20 +221,32 @@ def test_roll_fills_in_rolls_own_defaults_and_says_so(tmp_path):
 
 
 def test_roll_resolves_interpolations_and_leaves_hydra_alone(tmp_path):
-    path = roll_file(tmp_path, {"hydra": {"run": {"dir": "outputs/${now:%Y-%m-%d}"}}, "lr": 3.0e-4},
-                     {"training_args": {"learning_rate": "${lr}"}})
+    path = roll_file(
+        tmp_path,
+        {"hydra": {"run": {"dir": "outputs/${now:%Y-%m-%d}"}}, "lr": 3.0e-4},
+        {"training_args": {"learning_rate": "${lr}"}},
+    )
     cfg = load_config(path)
     assert cfg.training.learning_rate == 3.0e-4
     assert "ignored (Hydra runtime settings): hydra" in cfg.notes
 
 
 def test_roll_role_sections_accept_rolls_spellings(tmp_path):
-    cfg = load_config(roll_file(tmp_path, role_changes={
-        "model_args": {"freeze_module_prefix": "model.embed_tokens, lm_head", "attn_implementation": "fa2",
-                       "gradient_checkpointing_use_reentrant": False, "model_type": None},
-        "training_args": {"lr_scheduler_type": "constant_with_warmup", "warmup_steps": 3},
-        "data_args": {"file_name": ["data/train.jsonl"], "template": "qwen2_5"},
-    }))
+    cfg = load_config(
+        roll_file(
+            tmp_path,
+            role_changes={
+                "model_args": {
+                    "freeze_module_prefix": "model.embed_tokens, lm_head",
+                    "attn_implementation": "fa2",
+                    "gradient_checkpointing_use_reentrant": False,
+                    "model_type": None,
+                },
+                "training_args": {"lr_scheduler_type": "constant_with_warmup", "warmup_steps": 3},
+                "data_args": {"file_name": ["data/train.jsonl"], "template": "qwen2_5"},
+            },
+        )
+    )
     assert cfg.model.freeze_module_prefix == ["model.embed_tokens", "lm_head"]
     assert cfg.model.attn_implementation == "sdpa"
     assert cfg.strategy_args.strategy_config.use_reentrant is False
@@ -213,14 +255,26 @@ def test_roll_role_sections_accept_rolls_spellings(tmp_path):
     assert "mapped actor_train.model_args.attn_implementation='fa2' → model.attn_implementation='sdpa'" in cfg.notes
 
 
-@pytest.mark.parametrize("role, message", [
-    ("actor_infer", "--role actor_infer: role 'actor_infer' of '{path}' uses strategy 'vllm', which fsdp2kit does not "
-                    "run; usable roles: actor_train, reference (strategy fsdp2_train or fsdp2_infer)"),
-    ("critic", "--role critic: role 'critic' of '{path}' uses strategy 'megatron_train', which fsdp2kit does not run; "
-               "usable roles: actor_train, reference (strategy fsdp2_train or fsdp2_infer)"),
-    ("actor", "--role actor: '{path}' has no role 'actor'; its roles: actor_infer (vllm), actor_train (fsdp2_train), "
-              "critic (megatron_train), reference (fsdp2_infer)"),
-])
+@pytest.mark.parametrize(
+    "role, message",
+    [
+        (
+            "actor_infer",
+            "--role actor_infer: role 'actor_infer' of '{path}' uses strategy 'vllm', which fsdp2kit does not "
+            "run; usable roles: actor_train, reference (strategy fsdp2_train or fsdp2_infer)",
+        ),
+        (
+            "critic",
+            "--role critic: role 'critic' of '{path}' uses strategy 'megatron_train', which fsdp2kit does not run; "
+            "usable roles: actor_train, reference (strategy fsdp2_train or fsdp2_infer)",
+        ),
+        (
+            "actor",
+            "--role actor: '{path}' has no role 'actor'; its roles: actor_infer (vllm), actor_train (fsdp2_train), "
+            "critic (megatron_train), reference (fsdp2_infer)",
+        ),
+    ],
+)
 def test_roll_role_that_cannot_run_exits_2_naming_it(tmp_path, capsys, role, message):
     path = roll_file(tmp_path)
     assert main(["check", str(path), "--role", role]) == 2
@@ -229,43 +283,84 @@ def test_roll_role_that_cannot_run_exits_2_naming_it(tmp_path, capsys, role, mes
 
 def test_role_on_a_native_file_and_roll_file_without_fsdp2_roles(tmp_path, capsys):
     assert main(["check", "examples/demo.yaml", "--role", "actor_train"]) == 2
-    assert capsys.readouterr().err == ("error: --role actor_train: 'examples/demo.yaml' is a native fsdp2kit config, "
-                                       "which has no roles (--role picks a role of a ROLL file)\n")
-    path = write_yaml(tmp_path / "megatron.yaml", {"actor_train": {"strategy_args": {"strategy_name": "megatron_train"}}})
-    assert load_error(path) == (f"'{path}' has no role with strategy fsdp2_train or fsdp2_infer; its roles: "
-                                "actor_train (megatron_train)")
+    assert capsys.readouterr().err == (
+        "error: --role actor_train: 'examples/demo.yaml' is a native fsdp2kit config, "
+        "which has no roles (--role picks a role of a ROLL file)\n"
+    )
+    path = write_yaml(
+        tmp_path / "megatron.yaml", {"actor_train": {"strategy_args": {"strategy_name": "megatron_train"}}}
+    )
+    assert load_error(path) == (
+        f"'{path}' has no role with strategy fsdp2_train or fsdp2_infer; its roles: actor_train (megatron_train)"
+    )
 
 
-@pytest.mark.parametrize("changes, role_changes, message", [
-    ({"prompt_key": "instruction", "response_key": "output"}, {},
-     "'prompt_key' = 'instruction' is not supported: fsdp2kit has no prompt/response loss masking yet: it trains on "
-     "every token of data.text_key; drop the SFT keys and give plain text data to train on whole sequences"),
-    ({}, {"model_args": {"model_type": "trl"}},
-     "'actor_train.model_args.model_type' = 'trl' is not supported: fsdp2kit trains causal language models only "
-     "(model_type: ~)"),
-    ({}, {"model_args": {"lora_target": "q_proj,v_proj"}},
-     "'actor_train.model_args.lora_target' = 'q_proj,v_proj' is not supported: LoRA is not supported"),
-    ({}, {"training_args": {"learning_rat": 1.0}},
-     "unknown key 'actor_train.training_args.learning_rat' (did you mean 'actor_train.training_args.learning_rate'?)"),
-    ({}, {"training_args": {"learning_rate": "fast"}},
-     "'actor_train.training_args.learning_rate' = 'fast' is not valid: expected a number"),
-    ({}, {"strategy_args": {"strategy_config": {"fsdp_sise": 2}}},
-     "unknown key 'actor_train.strategy_args.strategy_config.fsdp_sise' "
-     "(did you mean 'actor_train.strategy_args.strategy_config.fsdp_size'?)"),
-    ({}, {"data_args": {"file_name": ["a.jsonl", "b.jsonl"]}},
-     "'actor_train.data_args.file_name' = ['a.jsonl', 'b.jsonl'] is not valid: data.source reads one file or glob; "
-     "give one file (or merge the files)"),
-    ({}, {"training_args": {"lr_scheduler_type": "polynomial"}},
-     "'actor_train.training_args.lr_scheduler_type' = 'polynomial' is not valid: expected one of cosine, linear, "
-     "constant, constant_with_warmup"),
-    ({"pretrain": None}, {}, "names no model for role 'actor_train': set pretrain or "
-                             "actor_train.model_args.model_name_or_path"),
-    ({"training": {"max_steps": 3}}, {},
-     "'training' = {'max_steps': 3} is not supported: a native section in a ROLL file; a file holds either native "
-     "sections or ROLL roles"),
-    ({"response_length": "${prompt_lenght}"}, {},
-     "cannot resolve 'response_length': Interpolation key 'prompt_lenght' not found"),
-])
+@pytest.mark.parametrize(
+    "changes, role_changes, message",
+    [
+        (
+            {"prompt_key": "instruction", "response_key": "output"},
+            {},
+            "'prompt_key' = 'instruction' is not supported: fsdp2kit has no prompt/response loss masking yet: it trains on "
+            "every token of data.text_key; drop the SFT keys and give plain text data to train on whole sequences",
+        ),
+        (
+            {},
+            {"model_args": {"model_type": "trl"}},
+            "'actor_train.model_args.model_type' = 'trl' is not supported: fsdp2kit trains causal language models only "
+            "(model_type: ~)",
+        ),
+        (
+            {},
+            {"model_args": {"lora_target": "q_proj,v_proj"}},
+            "'actor_train.model_args.lora_target' = 'q_proj,v_proj' is not supported: LoRA is not supported",
+        ),
+        (
+            {},
+            {"training_args": {"learning_rat": 1.0}},
+            "unknown key 'actor_train.training_args.learning_rat' (did you mean 'actor_train.training_args.learning_rate'?)",
+        ),
+        (
+            {},
+            {"training_args": {"learning_rate": "fast"}},
+            "'actor_train.training_args.learning_rate' = 'fast' is not valid: expected a number",
+        ),
+        (
+            {},
+            {"strategy_args": {"strategy_config": {"fsdp_sise": 2}}},
+            "unknown key 'actor_train.strategy_args.strategy_config.fsdp_sise' "
+            "(did you mean 'actor_train.strategy_args.strategy_config.fsdp_size'?)",
+        ),
+        (
+            {},
+            {"data_args": {"file_name": ["a.jsonl", "b.jsonl"]}},
+            "'actor_train.data_args.file_name' = ['a.jsonl', 'b.jsonl'] is not valid: data.source reads one file or glob; "
+            "give one file (or merge the files)",
+        ),
+        (
+            {},
+            {"training_args": {"lr_scheduler_type": "polynomial"}},
+            "'actor_train.training_args.lr_scheduler_type' = 'polynomial' is not valid: expected one of cosine, linear, "
+            "constant, constant_with_warmup",
+        ),
+        (
+            {"pretrain": None},
+            {},
+            "names no model for role 'actor_train': set pretrain or actor_train.model_args.model_name_or_path",
+        ),
+        (
+            {"training": {"max_steps": 3}},
+            {},
+            "'training' = {'max_steps': 3} is not supported: a native section in a ROLL file; a file holds either native "
+            "sections or ROLL roles",
+        ),
+        (
+            {"response_length": "${prompt_lenght}"},
+            {},
+            "cannot resolve 'response_length': Interpolation key 'prompt_lenght' not found",
+        ),
+    ],
+)
 def test_roll_mistakes_name_the_key_as_written(tmp_path, changes, role_changes, message):
     path = roll_file(tmp_path, changes, role_changes)
     error = load_error(path)
@@ -277,7 +372,8 @@ def test_set_overrides_the_translated_config_and_names_native_keys(tmp_path):
     path = roll_file(tmp_path)
     assert load_config(path, ["training.max_steps=9"]).training.max_steps == 9
     assert load_error(path, ["training.max_steps=abc"]) == (
-        f"{path}: 'training.max_steps' = 'abc' is not valid: expected an integer")
+        f"{path}: 'training.max_steps' = 'abc' is not valid: expected an integer"
+    )
 
 
 def test_roll_role_names_a_strategy_file_beside_it(tmp_path):
@@ -286,15 +382,21 @@ def test_roll_role_names_a_strategy_file_beside_it(tmp_path):
     cfg = load_config(path)
     assert cfg.strategy_args.strategy_config.fsdp_size == 1
     assert cfg.strategy_args.strategy_config.reshard_after_forward is False
-    assert (f"actor_train.strategy_args.strategy_config of {path} replaced by {tmp_path / 'fsdp2_config.yaml'} "
-            "(keys dropped: fsdp_size)") in cfg.notes
+    assert (
+        f"actor_train.strategy_args.strategy_config of {path} replaced by {tmp_path / 'fsdp2_config.yaml'} "
+        "(keys dropped: fsdp_size)"
+    ) in cfg.notes
 
 
 # ---------------------------------------------------------------- MindSpeed-MM fsdp2_config.yaml
 
+
 def test_mindspeed_file_from_the_command_line_and_set_wins_over_it():
-    cfg = load_config("examples/demo.yaml", ["strategy_args.strategy_config.num_to_backward_prefetch=3"],
-                      strategy_file="examples/mindspeed_fsdp2_config.yaml")
+    cfg = load_config(
+        "examples/demo.yaml",
+        ["strategy_args.strategy_config.num_to_backward_prefetch=3"],
+        strategy_file="examples/mindspeed_fsdp2_config.yaml",
+    )
     strategy = cfg.strategy_args.strategy_config
     assert strategy.fsdp_size == "auto"  # sharding_size
     assert strategy.sub_modules_to_wrap == ["model.layers.{*}", "model.embed_tokens"]
@@ -314,13 +416,16 @@ def test_mindspeed_sharding_size_below_world_is_hsdp(tmp_path):
 def test_mindspeed_mistake_names_its_own_file_and_key(tmp_path):
     path = write_yaml(tmp_path / "fsdp2_config.yaml", {"sharding_sise": 2})
     assert load_error("examples/demo.yaml", strategy_file=str(path)) == (
-        f"{path}: unknown key 'sharding_sise' (did you mean 'sharding_size'?)")
+        f"{path}: unknown key 'sharding_sise' (did you mean 'sharding_size'?)"
+    )
     path = write_yaml(tmp_path / "fsdp2_config.yaml", {"param_dtype": "int8"})
     assert load_error("examples/demo.yaml", strategy_file=str(path)) == (
-        f"{path}: 'param_dtype' = 'int8' is not valid: expected one of 'bf16', 'fp16' or 'fp32'")
+        f"{path}: 'param_dtype' = 'int8' is not valid: expected one of 'bf16', 'fp16' or 'fp32'"
+    )
 
 
 # ---------------------------------------------------------------- Accelerate config files and Trainer keys
+
 
 def accelerate_strategy(tmp_path: Path, fsdp_config: dict, **top) -> tuple:
     path = write_yaml(tmp_path / "accelerate.yaml", {"distributed_type": "FSDP", **top, "fsdp_config": fsdp_config})
@@ -328,22 +433,34 @@ def accelerate_strategy(tmp_path: Path, fsdp_config: dict, **top) -> tuple:
     return cfg.strategy_args.strategy_config, cfg
 
 
-@pytest.mark.parametrize("fsdp_config, expected", [
-    ({"fsdp_sharding_strategy": 2}, {"sharding_strategy": "SHARD_GRAD_OP"}),
-    ({"fsdp_sharding_strategy": "HYBRID_SHARD_ZERO2"}, {"sharding_strategy": "_HYBRID_SHARD_ZERO2"}),
-    ({"fsdp_reshard_after_forward": "FULL_SHARD", "fsdp_version": 1}, {"sharding_strategy": "FULL_SHARD"}),
-    ({"fsdp_reshard_after_forward": "false"}, {"reshard_after_forward": False}),
-    ({"fsdp_backward_prefetch": "NO_PREFETCH"}, {"num_to_backward_prefetch": 0}),
-    ({"fsdp_backward_prefetch": "BACKWARD_POST", "fsdp_forward_prefetch": True},
-     {"num_to_backward_prefetch": 1, "num_to_forward_prefetch": 1}),
-    ({"fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP", "fsdp_transformer_layer_cls_to_wrap": "A, B"},
-     {"wrap_policy": {"transformer_layer_cls_to_wrap": ["A", "B"], "min_num_params": 0}}),
-    ({"fsdp_auto_wrap_policy": "SIZE_BASED_WRAP", "fsdp_min_num_params": 100000,
-      "fsdp_transformer_layer_cls_to_wrap": "A"},
-     {"wrap_policy": {"transformer_layer_cls_to_wrap": [], "min_num_params": 100000}}),
-    ({"fsdp_offload_params": True}, {"offload_policy": True}),
-    ({"fsdp_ignored_modules": "model.embed_tokens"}, {"ignored_modules": ["model.embed_tokens"]}),
-])
+@pytest.mark.parametrize(
+    "fsdp_config, expected",
+    [
+        ({"fsdp_sharding_strategy": 2}, {"sharding_strategy": "SHARD_GRAD_OP"}),
+        ({"fsdp_sharding_strategy": "HYBRID_SHARD_ZERO2"}, {"sharding_strategy": "_HYBRID_SHARD_ZERO2"}),
+        ({"fsdp_reshard_after_forward": "FULL_SHARD", "fsdp_version": 1}, {"sharding_strategy": "FULL_SHARD"}),
+        ({"fsdp_reshard_after_forward": "false"}, {"reshard_after_forward": False}),
+        ({"fsdp_backward_prefetch": "NO_PREFETCH"}, {"num_to_backward_prefetch": 0}),
+        (
+            {"fsdp_backward_prefetch": "BACKWARD_POST", "fsdp_forward_prefetch": True},
+            {"num_to_backward_prefetch": 1, "num_to_forward_prefetch": 1},
+        ),
+        (
+            {"fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP", "fsdp_transformer_layer_cls_to_wrap": "A, B"},
+            {"wrap_policy": {"transformer_layer_cls_to_wrap": ["A", "B"], "min_num_params": 0}},
+        ),
+        (
+            {
+                "fsdp_auto_wrap_policy": "SIZE_BASED_WRAP",
+                "fsdp_min_num_params": 100000,
+                "fsdp_transformer_layer_cls_to_wrap": "A",
+            },
+            {"wrap_policy": {"transformer_layer_cls_to_wrap": [], "min_num_params": 100000}},
+        ),
+        ({"fsdp_offload_params": True}, {"offload_policy": True}),
+        ({"fsdp_ignored_modules": "model.embed_tokens"}, {"ignored_modules": ["model.embed_tokens"]}),
+    ],
+)
 def test_accelerate_fsdp_config_keys(tmp_path, fsdp_config, expected):
     strategy, _ = accelerate_strategy(tmp_path, fsdp_config)
     dumped = strategy.model_dump()
@@ -353,39 +470,81 @@ def test_accelerate_fsdp_config_keys(tmp_path, fsdp_config, expected):
 
 
 def test_accelerate_notes_what_fsdp2kit_does_differently(tmp_path):
-    _, cfg = accelerate_strategy(tmp_path, {"fsdp_auto_wrap_policy": "SIZE_BASED_WRAP", "fsdp_min_num_params": 10,
-                                            "fsdp_transformer_layer_cls_to_wrap": "A", "fsdp_version": 1})
+    _, cfg = accelerate_strategy(
+        tmp_path,
+        {
+            "fsdp_auto_wrap_policy": "SIZE_BASED_WRAP",
+            "fsdp_min_num_params": 10,
+            "fsdp_transformer_layer_cls_to_wrap": "A",
+            "fsdp_version": 1,
+        },
+    )
     assert "fsdp_config.fsdp_version=1: FSDP1 settings read as FSDP2 (fsdp2kit only runs fully_shard)" in cfg.notes
-    assert ("ignored (read only with fsdp_auto_wrap_policy TRANSFORMER_BASED_WRAP): "
-            "fsdp_config.fsdp_transformer_layer_cls_to_wrap") in cfg.notes
+    assert (
+        "ignored (read only with fsdp_auto_wrap_policy TRANSFORMER_BASED_WRAP): "
+        "fsdp_config.fsdp_transformer_layer_cls_to_wrap"
+    ) in cfg.notes
     _, cfg = accelerate_strategy(tmp_path, {}, mixed_precision="no")
     assert cfg.strategy_args.strategy_config.param_dtype is None
-    assert any(note.startswith("fsdp_config.fsdp_auto_wrap_policy=NO_WRAP: fsdp2kit has no root-only plan")
-               for note in cfg.notes)  # Accelerate's default when the file names no policy
+    assert any(
+        note.startswith("fsdp_config.fsdp_auto_wrap_policy=NO_WRAP: fsdp2kit has no root-only plan")
+        for note in cfg.notes
+    )  # Accelerate's default when the file names no policy
 
 
 def test_accelerate_parallelism_config_is_the_hsdp_mesh(tmp_path):
-    strategy, cfg = accelerate_strategy(tmp_path, {}, parallelism_config={
-        "parallelism_config_dp_replicate_size": 2, "parallelism_config_dp_shard_size": 2,
-        "parallelism_config_tp_size": 1, "parallelism_config_cp_size": 1})
+    strategy, cfg = accelerate_strategy(
+        tmp_path,
+        {},
+        parallelism_config={
+            "parallelism_config_dp_replicate_size": 2,
+            "parallelism_config_dp_shard_size": 2,
+            "parallelism_config_tp_size": 1,
+            "parallelism_config_cp_size": 1,
+        },
+    )
     layout = mesh_layout(4, strategy)
     assert (layout.shape, layout.dim_names) == ((2, 2), ("ddp", "fsdp"))
 
 
-@pytest.mark.parametrize("top, fsdp_config, message", [
-    ({"distributed_type": "DEEPSPEED"}, {}, "'distributed_type' = 'DEEPSPEED' is not valid: fsdp2kit reads "
-                                            "Accelerate configs with distributed_type: FSDP"),
-    ({"mixed_precision": "fp8"}, {}, "'mixed_precision' = 'fp8' is not valid: expected one of 'no', 'bf16' or 'fp16'"),
-    ({}, {"fsdp_ofload_params": True}, "unknown key 'fsdp_config.fsdp_ofload_params' "
-                                       "(did you mean 'fsdp_config.fsdp_offload_params'?)"),
-    ({}, {"fsdp_sharding_strategy": 7}, "'fsdp_config.fsdp_sharding_strategy' = 7 is not valid: expected one of "
-                                        "FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD, HYBRID_SHARD_ZERO2 "
-                                        "(or their numbers 1-5)"),
-    ({}, {"fsdp_auto_wrap_policy": "SIZE_BASED_WRAP"}, "'fsdp_config.fsdp_auto_wrap_policy' = SIZE_BASED_WRAP needs "
-                                                       "'fsdp_config.fsdp_min_num_params' > 0"),
-    ({"parallelism_config": {"parallelism_config_tp_size": 2}}, {},
-     "'parallelism_config.parallelism_config_tp_size' = 2 is not supported: tensor parallelism is not available"),
-])
+@pytest.mark.parametrize(
+    "top, fsdp_config, message",
+    [
+        (
+            {"distributed_type": "DEEPSPEED"},
+            {},
+            "'distributed_type' = 'DEEPSPEED' is not valid: fsdp2kit reads "
+            "Accelerate configs with distributed_type: FSDP",
+        ),
+        (
+            {"mixed_precision": "fp8"},
+            {},
+            "'mixed_precision' = 'fp8' is not valid: expected one of 'no', 'bf16' or 'fp16'",
+        ),
+        (
+            {},
+            {"fsdp_ofload_params": True},
+            "unknown key 'fsdp_config.fsdp_ofload_params' (did you mean 'fsdp_config.fsdp_offload_params'?)",
+        ),
+        (
+            {},
+            {"fsdp_sharding_strategy": 7},
+            "'fsdp_config.fsdp_sharding_strategy' = 7 is not valid: expected one of "
+            "FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD, HYBRID_SHARD_ZERO2 "
+            "(or their numbers 1-5)",
+        ),
+        (
+            {},
+            {"fsdp_auto_wrap_policy": "SIZE_BASED_WRAP"},
+            "'fsdp_config.fsdp_auto_wrap_policy' = SIZE_BASED_WRAP needs 'fsdp_config.fsdp_min_num_params' > 0",
+        ),
+        (
+            {"parallelism_config": {"parallelism_config_tp_size": 2}},
+            {},
+            "'parallelism_config.parallelism_config_tp_size' = 2 is not supported: tensor parallelism is not available",
+        ),
+    ],
+)
 def test_accelerate_mistakes_name_the_file_and_key(tmp_path, top, fsdp_config, message):
     path = write_yaml(tmp_path / "accelerate.yaml", {"distributed_type": "FSDP", "fsdp_config": fsdp_config, **top})
     assert load_error("examples/demo.yaml", strategy_file=str(path)) == f"{path}: {message}"
@@ -395,44 +554,59 @@ def trainer_config(tmp_path: Path, strategy_config: dict, **model) -> Path:
     return write_yaml(tmp_path / "job.yaml", {"model": model, "strategy_args": {"strategy_config": strategy_config}})
 
 
-@pytest.mark.parametrize("fsdp, expected", [
-    ("full_shard auto_wrap offload", {"sharding_strategy": "FULL_SHARD", "offload_policy": True}),
-    (["hybrid_shard_zero2", "auto_wrap"], {"sharding_strategy": "_HYBRID_SHARD_ZERO2", "offload_policy": False}),
-    ("no_shard", {"sharding_strategy": "NO_SHARD", "offload_policy": False}),
-    (True, {"sharding_strategy": None, "offload_policy": False}),
-])
+@pytest.mark.parametrize(
+    "fsdp, expected",
+    [
+        ("full_shard auto_wrap offload", {"sharding_strategy": "FULL_SHARD", "offload_policy": True}),
+        (["hybrid_shard_zero2", "auto_wrap"], {"sharding_strategy": "_HYBRID_SHARD_ZERO2", "offload_policy": False}),
+        ("no_shard", {"sharding_strategy": "NO_SHARD", "offload_policy": False}),
+        (True, {"sharding_strategy": None, "offload_policy": False}),
+    ],
+)
 def test_trainer_fsdp_option_string(tmp_path, fsdp, expected):
     strategy = load_config(trainer_config(tmp_path, {"fsdp": fsdp})).strategy_args.strategy_config
     assert {key: getattr(strategy, key) for key in expected} == expected
 
 
 def test_trainer_fsdp_config_without_prefix_and_its_conflicts(tmp_path):
-    cfg = load_config(trainer_config(tmp_path, {"fsdp_config": {"version": 2, "cpu_offload": "true",
-                                                                 "activation_checkpointing": True}}))
+    cfg = load_config(
+        trainer_config(
+            tmp_path, {"fsdp_config": {"version": 2, "cpu_offload": "true", "activation_checkpointing": True}}
+        )
+    )
     assert cfg.strategy_args.strategy_config.offload_policy is True
     assert cfg.model.gradient_checkpointing is True
     path = trainer_config(tmp_path, {"fsdp_config": {"activation_checkpointing": True}}, gradient_checkpointing=False)
     assert load_error(path) == (
         f"{path}: 'strategy_args.strategy_config.fsdp_config.activation_checkpointing' = True contradicts {path}: "
-        "'model.gradient_checkpointing' = False (both set model.gradient_checkpointing); give only one of them")
+        "'model.gradient_checkpointing' = False (both set model.gradient_checkpointing); give only one of them"
+    )
     path = trainer_config(tmp_path, {"fsdp": "full_shard shard_everything"})
     assert load_error(path) == (
         f"{path}: 'strategy_args.strategy_config.fsdp' = 'full_shard shard_everything' is not valid: unknown option "
         "'shard_everything'; options: full_shard, shard_grad_op, no_shard, hybrid_shard, hybrid_shard_zero2, "
-        "offload, auto_wrap")
+        "offload, auto_wrap"
+    )
 
 
 # ---------------------------------------------------------------- the translation core
 
+
 def test_translation_records_where_each_key_was_written_and_groups_ignored_keys():
     translation = Translation("job.yaml")
     where = Written("roll.yaml", "actor_train")
-    apply_rules(translation, {"lr": 0.1, "a": 1, "b": 2, "section": {"x": 1}},
-                {"lr": to("training.learning_rate"), "section": to("strategy_args.strategy_config")}, where,
-                otherwise=ignored())
+    apply_rules(
+        translation,
+        {"lr": 0.1, "a": 1, "b": 2, "section": {"x": 1}},
+        {"lr": to("training.learning_rate"), "section": to("strategy_args.strategy_config")},
+        where,
+        otherwise=ignored(),
+    )
     assert translation.config == {"training": {"learning_rate": 0.1}, "strategy_args": {"strategy_config": {"x": 1}}}
     assert translation.written_as("strategy_args.strategy_config.x") == ("roll.yaml", "actor_train.section.x")
     assert translation.written_as("model.dtype") == ("job.yaml", "model.dtype")
-    assert translation.notes == ["mapped actor_train.lr → training.learning_rate",
-                                 "mapped actor_train.section → strategy_args.strategy_config",
-                                 "ignored (no FSDP2 meaning): actor_train.a, actor_train.b"]
+    assert translation.notes == [
+        "mapped actor_train.lr → training.learning_rate",
+        "mapped actor_train.section → strategy_args.strategy_config",
+        "ignored (no FSDP2 meaning): actor_train.a, actor_train.b",
+    ]

@@ -8,8 +8,8 @@ import shutil
 
 import pytest
 import torch
-
 from conftest import run_cli
+
 from fsdp2kit.data.builtin import corpus_documents, tokenizer_dir
 from fsdp2kit.models.builtin import BUILTIN_MODELS
 
@@ -53,13 +53,27 @@ def test_infer_matches_transformers(tmp_path, builtin, shard):
     expected = reference_logprobs(model, folder)
     for nproc in (1, 2):
         out = tmp_path / f"out{nproc}"
-        result = run_cli("infer", "examples/demo.yaml", "--nproc", nproc, "--set", f"model.name_or_path={folder}",
-                         "--set", f"data.source={data}", "--set", f"training.output_dir={out}",
-                         "--set", "strategy_args.strategy_name=fsdp2_infer", "--set", "infer_batch_size=3")
+        result = run_cli(
+            "infer",
+            "examples/demo.yaml",
+            "--nproc",
+            nproc,
+            "--set",
+            f"model.name_or_path={folder}",
+            "--set",
+            f"data.source={data}",
+            "--set",
+            f"training.output_dir={out}",
+            "--set",
+            "strategy_args.strategy_name=fsdp2_infer",
+            "--set",
+            "infer_batch_size=3",
+        )
         assert result.returncode == 0, result.stderr
         records = [json.loads(line) for line in (out / "infer.jsonl").read_text().splitlines()]
         samples, summary = records[:-1], records[-1]
         assert [r["index"] for r in samples] == list(range(len(TEXTS)))
         assert [r["sum_logprob"] for r in samples] == pytest.approx(expected, abs=1e-4)
         assert summary["perplexity"] == pytest.approx(
-            torch.tensor(-sum(expected) / sum(r["num_tokens"] for r in samples)).exp().item(), rel=1e-5)
+            torch.tensor(-sum(expected) / sum(r["num_tokens"] for r in samples)).exp().item(), rel=1e-5
+        )

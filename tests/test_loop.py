@@ -15,8 +15,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 import yaml
-
 from conftest import read_metrics, run_cli
+
 from fsdp2kit.cli import main
 from fsdp2kit.config.load import load_config
 from fsdp2kit.data.builtin import corpus_documents
@@ -32,9 +32,19 @@ AGREEMENT = 1e-5  # relative, per step, fp32
 CONFIG = {
     "model": {"name_or_path": "builtin:tiny-llama", "dtype": "fp32", "config": {"num_hidden_layers": 1}},
     "data": {"seq_len": 64, "pack": False},  # padded samples of very different lengths
-    "training": {"learning_rate": 4.0e-3, "weight_decay": 0.01, "warmup_steps": 2, "lr_scheduler_type": "cosine",
-                 "max_steps": STEPS, "max_grad_norm": 1.0, "seed": 3, "export_hf": False, "report_to": [],
-                 "per_device_train_batch_size": 1, "gradient_accumulation_steps": 4},
+    "training": {
+        "learning_rate": 4.0e-3,
+        "weight_decay": 0.01,
+        "warmup_steps": 2,
+        "lr_scheduler_type": "cosine",
+        "max_steps": STEPS,
+        "max_grad_norm": 1.0,
+        "seed": 3,
+        "export_hf": False,
+        "report_to": [],
+        "per_device_train_batch_size": 1,
+        "gradient_accumulation_steps": 4,
+    },
     "strategy_args": {"strategy_config": {"async_save_ckpt": False}},
 }
 SPLITS = {  # name: (ranks, per_device_train_batch_size, gradient_accumulation_steps); 4 samples a step in each
@@ -78,8 +88,11 @@ def split_losses(config_file, tmp_path_factory) -> dict[str, list[float]]:
     result = {}
     for name, (ranks, micro_batch, accumulation) in SPLITS.items():
         out = tmp_path_factory.mktemp("split")
-        settings = {"training.per_device_train_batch_size": micro_batch,
-                    "training.gradient_accumulation_steps": accumulation, "training.output_dir": str(out)}
+        settings = {
+            "training.per_device_train_batch_size": micro_batch,
+            "training.gradient_accumulation_steps": accumulation,
+            "training.output_dir": str(out),
+        }
         if ranks == 1:
             assert main(["train", str(config_file), *overrides(settings)]) == 0
         else:
@@ -115,8 +128,11 @@ def test_per_micro_batch_means_would_not_agree(config_file, split_losses):
     with torch.no_grad():
         for batch in batches.micro_batches(0):
             logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-            sums.append(F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=IGNORE_INDEX,
-                                        reduction="sum").item())
+            sums.append(
+                F.cross_entropy(
+                    logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+                ).item()
+            )
             counts.append(int((batch["labels"] != IGNORE_INDEX).sum()))
     token_mean = sum(sums) / sum(counts)
     micro_batch_mean = sum(s / c for s, c in zip(sums, counts)) / len(counts)
@@ -149,8 +165,13 @@ def test_clipping_scales_the_update_exactly_as_clip_grad_norm(config_file, tmp_p
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     max_norm = 1e-6
-    settings = {"training.max_steps": 1, "training.max_grad_norm": max_norm, "training.export_hf": True,
-                "training.per_device_train_batch_size": 2, "training.gradient_accumulation_steps": 2}
+    settings = {
+        "training.max_steps": 1,
+        "training.max_grad_norm": max_norm,
+        "training.export_hf": True,
+        "training.per_device_train_batch_size": 2,
+        "training.gradient_accumulation_steps": 2,
+    }
     assert main(["train", str(config_file), *overrides(settings | {"training.output_dir": str(tmp_path)})]) == 0
     trained = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").state_dict()
     (record,) = read_metrics(tmp_path)
@@ -159,7 +180,9 @@ def test_clipping_scales_the_update_exactly_as_clip_grad_norm(config_file, tmp_p
     source = resolve_model(cfg.model)
     tokenizer = AutoTokenizer.from_pretrained(source.tokenizer_path)
     samples = tokenize_samples(load_documents(cfg.data), tokenizer, cfg.data)
-    (batch,) = GlobalBatches(samples, 4, 1, 1, 0, cfg.training.seed, cfg.data.shuffle, tokenizer.pad_token_id).micro_batches(0)
+    (batch,) = GlobalBatches(
+        samples, 4, 1, 1, 0, cfg.training.seed, cfg.data.shuffle, tokenizer.pad_token_id
+    ).micro_batches(0)
 
     def one_step(clip: bool) -> tuple[dict, float]:
         model = build_meta_model(source, cfg.model)
@@ -200,8 +223,16 @@ def test_schedule_shapes_of_warmup_and_decay():
 @pytest.mark.parametrize("dtype, tolerance", [("fp16", 2e-3), ("bf16", 2e-2)])
 def test_half_precision_compute_follows_fp32(config_file, tmp_path, split_losses, dtype, tolerance):
     """fp32 master weights, compute (and gradient reduction) in fp16 or bf16: the same curve within rounding."""
-    assert train_here(config_file, tmp_path, strategy_args__strategy_config__param_dtype=dtype,
-                      training__per_device_train_batch_size=4, training__gradient_accumulation_steps=1) == 0
+    assert (
+        train_here(
+            config_file,
+            tmp_path,
+            strategy_args__strategy_config__param_dtype=dtype,
+            training__per_device_train_batch_size=4,
+            training__gradient_accumulation_steps=1,
+        )
+        == 0
+    )
     records = read_metrics(tmp_path)
     assert not any(r.get("skipped") for r in records)
     assert ("loss_scale" in records[0]) == (dtype == "fp16")  # bf16 has fp32's exponent range: no scaling
@@ -211,8 +242,17 @@ def test_half_precision_compute_follows_fp32(config_file, tmp_path, split_losses
 def test_fp16_overflow_halves_the_loss_scale_and_training_goes_on(config_file, tmp_path):
     """A loss scale too large for fp16 gradients (2^20 here): the step is skipped and the scale halved until the
     gradients fit; those skips do not count as divergence (max_nonfinite_steps is 1). The scale is checkpointed."""
-    assert train_here(config_file, tmp_path, strategy_args__strategy_config__param_dtype="fp16",
-                      training__fp16_initial_scale=2.0**20, training__max_nonfinite_steps=1, training__max_steps=5) == 0
+    assert (
+        train_here(
+            config_file,
+            tmp_path,
+            strategy_args__strategy_config__param_dtype="fp16",
+            training__fp16_initial_scale=2.0**20,
+            training__max_nonfinite_steps=1,
+            training__max_steps=5,
+        )
+        == 0
+    )
     records = read_metrics(tmp_path)
     scale = 2.0**20
     for record in records:
@@ -243,14 +283,17 @@ def test_loss_scaler_grows_after_clean_steps_and_guard_counts_only_real_divergen
         guard.stop_if_diverged(1)
 
 
-DIVERGED = ("error: training diverged: the loss or gradient norm was non-finite for 2 steps in a row (steps 2-3, "
-            "training.max_nonfinite_steps = 2); lower training.learning_rate or compute in bf16/fp32\n")
+DIVERGED = (
+    "error: training diverged: the loss or gradient norm was non-finite for 2 steps in a row (steps 2-3, "
+    "training.max_nonfinite_steps = 2); lower training.learning_rate or compute in bf16/fp32\n"
+)
 
 
 def test_non_finite_steps_are_skipped_then_the_run_stops_with_one_line(config_file, tmp_path, capsys):
     """A learning rate of 1e30 blows the weights up in one step; later steps' gradients are NaN."""
-    rc = train_here(config_file, tmp_path, training__learning_rate=1e30, training__max_nonfinite_steps=2,
-                    training__max_steps=6)
+    rc = train_here(
+        config_file, tmp_path, training__learning_rate=1e30, training__max_nonfinite_steps=2, training__max_steps=6
+    )
     assert rc == 1
     assert capsys.readouterr().err == DIVERGED
     records = read_metrics(tmp_path)
@@ -260,9 +303,21 @@ def test_non_finite_steps_are_skipped_then_the_run_stops_with_one_line(config_fi
 
 @pytest.mark.slow
 def test_divergence_under_the_launcher_is_one_line_exit_1(config_file, tmp_path):
-    result = run_cli("train", config_file, "--nproc", 2, *overrides(
-        {"training.learning_rate": 1e30, "training.max_nonfinite_steps": 2, "training.max_steps": 6,
-         "training.gradient_accumulation_steps": 2, "training.output_dir": str(tmp_path)}))
+    result = run_cli(
+        "train",
+        config_file,
+        "--nproc",
+        2,
+        *overrides(
+            {
+                "training.learning_rate": 1e30,
+                "training.max_nonfinite_steps": 2,
+                "training.max_steps": 6,
+                "training.gradient_accumulation_steps": 2,
+                "training.output_dir": str(tmp_path),
+            }
+        ),
+    )
     assert result.returncode == 1
     assert result.stderr.splitlines()[-1] + "\n" == DIVERGED
     assert "Traceback" not in result.stdout + result.stderr
@@ -294,12 +349,21 @@ def fake_wandb(monkeypatch):
 def test_console_tensorboard_wandb_profiler_and_lr_schedule(config_file, tmp_path, capsys, fake_wandb):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    assert train_here(config_file, tmp_path, training__logging_steps=2, training__profile_steps=[2, 3],
-                      training__report_to=["tensorboard", "wandb"]) == 0
+    assert (
+        train_here(
+            config_file,
+            tmp_path,
+            training__logging_steps=2,
+            training__profile_steps=[2, 3],
+            training__report_to=["tensorboard", "wandb"],
+        )
+        == 0
+    )
     records = read_metrics(tmp_path)
     tc = load_config(config_file).training
     assert [r["lr"] for r in records] == pytest.approx(
-        [tc.learning_rate * lr_factor(s, STEPS, tc.warmup_steps, "cosine") for s in range(STEPS)])
+        [tc.learning_rate * lr_factor(s, STEPS, tc.warmup_steps, "cosine") for s in range(STEPS)]
+    )
 
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
     assert [line.split()[1] for line in lines] == ["2/4", "4/4"]  # not a TTY: a plain line every logging_steps
@@ -310,7 +374,9 @@ def test_console_tensorboard_wandb_profiler_and_lr_schedule(config_file, tmp_pat
     scalars = events.Scalars("train/loss")
     assert [e.step for e in scalars] == [r["step"] for r in records]
     assert [e.value for e in scalars] == pytest.approx([r["loss"] for r in records], rel=1e-6)  # stored as float32
-    assert {"train/lr", "train/grad_norm", "train/tokens_per_s", "train/peak_mem_bytes"} <= set(events.Tags()["scalars"])
+    assert {"train/lr", "train/grad_norm", "train/tokens_per_s", "train/peak_mem_bytes"} <= set(
+        events.Tags()["scalars"]
+    )
 
     assert fake_wandb[0][0] == "init" and fake_wandb[0][1]["name"] == tmp_path.name
     assert [(c[1], c[2]["loss"]) for c in fake_wandb if c[0] == "log"] == [(r["step"], r["loss"]) for r in records]
@@ -325,8 +391,10 @@ def test_asking_for_wandb_without_it_installed_is_a_user_error(config_file, tmp_
     monkeypatch.delitem(sys.modules, "wandb", raising=False)
     monkeypatch.setattr(sys, "path", [p for p in sys.path if "wandb" not in p])
     assert train_here(config_file, tmp_path, training__report_to=["wandb"]) == 2
-    assert capsys.readouterr().err == ("error: training.report_to: 'wandb' needs the wandb package, which is not "
-                                       "installed; `pip install wandb` or leave it out (valid: tensorboard, wandb)\n")
+    assert capsys.readouterr().err == (
+        "error: training.report_to: 'wandb' needs the wandb package, which is not "
+        "installed; `pip install wandb` or leave it out (valid: tensorboard, wandb)\n"
+    )
 
 
 def test_progress_bar_on_a_terminal(monkeypatch):

@@ -6,17 +6,29 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
-
 from conftest import read_metrics, run_cli
+from safetensors.torch import load_file, save_file
 from test_infer import TEXTS, make_hf_folder, reference_logprobs
 
 DEMO = "examples/demo.yaml"
 
 
 def _infer(folder, data, out, nproc=1, *extra):
-    result = run_cli("infer", DEMO, "--nproc", nproc, "--set", f"model.name_or_path={folder}", *extra,
-                     "--set", f"data.source={data}", "--set", f"training.output_dir={out}", "--set", "infer_batch_size=2")
+    result = run_cli(
+        "infer",
+        DEMO,
+        "--nproc",
+        nproc,
+        "--set",
+        f"model.name_or_path={folder}",
+        *extra,
+        "--set",
+        f"data.source={data}",
+        "--set",
+        f"training.output_dir={out}",
+        "--set",
+        "infer_batch_size=2",
+    )
     assert result.returncode == 0, result.stderr
     return [json.loads(line) for line in (out / "infer.jsonl").read_text().splitlines()][:-1]
 
@@ -48,8 +60,19 @@ def test_export_and_checkpoint_give_the_same_logprobs(tmp_path, texts_file, smal
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     run = tmp_path / "run"
-    result = run_cli("train", DEMO, "--nproc", 2, *small_run, "--set", "training.export_hf=true",
-                     "--set", "training.max_steps=3", "--set", "model.name_or_path=builtin:tiny-qwen3")
+    result = run_cli(
+        "train",
+        DEMO,
+        "--nproc",
+        2,
+        *small_run,
+        "--set",
+        "training.export_hf=true",
+        "--set",
+        "training.max_steps=3",
+        "--set",
+        "model.name_or_path=builtin:tiny-qwen3",
+    )
     assert result.returncode == 0, result.stderr
     assert len(read_metrics(run)) == 3
     AutoTokenizer.from_pretrained(run / "hf")
@@ -89,8 +112,16 @@ def test_weight_mistakes_exit_2_naming_the_tensor_or_file(tmp_path, texts_file):
         if config_changes:
             config = json.loads((folder / "config.json").read_text())
             (folder / "config.json").write_text(json.dumps({**config, **config_changes}))
-        return run_cli("infer", DEMO, "--set", f"model.name_or_path={folder}", "--set", f"data.source={texts_file}",
-                       "--set", f"training.output_dir={tmp_path / 'out'}")
+        return run_cli(
+            "infer",
+            DEMO,
+            "--set",
+            f"model.name_or_path={folder}",
+            "--set",
+            f"data.source={texts_file}",
+            "--set",
+            f"training.output_dir={tmp_path / 'out'}",
+        )
 
     missing = {k: v for k, v in weights.items() if k != "model.norm.weight"}
     result = attempt(missing)
@@ -104,13 +135,31 @@ def test_weight_mistakes_exit_2_naming_the_tensor_or_file(tmp_path, texts_file):
 
     result = attempt(weights, {"num_hidden_layers": 1})
     assert result.returncode == 2
-    assert "tensor 'model.layers.1.input_layernorm.weight'" in result.stderr and "config and weights do not match" in result.stderr
+    assert (
+        "tensor 'model.layers.1.input_layernorm.weight'" in result.stderr
+        and "config and weights do not match" in result.stderr
+    )
 
     (folder / "model.safetensors").unlink()
-    (folder / "config.json").write_text(json.dumps({**json.loads((folder / "config.json").read_text()), "num_hidden_layers": 2}))
-    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {k: "gone.safetensors" for k in weights}}))
+    (folder / "config.json").write_text(
+        json.dumps({**json.loads((folder / "config.json").read_text()), "num_hidden_layers": 2})
+    )
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {k: "gone.safetensors" for k in weights}})
+    )
     save_file({"x": torch.zeros(1)}, folder / "other.safetensors")
-    result = run_cli("infer", DEMO, "--set", f"model.name_or_path={folder}", "--set", f"data.source={texts_file}",
-                     "--set", f"training.output_dir={tmp_path / 'out'}")
+    result = run_cli(
+        "infer",
+        DEMO,
+        "--set",
+        f"model.name_or_path={folder}",
+        "--set",
+        f"data.source={texts_file}",
+        "--set",
+        f"training.output_dir={tmp_path / 'out'}",
+    )
     assert result.returncode == 2
-    assert result.stderr.strip() == f"error: model weights: file '{folder / 'gone.safetensors'}' named by the index does not exist"
+    assert (
+        result.stderr.strip()
+        == f"error: model weights: file '{folder / 'gone.safetensors'}' named by the index does not exist"
+    )

@@ -4,7 +4,6 @@ loss, and weights in and out in both expert layouts (transformers loads the expo
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -13,8 +12,8 @@ import time
 import pytest
 import torch
 import yaml
-
 from conftest import REPO, process_group, read_metrics, run_cli, token_batch
+
 from fsdp2kit.check import describe
 from fsdp2kit.config.schema import JobConfig
 from fsdp2kit.distributed import free_port
@@ -28,31 +27,53 @@ FUSED = {"wrap_policy": {"moe_experts": ["Qwen3MoeExperts"]}}
 
 
 def job(strategy: dict, name: str = "builtin:tiny-qwen3-moe", **model) -> JobConfig:
-    return JobConfig.model_validate({"model": {"name_or_path": name, "config": {"num_hidden_layers": 2}, **model},
-                                     "strategy_args": {"strategy_config": strategy}})
+    return JobConfig.model_validate(
+        {
+            "model": {"name_or_path": name, "config": {"num_hidden_layers": 2}, **model},
+            "strategy_args": {"strategy_config": strategy},
+        }
+    )
 
 
 def test_experts_become_shard_groups_per_layer_or_one_by_one():
     with process_group() as runtime:
         fused = describe(job(FUSED), runtime)
         single = describe(job(PER_EXPERT), runtime)
-    assert fused["sharded_modules"] == ["", "model.layers.0", "model.layers.0.mlp.experts",
-                                        "model.layers.1", "model.layers.1.mlp.experts"]
-    assert single["sharded_modules"] == ["", "model.layers.0", *(f"model.layers.0.mlp.experts.{i}" for i in range(4)),
-                                         "model.layers.1", *(f"model.layers.1.mlp.experts.{i}" for i in range(4))]
+    assert fused["sharded_modules"] == [
+        "",
+        "model.layers.0",
+        "model.layers.0.mlp.experts",
+        "model.layers.1",
+        "model.layers.1.mlp.experts",
+    ]
+    assert single["sharded_modules"] == [
+        "",
+        "model.layers.0",
+        *(f"model.layers.0.mlp.experts.{i}" for i in range(4)),
+        "model.layers.1",
+        *(f"model.layers.1.mlp.experts.{i}" for i in range(4)),
+    ]
     assert (fused["expert_patch"], single["expert_patch"]) == (False, True)
 
 
-@pytest.mark.parametrize("strategy, message", [
-    ({"wrap_policy": {"moe_experts": ["Qwen3MoeExpert"]}},
-     "strategy_config.wrap_policy.moe_experts: class 'Qwen3MoeExpert' matches no module of the model; for its experts "
-     "name 'Qwen3MoeExperts' (each layer's experts as one shard group) or 'Qwen3MoeMLP' (each expert alone, with "
-     "apply_expert_patch: true)"),
-    ({"wrap_policy": {"moe_experts": ["Qwen3MoeMLP"]}},
-     "strategy_config.apply_expert_patch: wrap_policy.moe_experts shards every expert on its own "
-     "('model.layers.0.mlp.experts.0', ...), and ranks whose tokens go to different experts would wait for each other's "
-     "all-gathers forever; set apply_expert_patch: true"),
-], ids=["unknown class", "per-expert without the patch"])
+@pytest.mark.parametrize(
+    "strategy, message",
+    [
+        (
+            {"wrap_policy": {"moe_experts": ["Qwen3MoeExpert"]}},
+            "strategy_config.wrap_policy.moe_experts: class 'Qwen3MoeExpert' matches no module of the model; for its experts "
+            "name 'Qwen3MoeExperts' (each layer's experts as one shard group) or 'Qwen3MoeMLP' (each expert alone, with "
+            "apply_expert_patch: true)",
+        ),
+        (
+            {"wrap_policy": {"moe_experts": ["Qwen3MoeMLP"]}},
+            "strategy_config.apply_expert_patch: wrap_policy.moe_experts shards every expert on its own "
+            "('model.layers.0.mlp.experts.0', ...), and ranks whose tokens go to different experts would wait for each other's "
+            "all-gathers forever; set apply_expert_patch: true",
+        ),
+    ],
+    ids=["unknown class", "per-expert without the patch"],
+)
 def test_expert_settings_that_cannot_work_are_refused(strategy, message):
     with process_group() as runtime, pytest.raises(UserError) as error:
         describe(job(strategy), runtime)
@@ -76,6 +97,7 @@ def test_router_aux_loss_is_part_of_the_training_loss():
 def test_recomputed_moe_layers_keep_the_aux_loss_gradient():
     """Reentrant checkpointing would run the layers' first forward without autograd: the router logits the aux loss
     is computed from would carry no gradient. The plan switches those layers to non-reentrant checkpointing."""
+
     def router_gradient(strategy: dict) -> tuple[torch.Tensor, list[str]]:
         with process_group() as runtime:
             sharded = build_sharded_model(job(strategy), runtime, training=True)
@@ -108,7 +130,9 @@ def test_weights_move_between_expert_layouts_and_transformers(tmp_path):
     hf_model = AutoModelForCausalLM.from_pretrained(tmp_path / "per_expert", dtype=torch.float32)
     assert type(hf_model.model.layers[0].mlp.experts).__name__ == "Qwen3MoeExperts"
     torch.testing.assert_close(logits_of(hf_model, input_ids), logits, rtol=1e-5, atol=1e-5)
-    fused_weights = hf_model.state_dict()["model.layers.1.mlp.experts.gate_up_proj"]  # [experts, gate + up rows, hidden]
+    fused_weights = hf_model.state_dict()[
+        "model.layers.1.mlp.experts.gate_up_proj"
+    ]  # [experts, gate + up rows, hidden]
 
     with process_group() as runtime:  # per-expert files into a fused model, exported with fused names
         fused = build_sharded_model(job({}, str(tmp_path / "per_expert"), config={}), runtime, training=False)
@@ -122,9 +146,11 @@ def test_weights_move_between_expert_layouts_and_transformers(tmp_path):
 
     for folder in ("per_expert", "fused"):
         with process_group(size=2, rank=1) as runtime:
-            model = build_sharded_model(job(PER_EXPERT, str(tmp_path / folder), config={}), runtime, training=False).model
+            model = build_sharded_model(
+                job(PER_EXPERT, str(tmp_path / folder), config={}), runtime, training=False
+            ).model
             up_proj = model.model.layers[1].mlp.experts[3].up_proj.weight  # rows 64-127 of 128 on rank 1
-            torch.testing.assert_close(up_proj.to_local(), fused_weights[3, 128 + 64:], rtol=0, atol=0)
+            torch.testing.assert_close(up_proj.to_local(), fused_weights[3, 128 + 64 :], rtol=0, atol=0)
         with process_group(size=2, rank=1) as runtime:
             model = build_sharded_model(job({}, str(tmp_path / folder), config={}), runtime, training=False).model
             gate_up_proj = model.model.layers[1].mlp.experts.gate_up_proj  # experts 2 and 3 of 4 on rank 1
@@ -134,14 +160,25 @@ def test_weights_move_between_expert_layouts_and_transformers(tmp_path):
 # Routing forced to differ across ranks: tests/moe_forced_routing.py sends rank 0's tokens to experts 0-1 and rank 1's
 # to experts 2-5, so rank 0 calls 2 experts per layer and rank 1 calls 4.
 
+
 @pytest.fixture(scope="module")
 def forced_routing(tmp_path_factory):
     config = {
-        "model": {"name_or_path": "builtin:tiny-qwen3-moe", "model_class": "tests/moe_forced_routing.py:ForcedRoutingQwen3Moe",
-                  "dtype": "fp32", "config": {"num_hidden_layers": 2, "num_experts": 6, "router_aux_loss_coef": 0.1}},
+        "model": {
+            "name_or_path": "builtin:tiny-qwen3-moe",
+            "model_class": "tests/moe_forced_routing.py:ForcedRoutingQwen3Moe",
+            "dtype": "fp32",
+            "config": {"num_hidden_layers": 2, "num_experts": 6, "router_aux_loss_coef": 0.1},
+        },
         "data": {"source": "builtin:corpus", "seq_len": 64},
-        "training": {"learning_rate": 3.0e-3, "max_steps": 3, "per_device_train_batch_size": 1, "seed": 7,
-                     "save_steps": 0, "export_hf": False},
+        "training": {
+            "learning_rate": 3.0e-3,
+            "max_steps": 3,
+            "per_device_train_batch_size": 1,
+            "seed": 7,
+            "save_steps": 0,
+            "export_hf": False,
+        },
         "strategy_args": {"strategy_config": PER_EXPERT},
     }
     path = tmp_path_factory.mktemp("moe") / "forced_routing.yaml"
@@ -151,7 +188,12 @@ def forced_routing(tmp_path_factory):
 
 def settings(output_dir, ranks: int) -> list[str]:
     accumulation = 2 // ranks  # a global batch of 2 one-sample micro-batches, as the forced routing expects
-    return ["--set", f"training.gradient_accumulation_steps={accumulation}", "--set", f"training.output_dir={output_dir}"]
+    return [
+        "--set",
+        f"training.gradient_accumulation_steps={accumulation}",
+        "--set",
+        f"training.output_dir={output_dir}",
+    ]
 
 
 @pytest.mark.slow
@@ -182,12 +224,25 @@ sys.exit(main(sys.argv[1:]))
 def test_without_the_patch_ranks_routing_differently_never_finish(forced_routing, tmp_path):
     """Rank 0's next collective meets rank 1's third expert all-gather. NCCL would wait there forever; gloo checks
     message sizes and aborts ("collective mismatch"). Either way the first step never finishes (patched: ~1s)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "WORLD_SIZE": "2",
+        "LOCAL_WORLD_SIZE": "2",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+    }
     logs = [tmp_path / f"rank{rank}.log" for rank in range(2)]
-    ranks = [subprocess.Popen([sys.executable, "-c", WITHOUT_PATCH, "train", str(forced_routing), *settings(tmp_path, 2)],
-                              cwd=REPO, env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
-                              stdout=log.open("w"), stderr=subprocess.STDOUT) for rank, log in enumerate(logs)]
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-c", WITHOUT_PATCH, "train", str(forced_routing), *settings(tmp_path, 2)],
+            cwd=REPO,
+            env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+            stdout=log.open("w"),
+            stderr=subprocess.STDOUT,
+        )
+        for rank, log in enumerate(logs)
+    ]
 
     def output() -> str:
         return "".join(log.read_text() for log in logs)

@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 import yaml
-
 from conftest import read_metrics, run_cli
+
 from fsdp2kit.config.load import load_config
 from fsdp2kit.data.dataset import IGNORE_INDEX, GlobalBatches, load_documents, tokenize_samples
 from fsdp2kit.models.build import build_meta_model, materialise, resolve_model
@@ -23,8 +23,16 @@ TOLERANCE = 1e-5  # relative, per step
 CONFIG = {
     "model": {"name_or_path": "builtin:tiny-llama", "dtype": "fp32"},
     "data": {"source": "builtin:corpus"},
-    "training": {"learning_rate": 3.0e-3, "weight_decay": 0.01, "warmup_steps": 4, "lr_scheduler_type": "cosine",
-                 "max_steps": STEPS, "max_grad_norm": 1.0, "seed": 7, "per_device_train_batch_size": 1},
+    "training": {
+        "learning_rate": 3.0e-3,
+        "weight_decay": 0.01,
+        "warmup_steps": 4,
+        "lr_scheduler_type": "cosine",
+        "max_steps": STEPS,
+        "max_grad_norm": 1.0,
+        "seed": 7,
+        "per_device_train_batch_size": 1,
+    },
 }
 SMALL = {"model.config.num_hidden_layers": 2, "data.seq_len": 64, "training.save_steps": 0, "training.export_hf": False}
 
@@ -36,10 +44,14 @@ CASES = {
     "HSDP 4 ranks, fsdp_size 2": (4, {STRATEGY + "fsdp_size": 2}),
     "ZeRO-2": (2, {STRATEGY + "reshard_after_forward": False}),
     "NO_SHARD": (2, {STRATEGY + "sharding_strategy": "NO_SHARD"}),
-    "recompute, reentrant": (2, {STRATEGY + "recompute_modules": ["model.layers.{*}"],
-                                 STRATEGY + "use_reentrant": True}),
-    "recompute, non-reentrant": (2, {STRATEGY + "recompute_modules": ["model.layers.{*}"],
-                                     STRATEGY + "use_reentrant": False}),
+    "recompute, reentrant": (
+        2,
+        {STRATEGY + "recompute_modules": ["model.layers.{*}"], STRATEGY + "use_reentrant": True},
+    ),
+    "recompute, non-reentrant": (
+        2,
+        {STRATEGY + "recompute_modules": ["model.layers.{*}"], STRATEGY + "use_reentrant": False},
+    ),
     "explicit prefetch": (2, {STRATEGY + "num_to_forward_prefetch": 2, STRATEGY + "num_to_backward_prefetch": 2}),
     # Ignored modules stay replicated outside FSDP: only if their gradients are averaged over the ranks do the
     # replicas stay identical and the loss follow the reference.

@@ -14,11 +14,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from conftest import REPO
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from conftest import REPO
 from fsdp2kit.check import describe
 from fsdp2kit.cli import main
 from fsdp2kit.config.schema import JobConfig, ModelConfig, StrategyConfig, TrainingConfig
@@ -76,8 +76,11 @@ def sharded(runtime: Runtime, strategy: dict | None = None, **model) -> nn.Modul
 
 def random_batch(rows: int = 2, length: int = 16) -> dict[str, torch.Tensor]:
     tokens = torch.randint(0, VOCAB_SIZE, (rows, length + 1), generator=torch.Generator().manual_seed(0))
-    return {"input_ids": tokens[:, :-1], "attention_mask": torch.ones(rows, length, dtype=torch.long),
-            "labels": tokens[:, 1:]}
+    return {
+        "input_ids": tokens[:, :-1],
+        "attention_mask": torch.ones(rows, length, dtype=torch.long),
+        "labels": tokens[:, 1:],
+    }
 
 
 def train_steps(model: nn.Module, steps: int = 2) -> torch.optim.Optimizer:
@@ -126,13 +129,18 @@ def config_file(tmp_path_factory):
 
 # Mesh: fsdp_size / sharding_size.
 
-@pytest.mark.parametrize("strategy, shape, names, placements", [
-    ({}, (4,), ("fsdp",), (Shard(0),)),
-    ({"fsdp_size": 4}, (4,), ("fsdp",), (Shard(0),)),
-    ({"fsdp_size": 1}, (4,), ("fsdp",), (Shard(0),)),
-    ({"fsdp_size": 2}, (2, 2), ("ddp", "fsdp"), (Replicate(), Shard(0))),
-    ({"sharding_size": 2}, (2, 2), ("ddp", "fsdp"), (Replicate(), Shard(0))),
-], ids=["auto", "world", "one", "fsdp_size", "sharding_size"])
+
+@pytest.mark.parametrize(
+    "strategy, shape, names, placements",
+    [
+        ({}, (4,), ("fsdp",), (Shard(0),)),
+        ({"fsdp_size": 4}, (4,), ("fsdp",), (Shard(0),)),
+        ({"fsdp_size": 1}, (4,), ("fsdp",), (Shard(0),)),
+        ({"fsdp_size": 2}, (2, 2), ("ddp", "fsdp"), (Replicate(), Shard(0))),
+        ({"sharding_size": 2}, (2, 2), ("ddp", "fsdp"), (Replicate(), Shard(0))),
+    ],
+    ids=["auto", "world", "one", "fsdp_size", "sharding_size"],
+)
 def test_fsdp_size_shapes_the_mesh(strategy, shape, names, placements):
     with world(4) as runtime:
         cfg = job(strategy)
@@ -146,11 +154,13 @@ def test_fsdp_size_shapes_the_mesh(strategy, shape, names, placements):
 def test_fsdp_size_must_divide_the_world(run_main, config_file):
     code, _, err = run_main("check", config_file, "--nproc", 3, "--set", "strategy_args.strategy_config.fsdp_size=2")
     assert code == 2
-    assert err == ("error: strategy_config.fsdp_size = 2 does not divide the world size 3; "
-                   "valid: 'auto' or one of [1, 3]\n")
+    assert err == (
+        "error: strategy_config.fsdp_size = 2 does not divide the world size 3; valid: 'auto' or one of [1, 3]\n"
+    )
 
 
 # Mixed precision.
+
 
 def policies(plan: dict) -> list[tuple]:
     return [(g["param_dtype"], g["reduce_dtype"], g["output_dtype"], g["cast_forward_inputs"]) for g in plan["groups"]]
@@ -163,11 +173,14 @@ def test_mixed_precision_policy_of_every_group():
     assert policies(check()) == [("float32", "float32", None, True)] * 3
 
 
-@pytest.mark.parametrize("strategy, compute, logits", [
-    ({}, torch.float32, torch.float32),
-    ({"param_dtype": "bf16"}, torch.bfloat16, torch.bfloat16),
-    ({"param_dtype": "bf16", "output_dtype": "fp32"}, torch.bfloat16, torch.float32),
-])
+@pytest.mark.parametrize(
+    "strategy, compute, logits",
+    [
+        ({}, torch.float32, torch.float32),
+        ({"param_dtype": "bf16"}, torch.bfloat16, torch.bfloat16),
+        ({"param_dtype": "bf16", "output_dtype": "fp32"}, torch.bfloat16, torch.float32),
+    ],
+)
 def test_param_and_output_dtype_in_the_forward(gloo, strategy, compute, logits):
     model = sharded(gloo, strategy)
     seen = []
@@ -206,8 +219,9 @@ def test_cast_forward_inputs_except_into_a_vision_encoder(gloo, cast, text_dtype
     """Floating inputs are cast to param_dtype, but a vision encoder sees its pixel values in full precision:
     neither its own group nor the root casts them."""
     model = ToyVisionLanguageModel()
-    strategy = StrategyConfig(sub_modules_to_wrap=["visual", "layers.{*}"], param_dtype="bf16",
-                              cast_forward_inputs=cast)
+    strategy = StrategyConfig(
+        sub_modules_to_wrap=["visual", "layers.{*}"], param_dtype="bf16", cast_forward_inputs=cast
+    )
     plan = build_plan(model, strategy, ModelConfig())
     assert plan.no_cast_modules == ["visual"]
     apply_fsdp(model, init_device_mesh("cpu", (1,)), plan)
@@ -217,16 +231,21 @@ def test_cast_forward_inputs_except_into_a_vision_encoder(gloo, cast, text_dtype
 
 # Reshard after forward, and the FSDP1 / Accelerate strategy names.
 
-@pytest.mark.parametrize("strategy, mesh, reshard", [
-    ({"reshard_after_forward": True}, [4], True),
-    ({"reshard_after_forward": False}, [4], False),
-    ({"reshard_after_forward": 2}, [4], 2),
-    ({"sharding_strategy": "FULL_SHARD"}, [4], True),
-    ({"sharding_strategy": "SHARD_GRAD_OP"}, [4], False),
-    ({"sharding_strategy": "NO_SHARD"}, [4, 1], False),
-    ({"sharding_strategy": "HYBRID_SHARD"}, [2, 2], True),
-    ({"sharding_strategy": "_HYBRID_SHARD_ZERO2"}, [2, 2], False),
-], ids=lambda value: json.dumps(value) if isinstance(value, dict) else None)
+
+@pytest.mark.parametrize(
+    "strategy, mesh, reshard",
+    [
+        ({"reshard_after_forward": True}, [4], True),
+        ({"reshard_after_forward": False}, [4], False),
+        ({"reshard_after_forward": 2}, [4], 2),
+        ({"sharding_strategy": "FULL_SHARD"}, [4], True),
+        ({"sharding_strategy": "SHARD_GRAD_OP"}, [4], False),
+        ({"sharding_strategy": "NO_SHARD"}, [4, 1], False),
+        ({"sharding_strategy": "HYBRID_SHARD"}, [2, 2], True),
+        ({"sharding_strategy": "_HYBRID_SHARD_ZERO2"}, [2, 2], False),
+    ],
+    ids=lambda value: json.dumps(value) if isinstance(value, dict) else None,
+)
 def test_reshard_and_sharding_strategy(monkeypatch, strategy, mesh, reshard):
     """4 ranks on 2 nodes of 2: HYBRID_SHARD shards within a node. The root is never resharded after forward."""
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
@@ -246,27 +265,50 @@ def test_reshard_after_forward_frees_the_gathered_weights(gloo, reshard):
 
 # Which modules get their own fully_shard.
 
-@pytest.mark.parametrize("patterns, expected", [
-    (["model.layers.{*}"], ["model.layers.0", "model.layers.1", "model.layers.2", "model.layers.3"]),
-    (["model.layers.{1-2}"], ["model.layers.1", "model.layers.2"]),
-    (["model.layers.{0,3}"], ["model.layers.0", "model.layers.3"]),
-    (["model.layers.{0-1}.mlp", "model.layers.{*}"], ["model.layers.0", "model.layers.0.mlp", "model.layers.1",
-                                                      "model.layers.1.mlp", "model.layers.2", "model.layers.3"]),
-], ids=["all", "range", "list", "nested"])
+
+@pytest.mark.parametrize(
+    "patterns, expected",
+    [
+        (["model.layers.{*}"], ["model.layers.0", "model.layers.1", "model.layers.2", "model.layers.3"]),
+        (["model.layers.{1-2}"], ["model.layers.1", "model.layers.2"]),
+        (["model.layers.{0,3}"], ["model.layers.0", "model.layers.3"]),
+        (
+            ["model.layers.{0-1}.mlp", "model.layers.{*}"],
+            [
+                "model.layers.0",
+                "model.layers.0.mlp",
+                "model.layers.1",
+                "model.layers.1.mlp",
+                "model.layers.2",
+                "model.layers.3",
+            ],
+        ),
+    ],
+    ids=["all", "range", "list", "nested"],
+)
 def test_sub_modules_to_wrap(patterns, expected):
     assert check({"sub_modules_to_wrap": patterns}, layers=4)["sharded_modules"] == ["", *expected]
 
 
-@pytest.mark.parametrize("strategy, expected", [
-    ({}, LAYERS),  # the model's own _no_split_modules: LlamaDecoderLayer
-    ({"wrap_policy": {"transformer_layer_cls_to_wrap": ["LlamaMLP"]}}, ["model.layers.0.mlp", "model.layers.1.mlp"]),
-    # Size-based: a module is wrapped once its not-yet-wrapped parameters reach the limit. An MLP holds 528k,
-    # a layer's attention and norms 197k, the embeddings and the head 1M each.
-    ({"wrap_policy": {"min_num_params": 500_000}},
-     ["model.embed_tokens", "model.layers.0.mlp", "model.layers.1.mlp", "lm_head"]),
-    ({"wrap_policy": {"wrap_embeddings": True}}, ["model.embed_tokens", *LAYERS]),
-    ({"wrap_policy": {"wrap_lm_output": True}}, [*LAYERS, "lm_head"]),
-], ids=["default", "class", "size", "embeddings", "lm_output"])
+@pytest.mark.parametrize(
+    "strategy, expected",
+    [
+        ({}, LAYERS),  # the model's own _no_split_modules: LlamaDecoderLayer
+        (
+            {"wrap_policy": {"transformer_layer_cls_to_wrap": ["LlamaMLP"]}},
+            ["model.layers.0.mlp", "model.layers.1.mlp"],
+        ),
+        # Size-based: a module is wrapped once its not-yet-wrapped parameters reach the limit. An MLP holds 528k,
+        # a layer's attention and norms 197k, the embeddings and the head 1M each.
+        (
+            {"wrap_policy": {"min_num_params": 500_000}},
+            ["model.embed_tokens", "model.layers.0.mlp", "model.layers.1.mlp", "lm_head"],
+        ),
+        ({"wrap_policy": {"wrap_embeddings": True}}, ["model.embed_tokens", *LAYERS]),
+        ({"wrap_policy": {"wrap_lm_output": True}}, [*LAYERS, "lm_head"]),
+    ],
+    ids=["default", "class", "size", "embeddings", "lm_output"],
+)
 def test_wrap_policy(strategy, expected):
     assert check(strategy)["sharded_modules"] == ["", *expected]
 
@@ -309,6 +351,7 @@ def test_frozen_parameters_do_not_change_and_are_not_optimised(gloo):
 
 # Recompute.
 
+
 def autograd_node_names(tensor: torch.Tensor) -> set[str]:
     names, stack, seen = set(), [tensor.grad_fn], set()
     while stack:
@@ -348,11 +391,19 @@ def test_gradient_checkpointing_recomputes_every_layer():
 
 # Prefetch.
 
-@pytest.mark.parametrize("forward, backward, expected_forward, expected_backward", [
-    (0, 1, [[], [], [], []], [[], [], [], []]),  # FSDP's own implicit prefetch of the previous group in backward
-    (2, 2, [["model.layers.1", "model.layers.2"], ["model.layers.2", "model.layers.3"], ["model.layers.3"], []],
-     [[], ["model.layers.0"], ["model.layers.1", "model.layers.0"], ["model.layers.2", "model.layers.1"]]),
-])
+
+@pytest.mark.parametrize(
+    "forward, backward, expected_forward, expected_backward",
+    [
+        (0, 1, [[], [], [], []], [[], [], [], []]),  # FSDP's own implicit prefetch of the previous group in backward
+        (
+            2,
+            2,
+            [["model.layers.1", "model.layers.2"], ["model.layers.2", "model.layers.3"], ["model.layers.3"], []],
+            [[], ["model.layers.0"], ["model.layers.1", "model.layers.0"], ["model.layers.2", "model.layers.1"]],
+        ),
+    ],
+)
 def test_explicit_prefetch(forward, backward, expected_forward, expected_backward):
     plan = check({"num_to_forward_prefetch": forward, "num_to_backward_prefetch": backward}, layers=4)
     layers = plan["groups"][1:]
@@ -363,20 +414,30 @@ def test_explicit_prefetch(forward, backward, expected_forward, expected_backwar
 
 def test_no_backward_prefetch_is_not_possible_and_says_so():
     assert check({"num_to_backward_prefetch": 0})["notes"] == [
-        "num_to_backward_prefetch 0 acts as 1: FSDP2 always prefetches the previous group in backward"]
+        "num_to_backward_prefetch 0 acts as 1: FSDP2 always prefetches the previous group in backward"
+    ]
 
 
 # A model's own plan (model.model_class with `_fully_shard`).
 
+
 def test_a_models_own_plan_chooses_the_groups(run_main, monkeypatch):
     monkeypatch.chdir(REPO)
-    code, out, err = run_main("check", "examples/custom_plan/train.yaml", "--json",
-                              "--set", "model.config.num_hidden_layers=2")
+    code, out, err = run_main(
+        "check", "examples/custom_plan/train.yaml", "--json", "--set", "model.config.num_hidden_layers=2"
+    )
     assert code == 0, err
     plan = json.loads(out)
     assert (plan["model"]["class"], plan["custom_plan"]) == ("PlannedLlamaForCausalLM", True)
-    assert plan["sharded_modules"] == ["", "model.embed_tokens", "model.layers.0.self_attn", "model.layers.0.mlp",
-                                       "model.layers.1.self_attn", "model.layers.1.mlp", "lm_head"]
+    assert plan["sharded_modules"] == [
+        "",
+        "model.embed_tokens",
+        "model.layers.0.self_attn",
+        "model.layers.0.mlp",
+        "model.layers.1.self_attn",
+        "model.layers.1.mlp",
+        "lm_head",
+    ]
     # The base keys still apply to the groups the model chose.
     assert group_of(plan, "model.layers.0.self_attn")["forward_prefetch"] == ["model.layers.0.mlp"]
 
@@ -386,37 +447,75 @@ def test_a_models_own_plan_chooses_the_groups(run_main, monkeypatch):
 CUSTOM_PLAN = ["--set", "model.model_class=examples/custom_plan/planned_llama.py:PlannedLlamaForCausalLM"]
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--set", 'strategy_args.strategy_config.sub_modules_to_wrap=["model.layer.{*}"]'],
-     "strategy_config.sub_modules_to_wrap: pattern 'model.layer.{*}' matches no module of the model "
-     "(module paths look like 'model.layers.0')"),
-    (["--set", "strategy_args.strategy_config.wrap_policy.transformer_layer_cls_to_wrap=[LlamaBlock]"],
-     "strategy_config.wrap_policy.transformer_layer_cls_to_wrap: class 'LlamaBlock' matches no module of the model; "
-     "its classes are ['Embedding', 'Linear', 'LlamaAttention', 'LlamaDecoderLayer', 'LlamaForCausalLM', 'LlamaMLP', "
-     "'LlamaModel', 'LlamaRMSNorm', 'LlamaRotaryEmbedding', 'ModuleList', 'SiLUActivation']"),
-    (["--set", "strategy_args.strategy_config.offload_to_cpu=true"],
-     "strategy_config.offload_policy: CPU offload needs an accelerator (CUDA) and this machine has none; "
-     "set offload_policy: false"),
-    (["--set", "strategy_args.strategy_config.pin_memory=true"],
-     "strategy_config.pin_memory: true only applies with offload_policy: true"),
-    (["--set", "strategy_args.strategy_config.reshard_after_forward=2"],
-     "strategy_config.reshard_after_forward = 2: an integer must divide the shard group size 1; "
-     "valid: true, false or one of [1]"),
-    (["--set", "strategy_args.strategy_config.sharding_strategy=SHARD_GRAD_OP",
-      "--set", "strategy_args.strategy_config.reshard_after_forward=true"],
-     "strategy_config.reshard_after_forward = True contradicts sharding_strategy SHARD_GRAD_OP (which means False); "
-     "give one of them"),
-    (["--set", "strategy_args.strategy_config.ignored_modules=[model.layers.0.mlp]"],
-     "strategy_config.ignored_modules: 'model.layers.0' is both ignored and sharded (or contains an ignored module)"),
-    ([*CUSTOM_PLAN, "--set", 'strategy_args.strategy_config.sub_modules_to_wrap=["model.layers.{*}"]'],
-     "strategy_config.sub_modules_to_wrap: PlannedLlamaForCausalLM defines its own sharding plan (_fully_shard), "
-     "which chooses the shard groups; drop this key"),
-    (["--set", "model.model_class=transformers:Qwen3ForCausalLM"],
-     "model.model_class: Qwen3ForCausalLM takes a Qwen3Config, but the model's config is a LlamaConfig"),
-    (["--set", "model.model_class=examples/custom_plan/missing.py:Model"],
-     "model.model_class: no such file 'examples/custom_plan/missing.py'"),
-], ids=["pattern", "class", "offload", "pin_memory", "reshard_int", "strategy_contradiction",
-        "ignored_and_sharded", "custom_plan_and_selection", "model_class_config", "model_class_file"])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ["--set", 'strategy_args.strategy_config.sub_modules_to_wrap=["model.layer.{*}"]'],
+            "strategy_config.sub_modules_to_wrap: pattern 'model.layer.{*}' matches no module of the model "
+            "(module paths look like 'model.layers.0')",
+        ),
+        (
+            ["--set", "strategy_args.strategy_config.wrap_policy.transformer_layer_cls_to_wrap=[LlamaBlock]"],
+            "strategy_config.wrap_policy.transformer_layer_cls_to_wrap: class 'LlamaBlock' matches no module of the model; "
+            "its classes are ['Embedding', 'Linear', 'LlamaAttention', 'LlamaDecoderLayer', 'LlamaForCausalLM', 'LlamaMLP', "
+            "'LlamaModel', 'LlamaRMSNorm', 'LlamaRotaryEmbedding', 'ModuleList', 'SiLUActivation']",
+        ),
+        (
+            ["--set", "strategy_args.strategy_config.offload_to_cpu=true"],
+            "strategy_config.offload_policy: CPU offload needs an accelerator (CUDA) and this machine has none; "
+            "set offload_policy: false",
+        ),
+        (
+            ["--set", "strategy_args.strategy_config.pin_memory=true"],
+            "strategy_config.pin_memory: true only applies with offload_policy: true",
+        ),
+        (
+            ["--set", "strategy_args.strategy_config.reshard_after_forward=2"],
+            "strategy_config.reshard_after_forward = 2: an integer must divide the shard group size 1; "
+            "valid: true, false or one of [1]",
+        ),
+        (
+            [
+                "--set",
+                "strategy_args.strategy_config.sharding_strategy=SHARD_GRAD_OP",
+                "--set",
+                "strategy_args.strategy_config.reshard_after_forward=true",
+            ],
+            "strategy_config.reshard_after_forward = True contradicts sharding_strategy SHARD_GRAD_OP (which means False); "
+            "give one of them",
+        ),
+        (
+            ["--set", "strategy_args.strategy_config.ignored_modules=[model.layers.0.mlp]"],
+            "strategy_config.ignored_modules: 'model.layers.0' is both ignored and sharded (or contains an ignored module)",
+        ),
+        (
+            [*CUSTOM_PLAN, "--set", 'strategy_args.strategy_config.sub_modules_to_wrap=["model.layers.{*}"]'],
+            "strategy_config.sub_modules_to_wrap: PlannedLlamaForCausalLM defines its own sharding plan (_fully_shard), "
+            "which chooses the shard groups; drop this key",
+        ),
+        (
+            ["--set", "model.model_class=transformers:Qwen3ForCausalLM"],
+            "model.model_class: Qwen3ForCausalLM takes a Qwen3Config, but the model's config is a LlamaConfig",
+        ),
+        (
+            ["--set", "model.model_class=examples/custom_plan/missing.py:Model"],
+            "model.model_class: no such file 'examples/custom_plan/missing.py'",
+        ),
+    ],
+    ids=[
+        "pattern",
+        "class",
+        "offload",
+        "pin_memory",
+        "reshard_int",
+        "strategy_contradiction",
+        "ignored_and_sharded",
+        "custom_plan_and_selection",
+        "model_class_config",
+        "model_class_file",
+    ],
+)
 def test_plan_mistakes_exit_2_with_one_message(run_main, monkeypatch, config_file, args, message):
     monkeypatch.chdir(REPO)
     code, _, err = run_main("check", config_file, *args)

@@ -8,9 +8,9 @@ import json
 
 import pytest
 import torch
+from conftest import process_group, read_metrics, run_cli, token_batch
 from torch.distributed.tensor import DTensor
 
-from conftest import process_group, read_metrics, run_cli, token_batch
 from fsdp2kit.config.schema import JobConfig
 from fsdp2kit.errors import UserError
 from fsdp2kit.models.builtin import BUILTIN_MODELS
@@ -21,8 +21,12 @@ LAYERS = 2
 
 
 def job(strategy: dict, name: str = "builtin:tiny-llama") -> JobConfig:
-    return JobConfig.model_validate({"model": {"name_or_path": name, "config": {"num_hidden_layers": LAYERS}},
-                                     "strategy_args": {"strategy_config": strategy}})
+    return JobConfig.model_validate(
+        {
+            "model": {"name_or_path": name, "config": {"num_hidden_layers": LAYERS}},
+            "strategy_args": {"strategy_config": strategy},
+        }
+    )
 
 
 def loss_and_gradients(strategy: dict) -> tuple[float, dict[str, torch.Tensor]]:
@@ -30,8 +34,10 @@ def loss_and_gradients(strategy: dict) -> tuple[float, dict[str, torch.Tensor]]:
         model = build_sharded_model(job(strategy), runtime, training=True).model
         loss = token_loss_sum(model, token_batch(2, 37))  # 74 tokens: tiles of unequal size
         loss.backward()
-        grads = {name: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
-                 for name, p in model.named_parameters()}
+        grads = {
+            name: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
+            for name, p in model.named_parameters()
+        }
     return loss.item(), grads
 
 
@@ -72,34 +78,49 @@ def test_saves_the_mlp_activations_at_a_long_sequence():
     # intermediate_size fp32 values; TiledMLP keeps only its input, which the layer keeps anyway.
     intermediates = 4 * BUILTIN_MODELS["tiny-llama"]["intermediate_size"] * 4 * seq_len * LAYERS
     mib = 2**20
-    print(f"\nsaved activations at {seq_len} tokens, {LAYERS} layers: plain {plain / mib:.1f} MiB, tiled {tiled / mib:.1f} MiB "
-          f"(-{(plain - tiled) / mib:.1f} MiB, {1 - tiled / plain:.0%}; MLP intermediates {intermediates / mib:.1f} MiB)")
+    print(
+        f"\nsaved activations at {seq_len} tokens, {LAYERS} layers: plain {plain / mib:.1f} MiB, tiled {tiled / mib:.1f} MiB "
+        f"(-{(plain - tiled) / mib:.1f} MiB, {1 - tiled / plain:.0%}; MLP intermediates {intermediates / mib:.1f} MiB)"
+    )
     assert plain - tiled >= intermediates
 
 
 def test_moe_blocks_are_left_whole_and_a_dense_model_is_needed():
     with process_group() as runtime:
         with pytest.raises(UserError, match="no dense `mlp` module to tile"):
-            build_sharded_model(job({"apply_tiled_mlp": True}, "builtin:tiny-qwen3-moe"), runtime, training=True,
-                                materialize=False)
+            build_sharded_model(
+                job({"apply_tiled_mlp": True}, "builtin:tiny-qwen3-moe"), runtime, training=True, materialize=False
+            )
 
 
 def test_a_shard_group_inside_a_tiled_mlp_is_refused():
     with process_group() as runtime:
         with pytest.raises(UserError, match="'model.layers.0.mlp.gate_proj' is a shard group inside the tiled MLP"):
-            build_sharded_model(job({"apply_tiled_mlp": True, "sub_modules_to_wrap": ["model.layers.{*}.mlp.gate_proj"]}),
-                                runtime, training=True, materialize=False)
+            build_sharded_model(
+                job({"apply_tiled_mlp": True, "sub_modules_to_wrap": ["model.layers.{*}.mlp.gate_proj"]}),
+                runtime,
+                training=True,
+                materialize=False,
+            )
 
 
 @pytest.mark.slow
 def test_two_fsdp_ranks_train_the_same_with_and_without_tiles(tmp_path):
     """reshard_after_forward: true frees each layer's parameters after forward; the tiles' recomputation in backward
     must see them all-gathered again, and the summed tile gradients must reduce-scatter like the plain ones."""
+
     def train(name: str, strategy: dict) -> list[dict]:
-        settings = {"model.name_or_path": "builtin:tiny-llama", "model.config.num_hidden_layers": LAYERS,
-                    "data.seq_len": 64, "training.max_steps": 3, "training.gradient_accumulation_steps": 2,
-                    "training.save_steps": 0, "training.export_hf": False, "training.output_dir": str(tmp_path / name),
-                    "strategy_args.strategy_config.reshard_after_forward": True}
+        settings = {
+            "model.name_or_path": "builtin:tiny-llama",
+            "model.config.num_hidden_layers": LAYERS,
+            "data.seq_len": 64,
+            "training.max_steps": 3,
+            "training.gradient_accumulation_steps": 2,
+            "training.save_steps": 0,
+            "training.export_hf": False,
+            "training.output_dir": str(tmp_path / name),
+            "strategy_args.strategy_config.reshard_after_forward": True,
+        }
         settings |= {f"strategy_args.strategy_config.{key}": value for key, value in strategy.items()}
         overrides = [arg for key, value in settings.items() for arg in ("--set", f"{key}={json.dumps(value)}")]
         result = run_cli("train", "examples/demo.yaml", "--nproc", "2", *overrides, timeout=300)

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import read_metrics, run_cli
+
 from fsdp2kit.config.schema import DataConfig
 from fsdp2kit.data.builtin import corpus_documents, tokenizer_dir
 from fsdp2kit.data.dataset import IGNORE_INDEX, GlobalBatches, collate, tokenize_samples
@@ -72,8 +72,19 @@ def test_two_rank_training_writes_metrics_checkpoints_and_hf_export(tmp_path, sm
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     run = tmp_path / "run"
-    result = run_cli("train", DEMO, "--nproc", "2", *small_run, "--set", "training.export_hf=true",
-                     "--set", "training.max_steps=6", "--set", "training.save_steps=3")
+    result = run_cli(
+        "train",
+        DEMO,
+        "--nproc",
+        "2",
+        *small_run,
+        "--set",
+        "training.export_hf=true",
+        "--set",
+        "training.max_steps=6",
+        "--set",
+        "training.save_steps=3",
+    )
     assert result.returncode == 0, result.stderr
     records = read_metrics(run)
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
@@ -91,16 +102,50 @@ def test_two_rank_training_writes_metrics_checkpoints_and_hf_export(tmp_path, sm
 @pytest.mark.slow
 def test_resume_continues_the_same_loss_curve(tmp_path, small_run):
     """A run stopped after its step-3 checkpoint and resumed gives the same later losses as one that never stopped."""
-    common = [*small_run, "--set", "training.lr_scheduler_type=constant", "--set", "training.save_steps=3",
-              "--set", "strategy_args.strategy_config.async_save_ckpt=false"]
-    straight = run_cli("train", DEMO, "--nproc", "2", *common, "--set", "training.max_steps=6",
-                       "--set", f"training.output_dir={tmp_path / 'straight'}")
+    common = [
+        *small_run,
+        "--set",
+        "training.lr_scheduler_type=constant",
+        "--set",
+        "training.save_steps=3",
+        "--set",
+        "strategy_args.strategy_config.async_save_ckpt=false",
+    ]
+    straight = run_cli(
+        "train",
+        DEMO,
+        "--nproc",
+        "2",
+        *common,
+        "--set",
+        "training.max_steps=6",
+        "--set",
+        f"training.output_dir={tmp_path / 'straight'}",
+    )
     assert straight.returncode == 0, straight.stderr
-    first = run_cli("train", DEMO, "--nproc", "2", *common, "--set", "training.max_steps=3",
-                    "--set", f"training.output_dir={tmp_path / 'resumed'}")
+    first = run_cli(
+        "train",
+        DEMO,
+        "--nproc",
+        "2",
+        *common,
+        "--set",
+        "training.max_steps=3",
+        "--set",
+        f"training.output_dir={tmp_path / 'resumed'}",
+    )
     assert first.returncode == 0, first.stderr
-    second = run_cli("train", DEMO, "--nproc", "2", *common, "--set", "training.max_steps=6",
-                     "--set", f"training.output_dir={tmp_path / 'resumed'}")
+    second = run_cli(
+        "train",
+        DEMO,
+        "--nproc",
+        "2",
+        *common,
+        "--set",
+        "training.max_steps=6",
+        "--set",
+        f"training.output_dir={tmp_path / 'resumed'}",
+    )
     assert second.returncode == 0, second.stderr
     assert "resumed from" in second.stdout
     expected = [r["loss"] for r in read_metrics(tmp_path / "straight")]

@@ -15,9 +15,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 import yaml
+from conftest import read_metrics, run_cli
 from safetensors.torch import load_file
 
-from conftest import read_metrics, run_cli
 from fsdp2kit.config.load import load_config
 from fsdp2kit.config.schema import StrategyConfig
 from fsdp2kit.data.builtin import corpus_documents
@@ -35,9 +35,19 @@ TOLERANCE = 1e-5  # relative, per step
 CONFIG = {
     "model": {"name_or_path": "builtin:tiny-llama", "dtype": "fp32"},
     "data": {"source": "builtin:corpus"},
-    "training": {"learning_rate": 3.0e-3, "weight_decay": 0.01, "warmup_steps": 4, "lr_scheduler_type": "cosine",
-                 "max_steps": STEPS, "max_grad_norm": 1.0, "seed": 7, "per_device_train_batch_size": 1,
-                 "save_steps": 0, "export_hf": False, "report_to": []},
+    "training": {
+        "learning_rate": 3.0e-3,
+        "weight_decay": 0.01,
+        "warmup_steps": 4,
+        "lr_scheduler_type": "cosine",
+        "max_steps": STEPS,
+        "max_grad_norm": 1.0,
+        "seed": 7,
+        "per_device_train_batch_size": 1,
+        "save_steps": 0,
+        "export_hf": False,
+        "report_to": [],
+    },
 }
 # An odd sequence length: k = 2 never divides it, so every batch is padded for the split.
 SMALL = {"model.config.num_hidden_layers": 2, "data.seq_len": 63}
@@ -64,7 +74,9 @@ def uneven_jsonl(tmp_path_factory):
     """Documents of 20 to 400 characters, unpacked: samples of many lengths, right-padded in every batch."""
     path = tmp_path_factory.mktemp("ulysses_data") / "uneven.jsonl"
     rng = random.Random(0)
-    path.write_text("".join(json.dumps({"text": doc[: rng.randint(20, 400)]}) + "\n" for doc in corpus_documents()[:64]))
+    path.write_text(
+        "".join(json.dumps({"text": doc[: rng.randint(20, 400)]}) + "\n" for doc in corpus_documents()[:64])
+    )
     return path
 
 
@@ -108,7 +120,9 @@ def reference_run(config_file, settings: dict, steps: int = STEPS) -> tuple[list
 
 
 def train_cli(config_file, ranks: int, settings: dict, output_dir) -> None:
-    result = run_cli("train", config_file, "--nproc", ranks, *set_args(settings | {"training.output_dir": str(output_dir)}))
+    result = run_cli(
+        "train", config_file, "--nproc", ranks, *set_args(settings | {"training.output_dir": str(output_dir)})
+    )
     assert result.returncode == 0, result.stderr[-3000:]
 
 
@@ -154,13 +168,22 @@ def test_shard_sequence_pads_and_slices_with_global_positions():
 
 
 def test_shard_sequence_gives_packed_documents_their_full_length_mask():
-    packed = {"input_ids": torch.arange(5)[None], "labels": torch.arange(1, 6)[None],
-              "position_ids": torch.tensor([[0, 1, 2, 0, 1]])}
+    packed = {
+        "input_ids": torch.arange(5)[None],
+        "labels": torch.arange(1, 6)[None],
+        "position_ids": torch.tensor([[0, 1, 2, 0, 1]]),
+    }
     shard = shard_sequence(packed, fake_group(0, 2))
     mask = shard["attention_mask"][0, 0].int().tolist()
     # Two documents (positions 0-2 and 3-4), the padding (5) continuing the second: causal within each.
-    assert mask == [[1, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0], [1, 1, 1, 0, 0, 0],
-                    [0, 0, 0, 1, 0, 0], [0, 0, 0, 1, 1, 0], [0, 0, 0, 1, 1, 1]]
+    assert mask == [
+        [1, 0, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0, 0],
+        [1, 1, 1, 0, 0, 0],
+        [0, 0, 0, 1, 0, 0],
+        [0, 0, 0, 1, 1, 0],
+        [0, 0, 0, 1, 1, 1],
+    ]
 
 
 # End to end, through the command line.
@@ -182,10 +205,18 @@ def test_ulysses_with_data_parallel_and_hsdp_matches_one_process_on_packed_docum
     the sequence."""
     settings = SMALL | {"model.config.model_type": "mistral", "model.config.sliding_window": 16}
     reference, _, _ = reference_run(config_file, settings)
-    train_cli(config_file, 4, settings | {"model.ulysses_size": 2, "training.gradient_accumulation_steps": 2,
-                                          "strategy_args.strategy_config.fsdp_size": 2,
-                                          "strategy_args.strategy_config.recompute_modules": ["model.layers.{*}"]},
-              tmp_path)
+    train_cli(
+        config_file,
+        4,
+        settings
+        | {
+            "model.ulysses_size": 2,
+            "training.gradient_accumulation_steps": 2,
+            "strategy_args.strategy_config.fsdp_size": 2,
+            "strategy_args.strategy_config.recompute_modules": ["model.layers.{*}"],
+        },
+        tmp_path,
+    )
     print("max relative loss difference:", assert_losses_match([r["loss"] for r in read_metrics(tmp_path)], reference))
 
 
@@ -196,11 +227,24 @@ def test_every_gradient_matches_one_process_after_one_step(config_file, uneven_j
     (each rank needs its own copy of it)."""
     settings = SMALL | {"data.source": str(uneven_jsonl), "data.pack": False, "model.config.num_key_value_heads": 1}
     _, initial, reference_grads = reference_run(config_file, settings, steps=1)
-    one_step = {"training.max_steps": 1, "training.learning_rate": 1.0e6, "training.adam_epsilon": 1.0e6,
-                "training.weight_decay": 0.0, "training.max_grad_norm": 0.0, "training.warmup_steps": 0,
-                "training.lr_scheduler_type": "constant", "training.export_hf": True}
-    train_cli(config_file, 2, settings | one_step | {"model.ulysses_size": 2, "model.attn_implementation": "eager",
-                                                     "training.gradient_accumulation_steps": 4}, tmp_path)
+    one_step = {
+        "training.max_steps": 1,
+        "training.learning_rate": 1.0e6,
+        "training.adam_epsilon": 1.0e6,
+        "training.weight_decay": 0.0,
+        "training.max_grad_norm": 0.0,
+        "training.warmup_steps": 0,
+        "training.lr_scheduler_type": "constant",
+        "training.export_hf": True,
+    }
+    train_cli(
+        config_file,
+        2,
+        settings
+        | one_step
+        | {"model.ulysses_size": 2, "model.attn_implementation": "eager", "training.gradient_accumulation_steps": 4},
+        tmp_path,
+    )
     trained = {k: v for f in sorted((tmp_path / "hf").glob("*.safetensors")) for k, v in load_file(f).items()}
     assert set(trained) == set(reference_grads)
     worst = 0.0
@@ -223,9 +267,21 @@ def test_infer_with_ulysses_matches_one_process(config_file, uneven_jsonl, tmp_p
             ids = torch.tensor([tokenizer(document)["input_ids"][: cfg.data.seq_len]])
             logprobs = torch.log_softmax(model(ids).logits[0, :-1], -1)
             expected.append(logprobs.gather(-1, ids[0, 1:, None]).sum().item())
-    result = run_cli("infer", config_file, "--nproc", 2, *set_args(settings | {
-        "model.ulysses_size": 2, "strategy_args.strategy_name": "fsdp2_infer", "infer_batch_size": 3,
-        "training.output_dir": str(tmp_path)}))
+    result = run_cli(
+        "infer",
+        config_file,
+        "--nproc",
+        2,
+        *set_args(
+            settings
+            | {
+                "model.ulysses_size": 2,
+                "strategy_args.strategy_name": "fsdp2_infer",
+                "infer_batch_size": 3,
+                "training.output_dir": str(tmp_path),
+            }
+        ),
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     records = [json.loads(line) for line in (tmp_path / "infer.jsonl").read_text().splitlines()][:-1]
     assert [r["index"] for r in records] == list(range(len(expected)))  # each sample once, not once per SP rank
@@ -236,9 +292,21 @@ def test_infer_with_ulysses_matches_one_process(config_file, uneven_jsonl, tmp_p
 
 @pytest.mark.slow
 def test_heads_not_divisible_by_ulysses_size_is_one_sentence(config_file, tmp_path):
-    result = run_cli("train", config_file, "--nproc", 2, *set_args(SMALL | {
-        "model.ulysses_size": 2, "model.config.num_attention_heads": 1, "model.config.num_key_value_heads": 1,
-        "training.output_dir": str(tmp_path)}))
+    result = run_cli(
+        "train",
+        config_file,
+        "--nproc",
+        2,
+        *set_args(
+            SMALL
+            | {
+                "model.ulysses_size": 2,
+                "model.config.num_attention_heads": 1,
+                "model.config.num_key_value_heads": 1,
+                "training.output_dir": str(tmp_path),
+            }
+        ),
+    )
     assert result.returncode == 2
     assert "error: model.ulysses_size = 2 does not divide the model's 1 attention heads" in result.stderr
     assert "valid here: 1" in result.stderr
@@ -253,8 +321,14 @@ def test_ulysses_size_not_dividing_nproc_fails_before_spawning(config_file, tmp_
 
 @pytest.mark.slow
 def test_check_shows_the_sequence_parallel_layout(config_file):
-    result = run_cli("check", config_file, "--nproc", 2, "--json",
-                     *set_args({"model.ulysses_size": 2, "model.config.num_hidden_layers": 1}))
+    result = run_cli(
+        "check",
+        config_file,
+        "--nproc",
+        2,
+        "--json",
+        *set_args({"model.ulysses_size": 2, "model.config.num_hidden_layers": 1}),
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     plan = json.loads(result.stdout.strip().splitlines()[-1])
     assert plan["mesh"] == {"shape": [2], "dim_names": ["fsdp"]}  # FSDP still shards over both ranks

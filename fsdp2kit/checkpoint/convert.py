@@ -34,8 +34,11 @@ def _model_tensors(src: Path) -> dict[str, TensorStorageMetadata]:
         metadata = FileSystemReader(str(src)).read_metadata()
     except Exception as exc:  # unreadable or truncated metadata
         raise UserError(f"convert: '{src}/.metadata' cannot be read: {exc}") from None
-    return {key[len(MODEL_PREFIX):]: meta for key, meta in metadata.state_dict_metadata.items()
-            if key.startswith(MODEL_PREFIX) and isinstance(meta, TensorStorageMetadata)}
+    return {
+        key[len(MODEL_PREFIX) :]: meta
+        for key, meta in metadata.state_dict_metadata.items()
+        if key.startswith(MODEL_PREFIX) and isinstance(meta, TensorStorageMetadata)
+    }
 
 
 def _tied_names(src: Path) -> set[str]:
@@ -50,7 +53,9 @@ def _tied_names(src: Path) -> set[str]:
     return set(getattr(model, "_tied_weights_keys", None) or {})
 
 
-def read_dcp_model(src: Path, names: list[str], tensors: dict[str, TensorStorageMetadata]) -> Iterator[tuple[str, torch.Tensor]]:
+def read_dcp_model(
+    src: Path, names: list[str], tensors: dict[str, TensorStorageMetadata]
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Full tensors from a sharded checkpoint, loaded in groups of about LOAD_GROUP_BYTES."""
     group: dict[str, torch.Tensor] = {}
     size = 0

@@ -18,8 +18,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 import torch.nn as nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from fsdp2kit.errors import UserError
@@ -84,8 +84,15 @@ def committed_checkpoints(root: Path) -> list[Path]:
 
 
 class CheckpointManager:
-    def __init__(self, output_dir: Path, rank: int, async_save: bool, keep: int | None,
-                 hf_config=None, tokenizer_path: Path | None = None):
+    def __init__(
+        self,
+        output_dir: Path,
+        rank: int,
+        async_save: bool,
+        keep: int | None,
+        hf_config=None,
+        tokenizer_path: Path | None = None,
+    ):
         self.root = output_dir / "checkpoints"
         # Each checkpoint carries the model's config and tokenizer, so it is a model source by itself
         # (`model.name_or_path: .../step_N`, `fsdp2kit convert`).
@@ -101,8 +108,9 @@ class CheckpointManager:
             for stale in self.root.glob(".tmp-step_*"):
                 shutil.rmtree(stale, ignore_errors=True)
 
-    def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, trainer_state: dict,
-             blocking: bool = False) -> None:
+    def save(
+        self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, trainer_state: dict, blocking: bool = False
+    ) -> None:
         self.wait()
         tmp, final = self.root / f".tmp-step_{step}", self.root / f"step_{step}"
         if self.rank == 0:
@@ -117,8 +125,10 @@ class CheckpointManager:
         model_state, optim_state = get_state_dict(model, optimizer)
         state = {"model": model_state, "optim": optim_state}
         rng = io.BytesIO()
-        torch.save({"cpu": torch.get_rng_state(),
-                    "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}, rng)
+        torch.save(
+            {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
+            rng,
+        )
         _write_durable(tmp / f"rng_rank{self.rank}.pt", rng.getvalue())
         if self.async_save and not blocking:
             future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.group)
@@ -177,7 +187,9 @@ class CheckpointManager:
             return complete[-1] if complete else None
         path = Path(resume)
         if not (path / STATE_FILE).is_file() or not (path / ".metadata").is_file():
-            raise UserError(f"training.resume: '{path}' is not a complete checkpoint (it needs {STATE_FILE} and .metadata)")
+            raise UserError(
+                f"training.resume: '{path}' is not a complete checkpoint (it needs {STATE_FILE} and .metadata)"
+            )
         return path
 
     def load(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:

@@ -43,8 +43,10 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
         try:
             value = yaml.safe_load(text)
         except yaml.YAMLError:
-            raise UserError(f"--set '{item}': the value is not valid YAML; quote strings holding {{ }} [ ] "
-                            "inside it, e.g. key=[\"model.layers.{*}\"]") from None
+            raise UserError(
+                f"--set '{item}': the value is not valid YAML; quote strings holding {{ }} [ ] "
+                'inside it, e.g. key=["model.layers.{*}"]'
+            ) from None
         node = raw
         for i, part in enumerate(parts[:-1]):
             child = node.get(part)
@@ -68,8 +70,9 @@ def validate(raw: dict[str, Any], source: str = "config", written_as: WrittenAs 
         raise UserError(describe_validation_error(exc, raw, source, written_as)) from None
 
 
-def load_config(path: str | Path, overrides: list[str] | None = None, role: str | None = None,
-                strategy_file: str | None = None) -> JobConfig:
+def load_config(
+    path: str | Path, overrides: list[str] | None = None, role: str | None = None, strategy_file: str | None = None
+) -> JobConfig:
     from fsdp2kit.config import dialects  # dialects import this module's helpers
 
     translation = dialects.read_config(path, list(overrides or []), role=role, strategy_file=strategy_file)
@@ -101,10 +104,17 @@ def _value_at(raw: Any, loc: tuple) -> Any:
 
 
 _EXPECTED = {
-    "int_parsing": "an integer", "int_type": "an integer", "int_from_float": "an integer",
-    "float_parsing": "a number", "float_type": "a number",
-    "bool_parsing": "true or false", "bool_type": "true or false",
-    "string_type": "a string", "list_type": "a list", "dict_type": "a mapping", "model_type": "a mapping",
+    "int_parsing": "an integer",
+    "int_type": "an integer",
+    "int_from_float": "an integer",
+    "float_parsing": "a number",
+    "float_type": "a number",
+    "bool_parsing": "true or false",
+    "bool_type": "true or false",
+    "string_type": "a string",
+    "list_type": "a list",
+    "dict_type": "a mapping",
+    "model_type": "a mapping",
 }
 
 
@@ -112,8 +122,12 @@ def _real_loc(raw: dict[str, Any], loc: tuple) -> tuple:
     """Pydantic adds union-member tags ('int', 'literal[...]') to locations; keep the part that names real keys."""
     real: tuple = ()
     for part in loc:
-        if _value_at(raw, real + (part,)) is None and not (isinstance(part, str) and part.isidentifier() and "[" not in part
-                                                           and part not in ("int", "bool", "str", "float", "list", "dict")):
+        if _value_at(raw, real + (part,)) is None and not (
+            isinstance(part, str)
+            and part.isidentifier()
+            and "[" not in part
+            and part not in ("int", "bool", "str", "float", "list", "dict")
+        ):
             break
         real += (part,)
     return real
@@ -128,12 +142,13 @@ def _expectation(error: dict) -> str:
     message = error["msg"]
     for lead in ("Value error, ", "Input should be "):
         if message.startswith(lead):
-            return message[len(lead):]
+            return message[len(lead) :]
     return message
 
 
-def describe_validation_error(exc: ValidationError, raw: dict[str, Any], source: str,
-                              written_as: WrittenAs | None = None) -> str:
+def describe_validation_error(
+    exc: ValidationError, raw: dict[str, Any], source: str, written_as: WrittenAs | None = None
+) -> str:
     """One sentence for the first error: the key, the bad value and what would be valid."""
     written_as = written_as or (lambda native_key: (source, native_key))
     errors = exc.errors()

@@ -13,9 +13,14 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 DTYPE_ALIASES = {
-    "bf16": "bf16", "bfloat16": "bf16",
-    "fp16": "fp16", "float16": "fp16", "half": "fp16",
-    "fp32": "fp32", "float32": "fp32", "float": "fp32",
+    "bf16": "bf16",
+    "bfloat16": "bf16",
+    "fp16": "fp16",
+    "float16": "fp16",
+    "half": "fp16",
+    "fp32": "fp32",
+    "float32": "fp32",
+    "float": "fp32",
 }
 
 
@@ -55,8 +60,10 @@ def _device_list(value: Any) -> Any:
 DType = Annotated[Literal["bf16", "fp16", "fp32"], BeforeValidator(_dtype_name)]
 OptionalDType = Annotated[Literal["bf16", "fp16", "fp32"] | None, BeforeValidator(_dtype_name)]
 PatternList = Annotated[list[str], BeforeValidator(_pattern_list)]
-ReportTargets = Annotated[list[Literal["tensorboard", "wandb"]], BeforeValidator(
-    lambda value: [] if value in ("none", None) else _pattern_list(value))]  # HF Trainer writes report_to: none
+ReportTargets = Annotated[
+    list[Literal["tensorboard", "wandb"]],
+    BeforeValidator(lambda value: [] if value in ("none", None) else _pattern_list(value)),
+]  # HF Trainer writes report_to: none
 
 
 class Section(BaseModel):
@@ -84,29 +91,46 @@ class ModelConfig(Section):
     config: dict[str, Any] = Field(default_factory=dict, description="overrides applied to the transformers config")
     dtype: DType = Field("fp32", description="dtype of the model's weights (compute dtype unless param_dtype is set)")
     init_on_meta: bool = Field(True, description="build on the meta device and materialise only each rank's shards")
-    freeze_module_prefix: PatternList = Field(default_factory=list, description="parameters under these prefixes are frozen")
+    freeze_module_prefix: PatternList = Field(
+        default_factory=list, description="parameters under these prefixes are frozen"
+    )
     ulysses_size: int = Field(1, ge=1, description="sequence-parallel (Ulysses) degree")
     gradient_checkpointing: bool = Field(False, description="recompute every decoder layer in backward")
     attn_implementation: Literal["sdpa", "eager"] = Field("sdpa", description="transformers attention implementation")
     weights_loading: Literal["sliced", "rank0_broadcast"] = Field(
-        "sliced", description="safetensors loading: each rank reads its own rows, or rank 0 reads and scatters")
-    model_class: str | None = Field(None, description="build this transformers model class instead of the Auto class: "
-                                    "'package.module:Class' or 'path/to/file.py:Class' (it may define its own plan, `_fully_shard`)")
+        "sliced", description="safetensors loading: each rank reads its own rows, or rank 0 reads and scatters"
+    )
+    model_class: str | None = Field(
+        None,
+        description="build this transformers model class instead of the Auto class: "
+        "'package.module:Class' or 'path/to/file.py:Class' (it may define its own plan, `_fully_shard`)",
+    )
 
     ALIASES: ClassVar[dict[str, str]] = {"model_name_or_path": "name_or_path"}
 
 
 class DataConfig(Section):
-    source: str = Field("builtin:corpus", description="`builtin:corpus`, a *.jsonl/*.parquet/*.txt file or glob, or a local HF dataset folder")
-    tokenizer: str | None = Field(None, description="tokenizer folder; default: the model's own (builtin models: the built-in tokenizer)")
+    source: str = Field(
+        "builtin:corpus",
+        description="`builtin:corpus`, a *.jsonl/*.parquet/*.txt file or glob, or a local HF dataset folder",
+    )
+    tokenizer: str | None = Field(
+        None, description="tokenizer folder; default: the model's own (builtin models: the built-in tokenizer)"
+    )
     text_key: str = Field("text", description="field holding the text in jsonl/parquet/HF datasets")
     seq_len: int = Field(512, ge=2, description="tokens per training sample")
     pack: bool = Field(True, description="concatenate documents and cut into seq_len windows (else pad each document)")
     shuffle: bool = Field(True, description="shuffle the sample order every epoch (seeded)")
-    prompt_key: str = Field("prompt", description="SFT: with this and response_key both present, the loss is on the response only")
+    prompt_key: str = Field(
+        "prompt", description="SFT: with this and response_key both present, the loss is on the response only"
+    )
     response_key: str = Field("response", description="SFT: field holding the response (followed by EOS)")
-    document_mask: bool = Field(True, description="packing: restart position ids at each document so attention never crosses documents")
-    max_samples: int | None = Field(None, ge=1, description="use only the first N documents of the source (default: all)")
+    document_mask: bool = Field(
+        True, description="packing: restart position ids at each document so attention never crosses documents"
+    )
+    max_samples: int | None = Field(
+        None, ge=1, description="use only the first N documents of the source (default: all)"
+    )
 
 
 class TrainingConfig(Section):
@@ -124,15 +148,30 @@ class TrainingConfig(Section):
     max_grad_norm: float = Field(1.0, ge=0, description="clip the global grad norm to this (0 = no clipping)")
     seed: int = Field(42, description="seed of initial weights and data order")
     output_dir: str = Field("runs/default", description="where metrics, checkpoints and the HF export go")
-    logging_steps: int = Field(1, ge=1, description="print a progress line every N steps (metrics.jsonl gets every step)")
+    logging_steps: int = Field(
+        1, ge=1, description="print a progress line every N steps (metrics.jsonl gets every step)"
+    )
     save_steps: int = Field(0, ge=0, description="save a DCP checkpoint every N steps (0 = only at the end)")
     save_total_limit: int | None = Field(None, ge=1, description="keep only the newest K checkpoints")
     resume: str = Field("auto", description="`auto` (newest checkpoint in output_dir), `never`, or a checkpoint path")
     export_hf: bool = Field(True, description="write the final model as an HF safetensors folder to output_dir/hf")
-    max_nonfinite_steps: int = Field(5, ge=1, description="stop (exit code 1) after this many steps in a row skipped for a non-finite loss or grad norm")
-    fp16_initial_scale: float = Field(65536.0, gt=0, description="fp16 compute: initial loss scale (halved on overflow, doubled after 2000 clean steps)")
-    report_to: ReportTargets = Field(default_factory=lambda: ["tensorboard"], description="where metrics go besides metrics.jsonl: tensorboard (output_dir/tb), wandb; [] for neither")
-    profile_steps: list[int] | None = Field(None, description="[first, last] steps (1-based) to trace with torch.profiler into output_dir/profile/")
+    max_nonfinite_steps: int = Field(
+        5,
+        ge=1,
+        description="stop (exit code 1) after this many steps in a row skipped for a non-finite loss or grad norm",
+    )
+    fp16_initial_scale: float = Field(
+        65536.0,
+        gt=0,
+        description="fp16 compute: initial loss scale (halved on overflow, doubled after 2000 clean steps)",
+    )
+    report_to: ReportTargets = Field(
+        default_factory=lambda: ["tensorboard"],
+        description="where metrics go besides metrics.jsonl: tensorboard (output_dir/tb), wandb; [] for neither",
+    )
+    profile_steps: list[int] | None = Field(
+        None, description="[first, last] steps (1-based) to trace with torch.profiler into output_dir/profile/"
+    )
 
     ALIASES: ClassVar[dict[str, str]] = {"resume_from_checkpoint": "resume"}
 
@@ -145,31 +184,48 @@ class TrainingConfig(Section):
 
 
 class WrapPolicy(Section):
-    transformer_layer_cls_to_wrap: PatternList = Field(default_factory=list, description="wrap every instance of these classes")
+    transformer_layer_cls_to_wrap: PatternList = Field(
+        default_factory=list, description="wrap every instance of these classes"
+    )
     wrap_embeddings: bool = Field(False, description="give the input embeddings their own shard group")
     wrap_lm_output: bool = Field(False, description="give the LM head its own shard group")
     moe_experts: PatternList = Field(default_factory=list, description="MoE expert classes to wrap one by one")
-    min_num_params: int = Field(0, ge=0, description="size-based wrapping: shard every module with at least this many params (0 = off)")
+    min_num_params: int = Field(
+        0, ge=0, description="size-based wrapping: shard every module with at least this many params (0 = off)"
+    )
 
 
 class StrategyConfig(Section):
-    fsdp_size: int | Literal["auto"] | None = Field("auto", description="shard group size; auto/<=1/>=world = 1-D FSDP, else HSDP [ddp, fsdp]")
+    fsdp_size: int | Literal["auto"] | None = Field(
+        "auto", description="shard group size; auto/<=1/>=world = 1-D FSDP, else HSDP [ddp, fsdp]"
+    )
     param_dtype: OptionalDType = Field(None, description="compute/all-gather dtype (default: model.dtype)")
     reduce_dtype: OptionalDType = Field(None, description="gradient reduce-scatter dtype (default: param_dtype)")
     output_dtype: OptionalDType = Field(None, description="dtype of forward outputs (default: unchanged)")
     cast_forward_inputs: bool = Field(True, description="cast floating inputs to param_dtype (vision encoders: off)")
-    reshard_after_forward: bool | int = Field(True, description="true = ZeRO-3, false = ZeRO-2, int = reshard to a group of that size")
-    sharding_strategy: Literal["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"] | None = Field(
-        None, description="FSDP1/Accelerate strategy name, mapped onto mesh + reshard_after_forward")
-    sub_modules_to_wrap: PatternList = Field(default_factory=list, description="module-path patterns that get their own fully_shard")
-    wrap_policy: WrapPolicy = Field(default_factory=WrapPolicy, description="class/size based selection of shard groups")
-    ignored_modules: PatternList = Field(default_factory=list, description="module patterns left out of FSDP (replicated)")
+    reshard_after_forward: bool | int = Field(
+        True, description="true = ZeRO-3, false = ZeRO-2, int = reshard to a group of that size"
+    )
+    sharding_strategy: (
+        Literal["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"] | None
+    ) = Field(None, description="FSDP1/Accelerate strategy name, mapped onto mesh + reshard_after_forward")
+    sub_modules_to_wrap: PatternList = Field(
+        default_factory=list, description="module-path patterns that get their own fully_shard"
+    )
+    wrap_policy: WrapPolicy = Field(
+        default_factory=WrapPolicy, description="class/size based selection of shard groups"
+    )
+    ignored_modules: PatternList = Field(
+        default_factory=list, description="module patterns left out of FSDP (replicated)"
+    )
     recompute_modules: PatternList = Field(default_factory=list, description="module patterns recomputed in backward")
     use_reentrant: bool = Field(True, description="reentrant activation checkpointing implementation")
     offload_policy: bool = Field(False, description="CPUOffloadPolicy: sharded params, grads and optimizer step on CPU")
     pin_memory: bool = Field(False, description="pinned host memory for offloaded tensors (only with offload)")
     num_to_forward_prefetch: int = Field(0, ge=0, description="explicitly prefetch the next k shard groups in forward")
-    num_to_backward_prefetch: int = Field(1, ge=0, description="explicitly prefetch the previous k shard groups in backward")
+    num_to_backward_prefetch: int = Field(
+        1, ge=0, description="explicitly prefetch the previous k shard groups in backward"
+    )
     apply_expert_patch: bool = Field(False, description="MoE: every rank runs every expert so collectives match")
     apply_tiled_mlp: bool = Field(False, description="compute MLPs in sequence tiles to cut activation memory")
     tiled_num_shards: int = Field(4, ge=1, description="number of sequence tiles for TiledMLP")
@@ -189,7 +245,9 @@ class StrategyConfig(Section):
 class StrategyArgs(Section):
     strategy_name: Literal["fsdp2_train", "fsdp2_infer"] = Field("fsdp2_train", description="train or forward-only")
     strategy_config: StrategyConfig = Field(default_factory=StrategyConfig, description="FSDP2 settings")
-    strategy_config_path: str | None = Field(None, description="a MindSpeed-MM fsdp2_config.yaml or Accelerate config replacing strategy_config")
+    strategy_config_path: str | None = Field(
+        None, description="a MindSpeed-MM fsdp2_config.yaml or Accelerate config replacing strategy_config"
+    )
 
 
 class JobConfig(Section):
@@ -198,7 +256,8 @@ class JobConfig(Section):
     training: TrainingConfig = Field(default_factory=TrainingConfig, description="optimizer, schedule, outputs")
     strategy_args: StrategyArgs = Field(default_factory=StrategyArgs, description="FSDP2 strategy")
     device_mapping: Annotated[list[int] | None, BeforeValidator(_device_list)] = Field(
-        None, description="device ids this job uses; its length is the world size")
+        None, description="device ids this job uses; its length is the world size"
+    )
     infer_batch_size: int = Field(1, ge=1, description="samples per forward in fsdp2_infer")
     # What a foreign dialect's loader mapped, renamed or could not use (printed by `fsdp2kit check`).
     _notes: list[str] = PrivateAttr(default_factory=list)

@@ -71,11 +71,16 @@ def load_documents(cfg: DataConfig) -> list[str] | list[PromptResponse]:
     text_key = "text" if kind == "text" else cfg.text_key  # a text file's lines have no field names to choose from
     table = table.select(range(min(cfg.max_samples, len(table)))) if cfg.max_samples is not None else table
     if cfg.prompt_key in table.column_names and cfg.response_key in table.column_names:
-        return [PromptResponse(p if isinstance(p, str) else "", r) for p, r in
-                zip(table[cfg.prompt_key], table[cfg.response_key]) if isinstance(r, str) and r]
+        return [
+            PromptResponse(p if isinstance(p, str) else "", r)
+            for p, r in zip(table[cfg.prompt_key], table[cfg.response_key])
+            if isinstance(r, str) and r
+        ]
     if text_key not in table.column_names:
-        raise UserError(f"data.text_key: '{cfg.source}' has no field '{text_key}' (nor both '{cfg.prompt_key}' "
-                        f"and '{cfg.response_key}' for SFT); its fields: {', '.join(table.column_names)}")
+        raise UserError(
+            f"data.text_key: '{cfg.source}' has no field '{text_key}' (nor both '{cfg.prompt_key}' "
+            f"and '{cfg.response_key}' for SFT); its fields: {', '.join(table.column_names)}"
+        )
     return [t for t in table[text_key] if isinstance(t, str) and t]
 
 
@@ -96,8 +101,9 @@ class Sample:
         return cls(tokens, trained)
 
 
-def encode_documents(documents: list[str] | list[PromptResponse], tokenizer,
-                     append_eos: bool = True) -> list[tuple[list[int], int]]:
+def encode_documents(
+    documents: list[str] | list[PromptResponse], tokenizer, append_eos: bool = True
+) -> list[tuple[list[int], int]]:
     """Each document's token ids (with EOS appended for training), and how many leading ids are prompt (not
     trained on). A prompt gets the tokenizer's default special tokens (e.g. BOS); the response is joined as ids."""
     eos = [tokenizer.eos_token_id] if append_eos and tokenizer.eos_token_id is not None else []
@@ -130,15 +136,18 @@ def tokenize_samples(documents: list[str] | list[PromptResponse], tokenizer, cfg
         trained[: max(prompt_len, 1)] = False
         trained_masks.append(trained)
     if not cfg.pack:
-        samples = [Sample(torch.tensor(ids[:width]), trained[:width]) for (ids, _), trained in zip(encoded, trained_masks)]
+        samples = [
+            Sample(torch.tensor(ids[:width]), trained[:width]) for (ids, _), trained in zip(encoded, trained_masks)
+        ]
         return [s for s in samples if s.trained[1:].any()]
     tokens = torch.tensor([t for ids, _ in encoded for t in ids], dtype=torch.long)
     trained = torch.cat(trained_masks) if trained_masks else torch.zeros(0, dtype=torch.bool)
     starts = torch.cat([torch.arange(len(ids)) == 0 for ids, _ in encoded]) if encoded else trained
     count = len(tokens) // width
     windows = [slice(i * width, (i + 1) * width) for i in range(count)]
-    samples = [Sample(tokens[w], trained[w], _positions_in_document(starts[w]) if cfg.document_mask else None)
-               for w in windows]
+    samples = [
+        Sample(tokens[w], trained[w], _positions_in_document(starts[w]) if cfg.document_mask else None) for w in windows
+    ]
     return [s for s in samples if s.trained[1:].any()]
 
 
@@ -158,7 +167,11 @@ def collate(samples: list[Sample | torch.Tensor], pad_id: int) -> dict[str, torc
         labels[i, :n] = sample.tokens[1:].masked_fill(~sample.trained[1:], IGNORE_INDEX)
         attention_mask[i, :n] = 1
     if all(s.positions is not None for s in samples):
-        return {"input_ids": input_ids, "position_ids": torch.stack([s.positions[:-1] for s in samples]), "labels": labels}
+        return {
+            "input_ids": input_ids,
+            "position_ids": torch.stack([s.positions[:-1] for s in samples]),
+            "labels": labels,
+        }
     return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
 
 
@@ -189,8 +202,10 @@ class GlobalBatches:
 
     def __post_init__(self) -> None:
         if self.steps_per_epoch == 0:
-            raise UserError(f"data: the dataset yields {len(self.samples)} samples, fewer than one global batch of "
-                            f"{self.global_batch_size} (per_device_train_batch_size x gradient_accumulation_steps x ranks)")
+            raise UserError(
+                f"data: the dataset yields {len(self.samples)} samples, fewer than one global batch of "
+                f"{self.global_batch_size} (per_device_train_batch_size x gradient_accumulation_steps x ranks)"
+            )
         self._orders: dict[int, torch.Tensor] = {}
 
     @property
@@ -215,6 +230,8 @@ class GlobalBatches:
         order = self._order(epoch)
         per_rank = self.micro_batch_size * self.accumulation_steps
         start = within * self.global_batch_size + self.data_parallel_rank * per_rank
-        indices = order[start: start + per_rank].tolist()
-        return [collate([self.samples[i] for i in indices[m: m + self.micro_batch_size]], self.pad_id)
-                for m in range(0, per_rank, self.micro_batch_size)]
+        indices = order[start : start + per_rank].tolist()
+        return [
+            collate([self.samples[i] for i in indices[m : m + self.micro_batch_size]], self.pad_id)
+            for m in range(0, per_rank, self.micro_batch_size)
+        ]

@@ -21,8 +21,9 @@ from fsdp2kit.train.setup import build_sharded_model
 
 
 @torch.no_grad()
-def sample_logprobs(model: torch.nn.Module, batch: dict[str, torch.Tensor],
-                    sp_group: dist.ProcessGroup | None = None) -> tuple[list[float], list[int]]:
+def sample_logprobs(
+    model: torch.nn.Module, batch: dict[str, torch.Tensor], sp_group: dist.ProcessGroup | None = None
+) -> tuple[list[float], list[int]]:
     """Per sample: the sum of log p(token_i | tokens_<i) over i >= 1, and the number of those terms. With sequence
     parallel the batch holds this rank's slice of the tokens, and the sums over the group's slices are added up."""
     logits = model(**model_inputs(batch), use_cache=False).logits.float()  # one pass: a KV cache is wasted memory
@@ -44,10 +45,15 @@ def infer(cfg: JobConfig, runtime: Runtime) -> None:
     documents = load_documents(cfg.data)
     # As the model's users tokenise: default special tokens, no EOS added, no packing, truncated at data.seq_len
     # (a prompt/response record is the prompt's ids followed by the response's).
-    encoded = [torch.tensor(ids[: cfg.data.seq_len]) for ids, _ in encode_documents(documents, tokenizer, append_eos=False)]
+    encoded = [
+        torch.tensor(ids[: cfg.data.seq_len]) for ids, _ in encode_documents(documents, tokenizer, append_eos=False)
+    ]
     layout = sharded.layout
-    mine = [(i, ids) for i, ids in enumerate(encoded)
-            if i % layout.data_parallel_size == layout.data_parallel_rank(runtime.rank) and len(ids) >= 1]
+    mine = [
+        (i, ids)
+        for i, ids in enumerate(encoded)
+        if i % layout.data_parallel_size == layout.data_parallel_rank(runtime.rank) and len(ids) >= 1
+    ]
     size = cfg.infer_batch_size
     rounds = torch.tensor(math.ceil(len(mine) / size))
     dist.all_reduce(rounds, op=dist.ReduceOp.MAX)
@@ -55,15 +61,21 @@ def infer(cfg: JobConfig, runtime: Runtime) -> None:
 
     results: list[dict] = []
     for r in range(int(rounds)):
-        chunk = mine[r * size: (r + 1) * size]
+        chunk = mine[r * size : (r + 1) * size]
         batch = collate([ids for _, ids in chunk] or [torch.tensor([pad_id, pad_id])], pad_id)
         batch = {k: v.to(runtime.device) for k, v in batch.items()}
         if sharded.sp_group is not None:
             batch = shard_sequence(batch, sharded.sp_group)
         sums, counts = sample_logprobs(model, batch, sharded.sp_group)
         for (index, _), total, count in zip(chunk, sums, counts):
-            results.append({"index": index, "num_tokens": count, "sum_logprob": total,
-                            "mean_logprob": total / count if count else None})
+            results.append(
+                {
+                    "index": index,
+                    "num_tokens": count,
+                    "sum_logprob": total,
+                    "mean_logprob": total / count if count else None,
+                }
+            )
 
     gathered: list[list[dict] | None] = [None] * runtime.world_size
     dist.all_gather_object(gathered, results if runtime.rank % layout.ulysses_size == 0 else [])  # once per SP group
@@ -74,11 +86,18 @@ def infer(cfg: JobConfig, runtime: Runtime) -> None:
     total = sum(r["sum_logprob"] for r in records)
     out = Path(cfg.training.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    summary = {"summary": True, "num_samples": len(records), "num_tokens": tokens,
-               "mean_logprob": total / tokens if tokens else None,
-               "perplexity": math.exp(-total / tokens) if tokens else None}
+    summary = {
+        "summary": True,
+        "num_samples": len(records),
+        "num_tokens": tokens,
+        "mean_logprob": total / tokens if tokens else None,
+        "perplexity": math.exp(-total / tokens) if tokens else None,
+    }
     with (out / "infer.jsonl").open("w") as handle:
         for record in records + [summary]:
             handle.write(json.dumps(record) + "\n")
-    print(f"infer: {len(records)} samples, {tokens} tokens, perplexity {summary['perplexity']:.4f}; "
-          f"wrote {out / 'infer.jsonl'}", flush=True)
+    print(
+        f"infer: {len(records)} samples, {tokens} tokens, perplexity {summary['perplexity']:.4f}; "
+        f"wrote {out / 'infer.jsonl'}",
+        flush=True,
+    )

@@ -59,16 +59,20 @@ def resolve_model(cfg: ModelConfig, tokenizer: str | None = None) -> ModelSource
     if name.startswith("builtin:"):
         key = name.split(":", 1)[1]
         if key not in BUILTIN_MODELS:
-            raise UserError(f"model.name_or_path: unknown built-in model '{name}'; valid: "
-                            + ", ".join(f"builtin:{k}" for k in BUILTIN_MODELS))
+            raise UserError(
+                f"model.name_or_path: unknown built-in model '{name}'; valid: "
+                + ", ".join(f"builtin:{k}" for k in BUILTIN_MODELS)
+            )
         settings = {**BUILTIN_MODELS[key], **cfg.config}  # model.config may even pick another architecture
         hf_config = _hf_config(settings.pop("model_type"), None, settings)
         weights_dir, weights_format, default_tokenizer = None, None, tokenizer_dir()
     else:
         folder = Path(name)
         if not (folder / "config.json").is_file():
-            raise UserError(f"model.name_or_path: '{name}' is not a model folder or checkpoint with a config.json "
-                            "(or a builtin: model: " + ", ".join(f"builtin:{k}" for k in BUILTIN_MODELS) + ")")
+            raise UserError(
+                f"model.name_or_path: '{name}' is not a model folder or checkpoint with a config.json "
+                "(or a builtin: model: " + ", ".join(f"builtin:{k}" for k in BUILTIN_MODELS) + ")"
+            )
         hf_config = _hf_config(None, folder, cfg.config)
         if (folder / ".metadata").is_file():
             weights_dir, weights_format = folder, "dcp"
@@ -108,8 +112,10 @@ def load_model_class(spec: str, hf_config) -> type:
     if not (isinstance(model_class, type) and issubclass(model_class, PreTrainedModel)):
         raise UserError(f"model.model_class: '{where}' has no transformers model class named '{class_name}'")
     if not isinstance(hf_config, model_class.config_class):
-        raise UserError(f"model.model_class: {class_name} takes a {model_class.config_class.__name__}, but the model's "
-                        f"config is a {type(hf_config).__name__}")
+        raise UserError(
+            f"model.model_class: {class_name} takes a {model_class.config_class.__name__}, but the model's "
+            f"config is a {type(hf_config).__name__}"
+        )
     return model_class
 
 
@@ -125,7 +131,9 @@ def build_meta_model(source: ModelSource, cfg: ModelConfig) -> nn.Module:
         try:
             model = AutoModelForCausalLM.from_config(source.hf_config, dtype=dtype)
         except ValueError as exc:
-            raise UserError(f"model.name_or_path: transformers cannot build a causal LM from this config: {exc}") from None
+            raise UserError(
+                f"model.name_or_path: transformers cannot build a causal LM from this config: {exc}"
+            ) from None
     return model
 
 
@@ -154,9 +162,13 @@ def initialise_weights(model: nn.Module, seed: int, buffers_only: bool = False) 
         # embedding, a head) it would call FSDP's class __new__, which runs __init__ again without arguments.
         shadow = object.__new__(type(module))
         shadow.__dict__.update(module.__dict__)
-        shadow._parameters = {k: None if p is None else nn.Parameter(torch.empty(p.shape, dtype=p.dtype), requires_grad=False)
-                              for k, p in module._parameters.items()}
-        shadow._buffers = {k: None if b is None else torch.empty(b.shape, dtype=b.dtype) for k, b in module._buffers.items()}
+        shadow._parameters = {
+            k: None if p is None else nn.Parameter(torch.empty(p.shape, dtype=p.dtype), requires_grad=False)
+            for k, p in module._parameters.items()
+        }
+        shadow._buffers = {
+            k: None if b is None else torch.empty(b.shape, dtype=b.dtype) for k, b in module._buffers.items()
+        }
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(_module_seed(seed, name))
             model._init_weights(shadow)
@@ -202,12 +214,17 @@ def _safetensors_views(model: nn.Module, folder: Path, handles: dict) -> dict[st
         return handles.setdefault(file, safe_open(file, framework="pt").__enter__()).get_slice(name)
 
     # MoE experts stored per expert while the model holds them fused, or the other way round.
-    other_layout = expert_views_from_other_layout(model, [n for n in state if n not in locations], set(locations),
-                                                  stored_view)
-    unexpected = sorted(set(locations) - set(state) - {source for _, sources in other_layout.values() for source in sources})
+    other_layout = expert_views_from_other_layout(
+        model, [n for n in state if n not in locations], set(locations), stored_view
+    )
+    unexpected = sorted(
+        set(locations) - set(state) - {source for _, sources in other_layout.values() for source in sources}
+    )
     if unexpected:
-        raise UserError(f"model weights: tensor '{unexpected[0]}' in '{folder}' is not part of the model its "
-                        f"config.json describes ({len(unexpected)} such tensors); config and weights do not match")
+        raise UserError(
+            f"model weights: tensor '{unexpected[0]}' in '{folder}' is not part of the model its "
+            f"config.json describes ({len(unexpected)} such tensors); config and weights do not match"
+        )
     views = {}
     for name, param in state.items():
         if name in other_layout:
@@ -219,8 +236,10 @@ def _safetensors_views(model: nn.Module, folder: Path, handles: dict) -> dict[st
         else:
             raise UserError(f"model weights: tensor '{name}' is missing from the safetensors files in '{folder}'")
         if tuple(view.get_shape()) != tuple(param.shape):
-            raise UserError(f"model weights: tensor '{name}' in {where} has shape {tuple(view.get_shape())}, "
-                            f"the model expects {tuple(param.shape)}")
+            raise UserError(
+                f"model weights: tensor '{name}' in {where} has shape {tuple(view.get_shape())}, "
+                f"the model expects {tuple(param.shape)}"
+            )
         views[name] = (param, view)
     return views
 
@@ -244,8 +263,9 @@ def load_safetensors(model: nn.Module, folder: Path, mode: str = "sliced") -> No
                 continue
             local = param.to_local()
             if mode == "rank0_broadcast":
-                full = (view[:].to(local.dtype) if dist.get_rank() == 0
-                        else torch.empty(param.shape, dtype=local.dtype)).to(local.device)
+                full = (
+                    view[:].to(local.dtype) if dist.get_rank() == 0 else torch.empty(param.shape, dtype=local.dtype)
+                ).to(local.device)
                 local.copy_(distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=0).to_local())
             else:
                 local.copy_((view[_local_index(param)] if local.numel() else torch.empty(local.shape)).to(local.dtype))
@@ -264,7 +284,9 @@ def load_dcp(model: nn.Module, folder: Path) -> None:
     read_dcp({"model": state}, folder, f"model weights: checkpoint '{folder}' does not fit this model")
 
 
-def materialise(model: nn.Module, source: ModelSource, device: torch.device, seed: int, loading: str = "sliced") -> None:
+def materialise(
+    model: nn.Module, source: ModelSource, device: torch.device, seed: int, loading: str = "sliced"
+) -> None:
     """Allocate each rank's shards on `device`, then initialise them (fresh) or read them (pretrained)."""
     model.to_empty(device=device)
     if source.weights_dir is None:

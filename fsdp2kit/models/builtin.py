@@ -24,8 +24,14 @@ BUILTIN_MODELS: dict[str, dict[str, Any]] = {
     "tiny-llama": {"model_type": "llama", **_COMMON, "tie_word_embeddings": False},
     "tiny-qwen3": {"model_type": "qwen3", **_COMMON, "head_dim": 64, "tie_word_embeddings": True},
     "tiny-qwen3-moe": {
-        "model_type": "qwen3_moe", **_COMMON, "tie_word_embeddings": False,  # head_dim: 256 / 4 = 64 by default
-        "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 128, "decoder_sparse_step": 1,
-        "output_router_logits": True, "router_aux_loss_coef": 0.001,
+        "model_type": "qwen3_moe",
+        **_COMMON,
+        "tie_word_embeddings": False,  # head_dim: 256 / 4 = 64 by default
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 128,
+        "decoder_sparse_step": 1,
+        "output_router_logits": True,
+        "router_aux_loss_coef": 0.001,
     },
 }

@@ -19,8 +19,16 @@ from torch.distributed.tensor import DTensor
 from fsdp2kit.models.build import TORCH_DTYPES
 
 MAX_SHARD_BYTES = 2 * 1024**3
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "vocab.json", "merges.txt", "chat_template.jinja", "added_tokens.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+    "added_tokens.json",
+)
 
 
 class SafetensorsWriter:
@@ -54,7 +62,11 @@ class SafetensorsWriter:
         if self.pending or not self.files:
             self._flush()
         count = len(self.files)
-        names = ["model.safetensors"] if count == 1 else [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+        names = (
+            ["model.safetensors"]
+            if count == 1
+            else [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+        )
         for i, name in enumerate(names):
             os.replace(self.out_dir / f".part-{i}.safetensors", self.out_dir / name)
         if count > 1:
@@ -65,7 +77,11 @@ class SafetensorsWriter:
 
 def hf_state_names(model: nn.Module) -> list[str]:
     """State-dict names as transformers writes them: a tied output weight is stored once, under its source."""
-    tied = set(getattr(model, "_tied_weights_keys", None) or {}) if getattr(model.config, "tie_word_embeddings", False) else set()
+    tied = (
+        set(getattr(model, "_tied_weights_keys", None) or {})
+        if getattr(model.config, "tie_word_embeddings", False)
+        else set()
+    )
     return [name for name in model.state_dict() if name not in tied]
 
 
@@ -84,8 +100,14 @@ def write_config_and_tokenizer(out_dir: Path, hf_config, tokenizer_path: Path | 
         copy_present_files(tokenizer_path, out_dir, TOKENIZER_FILES)
 
 
-def write_hf_folder(tensors: Iterable[tuple[str, torch.Tensor]], out_dir: Path, hf_config, tokenizer_path: Path | None,
-                    dtype: torch.dtype, max_shard_bytes: int = MAX_SHARD_BYTES) -> None:
+def write_hf_folder(
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    out_dir: Path,
+    hf_config,
+    tokenizer_path: Path | None,
+    dtype: torch.dtype,
+    max_shard_bytes: int = MAX_SHARD_BYTES,
+) -> None:
     writer = SafetensorsWriter(out_dir, max_shard_bytes)
     for name, tensor in tensors:
         writer.add(name, tensor.to(dtype))
@@ -94,8 +116,14 @@ def write_hf_folder(tensors: Iterable[tuple[str, torch.Tensor]], out_dir: Path, 
 
 
 @torch.no_grad()
-def export_hf(model: nn.Module, out_dir: Path, tokenizer_path: Path, dtype: str, is_main: bool,
-              max_shard_bytes: int = MAX_SHARD_BYTES) -> None:
+def export_hf(
+    model: nn.Module,
+    out_dir: Path,
+    tokenizer_path: Path,
+    dtype: str,
+    is_main: bool,
+    max_shard_bytes: int = MAX_SHARD_BYTES,
+) -> None:
     """Every rank joins each tensor's all-gather; only rank 0 keeps the result, on CPU, until its file is written."""
     state = model.state_dict()
     torch_dtype = TORCH_DTYPES[dtype]

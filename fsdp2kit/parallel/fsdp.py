@@ -31,21 +31,29 @@ def _mp_policy(plan: ShardingPlan, master_dtype: torch.dtype, cast_inputs: bool,
 def _check_reshard(reshard: bool | int, mesh: DeviceMesh) -> None:
     shard_size = mesh.size(mesh.ndim - 1)  # the shard dimension is the last one ([fsdp] or [ddp, fsdp])
     if not isinstance(reshard, bool) and (reshard < 1 or shard_size % reshard):
-        raise UserError(f"strategy_config.reshard_after_forward = {reshard}: an integer must divide the shard group "
-                        f"size {shard_size}; valid: true, false or one of {divisors(shard_size)}")
+        raise UserError(
+            f"strategy_config.reshard_after_forward = {reshard}: an integer must divide the shard group "
+            f"size {shard_size}; valid: true, false or one of {divisors(shard_size)}"
+        )
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan) -> list[FSDPModule]:
     """Shard `model` in place; returns the non-root shard groups in forward order."""
     if plan.offload and not torch.cuda.is_available():
-        raise UserError("strategy_config.offload_policy: CPU offload needs an accelerator (CUDA) and this machine "
-                        "has none; set offload_policy: false")
+        raise UserError(
+            "strategy_config.offload_policy: CPU offload needs an accelerator (CUDA) and this machine "
+            "has none; set offload_policy: false"
+        )
     _check_reshard(plan.reshard_after_forward, mesh)
     master_dtype = next(model.parameters()).dtype
     ignored = {p for name in plan.ignored_modules for p in model.get_submodule(name).parameters()}
     offload: OffloadPolicy = CPUOffloadPolicy(pin_memory=plan.pin_memory) if plan.offload else OffloadPolicy()
-    common = dict(mesh=mesh, reshard_after_forward=plan.reshard_after_forward, offload_policy=offload,
-                  ignored_params=ignored or None)
+    common = dict(
+        mesh=mesh,
+        reshard_after_forward=plan.reshard_after_forward,
+        offload_policy=offload,
+        ignored_params=ignored or None,
+    )
 
     def shard(modules: list[nn.Module] | nn.Module, names: tuple[str, ...]) -> None:
         cast = plan.cast_forward_inputs and not set(names) & set(plan.no_cast_modules)
@@ -68,8 +76,11 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan) -> list[F
     # backward needs it at once (FSDP's own default, which an explicit reshard_after_forward would override).
     # Its inputs are not cast when a vision encoder must see its pixel values in full precision.
     root_cast = plan.cast_forward_inputs and not plan.no_cast_modules
-    fully_shard(model, mp_policy=_mp_policy(plan, master_dtype, root_cast, root=True),
-                **dict(common, reshard_after_forward=False))
+    fully_shard(
+        model,
+        mp_policy=_mp_policy(plan, master_dtype, root_cast, root=True),
+        **dict(common, reshard_after_forward=False),
+    )
     _set_prefetch(groups, plan.forward_prefetch, plan.backward_prefetch)
     return groups
 
@@ -80,9 +91,9 @@ def _set_prefetch(groups: list[FSDPModule], forward: int, backward: int) -> None
         return
     for i, group in enumerate(groups):
         if forward:
-            group.set_modules_to_forward_prefetch(groups[i + 1: i + 1 + forward])
+            group.set_modules_to_forward_prefetch(groups[i + 1 : i + 1 + forward])
         if backward != 1:
-            group.set_modules_to_backward_prefetch(list(reversed(groups[max(0, i - backward): i])))
+            group.set_modules_to_backward_prefetch(list(reversed(groups[max(0, i - backward) : i])))
 
 
 def describe_groups(model: nn.Module) -> list[dict]:
@@ -103,16 +114,18 @@ def describe_groups(model: nn.Module) -> list[dict]:
         policy = state._mp_policy
         param_dtype = policy.param_dtype or master  # FSDP's defaults: compute in the master dtype,
         reduce_dtype = policy.reduce_dtype or param_dtype  # reduce in the compute dtype
-        groups.append({
-            "modules": [names[id(m)] for m in state._modules],
-            "reshard_after_forward": _live_reshard(state),
-            "param_dtype": dtype(param_dtype),
-            "reduce_dtype": dtype(reduce_dtype),
-            "output_dtype": policy.output_dtype and dtype(policy.output_dtype),
-            "cast_forward_inputs": policy.cast_forward_inputs,
-            "forward_prefetch": [name(s) for s in state._states_to_forward_prefetch],
-            "backward_prefetch": [name(s) for s in state._states_to_backward_prefetch],
-        })
+        groups.append(
+            {
+                "modules": [names[id(m)] for m in state._modules],
+                "reshard_after_forward": _live_reshard(state),
+                "param_dtype": dtype(param_dtype),
+                "reduce_dtype": dtype(reduce_dtype),
+                "output_dtype": policy.output_dtype and dtype(policy.output_dtype),
+                "cast_forward_inputs": policy.cast_forward_inputs,
+                "forward_prefetch": [name(s) for s in state._states_to_forward_prefetch],
+                "backward_prefetch": [name(s) for s in state._states_to_backward_prefetch],
+            }
+        )
     return groups
 
 

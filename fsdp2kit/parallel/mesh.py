@@ -43,8 +43,10 @@ def mesh_layout(world_size: int, strategy: StrategyConfig, ulysses_size: int = 1
     FSDP1/Accelerate names: NO_SHARD replicates everywhere; HYBRID_SHARD shards within a node by default.
     `ulysses_size` (which must divide the world size) groups consecutive ranks for sequence parallel."""
     if world_size % ulysses_size:
-        raise UserError(f"model.ulysses_size = {ulysses_size} does not divide the world size {world_size}; valid: "
-                        f"{', '.join(map(str, divisors(world_size)))}")
+        raise UserError(
+            f"model.ulysses_size = {ulysses_size} does not divide the world size {world_size}; valid: "
+            f"{', '.join(map(str, divisors(world_size)))}"
+        )
     return replace(_fsdp_layout(world_size, strategy), ulysses_size=ulysses_size)
 
 
@@ -52,15 +54,19 @@ def _fsdp_layout(world_size: int, strategy: StrategyConfig) -> MeshLayout:
     size = strategy.fsdp_size
     if strategy.sharding_strategy == "NO_SHARD":
         if size not in ("auto", None, 0, 1) and size < world_size:
-            raise UserError(f"strategy_config.sharding_strategy NO_SHARD replicates on every rank; drop fsdp_size={size}")
+            raise UserError(
+                f"strategy_config.sharding_strategy NO_SHARD replicates on every rank; drop fsdp_size={size}"
+            )
         return MeshLayout((world_size, 1), ("ddp", "fsdp"))
     if strategy.sharding_strategy in ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2") and size in ("auto", None):
         size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     if size in ("auto", None) or size <= 1 or size >= world_size:
         return MeshLayout((world_size,), ("fsdp",))
     if world_size % size:
-        raise UserError(f"strategy_config.fsdp_size = {size} does not divide the world size {world_size}; "
-                        f"valid: 'auto' or one of {divisors(world_size)}")
+        raise UserError(
+            f"strategy_config.fsdp_size = {size} does not divide the world size {world_size}; "
+            f"valid: 'auto' or one of {divisors(world_size)}"
+        )
     return MeshLayout((world_size // size, size), ("ddp", "fsdp"))
 
 

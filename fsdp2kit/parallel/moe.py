@@ -35,7 +35,9 @@ class ExpertList(nn.ModuleList):
 
     run_every_expert = False  # apply_expert_patch
 
-    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
         out = torch.zeros_like(hidden_states)
         for index, expert in enumerate(self):
             tokens, slot = torch.where(top_k_index == index)
@@ -59,14 +61,21 @@ def is_moe_block(module: nn.Module) -> bool:
 def split_experts(model: nn.Module, class_names: list[str]) -> None:
     """Replace every fused experts module whose per-expert class is in `class_names` by an ExpertList of
     per-expert modules, on the fused module's device and dtype (the meta device before sharding: no memory)."""
-    fused = [(name, module) for name, module in model.named_modules()
-             if SPLITTABLE_EXPERTS.get(type(module).__name__) in class_names]
+    fused = [
+        (name, module)
+        for name, module in model.named_modules()
+        if SPLITTABLE_EXPERTS.get(type(module).__name__) in class_names
+    ]
     for name, module in fused:
-        expert_class = getattr(importlib.import_module(type(module).__module__), SPLITTABLE_EXPERTS[type(module).__name__])
+        expert_class = getattr(
+            importlib.import_module(type(module).__module__), SPLITTABLE_EXPERTS[type(module).__name__]
+        )
         parameter = module.gate_up_proj
         with torch.device(parameter.device):
-            experts = ExpertList(expert_class(module.config, intermediate_size=module.intermediate_dim)
-                                 for _ in range(module.num_experts))
+            experts = ExpertList(
+                expert_class(module.config, intermediate_size=module.intermediate_dim)
+                for _ in range(module.num_experts)
+            )
         parent, _, attribute = name.rpartition(".")
         setattr(model.get_submodule(parent), attribute, experts.to(parameter.dtype))
 
@@ -81,8 +90,10 @@ def expert_class_choices(model: nn.Module) -> str | None:
     """What `wrap_policy.moe_experts` can name for this model's experts, in words (None: no known experts)."""
     for module in model.modules():
         if type(module).__name__ in SPLITTABLE_EXPERTS:
-            return (f"'{type(module).__name__}' (each layer's experts as one shard group) or "
-                    f"'{SPLITTABLE_EXPERTS[type(module).__name__]}' (each expert alone, with apply_expert_patch: true)")
+            return (
+                f"'{type(module).__name__}' (each layer's experts as one shard group) or "
+                f"'{SPLITTABLE_EXPERTS[type(module).__name__]}' (each expert alone, with apply_expert_patch: true)"
+            )
         if isinstance(module, ExpertList):
             return f"'{type(module[0]).__name__}' (each expert alone, with apply_expert_patch: true)"
     return None
@@ -95,6 +106,7 @@ def separately_wrapped_experts(model: nn.Module, names: list[str]) -> list[str]:
 
 # Checkpoints store a Qwen3-MoE block's experts one by one (as transformers writes them); a model may hold them
 # fused or split. These read one layout as the other, lazily, with the slice interface of safetensors.
+
 
 def _full_index(index, ndim: int) -> tuple[slice, ...]:
     index = index if isinstance(index, tuple) else (index,)
@@ -113,8 +125,12 @@ class _FusedFromExperts:
 
     def __getitem__(self, index) -> torch.Tensor:
         experts, rows, cols = _full_index(index, 3)
-        return torch.stack([torch.cat([view[:] for view in self.per_expert[e]])[rows, cols]
-                            for e in range(len(self.per_expert))[experts]])
+        return torch.stack(
+            [
+                torch.cat([view[:] for view in self.per_expert[e]])[rows, cols]
+                for e in range(len(self.per_expert))[experts]
+            ]
+        )
 
 
 class _ExpertOfFused:
@@ -129,7 +145,7 @@ class _ExpertOfFused:
     def __getitem__(self, index) -> torch.Tensor:
         rows, cols = _full_index(index, 2)
         start, stop, _ = rows.indices(self.rows)
-        return self.fused[self.expert: self.expert + 1, self.first_row + start: self.first_row + stop, cols][0]
+        return self.fused[self.expert : self.expert + 1, self.first_row + start : self.first_row + stop, cols][0]
 
 
 def expert_views_from_other_layout(model: nn.Module, missing: list[str], stored: set[str], view) -> dict[str, tuple]:
@@ -137,13 +153,19 @@ def expert_views_from_other_layout(model: nn.Module, missing: list[str], stored:
     the other layout's tensors in `stored`, and the names it reads. `view(name)` opens one stored tensor."""
     found: dict[str, tuple] = {}
     for name in missing:
-        if (match := _FUSED_NAME.fullmatch(name)) and type(model.get_submodule(match["experts"])).__name__ in SPLITTABLE_EXPERTS:
+        if (match := _FUSED_NAME.fullmatch(name)) and type(
+            model.get_submodule(match["experts"])
+        ).__name__ in SPLITTABLE_EXPERTS:
             prefix = match["experts"]
             kinds = ["gate_proj", "up_proj"] if match["kind"] == "gate_up_proj" else ["down_proj"]
-            sources = [[f"{prefix}.{e}.{kind}.weight" for kind in kinds] for e in range(model.get_parameter(name).shape[0])]
+            sources = [
+                [f"{prefix}.{e}.{kind}.weight" for kind in kinds] for e in range(model.get_parameter(name).shape[0])
+            ]
             if all(source in stored for names in sources for source in names):
-                found[name] = (_FusedFromExperts([[view(source) for source in names] for names in sources]),
-                               [source for names in sources for source in names])
+                found[name] = (
+                    _FusedFromExperts([[view(source) for source in names] for names in sources]),
+                    [source for names in sources for source in names],
+                )
         elif (match := _SPLIT_NAME.fullmatch(name)) and isinstance(model.get_submodule(match["experts"]), ExpertList):
             source = f"{match['experts']}.{'down_proj' if match['kind'] == 'down_proj' else 'gate_up_proj'}"
             if source in stored:

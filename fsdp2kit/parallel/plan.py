@@ -44,8 +44,10 @@ def match_modules(model: nn.Module, patterns: list[str], key: str) -> list[str]:
         hits = [n for n in names if regex.fullmatch(n)]
         if not hits:
             example = next((n for n in names if n.count(".") == pattern.count(".")), names[0] if names else "")
-            raise UserError(f"strategy_config.{key}: pattern '{pattern}' matches no module of the model "
-                            f"(module paths look like '{example}')")
+            raise UserError(
+                f"strategy_config.{key}: pattern '{pattern}' matches no module of the model "
+                f"(module paths look like '{example}')"
+            )
         matched.update(hits)
     return [n for n in names if n in matched]
 
@@ -135,34 +137,48 @@ def _no_selection_keys(strategy: StrategyConfig, model_class: str) -> None:
     """A model with its own plan (`_fully_shard`) chooses its shard groups itself; keys that would choose
     others are a contradiction, not something to ignore silently."""
     policy = strategy.wrap_policy
-    chosen = {"sub_modules_to_wrap": strategy.sub_modules_to_wrap,
-              "wrap_policy.transformer_layer_cls_to_wrap": policy.transformer_layer_cls_to_wrap,
-              "wrap_policy.min_num_params": policy.min_num_params, "wrap_policy.wrap_embeddings": policy.wrap_embeddings,
-              "wrap_policy.wrap_lm_output": policy.wrap_lm_output, "wrap_policy.moe_experts": policy.moe_experts}
+    chosen = {
+        "sub_modules_to_wrap": strategy.sub_modules_to_wrap,
+        "wrap_policy.transformer_layer_cls_to_wrap": policy.transformer_layer_cls_to_wrap,
+        "wrap_policy.min_num_params": policy.min_num_params,
+        "wrap_policy.wrap_embeddings": policy.wrap_embeddings,
+        "wrap_policy.wrap_lm_output": policy.wrap_lm_output,
+        "wrap_policy.moe_experts": policy.moe_experts,
+    }
     for key, value in chosen.items():
         if value:
-            raise UserError(f"strategy_config.{key}: {model_class} defines its own sharding plan (_fully_shard), "
-                            "which chooses the shard groups; drop this key")
+            raise UserError(
+                f"strategy_config.{key}: {model_class} defines its own sharding plan (_fully_shard), "
+                "which chooses the shard groups; drop this key"
+            )
 
 
 def _tiled_mlps(model: nn.Module, groups: list[tuple[str, ...]], notes: list[str]) -> list[str]:
     """The `mlp` of every decoder layer (the `_no_split_modules` classes). Mixture-of-experts blocks are left
     whole: their router logits feed the auxiliary loss and must keep their autograd graph."""
     layers = modules_of_classes(model, _layer_classes(model), "strategy_config.apply_tiled_mlp: decoder layer")
-    mlps = [f"{layer}.mlp" for layer in layers if isinstance(getattr(model.get_submodule(layer), "mlp", None), nn.Module)]
+    mlps = [
+        f"{layer}.mlp" for layer in layers if isinstance(getattr(model.get_submodule(layer), "mlp", None), nn.Module)
+    ]
     moe_blocks = [name for name in mlps if is_moe_block(model.get_submodule(name))]
     if moe_blocks:
-        notes.append(f"apply_tiled_mlp: {len(moe_blocks)} mixture-of-experts blocks are not tiled (router outputs "
-                     "feed the auxiliary loss)")
+        notes.append(
+            f"apply_tiled_mlp: {len(moe_blocks)} mixture-of-experts blocks are not tiled (router outputs "
+            "feed the auxiliary loss)"
+        )
     tiled = [name for name in mlps if name not in moe_blocks]
     if not tiled:
-        raise UserError("strategy_config.apply_tiled_mlp: the model's decoder layers have no dense `mlp` module to tile")
+        raise UserError(
+            "strategy_config.apply_tiled_mlp: the model's decoder layers have no dense `mlp` module to tile"
+        )
     # A shard group inside a tiled MLP would be all-gathered once per tile, in forward and again in backward.
     for name in (n for group in groups for n in group):
         inside = next((mlp for mlp in tiled if name.startswith(mlp + ".")), None)
         if inside:
-            raise UserError(f"strategy_config.apply_tiled_mlp: '{name}' is a shard group inside the tiled MLP "
-                            f"'{inside}'; shard the MLP as a whole or turn apply_tiled_mlp off")
+            raise UserError(
+                f"strategy_config.apply_tiled_mlp: '{name}' is a shard group inside the tiled MLP "
+                f"'{inside}'; shard the MLP as a whole or turn apply_tiled_mlp off"
+            )
     return tiled
 
 
@@ -170,8 +186,10 @@ def _moe_experts(model: nn.Module, class_names: list[str]) -> list[str]:
     present = {type(m).__name__ for m in model.modules()}
     unknown = [name for name in class_names if name not in present]
     if unknown and (choices := expert_class_choices(model)):
-        raise UserError(f"strategy_config.wrap_policy.moe_experts: class '{unknown[0]}' matches no module of the model; "
-                        f"for its experts name {choices}")
+        raise UserError(
+            f"strategy_config.wrap_policy.moe_experts: class '{unknown[0]}' matches no module of the model; "
+            f"for its experts name {choices}"
+        )
     return modules_of_classes(model, class_names, "strategy_config.wrap_policy.moe_experts")
 
 
@@ -179,30 +197,43 @@ def _expert_patch(model: nn.Module, experts: list[str], requested: bool, notes: 
     """Experts sharded one by one need the patch: without it the job hangs as soon as ranks route differently."""
     single = separately_wrapped_experts(model, experts)
     if single and not requested:
-        raise UserError(f"strategy_config.apply_expert_patch: wrap_policy.moe_experts shards every expert on its own "
-                        f"('{single[0]}', ...), and ranks whose tokens go to different experts would wait for each "
-                        "other's all-gathers forever; set apply_expert_patch: true (every rank runs every expert) or "
-                        "name the fused experts class instead")
+        raise UserError(
+            f"strategy_config.apply_expert_patch: wrap_policy.moe_experts shards every expert on its own "
+            f"('{single[0]}', ...), and ranks whose tokens go to different experts would wait for each "
+            "other's all-gathers forever; set apply_expert_patch: true (every rank runs every expert) or "
+            "name the fused experts class instead"
+        )
     if requested and not single:
-        notes.append("apply_expert_patch changes nothing: no expert is sharded on its own "
-                     "(wrap_policy.moe_experts names no per-expert class)")
+        notes.append(
+            "apply_expert_patch changes nothing: no expert is sharded on its own "
+            "(wrap_policy.moe_experts names no per-expert class)"
+        )
     return requested and bool(single)
 
 
 def _recomputes_router_loss(model: nn.Module, recompute: list[str]) -> bool:
     """Whether a recomputed module holds an MoE block whose router logits feed the model's auxiliary loss."""
     return bool(getattr(getattr(model, "config", None), "output_router_logits", False)) and any(
-        is_moe_block(module) for name in recompute for module in model.get_submodule(name).modules())
+        is_moe_block(module) for name in recompute for module in model.get_submodule(name).modules()
+    )
 
 
 def effective_reshard(strategy: StrategyConfig) -> bool | int:
-    by_name = {"SHARD_GRAD_OP": False, "_HYBRID_SHARD_ZERO2": False, "FULL_SHARD": True, "HYBRID_SHARD": True, "NO_SHARD": False}
+    by_name = {
+        "SHARD_GRAD_OP": False,
+        "_HYBRID_SHARD_ZERO2": False,
+        "FULL_SHARD": True,
+        "HYBRID_SHARD": True,
+        "NO_SHARD": False,
+    }
     if strategy.sharding_strategy is None:
         return strategy.reshard_after_forward
     implied = by_name[strategy.sharding_strategy]
     if "reshard_after_forward" in strategy.model_fields_set and strategy.reshard_after_forward != implied:
-        raise UserError(f"strategy_config.reshard_after_forward = {strategy.reshard_after_forward} contradicts "
-                        f"sharding_strategy {strategy.sharding_strategy} (which means {implied}); give one of them")
+        raise UserError(
+            f"strategy_config.reshard_after_forward = {strategy.reshard_after_forward} contradicts "
+            f"sharding_strategy {strategy.sharding_strategy} (which means {implied}); give one of them"
+        )
     return implied
 
 
@@ -239,7 +270,9 @@ def build_plan(model: nn.Module, strategy: StrategyConfig, model_cfg: ModelConfi
 
     overlap = [n for n in selected + extra if any(_is_ancestor(i, n) or _is_ancestor(n, i) for i in ignored)]
     if overlap:
-        raise UserError(f"strategy_config.ignored_modules: '{overlap[0]}' is both ignored and sharded (or contains an ignored module)")
+        raise UserError(
+            f"strategy_config.ignored_modules: '{overlap[0]}' is both ignored and sharded (or contains an ignored module)"
+        )
 
     order = [n for n, _ in model.named_modules()]
     names = sorted(set(selected), key=order.index)
@@ -259,13 +292,17 @@ def build_plan(model: nn.Module, strategy: StrategyConfig, model_cfg: ModelConfi
 
     recompute = match_modules(model, strategy.recompute_modules, "recompute_modules")
     if model_cfg.gradient_checkpointing:
-        recompute = sorted(set(recompute) | set(modules_of_classes(model, _layer_classes(model), "model.gradient_checkpointing")),
-                           key=order.index)
+        recompute = sorted(
+            set(recompute) | set(modules_of_classes(model, _layer_classes(model), "model.gradient_checkpointing")),
+            key=order.index,
+        )
     use_reentrant = strategy.use_reentrant
     if use_reentrant and _recomputes_router_loss(model, recompute):
         use_reentrant = False
-        notes.append("use_reentrant: false: reentrant checkpointing runs the first forward without autograd, so the "
-                     "router logits of recomputed MoE blocks would give the auxiliary loss no gradient")
+        notes.append(
+            "use_reentrant: false: reentrant checkpointing runs the first forward without autograd, so the "
+            "router logits of recomputed MoE blocks would give the auxiliary loss no gradient"
+        )
 
     frozen: list[str] = []
     for prefix in model_cfg.freeze_module_prefix:

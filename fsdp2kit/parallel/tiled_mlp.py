@@ -47,15 +47,20 @@ class _TiledMLP(torch.autograd.Function):
                 out = ctx.mlp_forward(tile)
             grads = torch.autograd.grad(out, ([tile] if input_needed else []) + trainable, grad_tile, allow_unused=True)
             if input_needed:
-                grad_input[start: start + len(tile)] = grads[0]
+                grad_input[start : start + len(tile)] = grads[0]
                 grads = grads[1:]
             for i, grad in enumerate(grads):
                 if grad is not None:
                     param_grads[i] = grad if param_grads[i] is None else param_grads[i].add_(grad)
             start += len(tile)
         summed = iter(param_grads)
-        return (None, None, None, grad_input.view_as(hidden_states) if input_needed else None,
-                *(next(summed) if needed else None for needed in ctx.needs_input_grad[4:]))
+        return (
+            None,
+            None,
+            None,
+            grad_input.view_as(hidden_states) if input_needed else None,
+            *(next(summed) if needed else None for needed in ctx.needs_input_grad[4:]),
+        )
 
 
 def apply_tiled_mlp(model: nn.Module, module_names: list[str], num_shards: int) -> None:

@@ -39,8 +39,10 @@ def apply_ulysses(model: torch.nn.Module, group: ProcessGroup) -> None:
     if heads % size:
         world = dist.get_world_size()
         valid = [d for d in divisors(world) if heads % d == 0]
-        raise UserError(f"model.ulysses_size = {size} does not divide the model's {heads} attention heads (each rank "
-                        f"attends with heads / ulysses_size of them); valid here: {', '.join(map(str, valid))}")
+        raise UserError(
+            f"model.ulysses_size = {size} does not divide the model's {heads} attention heads (each rank "
+            f"attends with heads / ulysses_size of them); valid here: {', '.join(map(str, valid))}"
+        )
     inner = model.config._attn_implementation
     name = f"ulysses_{inner}"
     # One SP group per process, so one registration per inner implementation serves every model of the process.
@@ -115,12 +117,19 @@ def _eager_attention(module: torch.nn.Module) -> Callable:
         function = getattr(sys.modules.get(cls.__module__), "eager_attention_forward", None)
         if function is not None:
             return function
-    raise UserError(f"model.attn_implementation: eager with model.ulysses_size > 1 needs the eager_attention_forward "
-                    f"of {type(module).__name__}'s modeling file, which has none; use sdpa")
+    raise UserError(
+        f"model.attn_implementation: eager with model.ulysses_size > 1 needs the eager_attention_forward "
+        f"of {type(module).__name__}'s modeling file, which has none; use sdpa"
+    )
 
 
-def _full_sequence_mask(attention_mask: torch.Tensor | None, length: int, sliding_window: int | None,
-                        additive_dtype: torch.dtype | None, device: torch.device) -> torch.Tensor | None:
+def _full_sequence_mask(
+    attention_mask: torch.Tensor | None,
+    length: int,
+    sliding_window: int | None,
+    additive_dtype: torch.dtype | None,
+    device: torch.device,
+) -> torch.Tensor | None:
     """The boolean mask over the gathered sequence (True = attend): the packed-document mask the batch brought, or
     causal (None, which sdpa applies itself), narrowed to a sliding window that is shorter than the sequence.
     Eager applies no causal mask of its own and adds the mask to the scores: it gets an additive one."""
@@ -153,8 +162,13 @@ def _ulysses_attention(inner: str, group: ProcessGroup) -> Callable:
             key, value = repeat_kv(key, kv_repeats), repeat_kv(value, kv_repeats)
             module = _RegroupedAttention(module, query.shape[1] // key.shape[1])
         query, key, value = (_AllToAll.apply(t, group, 1, 2) for t in (query, key, value))  # heads out, sequence in
-        mask = _full_sequence_mask(attention_mask, query.shape[2], kwargs.get("sliding_window"),
-                                   query.dtype if inner == "eager" else None, query.device)
+        mask = _full_sequence_mask(
+            attention_mask,
+            query.shape[2],
+            kwargs.get("sliding_window"),
+            query.dtype if inner == "eager" else None,
+            query.device,
+        )
         output, _ = inner_attention(module, query, key, value, mask, **kwargs)  # [batch, seq, heads/k, dim]
         # The attention weights (eager) cover this rank's heads only; training never reads them.
         return _AllToAll.apply(output, group, 1, 2), None  # sequence out, heads in

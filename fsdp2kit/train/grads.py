@@ -15,7 +15,9 @@ from fsdp2kit.errors import TrainingDiverged
 def _split_sharded(params: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """(sharded, plain) parameters that have a gradient: one foreach op cannot mix DTensors and plain tensors."""
     with_grad = [p for p in params if p.grad is not None]
-    return [p for p in with_grad if isinstance(p.grad, DTensor)], [p for p in with_grad if not isinstance(p.grad, DTensor)]
+    return [p for p in with_grad if isinstance(p.grad, DTensor)], [
+        p for p in with_grad if not isinstance(p.grad, DTensor)
+    ]
 
 
 def all_reduce_replicated_grads(params: list[torch.Tensor], world_size: int) -> None:
@@ -107,8 +109,10 @@ class NonFiniteGuard:
             raise TrainingDiverged(
                 f"training diverged: the loss or gradient norm was non-finite for {self.skipped_in_a_row} steps in a row "
                 f"(steps {step - self.skipped_in_a_row + 1}-{step}, training.max_nonfinite_steps = {self.limit}); "
-                "lower training.learning_rate or compute in bf16/fp32")
+                "lower training.learning_rate or compute in bf16/fp32"
+            )
         if self.scaler.scale < 1:
             raise TrainingDiverged(
                 f"training diverged: fp16 gradients overflow even unscaled (the loss scale fell below 1 at step {step}); "
-                "lower training.learning_rate or compute in bf16")
+                "lower training.learning_rate or compute in bf16"
+            )

@@ -16,8 +16,7 @@ from fsdp2kit.errors import UserError
 
 def _scalars(record: dict) -> dict[str, float]:
     """The record's numbers, for the dashboards (not the step itself, nor flags and names)."""
-    return {k: v for k, v in record.items()
-            if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
+    return {k: v for k, v in record.items() if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
 class JsonlLog:
@@ -92,8 +91,14 @@ class ConsoleProgress:
         if sys.stdout.isatty():
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-            self.bar = Progress(TextColumn("step"), MofNCompleteColumn(), BarColumn(), TextColumn("{task.fields[stats]}"),
-                                TextColumn("eta"), TimeRemainingColumn())
+            self.bar = Progress(
+                TextColumn("step"),
+                MofNCompleteColumn(),
+                BarColumn(),
+                TextColumn("{task.fields[stats]}"),
+                TextColumn("eta"),
+                TimeRemainingColumn(),
+            )
             self.task = self.bar.add_task("train", total=total_steps, completed=start_step, stats="")
             self.bar.start()
 
@@ -105,9 +110,12 @@ class ConsoleProgress:
             self.bar.update(self.task, completed=step, stats=stats)
         elif step % self.every == 0 or step == self.total:
             eta = (time.perf_counter() - self.started) / (step - self.start_step) * (self.total - step)
-            print(f"step {step}/{self.total} loss {record['loss']:.4f} lr {record['lr']:.2e} "
-                  f"grad_norm {record['grad_norm']:.3f} tokens/s {record['tokens_per_s']:.0f} eta {_duration(eta)}"
-                  + skipped, flush=True)
+            print(
+                f"step {step}/{self.total} loss {record['loss']:.4f} lr {record['lr']:.2e} "
+                f"grad_norm {record['grad_norm']:.3f} tokens/s {record['tokens_per_s']:.0f} eta {_duration(eta)}"
+                + skipped,
+                flush=True,
+            )
 
     def close(self) -> None:
         if self.bar is not None:
@@ -120,8 +128,10 @@ class RunLoggers:
     def __init__(self, cfg: JobConfig, is_main: bool, total_steps: int, resume_step: int | None):
         tc = cfg.training
         if "wandb" in tc.report_to and importlib.util.find_spec("wandb") is None:  # checked on every rank: all stop
-            raise UserError("training.report_to: 'wandb' needs the wandb package, which is not installed; "
-                            "`pip install wandb` or leave it out (valid: tensorboard, wandb)")
+            raise UserError(
+                "training.report_to: 'wandb' needs the wandb package, which is not installed; "
+                "`pip install wandb` or leave it out (valid: tensorboard, wandb)"
+            )
         self.logs: list = []
         if not is_main:
             return

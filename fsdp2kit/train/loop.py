@@ -12,8 +12,15 @@ import torch.nn.functional as F
 
 from fsdp2kit.checkpoint.manager import CheckpointManager, fault_point
 from fsdp2kit.config.schema import JobConfig
-from fsdp2kit.data.dataset import (IGNORE_INDEX, GlobalBatches, input_token_count, load_documents, load_tokenizer,
-                                   model_inputs, tokenize_samples)
+from fsdp2kit.data.dataset import (
+    IGNORE_INDEX,
+    GlobalBatches,
+    input_token_count,
+    load_documents,
+    load_tokenizer,
+    model_inputs,
+    tokenize_samples,
+)
 from fsdp2kit.distributed import Runtime
 from fsdp2kit.errors import UserError
 from fsdp2kit.models.export import export_hf
@@ -26,14 +33,17 @@ from fsdp2kit.train.profiling import StepProfiler
 from fsdp2kit.train.setup import build_sharded_model, count_parameters
 
 
-def token_loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor], aux_loss_weight: float = 0.0) -> torch.Tensor:
+def token_loss_sum(
+    model: torch.nn.Module, batch: dict[str, torch.Tensor], aux_loss_weight: float = 0.0
+) -> torch.Tensor:
     """Summed next-token cross-entropy over the batch's target tokens (normalised by the caller), plus
     `aux_loss_weight` times the router's load-balancing loss where the model returns one (a mixture of experts
     with `output_router_logits`). No KV cache: training never reuses one, and a recomputed (checkpointed) layer
     would append to it twice."""
     outputs = model(**model_inputs(batch), use_cache=False)
-    loss = F.cross_entropy(outputs.logits.float().flatten(0, 1), batch["labels"].flatten(), ignore_index=IGNORE_INDEX,
-                           reduction="sum")
+    loss = F.cross_entropy(
+        outputs.logits.float().flatten(0, 1), batch["labels"].flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
     aux_loss = getattr(outputs, "aux_loss", None)
     if aux_loss_weight and isinstance(aux_loss, torch.Tensor):
         loss = loss + aux_loss_weight * aux_loss.float()
@@ -57,33 +67,50 @@ def train(cfg: JobConfig, runtime: Runtime) -> None:
     tokenizer = load_tokenizer(sharded.source.tokenizer_path)
     samples = tokenize_samples(load_documents(cfg.data), tokenizer, cfg.data)
     layout = sharded.layout
-    batches = GlobalBatches(samples, tc.per_device_train_batch_size, tc.gradient_accumulation_steps,
-                            layout.data_parallel_size, layout.data_parallel_rank(runtime.rank), tc.seed,
-                            cfg.data.shuffle, tokenizer.pad_token_id or 0)
+    batches = GlobalBatches(
+        samples,
+        tc.per_device_train_batch_size,
+        tc.gradient_accumulation_steps,
+        layout.data_parallel_size,
+        layout.data_parallel_rank(runtime.rank),
+        tc.seed,
+        cfg.data.shuffle,
+        tokenizer.pad_token_id or 0,
+    )
     total_steps = tc.max_steps if tc.max_steps > 0 else max(1, int(tc.num_train_epochs * batches.steps_per_epoch))
     scheduler = build_scheduler(optimizer, tc, total_steps)
 
     # Resume from the newest complete checkpoint (or the one named).
-    checkpoints = CheckpointManager(output_dir, runtime.rank, cfg.strategy_args.strategy_config.async_save_ckpt,
-                                    tc.save_total_limit, sharded.source.hf_config, sharded.source.tokenizer_path)
+    checkpoints = CheckpointManager(
+        output_dir,
+        runtime.rank,
+        cfg.strategy_args.strategy_config.async_save_ckpt,
+        tc.save_total_limit,
+        sharded.source.hf_config,
+        sharded.source.tokenizer_path,
+    )
     start_step = 0
     resume_from = checkpoints.resolve(tc.resume)
     if resume_from is not None:
         state = checkpoints.load(resume_from, model, optimizer)
         start_step = state["step"]
         if state["consumed_samples"] != start_step * batches.global_batch_size:
-            raise UserError(f"training.resume: '{resume_from}' was trained with a global batch of "
-                            f"{state['consumed_samples'] // max(1, start_step)} samples, this run has "
-                            f"{batches.global_batch_size}; keep per_device_train_batch_size x gradient_accumulation_steps "
-                            "x data-parallel ranks the same to continue the same run")
+            raise UserError(
+                f"training.resume: '{resume_from}' was trained with a global batch of "
+                f"{state['consumed_samples'] // max(1, start_step)} samples, this run has "
+                f"{batches.global_batch_size}; keep per_device_train_batch_size x gradient_accumulation_steps "
+                "x data-parallel ranks the same to continue the same run"
+            )
         scheduler.load_state_dict(state["scheduler"])
         if "loss_scaler" in state:
             scaler.load_state_dict(state["loss_scaler"])
         if runtime.is_main:
             print(f"resumed from {resume_from} at step {start_step}", flush=True)
         if start_step > total_steps:
-            raise UserError(f"training.resume: '{resume_from}' is at step {start_step}, past this run's "
-                            f"{total_steps} steps; raise training.max_steps or start a new output_dir")
+            raise UserError(
+                f"training.resume: '{resume_from}' is at step {start_step}, past this run's "
+                f"{total_steps} steps; raise training.max_steps or start a new output_dir"
+            )
     if runtime.is_main:
         output_dir.mkdir(parents=True, exist_ok=True)
         (output_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
@@ -95,16 +122,23 @@ def train(cfg: JobConfig, runtime: Runtime) -> None:
     aux_loss_coef = getattr(sharded.source.hf_config, "router_aux_loss_coef", 0.0)
     model.train()
 
-    with (RunLoggers(cfg, runtime.is_main, total_steps, start_step if resume_from is not None else None) as loggers,
-          StepProfiler(tc.profile_steps, output_dir, runtime.rank, runtime.device) as profiler):
+    with (
+        RunLoggers(cfg, runtime.is_main, total_steps, start_step if resume_from is not None else None) as loggers,
+        StepProfiler(tc.profile_steps, output_dir, runtime.rank, runtime.device) as profiler,
+    ):
         for step in range(start_step, total_steps):
             profiler.step_started(step + 1)
             started = time.perf_counter()
             micro_batches = [{k: v.to(runtime.device) for k, v in mb.items()} for mb in batches.micro_batches(step)]
             data_time = time.perf_counter() - started
             # The loss is the mean over every target token of the global batch: normalise by their global count.
-            counts = torch.tensor([sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in micro_batches),
-                                   sum(input_token_count(mb) for mb in micro_batches)], dtype=torch.float64)
+            counts = torch.tensor(
+                [
+                    sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in micro_batches),
+                    sum(input_token_count(mb) for mb in micro_batches),
+                ],
+                dtype=torch.float64,
+            )
             dist.all_reduce(counts)
             # Every rank of a sequence-parallel group holds the group's whole micro-batches: count them once.
             target_tokens, input_tokens = (counts / layout.ulysses_size).tolist()
@@ -138,9 +172,18 @@ def train(cfg: JobConfig, runtime: Runtime) -> None:
 
             elapsed = time.perf_counter() - started
             peak_bytes, peak_kind = peak_memory(runtime.device)
-            record = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": int(input_tokens),
-                      "tokens_per_s": input_tokens / elapsed, "step_time": elapsed, "data_time": data_time,
-                      "peak_mem_bytes": peak_bytes, "peak_mem_kind": peak_kind}
+            record = {
+                "step": step + 1,
+                "loss": loss,
+                "lr": lr,
+                "grad_norm": grad_norm,
+                "tokens": int(input_tokens),
+                "tokens_per_s": input_tokens / elapsed,
+                "step_time": elapsed,
+                "data_time": data_time,
+                "peak_mem_bytes": peak_bytes,
+                "peak_mem_kind": peak_kind,
+            }
             if peak_flops:
                 record["mfu"] = flops_token * input_tokens / elapsed / (peak_flops * runtime.world_size)
             if scaler.enabled:
@@ -162,8 +205,9 @@ def train(cfg: JobConfig, runtime: Runtime) -> None:
                     print(f"checkpoint step_{done}: training paused {stall:.2f}s", flush=True)
 
     if start_step < total_steps:  # a run resumed at its end has nothing new to save
-        checkpoints.save(total_steps, model, optimizer, _trainer_state(total_steps, scheduler, scaler, batches, cfg),
-                         blocking=True)
+        checkpoints.save(
+            total_steps, model, optimizer, _trainer_state(total_steps, scheduler, scaler, batches, cfg), blocking=True
+        )
     if tc.export_hf:
         export_hf(model, output_dir / "hf", sharded.source.tokenizer_path, cfg.model.dtype, runtime.is_main)
     if runtime.is_main:
@@ -171,5 +215,10 @@ def train(cfg: JobConfig, runtime: Runtime) -> None:
 
 
 def _trainer_state(step: int, scheduler, scaler: LossScaler, batches: GlobalBatches, cfg: JobConfig) -> dict:
-    return {"step": step, "consumed_samples": step * batches.global_batch_size, "scheduler": scheduler.state_dict(),
-            "loss_scaler": scaler.state_dict(), "config": json.loads(cfg.model_dump_json())}
+    return {
+        "step": step,
+        "consumed_samples": step * batches.global_batch_size,
+        "scheduler": scheduler.state_dict(),
+        "loss_scaler": scaler.state_dict(),
+        "config": json.loads(cfg.model_dump_json()),
+    }

@@ -7,8 +7,17 @@ import resource
 import torch
 
 # Dense bf16 peak FLOP/s of common accelerators (no sparsity).
-PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12, "L40S": 362e12,
-              "A10G": 125e12, "L4": 121e12, "B200": 2250e12}
+PEAK_FLOPS = {
+    "H100": 989e12,
+    "H200": 989e12,
+    "H800": 989e12,
+    "A100": 312e12,
+    "A800": 312e12,
+    "L40S": 362e12,
+    "A10G": 125e12,
+    "L4": 121e12,
+    "B200": 2250e12,
+}
 
 
 def flops_per_token(hf_config, num_params: int, seq_len: int) -> float:

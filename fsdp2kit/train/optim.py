@@ -20,10 +20,17 @@ def build_optimizer(model: nn.Module, cfg: TrainingConfig) -> torch.optim.AdamW:
         if param.requires_grad:
             groups.setdefault((param.dim() >= 2, isinstance(param, DTensor)), []).append(param)
     on_cuda = any(p.is_cuda for params in groups.values() for p in params)
-    return torch.optim.AdamW([{"params": params, "weight_decay": cfg.weight_decay if decay else 0.0}
-                              for (decay, _), params in groups.items()], lr=cfg.learning_rate,
-                             betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon,
-                             fused=True if on_cuda else None, foreach=None if on_cuda else True)
+    return torch.optim.AdamW(
+        [
+            {"params": params, "weight_decay": cfg.weight_decay if decay else 0.0}
+            for (decay, _), params in groups.items()
+        ],
+        lr=cfg.learning_rate,
+        betas=(cfg.adam_beta1, cfg.adam_beta2),
+        eps=cfg.adam_epsilon,
+        fused=True if on_cuda else None,
+        foreach=None if on_cuda else True,
+    )
 
 
 def lr_factor(step: int, total_steps: int, warmup_steps: int, kind: str) -> float:

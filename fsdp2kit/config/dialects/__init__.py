@@ -27,15 +27,18 @@ from fsdp2kit.errors import UserError
 __all__ = ["Translation", "Written", "read_config"]
 
 
-def read_config(path: str | Path, overrides: list[str], role: str | None = None,
-                strategy_file: str | None = None) -> Translation:
+def read_config(
+    path: str | Path, overrides: list[str], role: str | None = None, strategy_file: str | None = None
+) -> Translation:
     source = str(path)
     raw = _resolve_interpolations(read_yaml(path), source)
     if roll.is_roll_file(raw):
         translation = roll.translate(raw, source, role)
     elif role is not None:
-        raise UserError(f"--role {role}: '{source}' is a native fsdp2kit config, which has no roles "
-                        "(--role picks a role of a ROLL file)")
+        raise UserError(
+            f"--role {role}: '{source}' is a native fsdp2kit config, which has no roles "
+            "(--role picks a role of a ROLL file)"
+        )
     else:
         translation = Translation(source, raw)
     apply_overrides(translation.config, overrides)

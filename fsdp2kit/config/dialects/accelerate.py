@@ -14,18 +14,37 @@ import re
 from typing import Any
 
 from fsdp2kit.config.dialects.translation import (
-    STRATEGY_CONFIG, Rule, Translation, Written, already_read, apply_rules, comma_list, converted, ignored, section, to,
-    unsupported)
+    STRATEGY_CONFIG,
+    Rule,
+    Translation,
+    Written,
+    already_read,
+    apply_rules,
+    comma_list,
+    converted,
+    ignored,
+    section,
+    to,
+    unsupported,
+)
 from fsdp2kit.errors import UserError
 
 # Accelerate's names, numbered 1-5 in this order (torch's ShardingStrategy values), and ours.
-SHARDING_STRATEGIES = {"FULL_SHARD": "FULL_SHARD", "SHARD_GRAD_OP": "SHARD_GRAD_OP", "NO_SHARD": "NO_SHARD",
-                       "HYBRID_SHARD": "HYBRID_SHARD", "HYBRID_SHARD_ZERO2": "_HYBRID_SHARD_ZERO2"}
+SHARDING_STRATEGIES = {
+    "FULL_SHARD": "FULL_SHARD",
+    "SHARD_GRAD_OP": "SHARD_GRAD_OP",
+    "NO_SHARD": "NO_SHARD",
+    "HYBRID_SHARD": "HYBRID_SHARD",
+    "HYBRID_SHARD_ZERO2": "_HYBRID_SHARD_ZERO2",
+}
 WRAP_POLICIES = ("TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP")
 # The wrap settings each policy reads: key -> (policy, native key, conversion).
 WRAP_SETTINGS = {
-    "fsdp_transformer_layer_cls_to_wrap": ("TRANSFORMER_BASED_WRAP",
-                                           f"{STRATEGY_CONFIG}.wrap_policy.transformer_layer_cls_to_wrap", comma_list),
+    "fsdp_transformer_layer_cls_to_wrap": (
+        "TRANSFORMER_BASED_WRAP",
+        f"{STRATEGY_CONFIG}.wrap_policy.transformer_layer_cls_to_wrap",
+        comma_list,
+    ),
     "fsdp_min_num_params": ("SIZE_BASED_WRAP", f"{STRATEGY_CONFIG}.wrap_policy.min_num_params", None),
 }
 LAUNCHER = "Accelerate launcher settings; --nproc N or torchrun decide processes and machines"
@@ -71,8 +90,10 @@ def _backward_prefetch(value: Any) -> int:
 def _module_path(value: Any) -> list[str]:
     """Accelerate's fsdp_ignored_modules is a regex; a plain module path reads the same as an fsdp2kit pattern."""
     if not isinstance(value, str) or not re.fullmatch(r"[\w.]+", value):
-        raise ValueError("expected a module path such as 'model.visual' (regular expressions are not read; "
-                         "write strategy_config.ignored_modules patterns such as 'model.layers.{0-3}' instead)")
+        raise ValueError(
+            "expected a module path such as 'model.visual' (regular expressions are not read; "
+            "write strategy_config.ignored_modules patterns such as 'model.layers.{0-3}' instead)"
+        )
     return [value]
 
 
@@ -104,15 +125,19 @@ FSDP_CONFIG: dict[str, Rule] = {
     "fsdp_forward_prefetch": to(f"{STRATEGY_CONFIG}.num_to_forward_prefetch", lambda on: int(_flag(on))),
     "fsdp_activation_checkpointing": _activation_checkpointing,
     "fsdp_ignored_modules": to(f"{STRATEGY_CONFIG}.ignored_modules", _module_path),
-    "fsdp_state_dict_type": ignored("checkpoints are always sharded DCP; the full model is written by "
-                                    "training.export_hf"),
+    "fsdp_state_dict_type": ignored(
+        "checkpoints are always sharded DCP; the full model is written by training.export_hf"
+    ),
     "fsdp_cpu_ram_efficient_loading": ignored("always on: model.init_on_meta materialises only each rank's shards"),
-    "fsdp_sync_module_states": ignored("FSDP2 needs no broadcast: every rank builds its shards from the same "
-                                       "weights and seed"),
+    "fsdp_sync_module_states": ignored(
+        "FSDP2 needs no broadcast: every rank builds its shards from the same weights and seed"
+    ),
     "fsdp_use_orig_params": ignored("FSDP2 always keeps the original parameters (as DTensors)"),
     "fsdp_limit_all_gathers": ignored("an FSDP1 rate limiter; FSDP2 bounds all-gathers itself"),
-    **dict.fromkeys(("fsdp_xla", "fsdp_xla_fsdp_v2", "fsdp_xla_fsdp_grad_ckpt"),
-                    unsupported("PyTorch/XLA FSDP is not available", harmless=(False,))),
+    **dict.fromkeys(
+        ("fsdp_xla", "fsdp_xla_fsdp_v2", "fsdp_xla_fsdp_grad_ckpt"),
+        unsupported("PyTorch/XLA FSDP is not available", harmless=(False,)),
+    ),
     "fsdp_xla_fsdp_settings": unsupported("PyTorch/XLA FSDP is not available", harmless=({},)),
 }
 
@@ -126,8 +151,10 @@ def _parallelism(translation: Translation, key: Written, value: Any) -> None:
     section(PARALLELISM)(translation, key, value)
     replicate = value.get("parallelism_config_dp_replicate_size")
     if isinstance(replicate, int) and replicate > 1 and value.get("parallelism_config_dp_shard_size") is None:
-        raise UserError(f"{key.file}: '{key}' sets parallelism_config_dp_replicate_size without "
-                        "parallelism_config_dp_shard_size; give the shard size (fsdp2kit derives the replicate size)")
+        raise UserError(
+            f"{key.file}: '{key}' sets parallelism_config_dp_replicate_size without "
+            "parallelism_config_dp_shard_size; give the shard size (fsdp2kit derives the replicate size)"
+        )
 
 
 PARALLELISM: dict[str, Rule] = {
@@ -135,19 +162,29 @@ PARALLELISM: dict[str, Rule] = {
     "parallelism_config_dp_replicate_size": ignored("the replicate size is the world size / fsdp_size"),
     "parallelism_config_sp_size": to("model.ulysses_size"),
     "parallelism_config_tp_size": unsupported("tensor parallelism is not available", harmless=(1,)),
-    "parallelism_config_cp_size": unsupported("context parallelism is not available; use parallelism_config_sp_size "
-                                              "(Ulysses)", harmless=(1,)),
-    **dict.fromkeys(("parallelism_config_cp_backend", "parallelism_config_cp_comm_strategy",
-                     "parallelism_config_sp_backend", "parallelism_config_sp_seq_length",
-                     "parallelism_config_sp_seq_length_is_variable", "parallelism_config_sp_attn_implementation"),
-                    ignored()),
+    "parallelism_config_cp_size": unsupported(
+        "context parallelism is not available; use parallelism_config_sp_size (Ulysses)", harmless=(1,)
+    ),
+    **dict.fromkeys(
+        (
+            "parallelism_config_cp_backend",
+            "parallelism_config_cp_comm_strategy",
+            "parallelism_config_sp_backend",
+            "parallelism_config_sp_seq_length",
+            "parallelism_config_sp_seq_length_is_variable",
+            "parallelism_config_sp_attn_implementation",
+        ),
+        ignored(),
+    ),
 }
 
 
 def _distributed_type(translation: Translation, key: Written, value: Any) -> None:
     if str(value).upper() != "FSDP":
-        raise UserError(f"{key.file}: '{key}' = {value!r} is not valid: fsdp2kit reads Accelerate configs with "
-                        "distributed_type: FSDP")
+        raise UserError(
+            f"{key.file}: '{key}' = {value!r} is not valid: fsdp2kit reads Accelerate configs with "
+            "distributed_type: FSDP"
+        )
 
 
 def _mixed_precision(translation: Translation, key: Written, value: Any) -> None:
@@ -161,8 +198,10 @@ def _mixed_precision(translation: Translation, key: Written, value: Any) -> None
         raise UserError(f"{key.file}: '{key}' = {value!r} is not valid: expected one of 'no', 'bf16' or 'fp16'")
     for native, dtype in (("param_dtype", name), ("reduce_dtype", "fp32"), ("output_dtype", "fp32")):
         translation.set(f"{STRATEGY_CONFIG}.{native}", dtype, key)
-    translation.note(f"mapped {key}={name} → param_dtype={name}, reduce_dtype=fp32, output_dtype=fp32 "
-                     "(Accelerate's autocast with fp32 master weights)")
+    translation.note(
+        f"mapped {key}={name} → param_dtype={name}, reduce_dtype=fp32, output_dtype=fp32 "
+        "(Accelerate's autocast with fp32 master weights)"
+    )
 
 
 def _accelerate_fsdp_config(translation: Translation, key: Written, value: Any) -> None:
@@ -175,14 +214,43 @@ ACCELERATE_CONFIG: dict[str, Rule] = {
     "mixed_precision": _mixed_precision,
     "fsdp_config": _accelerate_fsdp_config,
     "parallelism_config": _parallelism,
-    **dict.fromkeys(("compute_environment", "use_cpu", "debug", "num_processes", "machine_rank", "num_machines",
-                     "gpu_ids", "main_process_ip", "main_process_port", "rdzv_backend", "same_network",
-                     "main_training_function", "enable_cpu_affinity"), ignored(LAUNCHER)),
-    **dict.fromkeys(("downcast_bf16", "tpu_name", "tpu_zone", "tpu_use_cluster", "tpu_use_sudo", "command_file",
-                     "commands", "tpu_vm", "tpu_env"), ignored("TPU settings")),
+    **dict.fromkeys(
+        (
+            "compute_environment",
+            "use_cpu",
+            "debug",
+            "num_processes",
+            "machine_rank",
+            "num_machines",
+            "gpu_ids",
+            "main_process_ip",
+            "main_process_port",
+            "rdzv_backend",
+            "same_network",
+            "main_training_function",
+            "enable_cpu_affinity",
+        ),
+        ignored(LAUNCHER),
+    ),
+    **dict.fromkeys(
+        (
+            "downcast_bf16",
+            "tpu_name",
+            "tpu_zone",
+            "tpu_use_cluster",
+            "tpu_use_sudo",
+            "command_file",
+            "commands",
+            "tpu_vm",
+            "tpu_env",
+        ),
+        ignored("TPU settings"),
+    ),
     "dynamo_config": ignored("torch.compile settings; fsdp2kit does not compile"),
-    **dict.fromkeys(("deepspeed_config", "megatron_lm_config", "fp8_config", "mpirun_config", "tp_config",
-                     "ipex_config"), ignored("not used with distributed_type FSDP")),
+    **dict.fromkeys(
+        ("deepspeed_config", "megatron_lm_config", "fp8_config", "mpirun_config", "tp_config", "ipex_config"),
+        ignored("not used with distributed_type FSDP"),
+    ),
 }
 
 
@@ -219,8 +287,9 @@ def _wrap_policy(translation: Translation, values: dict[str, Any], where: Writte
     policy_name, policy = _setting(values, "fsdp_auto_wrap_policy")
     policy_key, policy = where.child(policy_name), str(policy or default).upper()
     if policy not in WRAP_POLICIES:
-        raise UserError(f"{policy_key.file}: '{policy_key}' = {policy!r} is not valid: expected one of "
-                        f"{', '.join(WRAP_POLICIES)}")
+        raise UserError(
+            f"{policy_key.file}: '{policy_key}' = {policy!r} is not valid: expected one of {', '.join(WRAP_POLICIES)}"
+        )
     for name, (reader, native_key, convert) in WRAP_SETTINGS.items():
         written, value = _setting(values, name)
         if policy == reader == "SIZE_BASED_WRAP" and not value:
@@ -232,8 +301,10 @@ def _wrap_policy(translation: Translation, values: dict[str, Any], where: Writte
         else:
             translation.ignore(where.child(written), f"read only with fsdp_auto_wrap_policy {reader}")
     if policy == "NO_WRAP":
-        translation.note(f"{policy_key}=NO_WRAP: fsdp2kit has no root-only plan; each of the model's "
-                         "_no_split_modules (decoder layers) gets its own shard group, as TRANSFORMER_BASED_WRAP does")
+        translation.note(
+            f"{policy_key}=NO_WRAP: fsdp2kit has no root-only plan; each of the model's "
+            "_no_split_modules (decoder layers) gets its own shard group, as TRANSFORMER_BASED_WRAP does"
+        )
 
 
 def translate_trainer_keys(translation: Translation) -> None:
@@ -256,8 +327,10 @@ def _fsdp_options(translation: Translation, value: Any, key: Written) -> None:
         return
     options = value.split() if isinstance(value, str) else value
     if not options or not isinstance(options, list):
-        raise UserError(f"{key.file}: '{key}' = {value!r} is not valid: fsdp2kit always shards with FSDP2; give "
-                        "sharding options such as 'full_shard auto_wrap' or drop the key")
+        raise UserError(
+            f"{key.file}: '{key}' = {value!r} is not valid: fsdp2kit always shards with FSDP2; give "
+            "sharding options such as 'full_shard auto_wrap' or drop the key"
+        )
     mapped = []
     for option in options:
         if str(option).upper() in SHARDING_STRATEGIES:
@@ -266,8 +339,9 @@ def _fsdp_options(translation: Translation, value: Any, key: Written) -> None:
             mapped.append(("offload_policy", True))
         elif option != "auto_wrap":
             valid = [name.lower() for name in SHARDING_STRATEGIES] + ["offload", "auto_wrap"]
-            raise UserError(f"{key.file}: '{key}' = {value!r} is not valid: unknown option {option!r}; "
-                            f"options: {', '.join(valid)}")
+            raise UserError(
+                f"{key.file}: '{key}' = {value!r} is not valid: unknown option {option!r}; options: {', '.join(valid)}"
+            )
     for native, new_value in mapped:
         translation.set(f"{STRATEGY_CONFIG}.{native}", new_value, key)
     summary = ", ".join(f"{native}={new_value!r}" for native, new_value in mapped) or "the default plan"

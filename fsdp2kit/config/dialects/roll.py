@@ -13,16 +13,29 @@ import operator
 from typing import Any
 
 from fsdp2kit.config.dialects.translation import (
-    NO_FSDP2_MEANING, STRATEGY_CONFIG, Rule, Translation, Written, already_read, apply_rules, comma_list, ignored,
-    section, to, unsupported)
+    NO_FSDP2_MEANING,
+    STRATEGY_CONFIG,
+    Rule,
+    Translation,
+    Written,
+    already_read,
+    apply_rules,
+    comma_list,
+    ignored,
+    section,
+    to,
+    unsupported,
+)
 from fsdp2kit.errors import UserError
 
 OUR_STRATEGIES = ("fsdp2_train", "fsdp2_infer")
 ROLL_DEFAULT_STRATEGY = "deepspeed_train"  # what ROLL runs when strategy_args names none
 # ROLL's defaults (roll/configs/base_config.py, worker_config.py, model_args.py) that differ from fsdp2kit's.
 TOP_DEFAULTS = {"output_dir": "./output", "save_steps": 50, "resume_from_checkpoint": False}
-SFT_KEYS_UNSUPPORTED = ("fsdp2kit has no prompt/response loss masking yet: it trains on every token of data.text_key; "
-                        "drop the SFT keys and give plain text data to train on whole sequences")
+SFT_KEYS_UNSUPPORTED = (
+    "fsdp2kit has no prompt/response loss masking yet: it trains on every token of data.text_key; "
+    "drop the SFT keys and give plain text data to train on whole sequences"
+)
 
 
 def _role_defaults(strategy: str) -> dict[str, Any]:
@@ -79,22 +92,40 @@ MODEL_ARGS: dict[str, Rule] = {
     "adapter_name_or_path": unsupported("LoRA adapters are not supported"),
     "lora_target": unsupported("LoRA is not supported"),
     "additional_target": unsupported("LoRA is not supported"),
-    **dict.fromkeys(("lora_rank", "lora_alpha", "lora_dropout", "autocast_adapter_dtype"),
-                    ignored("LoRA settings, unused without lora_target")),
+    **dict.fromkeys(
+        ("lora_rank", "lora_alpha", "lora_dropout", "autocast_adapter_dtype"),
+        ignored("LoRA settings, unused without lora_target"),
+    ),
     "vision_dp": unsupported("Vision DP is not available", harmless=(False,)),
 }
 
 TRAINING_ARGS: dict[str, Rule] = {
-    **{key: to(f"training.{key}") for key in (
-        "learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "warmup_steps",
-        "per_device_train_batch_size", "gradient_accumulation_steps", "num_train_epochs", "max_steps",
-        "max_grad_norm", "save_total_limit")},
+    **{
+        key: to(f"training.{key}")
+        for key in (
+            "learning_rate",
+            "weight_decay",
+            "adam_beta1",
+            "adam_beta2",
+            "adam_epsilon",
+            "warmup_steps",
+            "per_device_train_batch_size",
+            "gradient_accumulation_steps",
+            "num_train_epochs",
+            "max_steps",
+            "max_grad_norm",
+            "save_total_limit",
+        )
+    },
     "lr_scheduler_type": to("training.lr_scheduler_type", _scheduler),
-    "warmup_ratio": unsupported("give warmup_steps (the number of steps is known only when the run starts)",
-                                harmless=(0, 0.0)),
+    "warmup_ratio": unsupported(
+        "give warmup_steps (the number of steps is known only when the run starts)", harmless=(0, 0.0)
+    ),
     "optim": unsupported("fsdp2kit's optimizer is AdamW", harmless=("adamw_torch", "adamw_torch_fused")),
-    **dict.fromkeys(("seed", "output_dir", "logging_steps", "save_steps", "resume_from_checkpoint"),
-                    ignored("ROLL's pipeline uses the top-level key of that name")),
+    **dict.fromkeys(
+        ("seed", "output_dir", "logging_steps", "save_steps", "resume_from_checkpoint"),
+        ignored("ROLL's pipeline uses the top-level key of that name"),
+    ),
     "per_device_eval_batch_size": ignored("there is no evaluation loop"),
     **dict.fromkeys(("bf16", "fp16"), ignored("ROLL derives it from model_args.dtype")),
 }
@@ -102,9 +133,23 @@ TRAINING_ARGS: dict[str, Rule] = {
 DATA_ARGS: dict[str, Rule] = {
     "file_name": to("data.source", _single_file),
     "template": ignored("chat template of prompts; fsdp2kit tokenizes data.text_key as plain text"),
-    **dict.fromkeys(("messages", "prompt", "response", "id", "tag", "domain_interleave_probs", "interleave_probs",
-                     "dataset_dir", "dataset_type", "preprocessing_num_workers", "cache_path", "eval_file_name"),
-                    ignored("ROLL prompt-data settings")),
+    **dict.fromkeys(
+        (
+            "messages",
+            "prompt",
+            "response",
+            "id",
+            "tag",
+            "domain_interleave_probs",
+            "interleave_probs",
+            "dataset_dir",
+            "dataset_type",
+            "preprocessing_num_workers",
+            "cache_path",
+            "eval_file_name",
+        ),
+        ignored("ROLL prompt-data settings"),
+    ),
 }
 
 STRATEGY_ARGS: dict[str, Rule] = {
@@ -124,12 +169,30 @@ ROLE: dict[str, Rule] = {
     "generating_args": ignored("generation settings"),
     "use_dynamic_batching_in_train": unsupported("dynamic batching is not available", harmless=(False,)),
     "apply_loss_scale": unsupported("fsdp2kit always normalises the loss by the global token count", harmless=(True,)),
-    **dict.fromkeys((
-        "name", "worker_cls", "pg_variant", "world_size", "num_gpus_per_worker", "model_update_frequency",
-        "backend_timeout", "system_envs", "topr_positive_weight", "topr_negative_weight", "max_concurrency",
-        "offload_nccl", "logits_in_fp32", "sequence_packing_args", "max_tokens_per_microbatch_in_train",
-        "sequence_length_round_in_train", "use_dynamic_batching_in_infer", "max_tokens_per_microbatch_in_infer",
-        "sequence_length_round_in_infer"), ignored()),
+    **dict.fromkeys(
+        (
+            "name",
+            "worker_cls",
+            "pg_variant",
+            "world_size",
+            "num_gpus_per_worker",
+            "model_update_frequency",
+            "backend_timeout",
+            "system_envs",
+            "topr_positive_weight",
+            "topr_negative_weight",
+            "max_concurrency",
+            "offload_nccl",
+            "logits_in_fp32",
+            "sequence_packing_args",
+            "max_tokens_per_microbatch_in_train",
+            "sequence_length_round_in_train",
+            "use_dynamic_batching_in_infer",
+            "max_tokens_per_microbatch_in_infer",
+            "sequence_length_round_in_infer",
+        ),
+        ignored(),
+    ),
 }
 
 TOP_LEVEL: dict[str, Rule] = {
@@ -143,10 +206,14 @@ TOP_LEVEL: dict[str, Rule] = {
     "max_steps": ignored("ROLL pipeline iterations, not optimizer steps; set training_args.max_steps"),
     "hydra": ignored("Hydra runtime settings"),
     "defaults": unsupported("Hydra defaults lists are not composed here; compose the file with Hydra first"),
-    **dict.fromkeys(("prompt_key", "query_key", "response_key", "system_key", "question_key", "answer_key"),
-                    unsupported(SFT_KEYS_UNSUPPORTED)),
-    **dict.fromkeys(("model", "data", "training", "strategy_args"),
-                    unsupported("a native section in a ROLL file; a file holds either native sections or ROLL roles")),
+    **dict.fromkeys(
+        ("prompt_key", "query_key", "response_key", "system_key", "question_key", "answer_key"),
+        unsupported(SFT_KEYS_UNSUPPORTED),
+    ),
+    **dict.fromkeys(
+        ("model", "data", "training", "strategy_args"),
+        unsupported("a native section in a ROLL file; a file holds either native sections or ROLL roles"),
+    ),
     **dict.fromkeys(("pretrain", "prompt_length", "response_length"), already_read),
 }
 
@@ -184,8 +251,9 @@ def translate(raw: dict[str, Any], source: str, role: str | None) -> Translation
         translation.ignore(f"{name}.model_args.disable_gradient_checkpointing", "fsdp2_infer runs no backward")
     apply_rules(translation, role_section, ROLE, Written(source, name))
 
-    top = _with_defaults({key: value for key, value in raw.items() if key not in roles}, TOP_DEFAULTS,
-                         Written(source, ""), translation)
+    top = _with_defaults(
+        {key: value for key, value in raw.items() if key not in roles}, TOP_DEFAULTS, Written(source, ""), translation
+    )
     _model_of_role(translation, top, role_section, name, source)
     _sequence_length(translation, top, source)
     apply_rules(translation, top, TOP_LEVEL, Written(source, ""), otherwise=ignored())
@@ -202,14 +270,17 @@ def _pick_role(roles: dict[str, Any], wanted: str | None, source: str) -> str:
     if wanted not in roles:
         raise UserError(f"--role {wanted}: '{source}' has no role '{wanted}'; its roles: {listed}")
     if wanted not in usable:
-        raise UserError(f"--role {wanted}: role '{wanted}' of '{source}' uses strategy '{_strategy_of(roles[wanted])}', "
-                        f"which fsdp2kit does not run; usable roles: {', '.join(usable) or 'none'} "
-                        f"(strategy fsdp2_train or fsdp2_infer)")
+        raise UserError(
+            f"--role {wanted}: role '{wanted}' of '{source}' uses strategy '{_strategy_of(roles[wanted])}', "
+            f"which fsdp2kit does not run; usable roles: {', '.join(usable) or 'none'} "
+            f"(strategy fsdp2_train or fsdp2_infer)"
+        )
     return wanted
 
 
-def _with_defaults(values: dict[str, Any], defaults: dict[str, Any], where: Written,
-                   translation: Translation) -> dict[str, Any]:
+def _with_defaults(
+    values: dict[str, Any], defaults: dict[str, Any], where: Written, translation: Translation
+) -> dict[str, Any]:
     """A copy of `values` with ROLL's defaults where the file is silent (noted, so nothing changes unseen)."""
     merged = dict(values)
     for key, default in defaults.items():
@@ -228,8 +299,9 @@ def _model_of_role(translation: Translation, top: dict[str, Any], role: dict[str
             translation.ignore("pretrain", f"{name}.model_args.model_name_or_path names the model")
         return
     if top.get("pretrain") is None:
-        raise UserError(f"'{source}' names no model for role '{name}': set pretrain or "
-                        f"{name}.model_args.model_name_or_path")
+        raise UserError(
+            f"'{source}' names no model for role '{name}': set pretrain or {name}.model_args.model_name_or_path"
+        )
     to("model.name_or_path")(translation, Written(source, "pretrain"), top["pretrain"])
 
 

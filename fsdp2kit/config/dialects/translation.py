@@ -49,8 +49,10 @@ class Translation:
             return
         if leaf in section and section[leaf] != value:
             earlier = self.written_as(native_key)
-            raise UserError(f"{origin.file}: '{origin}' = {value!r} contradicts {earlier.file}: '{earlier.path}' = "
-                            f"{section[leaf]!r} (both set {native_key}); give only one of them")
+            raise UserError(
+                f"{origin.file}: '{origin}' = {value!r} contradicts {earlier.file}: '{earlier.path}' = "
+                f"{section[leaf]!r} (both set {native_key}); give only one of them"
+            )
         section[leaf] = value
         self.replace_origin(native_key, origin)
 
@@ -62,8 +64,11 @@ class Translation:
 
     def replace_origin(self, native_key: str, origin: Written) -> None:
         """From now on errors in `native_key` (and under it) name `origin`: e.g. after a `--set` override."""
-        self._origins = {key: where for key, where in self._origins.items()
-                         if key != native_key and not key.startswith(native_key + ".")}
+        self._origins = {
+            key: where
+            for key, where in self._origins.items()
+            if key != native_key and not key.startswith(native_key + ".")
+        }
         self._origins[native_key] = origin
 
     def get(self, native_key: str) -> Any:
@@ -78,7 +83,7 @@ class Translation:
         for prefix in sorted(self._origins, key=len, reverse=True):
             if native_key == prefix or native_key.startswith(prefix + "."):
                 origin = self._origins[prefix]
-                return Written(origin.file, ".".join(p for p in (origin.path, native_key[len(prefix) + 1:]) if p))
+                return Written(origin.file, ".".join(p for p in (origin.path, native_key[len(prefix) + 1 :]) if p))
         return Written(self.source, native_key)
 
     def note(self, text: str) -> None:
@@ -99,8 +104,10 @@ class Translation:
                 section[part] = {}
             if not isinstance(section[part], dict):
                 where = self.written_as(".".join(parents[: i + 1]))
-                raise UserError(f"{where.file}: '{where.path}' must be a mapping of keys to hold {origin.path}, "
-                                f"not {section[part]!r}")
+                raise UserError(
+                    f"{where.file}: '{where.path}' must be a mapping of keys to hold {origin.path}, "
+                    f"not {section[part]!r}"
+                )
             section = section[part]
         return section, leaf
 
@@ -108,8 +115,9 @@ class Translation:
 Rule = Callable[[Translation, Written, Any], None]
 
 
-def apply_rules(translation: Translation, values: Any, rules: Mapping[str, Rule], where: Written,
-                otherwise: Rule | None = None) -> None:
+def apply_rules(
+    translation: Translation, values: Any, rules: Mapping[str, Rule], where: Written, otherwise: Rule | None = None
+) -> None:
     """Run each key of a foreign section through its rule. A key set to null (~) counts as not written.
     A key without a rule goes to `otherwise`, or is an error with a 'did you mean'."""
     if values is None:
