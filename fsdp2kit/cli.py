@@ -11,6 +11,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from fsdp2kit.config.load import load_config, name_as_written
 from fsdp2kit.errors import TrainingDiverged, UserError
 
 ERROR_DIR_ENV = "FSDP2KIT_ERROR_DIR"
@@ -154,6 +155,7 @@ def _run_rank(args: argparse.Namespace, cfg) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
+    cfg = None
     try:
         if args.command == "convert":
             from fsdp2kit.checkpoint.convert import convert
@@ -167,8 +169,6 @@ def main(argv: list[str] | None = None) -> int:
 
             print(write_report([Path(d) for d in args.run_dirs]))
             return 0
-        from fsdp2kit.config import load_config
-
         cfg = load_config(args.config, args.overrides, role=args.role, strategy_file=args.fsdp_config)
         nproc = args.nproc or (len(cfg.device_mapping) if cfg.device_mapping and not _under_launcher() else None)
         if nproc is not None and nproc < 1:
@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
             return _launch(nproc, argv)
         return _run_rank(args, cfg)
     except UserError as exc:
-        return _report_error(str(exc), 2)
+        return _report_error(name_as_written(str(exc), cfg) if cfg else str(exc), 2)
     except TrainingDiverged as exc:
         return _report_error(str(exc), 1)
 

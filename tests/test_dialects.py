@@ -55,7 +55,7 @@ def test_roll_example_runs_its_first_fsdp2_role_on_the_ranks_of_its_device_mappi
         "param_dtype": "bfloat16",
         "reduce_dtype": "float32",
         "output_dtype": None,
-        "cast_forward_inputs": True,
+        "cast_forward_inputs": False,  # ROLL casts no inputs into layers or the root
         "no_cast_modules": [],
     }
     assert plan["reshard_after_forward"] is True
@@ -110,7 +110,10 @@ def test_mindspeed_example_strategy_comes_from_its_fsdp2_config_yaml():
     assert plan["offload"] is False
     assert plan["prefetch"] == {"forward": 1, "backward": 2}
     assert plan["config_notes"] == [
-        "strategy_args.strategy_config read from examples/mindspeed_fsdp2_config.yaml (MindSpeed-MM fsdp2_config)"
+        "strategy_args.strategy_config read from examples/mindspeed_fsdp2_config.yaml (MindSpeed-MM fsdp2_config)",
+        "mapped sharding_size → strategy_args.strategy_config.fsdp_size",
+        "mapped offload_to_cpu → strategy_args.strategy_config.offload_policy",
+        "ignored (used only with offload_to_cpu): pin_memory",
     ]
 
 
@@ -299,21 +302,24 @@ def test_role_on_a_native_file_and_roll_file_without_fsdp2_roles(tmp_path, capsy
     "changes, role_changes, message",
     [
         (
-            {"prompt_key": "instruction", "response_key": "output"},
-            {},
-            "'prompt_key' = 'instruction' is not supported: fsdp2kit has no prompt/response loss masking yet: it trains on "
-            "every token of data.text_key; drop the SFT keys and give plain text data to train on whole sequences",
-        ),
-        (
             {},
             {"model_args": {"model_type": "trl"}},
-            "'actor_train.model_args.model_type' = 'trl' is not supported: fsdp2kit trains causal language models only "
-            "(model_type: ~)",
+            "'actor_train.model_args.model_type' = 'trl' is not supported: ROLL's value-head (trl) and classification "
+            "models are not available in fsdp2kit, which trains and serves causal language models (model_type: ~); "
+            "run the actor_train or reference role",
         ),
         (
             {},
             {"model_args": {"lora_target": "q_proj,v_proj"}},
-            "'actor_train.model_args.lora_target' = 'q_proj,v_proj' is not supported: LoRA is not supported",
+            "'actor_train.model_args.lora_target' = 'q_proj,v_proj' is not supported: ROLL's LoRA training is not "
+            "available in fsdp2kit yet; drop lora_target to train all weights",
+        ),
+        (
+            {},
+            {"strategy_args": {"strategy_config": {"ep_size": 2, "efsdp_size": 1}}},
+            "'actor_train.strategy_args.strategy_config.ep_size' = 2 is not supported: expert parallelism (ROLL's "
+            "ep_size) is not available in fsdp2kit, which shards experts with FSDP: drop ep_size/efsdp_size, and set "
+            "wrap_policy.moe_experts with apply_expert_patch: true to shard them one by one",
         ),
         (
             {},
@@ -332,10 +338,11 @@ def test_role_on_a_native_file_and_roll_file_without_fsdp2_roles(tmp_path, capsy
             "(did you mean 'actor_train.strategy_args.strategy_config.fsdp_size'?)",
         ),
         (
+            {"defaults": ["../config/envs@_here_"]},
             {},
-            {"data_args": {"file_name": ["a.jsonl", "b.jsonl"]}},
-            "'actor_train.data_args.file_name' = ['a.jsonl', 'b.jsonl'] is not valid: data.source reads one file or glob; "
-            "give one file (or merge the files)",
+            "'defaults' is a Hydra defaults list (../config/envs@_here_), which Hydra composes with the files it names "
+            "before ROLL reads them; fsdp2kit reads one composed file: compose it first (hydra.compose, then "
+            "OmegaConf.save) and give that file",
         ),
         (
             {},
@@ -486,10 +493,11 @@ def test_accelerate_notes_what_fsdp2kit_does_differently(tmp_path):
     ) in cfg.notes
     _, cfg = accelerate_strategy(tmp_path, {}, mixed_precision="no")
     assert cfg.strategy_args.strategy_config.param_dtype is None
-    assert any(
-        note.startswith("fsdp_config.fsdp_auto_wrap_policy=NO_WRAP: fsdp2kit has no root-only plan")
-        for note in cfg.notes
-    )  # Accelerate's default when the file names no policy
+    assert cfg.strategy_args.strategy_config.wrap_policy.no_wrap is True  # Accelerate's default: NO_WRAP
+    assert (
+        "fsdp_config.fsdp_auto_wrap_policy=NO_WRAP (Accelerate's default) → "
+        "strategy_args.strategy_config.wrap_policy.no_wrap: only the root is sharded"
+    ) in cfg.notes
 
 
 def test_accelerate_parallelism_config_is_the_hsdp_mesh(tmp_path):

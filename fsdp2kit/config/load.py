@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -78,7 +79,25 @@ def load_config(
     translation = dialects.read_config(path, list(overrides or []), role=role, strategy_file=strategy_file)
     cfg = validate(translation.config, str(path), translation.written_as)
     cfg.notes.extend(translation.notes)
+    cfg._written_as = translation.written_as
     return cfg
+
+
+# Errors found after validation (the mesh, the plan) begin with the native key they are about.
+_LEADING_KEY = re.compile(r"(strategy_config|model|data|training)\.([\w.]+)(?=:| =)")
+
+
+def name_as_written(message: str, cfg: JobConfig) -> str:
+    """The error with its leading native key named as the user wrote it, where a foreign file wrote it."""
+    match = _LEADING_KEY.match(message)
+    if match is None:
+        return message
+    section, key = match.groups()
+    native_key = f"strategy_args.{section}.{key}" if section == "strategy_config" else f"{section}.{key}"
+    written = cfg.written_as(native_key)
+    if written is None or written[1] == native_key:
+        return message
+    return f"{written[0]}: '{written[1]}'{message[match.end() :]}"
 
 
 def _section_at(model: type[BaseModel], loc: tuple) -> type[BaseModel] | None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import re
+from collections.abc import Callable
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, field_validator, model_validator
@@ -110,9 +111,10 @@ class ModelConfig(Section):
 
 
 class DataConfig(Section):
-    source: str = Field(
+    source: str | list[str] = Field(
         "builtin:corpus",
-        description="`builtin:corpus`, a *.jsonl/*.parquet/*.txt file or glob, or a local HF dataset folder",
+        description="`builtin:corpus`, a *.jsonl/*.parquet/*.txt file or glob (or a list of files), "
+        "or a local HF dataset folder",
     )
     tokenizer: str | None = Field(
         None, description="tokenizer folder; default: the model's own (builtin models: the built-in tokenizer)"
@@ -125,6 +127,9 @@ class DataConfig(Section):
         "prompt", description="SFT: with this and response_key both present, the loss is on the response only"
     )
     response_key: str = Field("response", description="SFT: field holding the response (followed by EOS)")
+    query_key: str | None = Field(
+        None, description="SFT: a field appended to the prompt after a newline where present (ROLL's query_key)"
+    )
     document_mask: bool = Field(
         True, description="packing: restart position ids at each document so attention never crosses documents"
     )
@@ -141,6 +146,9 @@ class TrainingConfig(Section):
     adam_epsilon: float = Field(1.0e-8, gt=0, description="AdamW epsilon")
     lr_scheduler_type: Literal["constant", "linear", "cosine"] = Field("cosine", description="decay after warmup")
     warmup_steps: int = Field(0, ge=0, description="linear warmup steps from 0 to learning_rate")
+    warmup_ratio: float = Field(
+        0.0, ge=0, le=1, description="without warmup_steps: warm up for this fraction of the run's steps (rounded up)"
+    )
     per_device_train_batch_size: int = Field(1, ge=1, description="samples per micro-batch per data-parallel rank")
     gradient_accumulation_steps: int = Field(1, ge=1, description="micro-batches per optimizer step")
     num_train_epochs: float = Field(1.0, gt=0, description="epochs over the dataset (ignored when max_steps > 0)")
@@ -187,17 +195,30 @@ class WrapPolicy(Section):
     transformer_layer_cls_to_wrap: PatternList = Field(
         default_factory=list, description="wrap every instance of these classes"
     )
-    wrap_embeddings: bool = Field(False, description="give the input embeddings their own shard group")
+    wrap_embeddings: bool | Literal["untied"] = Field(
+        False,
+        description="give the input embeddings their own shard group; `untied`: only when they are not tied to "
+        "the LM head (ROLL's default)",
+    )
     wrap_lm_output: bool = Field(False, description="give the LM head its own shard group")
     moe_experts: PatternList = Field(default_factory=list, description="MoE expert classes to wrap one by one")
     min_num_params: int = Field(
         0, ge=0, description="size-based wrapping: shard every module with at least this many params (0 = off)"
+    )
+    no_wrap: bool = Field(
+        False,
+        description="no default per-layer groups: only what other keys select, and the root (Accelerate's NO_WRAP)",
     )
 
 
 class StrategyConfig(Section):
     fsdp_size: int | Literal["auto"] | None = Field(
         "auto", description="shard group size; auto/<=1/>=world = 1-D FSDP, else HSDP [ddp, fsdp]"
+    )
+    fsdp_size_exact: bool = Field(
+        False,
+        description="fsdp_size must divide the world and not exceed it, and 1 replicates on every rank "
+        "(MindSpeed-MM's sharding_size) instead of meaning 1-D FSDP",
     )
     param_dtype: OptionalDType = Field(None, description="compute/all-gather dtype (default: model.dtype)")
     reduce_dtype: OptionalDType = Field(None, description="gradient reduce-scatter dtype (default: param_dtype)")
@@ -261,7 +282,13 @@ class JobConfig(Section):
     infer_batch_size: int = Field(1, ge=1, description="samples per forward in fsdp2_infer")
     # What a foreign dialect's loader mapped, renamed or could not use (printed by `fsdp2kit check`).
     _notes: list[str] = PrivateAttr(default_factory=list)
+    # Native dotted key -> (file, key as written there): set by the loader so later errors name what the user wrote.
+    _written_as: Callable[[str], tuple[str, str]] | None = PrivateAttr(None)
 
     @property
     def notes(self) -> list[str]:
         return self._notes
+
+    def written_as(self, native_key: str) -> tuple[str, str] | None:
+        """Where a native key was written, or None when the config was read without a record of that."""
+        return self._written_as(native_key) if self._written_as else None

@@ -24,23 +24,27 @@ class PromptResponse(NamedTuple):
     response: str
 
 
-def _read_table(source: str):
-    """A local HF dataset folder or *.jsonl / *.parquet / *.txt files, as a `datasets.Dataset`, and which of
-    those it was ('disk', 'json', 'parquet' or 'text')."""
+def _read_table(source: str | list[str]):
+    """A local HF dataset folder or *.jsonl / *.parquet / *.txt files (a glob or a list), as a `datasets.Dataset`,
+    and which of those it was ('disk', 'json', 'parquet' or 'text')."""
     import datasets
 
     datasets.disable_progress_bars()  # a bar per split of a local file is noise in a training log
-    path = Path(source)
-    if path.is_dir():
+    if isinstance(source, list):
+        files = source
+    elif Path(source).is_dir():
+        path = Path(source)
         if not (path / "dataset_info.json").exists() and not (path / "dataset_dict.json").exists():
             raise UserError(f"data.source: '{path}' is a folder but not a saved HF dataset (no dataset_info.json)")
         dataset = datasets.load_from_disk(str(path))
         if isinstance(dataset, datasets.DatasetDict):
             dataset = dataset["train"] if "train" in dataset else next(iter(dataset.values()))
         return dataset, "disk"
-    files = sorted(glob.glob(source)) if any(c in source for c in "*?[") else [source]
-    if not files or not all(Path(f).is_file() for f in files):
-        raise UserError(f"data.source: no such file '{source}'")
+    else:
+        files = sorted(glob.glob(source)) if any(c in source for c in "*?[") else [source]
+    missing = [f for f in files if not Path(f).is_file()]
+    if not files or missing:
+        raise UserError(f"data.source: no such file '{missing[0] if missing else source}'")
     kinds = {_FILE_KINDS.get(Path(f).suffix) for f in files}
     if None in kinds or len(kinds) > 1:
         raise UserError(f"data.source: '{source}' must be *.jsonl, *.parquet or *.txt files of one kind")
@@ -65,15 +69,16 @@ def load_documents(cfg: DataConfig) -> list[str] | list[PromptResponse]:
         from fsdp2kit.data.builtin import corpus_documents
 
         return corpus_documents()[: cfg.max_samples]
-    if cfg.source.startswith("builtin:"):
+    if isinstance(cfg.source, str) and cfg.source.startswith("builtin:"):
         raise UserError(f"data.source: unknown built-in dataset '{cfg.source}'; valid: builtin:corpus")
     table, kind = _read_table(cfg.source)
     text_key = "text" if kind == "text" else cfg.text_key  # a text file's lines have no field names to choose from
     table = table.select(range(min(cfg.max_samples, len(table)))) if cfg.max_samples is not None else table
     if cfg.prompt_key in table.column_names and cfg.response_key in table.column_names:
+        queries = table[cfg.query_key] if cfg.query_key in table.column_names else [None] * len(table)
         return [
-            PromptResponse(p if isinstance(p, str) else "", r)
-            for p, r in zip(table[cfg.prompt_key], table[cfg.response_key])
+            PromptResponse((p if isinstance(p, str) else "") + (f"\n{q}" if isinstance(q, str) and q else ""), r)
+            for p, q, r in zip(table[cfg.prompt_key], queries, table[cfg.response_key])
             if isinstance(r, str) and r
         ]
     if text_key not in table.column_names:

@@ -58,6 +58,14 @@ def _fsdp_layout(world_size: int, strategy: StrategyConfig) -> MeshLayout:
                 f"strategy_config.sharding_strategy NO_SHARD replicates on every rank; drop fsdp_size={size}"
             )
         return MeshLayout((world_size, 1), ("ddp", "fsdp"))
+    if strategy.fsdp_size_exact and isinstance(size, int):
+        if size > world_size or world_size % size:
+            raise UserError(
+                f"strategy_config.fsdp_size = {size} does not divide the world size {world_size}; "
+                f"valid: 'auto' or one of {divisors(world_size)}"
+            )
+        if size == 1:
+            return MeshLayout((world_size, 1), ("ddp", "fsdp"))
     if strategy.sharding_strategy in ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2") and size in ("auto", None):
         size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     if size in ("auto", None) or size <= 1 or size >= world_size:

@@ -141,8 +141,9 @@ def _no_selection_keys(strategy: StrategyConfig, model_class: str) -> None:
         "sub_modules_to_wrap": strategy.sub_modules_to_wrap,
         "wrap_policy.transformer_layer_cls_to_wrap": policy.transformer_layer_cls_to_wrap,
         "wrap_policy.min_num_params": policy.min_num_params,
-        "wrap_policy.wrap_embeddings": policy.wrap_embeddings,
+        "wrap_policy.wrap_embeddings": policy.wrap_embeddings is True,
         "wrap_policy.wrap_lm_output": policy.wrap_lm_output,
+        "wrap_policy.no_wrap": policy.no_wrap,
         "wrap_policy.moe_experts": policy.moe_experts,
     }
     for key, value in chosen.items():
@@ -250,7 +251,8 @@ def build_plan(model: nn.Module, strategy: StrategyConfig, model_cfg: ModelConfi
     if not custom:
         selected += match_modules(model, strategy.sub_modules_to_wrap, "sub_modules_to_wrap")
         classes = strategy.wrap_policy.transformer_layer_cls_to_wrap
-        if not classes and not strategy.sub_modules_to_wrap and not strategy.wrap_policy.min_num_params:
+        policy = strategy.wrap_policy
+        if not (classes or strategy.sub_modules_to_wrap or policy.min_num_params or policy.no_wrap):
             classes = _layer_classes(model)
         selected += modules_of_classes(model, classes, "strategy_config.wrap_policy.transformer_layer_cls_to_wrap")
         experts = _moe_experts(model, strategy.wrap_policy.moe_experts)
@@ -259,7 +261,8 @@ def build_plan(model: nn.Module, strategy: StrategyConfig, model_cfg: ModelConfi
             selected += _size_based(model, strategy.wrap_policy.min_num_params, set(selected))
     embed, head = _embedding_modules(model)
     extra: list[str] = []
-    if strategy.wrap_policy.wrap_embeddings:
+    wrap_embeddings = strategy.wrap_policy.wrap_embeddings
+    if wrap_embeddings is True or (wrap_embeddings == "untied" and embed is not None and not _tied(model, embed, head)):
         if embed is None:
             raise UserError("strategy_config.wrap_policy.wrap_embeddings: the model exposes no input embeddings")
         extra.append(embed)

@@ -46,5 +46,11 @@ def lr_factor(step: int, total_steps: int, warmup_steps: int, kind: str) -> floa
     return 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+def warmup_steps(cfg: TrainingConfig, total_steps: int) -> int:
+    """warmup_steps, or else warmup_ratio of the run's steps rounded up (as HF TrainingArguments and ROLL do)."""
+    return cfg.warmup_steps or math.ceil(total_steps * cfg.warmup_ratio)
+
+
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainingConfig, total_steps: int) -> LambdaLR:
-    return LambdaLR(optimizer, lambda step: lr_factor(step, total_steps, cfg.warmup_steps, cfg.lr_scheduler_type))
+    warmup = warmup_steps(cfg, total_steps)
+    return LambdaLR(optimizer, lambda step: lr_factor(step, total_steps, warmup, cfg.lr_scheduler_type))

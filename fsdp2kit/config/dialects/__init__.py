@@ -22,6 +22,7 @@ from omegaconf.errors import OmegaConfBaseException
 from fsdp2kit.config.dialects import accelerate, mindspeed, roll
 from fsdp2kit.config.dialects.translation import STRATEGY_CONFIG, Translation, Written
 from fsdp2kit.config.load import apply_overrides, read_yaml
+from fsdp2kit.config.schema import JobConfig
 from fsdp2kit.errors import UserError
 
 __all__ = ["Translation", "Written", "read_config"]
@@ -31,7 +32,9 @@ def read_config(
     path: str | Path, overrides: list[str], role: str | None = None, strategy_file: str | None = None
 ) -> Translation:
     source = str(path)
-    raw = _resolve_interpolations(read_yaml(path), source)
+    raw = read_yaml(path)
+    _refuse_hydra_defaults(raw, source)
+    raw = _resolve_interpolations(raw, source)
     if roll.is_roll_file(raw):
         translation = roll.translate(raw, source, role)
     elif role is not None:
@@ -40,6 +43,7 @@ def read_config(
             "(--role picks a role of a ROLL file)"
         )
     else:
+        _refuse_strategy_file(raw, source)
         translation = Translation(source, raw)
     apply_overrides(translation.config, overrides)
     strategy_path = _strategy_file(translation, strategy_file)
@@ -51,6 +55,33 @@ def read_config(
         translation.replace_origin(key, Written(source, key))
     accelerate.translate_trainer_keys(translation)
     return translation
+
+
+def _refuse_hydra_defaults(raw: dict[str, Any], source: str) -> None:
+    """A Hydra defaults list names other files that Hydra merges in before ROLL reads the result."""
+    if isinstance(raw.get("defaults"), list):
+        named = ", ".join(str(entry) for entry in raw["defaults"])
+        raise UserError(
+            f"{source}: 'defaults' is a Hydra defaults list ({named}), which Hydra composes with the files it names "
+            "before ROLL reads them; fsdp2kit reads one composed file: compose it first (hydra.compose, then "
+            "OmegaConf.save) and give that file"
+        )
+
+
+def _refuse_strategy_file(raw: dict[str, Any], source: str) -> None:
+    """A strategy file given where the job config goes: say where it belongs instead of 'unknown key'."""
+    if raw.keys() & set(JobConfig.model_fields):
+        return
+    for kind, matches in (
+        ("an Accelerate config", accelerate.is_accelerate_config),
+        ("a Trainer fsdp_config", accelerate.is_trainer_fsdp_config),
+        ("a MindSpeed-MM fsdp2_config", mindspeed.is_mindspeed_config),
+    ):
+        if matches(raw):
+            raise UserError(
+                f"'{source}' is {kind} (FSDP settings only), not a job config: give it with --fsdp-config "
+                f"{source} beside a job config such as examples/demo.yaml"
+            )
 
 
 def _has_interpolation(node: Any) -> bool:
@@ -93,6 +124,10 @@ def _read_strategy_file(translation: Translation, path: Path) -> None:
     if isinstance(replaced, dict) and replaced:
         where = translation.written_as(STRATEGY_CONFIG)
         translation.note(f"{where.path} of {where.file} replaced by {path} (keys dropped: {', '.join(replaced)})")
-    dialect = accelerate if accelerate.is_accelerate_config(data) else mindspeed
-    dialect.translate_file(translation, data, str(path))
+    if accelerate.is_accelerate_config(data):
+        accelerate.translate_file(translation, data, str(path))
+    elif accelerate.is_trainer_fsdp_config(data):
+        accelerate.translate_trainer_file(translation, data, str(path))
+    else:
+        mindspeed.translate_file(translation, data, str(path))
     translation.replace("strategy_args.strategy_config_path", str(path), Written(str(path), ""))

@@ -10,7 +10,9 @@ Both share the `fsdp_config` table; the Trainer writes its keys with or without 
 
 from __future__ import annotations
 
+import json
 import re
+from pathlib import Path
 from typing import Any
 
 from fsdp2kit.config.dialects.translation import (
@@ -25,6 +27,7 @@ from fsdp2kit.config.dialects.translation import (
     ignored,
     section,
     to,
+    unknown_key,
     unsupported,
 )
 from fsdp2kit.errors import UserError
@@ -142,8 +145,18 @@ FSDP_CONFIG: dict[str, Rule] = {
 }
 
 
-# The Trainer writes the same settings without the `fsdp_` prefix (`version`, `cpu_offload`, `backward_prefetch`).
-FSDP_CONFIG_BOTH_SPELLINGS = FSDP_CONFIG | {key.removeprefix("fsdp_"): rule for key, rule in FSDP_CONFIG.items()}
+# What TrainingArguments reads of its fsdp_config (transformers' _process_fsdp_args), by name without the `fsdp_`
+# prefix it strips. FSDP1-only settings are read only with version 1; other Accelerate keys are not read at all.
+FSDP1_ONLY = ("forward_prefetch", "backward_prefetch", "use_orig_params", "sync_module_states", "limit_all_gathers")
+TRAINER_FSDP_CONFIG: dict[str, Rule] = {
+    **{key.removeprefix("fsdp_"): rule for key, rule in FSDP_CONFIG.items()},
+    "cpu_offload": to(f"{STRATEGY_CONFIG}.offload_policy", _flag),
+    **dict.fromkeys(
+        ("offload_params", "sharding_strategy", "ignored_modules"),
+        ignored("TrainingArguments does not read it (offload is cpu_offload; sharding is the fsdp option string)"),
+    ),
+}
+TRAINER_FSDP1_ONLY = ignored("TrainingArguments reads it only with version 1 (FSDP1)")
 
 
 def _parallelism(translation: Translation, key: Written, value: Any) -> None:
@@ -260,18 +273,66 @@ def is_accelerate_config(data: dict[str, Any]) -> bool:
 
 
 def translate_file(translation: Translation, data: dict[str, Any], path: str) -> None:
-    """An `accelerate config` file replaces strategy_config."""
+    """An `accelerate config` file replaces strategy_config. Without `fsdp_config` Accelerate's FSDP plugin takes
+    its defaults: FSDP1, NO_WRAP."""
     translation.replace(STRATEGY_CONFIG, {}, Written(path, ""))
     translation.note(f"{STRATEGY_CONFIG} read from {path} (Accelerate config)")
+    if data.get("fsdp_config") is None:
+        data = {**data, "fsdp_config": {}}
+    fsdp_config = data["fsdp_config"]
+    if isinstance(fsdp_config, dict) and fsdp_config.get("fsdp_version") is None:
+        translation.note("fsdp_config.fsdp_version not given: Accelerate runs FSDP1; its settings read as FSDP2")
     apply_rules(translation, data, ACCELERATE_CONFIG, Written(path, ""))
 
 
 def translate_fsdp_config(translation: Translation, values: Any, where: Written, default_wrap_policy: str) -> None:
-    """An Accelerate `fsdp_config` section, or the Trainer's `fsdp_config` dict, which drops the `fsdp_` prefix."""
+    """An Accelerate `fsdp_config` section."""
     if not isinstance(values, dict):
         raise UserError(f"{where.file}: '{where}' must be a mapping of fsdp_* keys, not {values!r}")
     _wrap_policy(translation, values, where, default_wrap_policy)
-    apply_rules(translation, values, FSDP_CONFIG_BOTH_SPELLINGS, where)
+    apply_rules(translation, values, FSDP_CONFIG, where)
+
+
+def translate_trainer_fsdp_config(translation: Translation, values: Any, where: Written) -> None:
+    """TrainingArguments' `fsdp_config`: a dict, or the path of a JSON file as transformers' docs give it. The
+    Trainer strips the `fsdp_` prefix, defaults to version 2 and TRANSFORMER_BASED_WRAP."""
+    if isinstance(values, str):
+        values, where = _trainer_json(values, where), Written(values, "")
+    if not isinstance(values, dict):
+        raise UserError(f"{where.file}: '{where}' must be a mapping of fsdp settings or a JSON file, not {values!r}")
+    _wrap_policy(translation, values, where, "TRANSFORMER_BASED_WRAP")
+    version = str(_setting(values, "fsdp_version")[1] or 2)
+    for key, value in values.items():
+        name = str(key).removeprefix("fsdp_")
+        if value is None or name in ("auto_wrap_policy", "transformer_layer_cls_to_wrap", "min_num_params"):
+            continue
+        rule = TRAINER_FSDP1_ONLY if name in FSDP1_ONLY and version != "1" else TRAINER_FSDP_CONFIG.get(name)
+        if rule is None:
+            raise UserError(unknown_key(where.child(str(key)), list(TRAINER_FSDP_CONFIG)))
+        rule(translation, where.child(str(key)), value)
+
+
+def _trainer_json(path: str, where: Written) -> dict[str, Any]:
+    """transformers opens the path as given (relative to the working directory) and reads it as JSON."""
+    try:
+        return json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise UserError(f"{where.file}: '{where}' = {path!r}: no such file") from None
+    except json.JSONDecodeError as exc:
+        raise UserError(f"{where.file}: '{where}' = {path!r} is not valid JSON at line {exc.lineno}") from None
+
+
+def is_trainer_fsdp_config(data: dict[str, Any]) -> bool:
+    """A Trainer fsdp_config file holds only fsdp_config settings (with or without the `fsdp_` prefix)."""
+    names = [str(key).removeprefix("fsdp_") for key in data]
+    return bool(names) and all(name in TRAINER_FSDP_CONFIG or name in FSDP1_ONLY for name in names)
+
+
+def translate_trainer_file(translation: Translation, data: dict[str, Any], path: str) -> None:
+    """A Trainer fsdp_config JSON given with --fsdp-config replaces strategy_config."""
+    translation.replace(STRATEGY_CONFIG, {}, Written(path, ""))
+    translation.note(f"{STRATEGY_CONFIG} read from {path} (Trainer fsdp_config)")
+    translate_trainer_fsdp_config(translation, data, Written(path, ""))
 
 
 def _setting(values: dict[str, Any], name: str) -> tuple[str, Any]:
@@ -301,9 +362,10 @@ def _wrap_policy(translation: Translation, values: dict[str, Any], where: Writte
         else:
             translation.ignore(where.child(written), f"read only with fsdp_auto_wrap_policy {reader}")
     if policy == "NO_WRAP":
+        translation.set(f"{STRATEGY_CONFIG}.wrap_policy.no_wrap", True, policy_key)
+        how = "as written" if _setting(values, "fsdp_auto_wrap_policy")[1] else "Accelerate's default"
         translation.note(
-            f"{policy_key}=NO_WRAP: fsdp2kit has no root-only plan; each of the model's "
-            "_no_split_modules (decoder layers) gets its own shard group, as TRANSFORMER_BASED_WRAP does"
+            f"{policy_key}=NO_WRAP ({how}) → {STRATEGY_CONFIG}.wrap_policy.no_wrap: only the root is sharded"
         )
 
 
@@ -317,7 +379,7 @@ def translate_trainer_keys(translation: Translation) -> None:
     if options is not None:
         _fsdp_options(translation, options, where.child("fsdp"))
     if fsdp_config is not None:
-        translate_fsdp_config(translation, fsdp_config, where.child("fsdp_config"), "TRANSFORMER_BASED_WRAP")
+        translate_trainer_fsdp_config(translation, fsdp_config, where.child("fsdp_config"))
 
 
 def _fsdp_options(translation: Translation, value: Any, key: Written) -> None:

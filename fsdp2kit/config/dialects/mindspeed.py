@@ -1,16 +1,133 @@
-"""MindSpeed-MM's flat `fsdp2_config.yaml` (`--fsdp2-config-path`): its keys (sharding_size, param_dtype,
-reduce_dtype, output_dtype, cast_forward_inputs, sub_modules_to_wrap, ignored_modules, recompute_modules,
-use_reentrant, reshard_after_forward, offload_to_cpu, pin_memory, num_to_forward_prefetch,
-num_to_backward_prefetch) are native strategy_config keys or their aliases, so the file replaces strategy_config
-as it is and is validated as one, with errors naming the file and its own keys."""
+"""MindSpeed-MM's flat `fsdp2_config.yaml` (`--fsdp2-config-path`), read as its `Fsdp2Config` dataclass
+(mindspeed_mm/models/transformers/base_model.py) reads it: every field of that class is mapped, or noted where it
+changes nothing here; its defaults where they differ from fsdp2kit's (sharding_size 1 = replicate on every rank,
+pinned offload memory, no explicit backward prefetch) are applied and noted. MindSpeed-MM drops keys it does not
+know; fsdp2kit refuses them, so that a typo never disappears."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
-from fsdp2kit.config.dialects.translation import STRATEGY_CONFIG, Translation, Written
+from fsdp2kit.config.dialects.translation import (
+    STRATEGY_CONFIG,
+    Rule,
+    Translation,
+    Written,
+    apply_rules,
+    ignored,
+    to,
+    unsupported,
+)
+from fsdp2kit.errors import UserError
+
+# A dotted path whose last part is a class name (`package.module.DecoderLayer`), not a module path.
+_CLASS_PATH = re.compile(r"(?:[A-Za-z_]\w*\.)+([A-Z]\w*)")
+# Fsdp2Config's defaults that differ from fsdp2kit's.
+DEFAULTS = {"sharding_size": 1, "num_to_backward_prefetch": 0}
+
+
+def _sharding_size(translation: Translation, key: Written, value: Any) -> None:
+    """MindSpeed-MM builds a [world/sharding_size, sharding_size] mesh and refuses a size that does not divide the
+    world; `auto` is the world (plain FSDP) and 1 replicates on every rank."""
+    to(f"{STRATEGY_CONFIG}.fsdp_size")(translation, key, value)
+    if value != "auto":
+        translation.set(f"{STRATEGY_CONFIG}.fsdp_size_exact", True, key)
+
+
+def _sub_modules_to_wrap(translation: Translation, key: Written, value: Any) -> None:
+    """Module paths (`model.layers.{*}`) or class paths (`package.module.DecoderLayer`, wrapping every instance)."""
+    paths = [value] if isinstance(value, str) else value
+    if not isinstance(paths, list) or not all(isinstance(p, str) for p in paths):
+        raise UserError(f"{key.file}: '{key}' = {value!r} is not valid: expected a list of module or class paths")
+    classes = [m.group(1) for p in paths if (m := _CLASS_PATH.fullmatch(p))]
+    modules = [p for p in paths if not _CLASS_PATH.fullmatch(p)]
+    if modules:
+        translation.set(f"{STRATEGY_CONFIG}.sub_modules_to_wrap", modules, key)
+    if classes:
+        translation.set(f"{STRATEGY_CONFIG}.wrap_policy.transformer_layer_cls_to_wrap", classes, key)
+        translation.note(
+            f"mapped class paths of {key} → {STRATEGY_CONFIG}.wrap_policy.transformer_layer_cls_to_wrap={classes}"
+        )
+
+
+def _module_paths(native: str) -> Rule:
+    def rule(translation: Translation, key: Written, value: Any) -> None:
+        paths = [value] if isinstance(value, str) else value
+        if isinstance(paths, list) and (classes := [p for p in paths if _CLASS_PATH.fullmatch(str(p))]):
+            raise UserError(
+                f"{key.file}: '{key}' = {classes[0]!r} is a class path; fsdp2kit reads module paths here "
+                "(such as model.layers.{*})"
+            )
+        to(f"{STRATEGY_CONFIG}.{native}")(translation, key, value)
+
+    return rule
+
+
+def _offload(translation: Translation, key: Written, value: Any) -> None:
+    to(f"{STRATEGY_CONFIG}.offload_policy")(translation, key, value)
+
+
+EXPERT_PARALLEL = (
+    "expert parallelism (MindSpeed-MM's expert_parallel_size) is not available in fsdp2kit, which shards experts "
+    "with FSDP: set it to 1, or use strategy_config.wrap_policy.moe_experts with apply_expert_patch"
+)
+
+RULES: dict[str, Rule] = {
+    "sharding_size": _sharding_size,
+    "sub_modules_to_wrap": _sub_modules_to_wrap,
+    "ignored_modules": _module_paths("ignored_modules"),
+    "recompute_modules": _module_paths("recompute_modules"),
+    **{
+        key: to(f"{STRATEGY_CONFIG}.{key}")
+        for key in (
+            "reshard_after_forward",
+            "param_dtype",
+            "reduce_dtype",
+            "output_dtype",
+            "cast_forward_inputs",
+            "use_reentrant",
+            "num_to_forward_prefetch",
+            "num_to_backward_prefetch",
+        )
+    },
+    "offload_to_cpu": _offload,
+    "pin_memory": lambda translation, key, value: None,  # read with offload_to_cpu (see _pin_memory)
+    "align_fsdp_param_groups": ignored(
+        "read by MindSpeed-MM's own Qwen3-VL models only; fsdp2kit's groups are unchanged"
+    ),
+    "expert_parallel_size": unsupported(EXPERT_PARALLEL, harmless=(1,)),
+    **dict.fromkeys(("reshard_local_experts", "moe_modules"), ignored("used only with expert_parallel_size > 1")),
+}
+
+
+def _pin_memory(translation: Translation, data: dict[str, Any], where: Written) -> None:
+    """MindSpeed-MM pins offloaded memory unless told not to; without offload, pin_memory does nothing."""
+    offload, pin = data.get("offload_to_cpu") is True, data.get("pin_memory")
+    if offload:
+        translation.set(f"{STRATEGY_CONFIG}.pin_memory", pin is not False, where.child("pin_memory"))
+        if pin is None:
+            translation.note("MindSpeed-MM default pin_memory=True with offload_to_cpu (the file does not set it)")
+    elif pin is not None:
+        translation.ignore(where.child("pin_memory"), "used only with offload_to_cpu")
 
 
 def translate_file(translation: Translation, data: dict[str, Any], path: str) -> None:
-    translation.replace(STRATEGY_CONFIG, data, Written(path, ""))
+    where = Written(path, "")
+    translation.replace(STRATEGY_CONFIG, {}, where)
     translation.note(f"{STRATEGY_CONFIG} read from {path} (MindSpeed-MM fsdp2_config)")
+    for key, default in DEFAULTS.items():
+        if data.get(key) is None:
+            data = {**data, key: default}
+            translation.note(f"MindSpeed-MM default {key}={default!r} (the file does not set it)")
+    if not data.get("sub_modules_to_wrap"):
+        translation.note(
+            "sub_modules_to_wrap not given: MindSpeed-MM leaves the shard groups to the model's own _fully_shard; "
+            "fsdp2kit gives each decoder layer (_no_split_modules) its own group"
+        )
+    apply_rules(translation, data, RULES, where)
+    _pin_memory(translation, data, where)
+
+
+def is_mindspeed_config(data: dict[str, Any]) -> bool:
+    return bool(data) and all(key in RULES for key in data)

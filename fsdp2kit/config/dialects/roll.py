@@ -32,17 +32,30 @@ OUR_STRATEGIES = ("fsdp2_train", "fsdp2_infer")
 ROLL_DEFAULT_STRATEGY = "deepspeed_train"  # what ROLL runs when strategy_args names none
 # ROLL's defaults (roll/configs/base_config.py, worker_config.py, model_args.py) that differ from fsdp2kit's.
 TOP_DEFAULTS = {"output_dir": "./output", "save_steps": 50, "resume_from_checkpoint": False}
-SFT_KEYS_UNSUPPORTED = (
-    "fsdp2kit has no prompt/response loss masking yet: it trains on every token of data.text_key; "
-    "drop the SFT keys and give plain text data to train on whole sequences"
-)
+# ROLL's SFT pipeline (roll/pipeline/sft/sft_config.py) reads these dataset fields unless the file names others.
+SFT_DEFAULTS = {"prompt_key": "instruction", "response_key": "output"}
+# The top-level key that names each role's model (roll/configs/base_config.py, pipeline/distill, pipeline/sft).
+ROLE_MODEL_KEYS = {"student": "student_pretrain", "teacher": "teacher_pretrain", "critic": "reward_pretrain"}
+# What ROLL's fsdp2 strategy (roll/distributed/strategy/fsdp2_strategy.py, roll/utils/fsdp_utils.py) does where
+# the file is silent: bf16 compute, fp32 gradient reduction, uncast inputs into every layer group and the root,
+# and untied input embeddings in a shard group of their own.
+STRATEGY_DEFAULTS = {
+    "param_dtype": "bf16",
+    "reduce_dtype": "fp32",
+    "cast_forward_inputs": False,
+    "wrap_policy": {"wrap_embeddings": False},
+}
+DROPPED = "not a field of ROLL's {}: ROLL drops it (dacite reads only known fields)"
 
 
-def _role_defaults(strategy: str) -> dict[str, Any]:
+def _role_defaults(strategy: str, role: dict[str, Any]) -> dict[str, Any]:
     model_args: dict[str, Any] = {"dtype": "bf16"}
     if strategy == "fsdp2_train":
         model_args["disable_gradient_checkpointing"] = False  # ROLL recomputes every layer unless told not to
-    return {"infer_batch_size": 16, "use_sequence_packing": False, "model_args": model_args}
+    defaults: dict[str, Any] = {"infer_batch_size": 16, "use_sequence_packing": False, "model_args": model_args}
+    if strategy in OUR_STRATEGIES and not (role.get("strategy_args") or {}).get("strategy_config_path"):
+        defaults["strategy_args"] = {"strategy_config": STRATEGY_DEFAULTS}
+    return defaults
 
 
 def _attention(value: str) -> str:
@@ -69,11 +82,73 @@ def _resume(value: bool | str) -> str:
     return "never" if value is False else str(value)
 
 
-def _single_file(value: str | list[str]) -> str:
-    files = [value] if isinstance(value, str) else value
-    if not isinstance(files, list) or len(files) != 1:
-        raise ValueError("data.source reads one file or glob; give one file (or merge the files)")
-    return files[0]
+def _files(value: str | list[str]) -> str | list[str]:
+    """ROLL loads one file or a list of files (datasets' data_files); a one-item list is that file."""
+    if isinstance(value, list) and all(isinstance(item, str) for item in value) and value:
+        return value[0] if len(value) == 1 else value
+    if isinstance(value, str):
+        return value
+    raise ValueError("expected a file name or a list of file names")
+
+
+def _wrap_embeddings(value: bool) -> bool | str:
+    """ROLL wraps the embeddings when asked, and untied ones always (`nn.Embedding` modules when not tied)."""
+    return True if value else "untied"
+
+
+def _offload_policy(translation: Translation, key: Written, value: Any) -> None:
+    """ROLL's CPUOffloadPolicy always pins the host memory."""
+    to(f"{STRATEGY_CONFIG}.offload_policy")(translation, key, value)
+    if value is True:
+        translation.set(f"{STRATEGY_CONFIG}.pin_memory", True, key)
+        translation.note(f"mapped {key}=True → {STRATEGY_CONFIG}.pin_memory=True (ROLL pins offloaded memory)")
+
+
+def _strategy_config(translation: Translation, key: Written, value: Any) -> None:
+    """ROLL reads wrap_policy.moe_experts only with apply_expert_patch (or expert parallelism): else it is unused."""
+    if isinstance(value, dict) and isinstance(value.get("wrap_policy"), dict) and not value.get("apply_expert_patch"):
+        if value["wrap_policy"].get("moe_experts"):
+            value = {**value, "wrap_policy": dict(value["wrap_policy"])}
+            del value["wrap_policy"]["moe_experts"]
+            translation.ignore(key.child("wrap_policy.moe_experts"), "ROLL wraps experts only with apply_expert_patch")
+    translation.replace_origin(STRATEGY_CONFIG, key)
+    apply_rules(translation, value, STRATEGY_CONFIG_RULES, key, otherwise=_native_strategy_key)
+
+
+def _native_strategy_key(translation: Translation, key: Written, value: Any) -> None:
+    """A key ROLL does not read is taken as fsdp2kit's own strategy_config key (validated as such)."""
+    to(f"{STRATEGY_CONFIG}.{key.path.split('strategy_config.', 1)[1]}")(translation, key, value)
+
+
+EXPERT_PARALLEL = (
+    "expert parallelism (ROLL's ep_size) is not available in fsdp2kit, which shards experts with FSDP: "
+    "drop ep_size/efsdp_size, and set wrap_policy.moe_experts with apply_expert_patch: true to shard them one by one"
+)
+
+WRAP_POLICY_RULES: dict[str, Rule] = {
+    "transformer_layer_cls_to_wrap": to(f"{STRATEGY_CONFIG}.wrap_policy.transformer_layer_cls_to_wrap", comma_list),
+    "wrap_embeddings": to(f"{STRATEGY_CONFIG}.wrap_policy.wrap_embeddings", _wrap_embeddings),
+    "wrap_lm_output": to(f"{STRATEGY_CONFIG}.wrap_policy.wrap_lm_output"),
+    "moe_experts": to(f"{STRATEGY_CONFIG}.wrap_policy.moe_experts", comma_list),
+}
+
+STRATEGY_CONFIG_RULES: dict[str, Rule] = {
+    "wrap_policy": lambda translation, key, value: apply_rules(
+        translation, value, WRAP_POLICY_RULES, key, otherwise=_native_strategy_key
+    ),
+    "offload_policy": _offload_policy,
+    "ep_size": unsupported(EXPERT_PARALLEL, harmless=(1,)),
+    "efsdp_size": ignored("ROLL's expert mesh, used only with ep_size > 1"),
+    "moe_use_grouped_mm": ignored("a kernel choice for fused experts"),
+    "model_type": ignored("ROLL's TiledMLP model type; fsdp2kit tiles each decoder layer's MLP"),
+    **dict.fromkeys(
+        ("save_only_model", "reduce_scatter_during_grad_accumulation"),
+        ignored("fsdp2kit always saves the optimizer and reduce-scatters every micro-batch"),
+    ),
+    **dict.fromkeys(
+        ("forward_prefetch", "use_batched_model_update"), ignored("ROLL's fsdp2 strategy does not read it")
+    ),
+}
 
 
 MODEL_ARGS: dict[str, Rule] = {
@@ -85,18 +160,24 @@ MODEL_ARGS: dict[str, Rule] = {
     "freeze_module_prefix": to("model.freeze_module_prefix", comma_list),
     "attn_implementation": to("model.attn_implementation", _attention),
     "model_config_kwargs": to("model.config"),
-    "model_type": unsupported("fsdp2kit trains causal language models only (model_type: ~)"),
+    "model_type": unsupported(
+        "ROLL's value-head (trl) and classification models are not available in fsdp2kit, which trains and serves "
+        "causal language models (model_type: ~); run the actor_train or reference role"
+    ),
     "device_map": ignored("transformers device map; FSDP2 places the shards"),
     "num_labels": ignored("used only by classification model types"),
     "moe_aux_loss_coef": unsupported("the MoE auxiliary loss cannot be weighted yet"),
-    "adapter_name_or_path": unsupported("LoRA adapters are not supported"),
-    "lora_target": unsupported("LoRA is not supported"),
-    "additional_target": unsupported("LoRA is not supported"),
+    "adapter_name_or_path": unsupported("ROLL's LoRA adapters are not available in fsdp2kit yet"),
+    "lora_target": unsupported(
+        "ROLL's LoRA training is not available in fsdp2kit yet; drop lora_target to train all weights"
+    ),
+    "additional_target": unsupported("ROLL's LoRA training is not available in fsdp2kit yet"),
     **dict.fromkeys(
         ("lora_rank", "lora_alpha", "lora_dropout", "autocast_adapter_dtype"),
         ignored("LoRA settings, unused without lora_target"),
     ),
-    "vision_dp": unsupported("Vision DP is not available", harmless=(False,)),
+    "vision_dp": unsupported("ROLL's vision data parallel is not available in fsdp2kit", harmless=(False,)),
+    **dict.fromkeys(("flash_attn", "lora_r", "max_pixels", "min_pixels"), ignored(DROPPED.format("ModelArguments"))),
 }
 
 TRAINING_ARGS: dict[str, Rule] = {
@@ -118,21 +199,39 @@ TRAINING_ARGS: dict[str, Rule] = {
         )
     },
     "lr_scheduler_type": to("training.lr_scheduler_type", _scheduler),
-    "warmup_ratio": unsupported(
-        "give warmup_steps (the number of steps is known only when the run starts)", harmless=(0, 0.0)
-    ),
+    "warmup_ratio": to("training.warmup_ratio"),
     "optim": unsupported("fsdp2kit's optimizer is AdamW", harmless=("adamw_torch", "adamw_torch_fused")),
     **dict.fromkeys(
         ("seed", "output_dir", "logging_steps", "save_steps", "resume_from_checkpoint"),
         ignored("ROLL's pipeline uses the top-level key of that name"),
     ),
     "per_device_eval_batch_size": ignored("there is no evaluation loop"),
-    **dict.fromkeys(("bf16", "fp16"), ignored("ROLL derives it from model_args.dtype")),
+    **dict.fromkeys(("bf16", "fp16", "tf32"), ignored("ROLL derives it from model_args.dtype")),
+    **dict.fromkeys(("data_seed", "dataloader_num_workers", "save_hf_model"), ignored()),
+    "eval_steps": ignored(DROPPED.format("TrainingArguments")),
 }
 
 DATA_ARGS: dict[str, Rule] = {
-    "file_name": to("data.source", _single_file),
-    "template": ignored("chat template of prompts; fsdp2kit tokenizes data.text_key as plain text"),
+    "file_name": to("data.source", _files),
+    "template": ignored("a chat template; fsdp2kit tokenizes the text (or prompt and response) as written"),
+    "max_samples": ignored(DROPPED.format("DataArguments")),
+    **dict.fromkeys(
+        (
+            "image_max_pixels",
+            "image_min_pixels",
+            "video_max_pixels",
+            "video_min_pixels",
+            "video_total_pixels",
+            "video_fps",
+            "video_max_frames",
+            "video_resize_chunk_frames",
+            "image_folder",
+            "video_folder",
+            "audio_folder",
+            "custom_data_kwargs_func",
+        ),
+        ignored("image, video and audio data settings; fsdp2kit trains on text"),
+    ),
     **dict.fromkeys(
         (
             "messages",
@@ -154,7 +253,7 @@ DATA_ARGS: dict[str, Rule] = {
 
 STRATEGY_ARGS: dict[str, Rule] = {
     "strategy_name": to("strategy_args.strategy_name"),
-    "strategy_config": to(STRATEGY_CONFIG),  # native keys, validated as such
+    "strategy_config": _strategy_config,
     "strategy_config_path": to("strategy_args.strategy_config_path"),
 }
 
@@ -167,6 +266,8 @@ ROLE: dict[str, Rule] = {
     "infer_batch_size": to("infer_batch_size"),
     "use_sequence_packing": to("data.pack"),
     "generating_args": ignored("generation settings"),
+    "use_remove_padding": ignored("ROLL drops padding tokens before the forward; the plan is the same"),
+    "checkpoint_config": ignored("checkpoint upload settings"),
     "use_dynamic_batching_in_train": unsupported("dynamic batching is not available", harmless=(False,)),
     "apply_loss_scale": unsupported("fsdp2kit always normalises the loss by the global token count", harmless=(True,)),
     **dict.fromkeys(
@@ -190,6 +291,10 @@ ROLE: dict[str, Rule] = {
             "use_dynamic_batching_in_infer",
             "max_tokens_per_microbatch_in_infer",
             "sequence_length_round_in_infer",
+            "router_replay",
+            "mtp_training_mode",
+            "opd_kl_coef",
+            "tag_included",
         ),
         ignored(),
     ),
@@ -205,16 +310,15 @@ TOP_LEVEL: dict[str, Rule] = {
     "max_ckpt_to_keep": to("training.save_total_limit", lambda keep: keep or None),  # ROLL: 0 keeps all
     "max_steps": ignored("ROLL pipeline iterations, not optimizer steps; set training_args.max_steps"),
     "hydra": ignored("Hydra runtime settings"),
-    "defaults": unsupported("Hydra defaults lists are not composed here; compose the file with Hydra first"),
-    **dict.fromkeys(
-        ("prompt_key", "query_key", "response_key", "system_key", "question_key", "answer_key"),
-        unsupported(SFT_KEYS_UNSUPPORTED),
-    ),
+    "prompt_key": to("data.prompt_key"),
+    "response_key": to("data.response_key"),
+    "query_key": to("data.query_key"),
+    "system_key": ignored("a system prompt of the chat template; fsdp2kit applies no chat template"),
     **dict.fromkeys(
         ("model", "data", "training", "strategy_args"),
         unsupported("a native section in a ROLL file; a file holds either native sections or ROLL roles"),
     ),
-    **dict.fromkeys(("pretrain", "prompt_length", "response_length"), already_read),
+    **dict.fromkeys(("pretrain", *ROLE_MODEL_KEYS.values(), "prompt_length", "response_length"), already_read),
 }
 
 
@@ -244,15 +348,18 @@ def translate(raw: dict[str, Any], source: str, role: str | None) -> Translation
         elif other != name:
             translation.ignore(f"{other} ({_strategy_of(value)})", "roles whose strategy is not FSDP2")
 
-    role_section = _with_defaults(roles[name], _role_defaults(strategy), Written(source, name), translation)
+    role_section = _with_defaults(
+        roles[name], _role_defaults(strategy, roles[name]), Written(source, name), translation
+    )
     model_args = role_section.get("model_args")
     if strategy == "fsdp2_infer" and isinstance(model_args, dict) and "disable_gradient_checkpointing" in model_args:
         del model_args["disable_gradient_checkpointing"]  # a copy made by _with_defaults
         translation.ignore(f"{name}.model_args.disable_gradient_checkpointing", "fsdp2_infer runs no backward")
     apply_rules(translation, role_section, ROLE, Written(source, name))
 
+    top_defaults = TOP_DEFAULTS | (SFT_DEFAULTS if name == "sft_train" else {})
     top = _with_defaults(
-        {key: value for key, value in raw.items() if key not in roles}, TOP_DEFAULTS, Written(source, ""), translation
+        {key: value for key, value in raw.items() if key not in roles}, top_defaults, Written(source, ""), translation
     )
     _model_of_role(translation, top, role_section, name, source)
     _sequence_length(translation, top, source)
@@ -293,16 +400,25 @@ def _with_defaults(
 
 
 def _model_of_role(translation: Translation, top: dict[str, Any], role: dict[str, Any], name: str, source: str) -> None:
-    """ROLL gives every role that names no model the top-level `pretrain`."""
-    if (role.get("model_args") or {}).get("model_name_or_path") is not None:
-        if top.get("pretrain") is not None:
-            translation.ignore("pretrain", f"{name}.model_args.model_name_or_path names the model")
+    """ROLL gives a role that names no model its pipeline's model key (`pretrain`; `student_pretrain`,
+    `teacher_pretrain`, `reward_pretrain` for students, teachers and critics); the SFT pipeline always does."""
+    model_key = ROLE_MODEL_KEYS.get(name, "pretrain")
+    for other in ("pretrain", *ROLE_MODEL_KEYS.values()):
+        if other != model_key and top.get(other) is not None:
+            translation.ignore(other, "names the model of another role")
+    named_in_role = (role.get("model_args") or {}).get("model_name_or_path") is not None
+    if named_in_role and not (name == "sft_train" and top.get(model_key) is not None):
+        if top.get(model_key) is not None:
+            translation.ignore(model_key, f"{name}.model_args.model_name_or_path names the model")
         return
-    if top.get("pretrain") is None:
+    if top.get(model_key) is None:
         raise UserError(
-            f"'{source}' names no model for role '{name}': set pretrain or {name}.model_args.model_name_or_path"
+            f"'{source}' names no model for role '{name}': set {model_key} or {name}.model_args.model_name_or_path"
         )
-    to("model.name_or_path")(translation, Written(source, "pretrain"), top["pretrain"])
+    if named_in_role:  # the SFT pipeline sets the role's model to `pretrain` whatever the role says
+        del translation.config["model"]["name_or_path"]
+        translation.ignore(f"{name}.model_args.model_name_or_path", "ROLL's SFT pipeline uses pretrain")
+    to("model.name_or_path")(translation, Written(source, model_key), top[model_key])
 
 
 def _sequence_length(translation: Translation, top: dict[str, Any], source: str) -> None:
