@@ -80,6 +80,8 @@ def load_config(
     cfg = validate(translation.config, str(path), translation.written_as)
     cfg.notes.extend(translation.notes)
     cfg._written_as = translation.written_as
+    strategy_path = cfg.strategy_args.strategy_config_path
+    cfg._given_files = [str(path), *([strategy_path] if strategy_path else [])]
     return cfg
 
 

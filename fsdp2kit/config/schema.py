@@ -284,10 +284,16 @@ class JobConfig(Section):
     _notes: list[str] = PrivateAttr(default_factory=list)
     # Native dotted key -> (file, key as written there): set by the loader so later errors name what the user wrote.
     _written_as: Callable[[str], tuple[str, str]] | None = PrivateAttr(None)
+    # The files the config was read from, as given (the config, and a strategy file): a run keeps copies.
+    _given_files: list[str] = PrivateAttr(default_factory=list)
 
     @property
     def notes(self) -> list[str]:
         return self._notes
+
+    @property
+    def given_files(self) -> list[str]:
+        return self._given_files
 
     def written_as(self, native_key: str) -> tuple[str, str] | None:
         """Where a native key was written, or None when the config was read without a record of that."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from pathlib import Path
 
@@ -114,6 +115,10 @@ def train(cfg: JobConfig, runtime: Runtime) -> None:
     if runtime.is_main:
         output_dir.mkdir(parents=True, exist_ok=True)
         (output_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
+        given = output_dir / "config.given"  # the files as the user gave them (a foreign dialect's included)
+        given.mkdir(exist_ok=True)
+        for path in cfg.given_files:
+            shutil.copyfile(path, given / Path(path).name)
     guard = NonFiniteGuard(tc.max_nonfinite_steps, scaler)
 
     trainable, _ = count_parameters(model)

@@ -1,0 +1,384 @@
+"""Real config files from ROLL, MindSpeed-MM, Accelerate, TRL and Trainer users (tests/fixtures/real_configs, with
+MANIFEST.yaml naming each one's repository, path and commit), read as a user would give them: the model swapped for
+a built-in one and the devices for 2-4 ranks through --set, and checked field by field against what the source tool
+does with the file (read from its own code: ROLL's fsdp2 strategy, MindSpeed-MM's Fsdp2Config, Accelerate's FSDP
+plugin, TrainingArguments' fsdp_config) - or refused with one line naming the file and the key as written.
+
+The plans are built in this process, as `fsdp2kit check --json` builds them on each rank, under torch's fake process
+group of the file's world size; one subprocess runs the real command line on a file of each dialect."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from conftest import REPO, process_group, run_cli
+
+from fsdp2kit.check import describe
+from fsdp2kit.config.load import load_config, name_as_written
+from fsdp2kit.errors import UserError
+
+CORPUS = REPO / "tests/fixtures/real_configs"
+MANIFEST = yaml.safe_load((CORPUS / "MANIFEST.yaml").read_text())
+JOB = "examples/demo.yaml"  # the job a strategy file (MindSpeed-MM, Accelerate, Trainer) is given beside
+LAYERS = [f"model.layers.{i}" for i in range(4)]
+CPU_ONLY = not torch.cuda.is_available()
+
+# What the source tool's plan is for each kind of file, field by field (see the module docstring).
+ROLL_DENSE = {  # fsdp_size >= world: one FSDP dim; _no_split_modules; ROLL's bf16/fp32, uncast inputs, recompute
+    "mesh": [2],
+    "sharded_modules": ["", *LAYERS],
+    "reshard_after_forward": True,
+    "mixed_precision": ["bfloat16", "float32", None, False],
+    "offload": [False, False],
+    "recompute_modules": LAYERS,
+    "prefetch": [0, 1],
+    "frozen_modules": [],
+}
+ROLL_MOE_SFT = {  # wrap_embeddings/wrap_lm_output, attention and MoE blocks as layer classes, bf16 reduce
+    **ROLL_DENSE,
+    "sharded_modules": [
+        "",
+        "model.embed_tokens",
+        *[f"model.layers.{i}.{part}" for i in range(4) for part in ("self_attn", "mlp")],
+        "lm_head",
+    ],
+    "mixed_precision": ["bfloat16", "bfloat16", None, False],
+}
+ACCELERATE_LAYERS = {  # TRANSFORMER_BASED_WRAP of _no_split_modules, FULL_SHARD
+    "mesh": [2],
+    "sharded_modules": ["", *LAYERS],
+    "reshard_after_forward": True,
+    "mixed_precision": ["bfloat16", "float32", "float32", True],  # Accelerate's autocast with fp32 master weights
+    "offload": [False, False],
+    "recompute_modules": [],
+    "prefetch": [0, 1],
+    "frozen_modules": [],
+}
+FULL_PRECISION = {**ACCELERATE_LAYERS, "mixed_precision": ["float32", "float32", None, True]}
+ROOT_ONLY = {**FULL_PRECISION, "sharded_modules": [""]}  # Accelerate without fsdp_config: NO_WRAP
+MINDSPEED_AUTO = {  # sharding_size auto over 4 ranks; the file lists no sub_modules_to_wrap (noted)
+    "mesh": [4],
+    "sharded_modules": ["", *LAYERS],
+    "reshard_after_forward": True,
+    "mixed_precision": ["bfloat16", "float32", None, True],
+    "offload": [False, False],
+    "recompute_modules": [],
+    "prefetch": [1, 1],
+    "frozen_modules": [],
+}
+OFFLOAD_CPU = (
+    "'actor_train.strategy_args.strategy_config.offload_policy': CPU offload needs an accelerator (CUDA) and this "
+    "machine has none; set offload_policy: false"
+)
+LORA = (
+    "'actor_train.model_args.lora_target' = {!r} is not supported: ROLL's LoRA training is not available in fsdp2kit "
+    "yet; drop lora_target to train all weights"
+)
+EXPERT_PARALLEL = (
+    "'{}.strategy_args.strategy_config.ep_size' = 8 is not supported: expert parallelism (ROLL's ep_size) is not "
+    "available in fsdp2kit, which shards experts with FSDP: drop ep_size/efsdp_size, and set wrap_policy.moe_experts "
+    "with apply_expert_patch: true to shard them one by one"
+)
+HYDRA = (
+    "'defaults' is a Hydra defaults list (../config/traj_envs@_here_), which Hydra composes with the files it names "
+    "before ROLL reads them; fsdp2kit reads one composed file: compose it first (hydra.compose, then OmegaConf.save) "
+    "and give that file"
+)
+NOT_DIVIDING = "'sharding_size' = 8 does not divide the world size 4; valid: 'auto' or one of [1, 2, 4]"
+
+
+def no_match(key: str, pattern: str, example: str) -> str:
+    return f"'{key}': pattern '{pattern}' matches no module of the model (module paths look like '{example}')"
+
+
+# file -> (built-in model, ranks, the plan, or the one-line refusal after "<file>: ").
+EXPECTED: dict[str, tuple[str, int, dict | str]] = {
+    # ROLL: RLVR, SFT, distill, LoRA, VL, MoE, agentic and PPO pipelines; the first FSDP2 role is run.
+    "roll/examples/ascend_examples/qwen3_8b_rlvr_fsdp2.yaml": ("tiny-qwen3", 2, ROLL_DENSE),
+    "roll/examples/ascend_examples/qwen3_30b_rlvr_fsdp2.yaml": (
+        "tiny-qwen3-moe",
+        2,
+        "'actor_train.strategy_args.strategy_config.apply_tiled_mlp': the model's decoder layers have no dense "
+        "`mlp` module to tile",
+    ),
+    "roll/examples/docs_examples/example_ppo.yaml": (
+        "tiny-qwen3",
+        2,
+        "'critic.model_args.model_type' = 'trl' is not supported: ROLL's value-head (trl) and classification models "
+        "are not available in fsdp2kit, which trains and serves causal language models (model_type: ~); run the "
+        "actor_train or reference role",
+    ),
+    "roll/examples/qwen2.5-7B-agentic_megatron/agentic_val_webshop_amd.yaml": ("tiny-qwen3", 2, HYDRA),
+    "roll/examples/qwen3-30BA3B-agentic_fsdp2/agentic_val_sokoban_30a3.yaml": ("tiny-qwen3-moe", 2, HYDRA),
+    "roll/examples/qwen2.5-7B-rlvr_megatron/rlvr_fsdp2_sp2.yaml": ("tiny-qwen3", 2, ROLL_DENSE),
+    "roll/examples/qwen2.5-7B-rlvr_megatron/rlvr_lora_fsdp2.yaml": (
+        "tiny-qwen3",
+        2,
+        LORA.format("o_proj,q_proj,k_proj,v_proj"),
+    ),
+    "roll/examples/qwen2.5-vl-7B-distill/distill_vl_fsdp2.yaml": ("tiny-qwen3", 2, ROLL_DENSE),
+    "roll/examples/qwen2_5-vl-3B-rlvr_fsdp2/rlvr_fsdp2_offload.yaml": (
+        "tiny-qwen3",
+        2,
+        "'actor_train.model_args.freeze_module_prefix': 'model.visual' is the prefix of no parameter",
+    ),
+    "roll/examples/qwen3-30BA3B-rlvr_fsdp2/rlvr_config.yaml": (
+        "tiny-qwen3-moe",
+        2,
+        "'actor_train.model_args.ulysses_size' = 4 does not divide the world size 2; valid: 1, 2",
+    ),
+    "roll/examples/qwen3-30BA3B-rlvr_fsdp2/rlvr_config_ep.yaml": (
+        "tiny-qwen3-moe",
+        2,
+        EXPERT_PARALLEL.format("actor_train"),
+    ),
+    "roll/examples/qwen3-30BA3B-sft_fsdp2/sft_config.yaml": ("tiny-qwen3-moe", 2, ROLL_MOE_SFT),
+    "roll/examples/qwen3-30BA3B-sft_fsdp2/sft_config_ep.yaml": (
+        "tiny-qwen3-moe",
+        2,
+        EXPERT_PARALLEL.format("sft_train"),
+    ),
+    "roll/examples/qwen3-8B-rlvr_fsdp2/rlvr_config.yaml": ("tiny-qwen3", 2, ROLL_DENSE),
+    "roll/examples/qwen3-8B-rlvr_fsdp2/rlvr_config_wo_cpuoffload.yaml": ("tiny-qwen3", 2, ROLL_DENSE),
+    "roll/examples/qwen3.5-35BA3-sft_fsdp2/sft_config.yaml": (
+        "tiny-qwen3",
+        2,
+        "'sft_train.strategy_args.strategy_config.wrap_policy.transformer_layer_cls_to_wrap': class "
+        "'Qwen3_5MoeAttention' matches no module of the model; its classes are ['Embedding', 'Linear', 'ModuleList', "
+        "'Qwen3Attention', 'Qwen3DecoderLayer', 'Qwen3ForCausalLM', 'Qwen3MLP', 'Qwen3Model', 'Qwen3RMSNorm', "
+        "'Qwen3RotaryEmbedding', 'SiLUActivation']",
+    ),
+    "roll/examples/qwen3.5-35BA3-sft_fsdp2/sft_config_ep.yaml": ("tiny-qwen3", 2, EXPERT_PARALLEL.format("sft_train")),
+    "roll/tests/distributed/strategy/checkpoint/fsdp_config.yaml": ("tiny-qwen3", 2, OFFLOAD_CPU),
+    "roll/tests/distributed/strategy/checkpoint/fsdp_lora_config.yaml": (
+        "tiny-qwen3",
+        2,
+        LORA.format("o_proj,q_proj,k_proj,v_proj"),
+    ),
+    "roll/tests/distributed/strategy/log_probs/log_probs_fsdp_config.yaml": ("tiny-qwen3", 2, OFFLOAD_CPU),
+    "roll/tests/distributed/strategy/log_probs/log_probs_fsdp_cp_config.yaml": ("tiny-qwen3", 2, ROLL_DENSE),
+    "roll/tests/distributed/strategy/log_probs/log_probs_fsdp_cp_rmpad_config.yaml": ("tiny-qwen3", 2, ROLL_DENSE),
+    "roll/tests/distributed/strategy/log_probs/log_probs_fsdp_lora_config.yaml": (
+        "tiny-qwen3",
+        2,
+        LORA.format("q_proj, k_proj, v_proj, o_proj"),
+    ),
+    "roll/tests/distributed/strategy/log_probs/log_probs_fsdp_vlm_cp2_config.yaml": (
+        "tiny-qwen3",
+        2,
+        "'actor_train.model_args.freeze_module_prefix': 'vision_model' is the prefix of no parameter",
+    ),
+    "roll/tests/distributed/strategy/model_update/model_update_fsdp.yaml": ("tiny-qwen3", 2, OFFLOAD_CPU),
+    # MindSpeed-MM fsdp2_config.yaml: module paths of its own model families; sharding_size must divide the world.
+    "mindspeed_mm/examples/bagel/fsdp2_config.yaml": (
+        "tiny-qwen3",
+        4,
+        "'recompute_modules' = 'mindspeed_mm.models.omni.mllms.bagel_qwen2_mot.Qwen2MoTDecoderLayer' is a class path; "
+        "fsdp2kit reads module paths here (such as model.layers.{*})",
+    ),
+    "mindspeed_mm/examples/glm4.5v/fsdp2_config.yaml": ("tiny-qwen3", 4, {**MINDSPEED_AUTO, "prefetch": [0, 0]}),
+    "mindspeed_mm/examples/hunyuanvideo_1.5/fsdp2_config.yaml": ("tiny-qwen3", 4, NOT_DIVIDING),
+    "mindspeed_mm/examples/internvl3.5/fsdp2_config.yaml": (
+        "tiny-qwen3",
+        4,
+        no_match("sub_modules_to_wrap", "vision_model.embeddings", "model.embed_tokens"),
+    ),
+    "mindspeed_mm/examples/magistral-2509/fsdp2_config.yaml": (
+        "tiny-qwen3",
+        4,
+        no_match("sub_modules_to_wrap", "language_model.embed_tokens", "model.embed_tokens"),
+    ),
+    "mindspeed_mm/examples/magistral-2509/fsdp2_lora_config.yaml": (
+        "tiny-qwen3",
+        4,
+        no_match("sub_modules_to_wrap", "language_model.embed_tokens", "model.embed_tokens"),
+    ),
+    "mindspeed_mm/examples/qwen2.5vl/fsdp2_config.yaml": (
+        "tiny-qwen3",
+        4,
+        no_match("ignored_modules", "image_encoder", "model"),
+    ),
+    "mindspeed_mm/examples/qwen3omni/fsdp2_config.yaml": ("tiny-qwen3", 4, MINDSPEED_AUTO),
+    "mindspeed_mm/examples/qwen3vl/fsdp2_config.yaml": ("tiny-qwen3", 4, MINDSPEED_AUTO),
+    "mindspeed_mm/examples/vace/fsdp2_config.yaml": ("tiny-qwen3", 4, NOT_DIVIDING),
+    "mindspeed_mm/examples/wan2.1/fsdp2_config.yaml": (
+        "tiny-qwen3",
+        4,
+        no_match("sub_modules_to_wrap", "predictor.blocks.{*}", "model.layers.0"),
+    ),
+    "mindspeed_mm/examples/wan2.2/5B/fsdp2_config.yaml": ("tiny-qwen3", 4, NOT_DIVIDING),
+    "mindspeed_mm/examples/wan2.2/A14B/fsdp2_config.yaml": (
+        "tiny-qwen3",
+        4,
+        no_match("ignored_modules", "ae", "model"),
+    ),
+    "mindspeed_mm/tests/st/run_configs/pretrain_wan2.2_i2v/fsdp2_config.yaml": (
+        "tiny-qwen3",
+        4,
+        no_match("ignored_modules", "ae", "model"),
+    ),
+    # Accelerate and TRL `accelerate config` files.
+    "accelerate/examples/config_yaml_templates/fsdp.yaml": ("tiny-llama", 2, ACCELERATE_LAYERS),
+    "accelerate/examples/slurm/fsdp_config.yaml": ("tiny-llama", 2, FULL_PRECISION),
+    "accelerate/examples/torch_native_parallelism/configs/cp.yaml": (
+        "tiny-llama",
+        2,
+        "'parallelism_config.parallelism_config_cp_size' = 8 is not supported: context parallelism is not available; "
+        "use parallelism_config_sp_size (Ulysses)",
+    ),
+    "accelerate/examples/torch_native_parallelism/configs/tp_hsdp.yaml": (
+        "tiny-llama",
+        2,
+        "'parallelism_config.parallelism_config_tp_size' = 2 is not supported: tensor parallelism is not available",
+    ),
+    "accelerate/tests/test_configs/latest_fsdp.yaml": (
+        "tiny-llama",
+        2,
+        "'fsdp_config.fsdp_transformer_layer_cls_to_wrap': class 'BertLayer' matches no module of the model; its "
+        "classes are ['Embedding', 'Linear', 'LlamaAttention', 'LlamaDecoderLayer', 'LlamaForCausalLM', 'LlamaMLP', "
+        "'LlamaModel', 'LlamaRMSNorm', 'LlamaRotaryEmbedding', 'ModuleList', 'SiLUActivation']",
+    ),
+    "accelerate/tests/tp/fsdp2_tp_preparation_config.yaml": ("tiny-llama", 2, ROOT_ONLY),
+    "trl/examples/accelerate_configs/context_parallel_2gpu.yaml": (
+        "tiny-llama",
+        2,
+        "'parallelism_config.parallelism_config_cp_size' = 2 is not supported: context parallelism is not available; "
+        "use parallelism_config_sp_size (Ulysses)",
+    ),
+    "trl/examples/accelerate_configs/fsdp1.yaml": ("tiny-llama", 2, {**ACCELERATE_LAYERS, "prefetch": [1, 1]}),
+    "trl/examples/accelerate_configs/fsdp2.yaml": ("tiny-llama", 2, ACCELERATE_LAYERS),
+    "trl/tests/distributed/data/accelerate_configs/fsdp2.yaml": ("tiny-llama", 2, ROOT_ONLY),
+    # Trainer fsdp_config JSON files (`--fsdp_config fsdp_config.json`): TrainingArguments reads version-2 keys only.
+    "trainer/Coldog2333__BioMed-LLaMA/fsdp_config.json": ("tiny-llama", 2, FULL_PRECISION),
+    "trainer/githubutilities__alpaca_farm/fsdp_config.json": ("tiny-llama", 2, FULL_PRECISION),
+    "trainer/kv-wang__Qwen_limo/fsdp_config.json": ("tiny-llama", 2, FULL_PRECISION),  # offload_params: not read
+    "trainer/cambrian-mllm__cambrian/fsdp_config.json": (
+        "tiny-llama",
+        2,
+        "'xla' = True is not supported: PyTorch/XLA FSDP is not available",
+    ),
+}
+
+
+def user_args(name: str, model: str, ranks: int) -> tuple[str, list[str], str | None]:
+    """What a user types: a ROLL file is the config itself; a strategy file goes beside a job with --fsdp-config."""
+    swaps = [f"model.name_or_path=builtin:{model}", f"device_mapping={list(range(ranks))}"]
+    if name.startswith("roll/"):
+        return str(CORPUS / name), swaps, None
+    return JOB, swaps, str(CORPUS / name)
+
+
+def plan_or_refusal(name: str, model: str, ranks: int) -> dict | str:
+    """`check --json` of one file, in this process: the plan's fields, or the one-line refusal."""
+    config, swaps, strategy_file = user_args(name, model, ranks)
+    cfg = None
+    try:
+        cfg = load_config(config, swaps, strategy_file=strategy_file)
+        with process_group(ranks) as runtime:
+            plan = describe(cfg, runtime)
+    except UserError as error:
+        return name_as_written(str(error), cfg) if cfg else str(error)
+    mixed = plan["mixed_precision"]
+    return {
+        "mesh": plan["mesh"]["shape"],
+        "sharded_modules": plan["sharded_modules"],
+        "reshard_after_forward": plan["reshard_after_forward"],
+        "mixed_precision": [mixed[k] for k in ("param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs")],
+        "offload": [plan["offload"], plan["pin_memory"]],
+        "recompute_modules": plan["recompute_modules"],
+        "prefetch": [plan["prefetch"]["forward"], plan["prefetch"]["backward"]],
+        "frozen_modules": plan["frozen_modules"],
+    }
+
+
+def test_the_corpus_is_the_manifest_and_holds_40_real_files():
+    files = {str(p.relative_to(CORPUS)) for p in CORPUS.rglob("*") if p.is_file() and p.name != "MANIFEST.yaml"}
+    assert files == set(MANIFEST) == set(EXPECTED)
+    assert len(files) >= 40
+    assert all(len(entry["commit"]) == 40 and entry["repo"] and entry["path"] for entry in MANIFEST.values())
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_real_config_gives_the_source_tools_plan(name):
+    model, ranks, expected = EXPECTED[name]
+    if expected == OFFLOAD_CPU and not CPU_ONLY:
+        pytest.skip("on a CUDA machine the offloaded plan is held by test_roll_offload_is_pinned")
+    actual = plan_or_refusal(name, model, ranks)
+    if isinstance(expected, str):
+        assert actual == f"{CORPUS / name}: {expected}"
+    else:
+        assert actual == expected
+
+
+@pytest.mark.parametrize("name", [n for n, (_, _, e) in EXPECTED.items() if e == OFFLOAD_CPU])
+def test_roll_offload_is_pinned(name):
+    """ROLL's CPUOffloadPolicy always pins host memory: the resolved config says so before the machine is asked."""
+    config, swaps, _ = user_args(name, "tiny-qwen3", 2)
+    strategy = load_config(config, swaps).strategy_args.strategy_config
+    assert (strategy.offload_policy, strategy.pin_memory) == (True, True)
+
+
+def test_every_ignored_or_mapped_key_is_in_checks_notes():
+    """A ROLL SFT file: its SFT keys drive prompt/response masking, and what ROLL does that fsdp2kit does not is
+    a note, never silence."""
+    config, swaps, _ = user_args("roll/examples/qwen3-30BA3B-sft_fsdp2/sft_config.yaml", "tiny-qwen3-moe", 2)
+    cfg = load_config(config, swaps)
+    assert (cfg.data.prompt_key, cfg.data.query_key, cfg.data.response_key) == ("instruction", "input", "output")
+    notes = "\n".join(cfg.notes)
+    for key in ("eval_steps", "sft_train.data_args.template", "validation", "sft_train.use_sequence_packing"):
+        assert key in notes, key
+    assert "ROLL default sft_train.strategy_args.strategy_config.cast_forward_inputs=False" in notes
+
+
+@pytest.mark.slow
+def test_check_json_command_line_on_real_files(tmp_path):
+    """The real command line, one file per dialect: same plan as in-process."""
+    for name in (
+        "roll/examples/qwen3-8B-rlvr_fsdp2/rlvr_config.yaml",
+        "trainer/kv-wang__Qwen_limo/fsdp_config.json",
+    ):
+        model, ranks, expected = EXPECTED[name]
+        config, swaps, strategy_file = user_args(name, model, ranks)
+        args = [config, *[item for swap in swaps for item in ("--set", swap)], "--json"]
+        result = run_cli("check", *args, *(["--fsdp-config", strategy_file] if strategy_file else []))
+        assert result.returncode == 0, result.stderr
+        plan = json.loads(result.stdout.strip().splitlines()[-1])
+        assert plan["world_size"] == ranks
+        assert plan["sharded_modules"] == expected["sharded_modules"]
+
+
+def test_strategy_file_given_as_the_job_config_says_where_it_goes():
+    path = CORPUS / "mindspeed_mm/examples/qwen3vl/fsdp2_config.yaml"
+    with pytest.raises(UserError) as error:
+        load_config(path)
+    assert str(error.value) == (
+        f"'{path}' is a MindSpeed-MM fsdp2_config (FSDP settings only), not a job config: give it with --fsdp-config "
+        f"{path} beside a job config such as examples/demo.yaml"
+    )
+
+
+def test_trainer_fsdp_config_as_a_json_path(tmp_path):
+    json_file = CORPUS / "trainer/Coldog2333__BioMed-LLaMA/fsdp_config.json"
+    job = tmp_path / "job.yaml"
+    job.write_text(
+        yaml.safe_dump(
+            {"strategy_args": {"strategy_config": {"fsdp": "full_shard auto_wrap", "fsdp_config": str(json_file)}}}
+        )
+    )
+    strategy = load_config(job).strategy_args.strategy_config
+    assert strategy.wrap_policy.transformer_layer_cls_to_wrap == ["LlamaDecoderLayer"]
+    assert strategy.sharding_strategy == "FULL_SHARD"
+
+
+@pytest.mark.slow
+def test_a_run_keeps_the_config_as_given_and_as_resolved(small_run, tmp_path):
+    result = run_cli("train", "examples/mindspeed_job.yaml", *small_run, "--set", "training.max_steps=1")
+    assert result.returncode == 0, result.stderr
+    run = tmp_path / "run"
+    assert json.loads((run / "config.json").read_text())["strategy_args"]["strategy_config"]["fsdp_size"] == "auto"
+    for given in ("examples/mindspeed_job.yaml", "examples/mindspeed_fsdp2_config.yaml"):
+        assert (run / "config.given" / Path(given).name).read_text() == (REPO / given).read_text()
