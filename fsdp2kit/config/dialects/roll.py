@@ -111,6 +111,10 @@ def _strategy_config(translation: Translation, key: Written, value: Any) -> None
             value = {**value, "wrap_policy": dict(value["wrap_policy"])}
             del value["wrap_policy"]["moe_experts"]
             translation.ignore(key.child("wrap_policy.moe_experts"), "ROLL wraps experts only with apply_expert_patch")
+    if isinstance(value, dict) and value.get("apply_expert_patch") is True:
+        translation.note(
+            f"{key}.apply_expert_patch: ROLL turns it off with transformers >= 5.2 (fused experts); fsdp2kit applies it"
+        )
     translation.replace_origin(STRATEGY_CONFIG, key)
     apply_rules(translation, value, STRATEGY_CONFIG_RULES, key, otherwise=_native_strategy_key)
 
