@@ -68,7 +68,7 @@ def write_report(run_dirs: list[Path]) -> str:
     out_dir.mkdir(parents=True, exist_ok=True)
     for file_name, (field, ylabel, scale) in PLOTS.items():
         fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
-        for label, (_, records) in zip(labels, runs):
+        for label, (_, records) in zip(labels, runs, strict=True):
             points = [(r["step"], r[field] * scale) for r in records if field in r]
             ax.plot([s for s, _ in points], [v for _, v in points], label=label, linewidth=1.2)
         ax.set_xlabel("step")

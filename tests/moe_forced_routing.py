@@ -33,7 +33,8 @@ class ForcedRoutingQwen3Moe(Qwen3MoeForCausalLM):
             self.position = dist.get_rank() * per_rank + self.training_forwards % per_rank
             if self.training_forwards == 0:  # tells the test that this rank's first step has begun
                 print(
-                    f"forced routing: rank {dist.get_rank()}, position {self.position}, experts {ROUTES[self.position]}",
+                    f"forced routing: rank {dist.get_rank()}, position {self.position}, experts "
+                    f"{ROUTES[self.position]}",
                     flush=True,
                 )
             self.training_forwards += 1
@@ -43,7 +44,7 @@ class ForcedRoutingQwen3Moe(Qwen3MoeForCausalLM):
         logits = output[0]
         routes = ROUTES[self.position]
         allowed = torch.zeros_like(logits, dtype=torch.bool)
-        for tokens, experts in zip(torch.arange(len(logits)).tensor_split(len(routes)), routes):
+        for tokens, experts in zip(torch.arange(len(logits)).tensor_split(len(routes)), routes, strict=True):
             allowed[tokens[:, None], torch.tensor(experts)] = True
         probabilities = logits.float().masked_fill(~allowed, float("-inf")).softmax(dim=-1)
         weights, indices = probabilities.topk(router.top_k, dim=-1)

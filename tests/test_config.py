@@ -43,7 +43,8 @@ DEMO = "examples/demo.yaml"
         ),
         (
             "strategy_args.strategy_config.fsdp_size=foo",
-            "examples/demo.yaml: 'strategy_args.strategy_config.fsdp_size' = 'foo' is not valid: expected an integer or 'auto'",
+            "examples/demo.yaml: 'strategy_args.strategy_config.fsdp_size' = 'foo' is not valid: "
+            "expected an integer or 'auto'",
         ),
         (
             "strategy_args.strategy_config.reshard_after_forward=maybe",

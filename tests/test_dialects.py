@@ -324,7 +324,8 @@ def test_role_on_a_native_file_and_roll_file_without_fsdp2_roles(tmp_path, capsy
         (
             {},
             {"training_args": {"learning_rat": 1.0}},
-            "unknown key 'actor_train.training_args.learning_rat' (did you mean 'actor_train.training_args.learning_rate'?)",
+            "unknown key 'actor_train.training_args.learning_rat' "
+            "(did you mean 'actor_train.training_args.learning_rate'?)",
         ),
         (
             {},
@@ -347,8 +348,8 @@ def test_role_on_a_native_file_and_roll_file_without_fsdp2_roles(tmp_path, capsy
         (
             {},
             {"training_args": {"lr_scheduler_type": "polynomial"}},
-            "'actor_train.training_args.lr_scheduler_type' = 'polynomial' is not valid: expected one of cosine, linear, "
-            "constant, constant_with_warmup",
+            "'actor_train.training_args.lr_scheduler_type' = 'polynomial' is not valid: expected one of cosine, "
+            "linear, constant, constant_with_warmup",
         ),
         (
             {"pretrain": None},
@@ -358,8 +359,8 @@ def test_role_on_a_native_file_and_roll_file_without_fsdp2_roles(tmp_path, capsy
         (
             {"training": {"max_steps": 3}},
             {},
-            "'training' = {'max_steps': 3} is not supported: a native section in a ROLL file; a file holds either native "
-            "sections or ROLL roles",
+            "'training' = {'max_steps': 3} is not supported: a native section in a ROLL file; a file holds either "
+            "native sections or ROLL roles",
         ),
         (
             {"response_length": "${prompt_lenght}"},

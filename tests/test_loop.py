@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.machinery
 import io
+import itertools
 import json
 import sys
 import types
@@ -135,7 +136,7 @@ def test_per_micro_batch_means_would_not_agree(config_file, split_losses):
             )
             counts.append(int((batch["labels"] != IGNORE_INDEX).sum()))
     token_mean = sum(sums) / sum(counts)
-    micro_batch_mean = sum(s / c for s, c in zip(sums, counts)) / len(counts)
+    micro_batch_mean = sum(s / c for s, c in zip(sums, counts, strict=True)) / len(counts)
     assert max(counts) > 2 * min(counts)
     assert split_losses["1 rank, 4 micro-batches of 1"][0] == pytest.approx(token_mean, rel=AGREEMENT)
     assert abs(micro_batch_mean - token_mean) > 100 * AGREEMENT * token_mean  # even at the untrained first step
@@ -212,7 +213,7 @@ def test_schedule_shapes_of_warmup_and_decay():
     for kind in ("linear", "cosine"):
         decay = [lr_factor(s, total, warmup, kind) for s in range(warmup - 1, total + 1)]
         assert decay[0] == 1.0 and decay[-1] == pytest.approx(0.0)
-        assert all(a >= b for a, b in zip(decay, decay[1:]))
+        assert all(a >= b for a, b in itertools.pairwise(decay))
     # cosine stays above linear in the first half of the decay and below it in the second
     assert lr_factor(8, total, warmup, "cosine") > lr_factor(8, total, warmup, "linear")
     assert lr_factor(16, total, warmup, "cosine") < lr_factor(16, total, warmup, "linear")

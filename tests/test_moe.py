@@ -61,15 +61,15 @@ def test_experts_become_shard_groups_per_layer_or_one_by_one():
     [
         (
             {"wrap_policy": {"moe_experts": ["Qwen3MoeExpert"]}},
-            "strategy_config.wrap_policy.moe_experts: class 'Qwen3MoeExpert' matches no module of the model; for its experts "
-            "name 'Qwen3MoeExperts' (each layer's experts as one shard group) or 'Qwen3MoeMLP' (each expert alone, with "
-            "apply_expert_patch: true)",
+            "strategy_config.wrap_policy.moe_experts: class 'Qwen3MoeExpert' matches no module of the model; "
+            "for its experts name 'Qwen3MoeExperts' (each layer's experts as one shard group) or 'Qwen3MoeMLP' "
+            "(each expert alone, with apply_expert_patch: true)",
         ),
         (
             {"wrap_policy": {"moe_experts": ["Qwen3MoeMLP"]}},
             "strategy_config.apply_expert_patch: wrap_policy.moe_experts shards every expert on its own "
-            "('model.layers.0.mlp.experts.0', ...), and ranks whose tokens go to different experts would wait for each other's "
-            "all-gathers forever; set apply_expert_patch: true",
+            "('model.layers.0.mlp.experts.0', ...), and ranks whose tokens go to different experts would wait for "
+            "each other's all-gathers forever; set apply_expert_patch: true",
         ),
     ],
     ids=["unknown class", "per-expert without the patch"],
@@ -206,7 +206,7 @@ def test_with_the_patch_ranks_routing_differently_train_like_one_rank(forced_rou
     print(f"\n2 ranks with the expert patch: {time.monotonic() - started:.0f}s")
     single, double = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")
     assert len(single) == len(double) == 3
-    for a, b in zip(single, double):
+    for a, b in zip(single, double, strict=True):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
 
 

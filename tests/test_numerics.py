@@ -122,5 +122,5 @@ def test_losses_match_single_process_reference(case, config_file, reference_loss
     assert result.returncode == 0, result.stderr[-3000:]
     losses = [record["loss"] for record in read_metrics(tmp_path)]
     assert len(losses) == STEPS
-    differences = [abs(loss - ref) / abs(ref) for loss, ref in zip(losses, reference_losses)]
+    differences = [abs(loss - ref) / abs(ref) for loss, ref in zip(losses, reference_losses, strict=True)]
     assert max(differences) < TOLERANCE, f"{case}: relative differences per step {differences}"

@@ -457,9 +457,9 @@ CUSTOM_PLAN = ["--set", "model.model_class=examples/custom_plan/planned_llama.py
         ),
         (
             ["--set", "strategy_args.strategy_config.wrap_policy.transformer_layer_cls_to_wrap=[LlamaBlock]"],
-            "strategy_config.wrap_policy.transformer_layer_cls_to_wrap: class 'LlamaBlock' matches no module of the model; "
-            "its classes are ['Embedding', 'Linear', 'LlamaAttention', 'LlamaDecoderLayer', 'LlamaForCausalLM', 'LlamaMLP', "
-            "'LlamaModel', 'LlamaRMSNorm', 'LlamaRotaryEmbedding', 'ModuleList', 'SiLUActivation']",
+            "strategy_config.wrap_policy.transformer_layer_cls_to_wrap: class 'LlamaBlock' matches no module of the "
+            "model; its classes are ['Embedding', 'Linear', 'LlamaAttention', 'LlamaDecoderLayer', 'LlamaForCausalLM', "
+            "'LlamaMLP', 'LlamaModel', 'LlamaRMSNorm', 'LlamaRotaryEmbedding', 'ModuleList', 'SiLUActivation']",
         ),
         (
             ["--set", "strategy_args.strategy_config.offload_to_cpu=true"],
@@ -482,17 +482,18 @@ CUSTOM_PLAN = ["--set", "model.model_class=examples/custom_plan/planned_llama.py
                 "--set",
                 "strategy_args.strategy_config.reshard_after_forward=true",
             ],
-            "strategy_config.reshard_after_forward = True contradicts sharding_strategy SHARD_GRAD_OP (which means False); "
-            "give one of them",
+            "strategy_config.reshard_after_forward = True contradicts sharding_strategy SHARD_GRAD_OP (which means "
+            "False); give one of them",
         ),
         (
             ["--set", "strategy_args.strategy_config.ignored_modules=[model.layers.0.mlp]"],
-            "strategy_config.ignored_modules: 'model.layers.0' is both ignored and sharded (or contains an ignored module)",
+            "strategy_config.ignored_modules: 'model.layers.0' is both ignored and sharded "
+            "(or contains an ignored module)",
         ),
         (
             [*CUSTOM_PLAN, "--set", 'strategy_args.strategy_config.sub_modules_to_wrap=["model.layers.{*}"]'],
-            "strategy_config.sub_modules_to_wrap: PlannedLlamaForCausalLM defines its own sharding plan (_fully_shard), "
-            "which chooses the shard groups; drop this key",
+            "strategy_config.sub_modules_to_wrap: PlannedLlamaForCausalLM defines its own sharding plan "
+            "(_fully_shard), which chooses the shard groups; drop this key",
         ),
         (
             ["--set", "model.model_class=transformers:Qwen3ForCausalLM"],

@@ -79,8 +79,9 @@ def test_saves_the_mlp_activations_at_a_long_sequence():
     intermediates = 4 * BUILTIN_MODELS["tiny-llama"]["intermediate_size"] * 4 * seq_len * LAYERS
     mib = 2**20
     print(
-        f"\nsaved activations at {seq_len} tokens, {LAYERS} layers: plain {plain / mib:.1f} MiB, tiled {tiled / mib:.1f} MiB "
-        f"(-{(plain - tiled) / mib:.1f} MiB, {1 - tiled / plain:.0%}; MLP intermediates {intermediates / mib:.1f} MiB)"
+        f"\nsaved activations at {seq_len} tokens, {LAYERS} layers: plain {plain / mib:.1f} MiB, tiled "
+        f"{tiled / mib:.1f} MiB (-{(plain - tiled) / mib:.1f} MiB, {1 - tiled / plain:.0%}; "
+        f"MLP intermediates {intermediates / mib:.1f} MiB)"
     )
     assert plain - tiled >= intermediates
 

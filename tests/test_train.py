@@ -38,7 +38,7 @@ def test_data_order_depends_only_on_seed_and_global_index():
     for step in (0, 3, 12):  # 12 is in the second epoch
         single = [b["input_ids"] for b in one.micro_batches(step)]
         split = [b["input_ids"] for rank in range(2) for b in two[rank].micro_batches(step)]
-        assert all(torch.equal(a, b) for a, b in zip(single, split))
+        assert all(torch.equal(a, b) for a, b in zip(single, split, strict=True))
     assert not torch.equal(one.micro_batches(0)[0]["input_ids"], one.micro_batches(10)[0]["input_ids"])
 
 

@@ -128,7 +128,7 @@ def train_cli(config_file, ranks: int, settings: dict, output_dir) -> None:
 
 def assert_losses_match(losses: list[float], reference: list[float]) -> float:
     assert len(losses) == len(reference) == STEPS
-    differences = [abs(a - b) / abs(b) for a, b in zip(losses, reference)]
+    differences = [abs(a - b) / abs(b) for a, b in zip(losses, reference, strict=True)]
     assert max(differences) < TOLERANCE, f"relative differences per step {differences}"
     assert reference[-1] < reference[0] - 0.5  # the comparison means something only if the loss moves
     return max(differences)
@@ -285,7 +285,7 @@ def test_infer_with_ulysses_matches_one_process(config_file, uneven_jsonl, tmp_p
     assert result.returncode == 0, result.stderr[-3000:]
     records = [json.loads(line) for line in (tmp_path / "infer.jsonl").read_text().splitlines()][:-1]
     assert [r["index"] for r in records] == list(range(len(expected)))  # each sample once, not once per SP rank
-    differences = [abs(r["sum_logprob"] - e) / abs(e) for r, e in zip(records, expected)]
+    differences = [abs(r["sum_logprob"] - e) / abs(e) for r, e in zip(records, expected, strict=True)]
     assert max(differences) < TOLERANCE, differences
     print("max relative log-prob difference:", max(differences))
 

@@ -68,10 +68,10 @@ def read_dcp(state: dict, folder: Path, error_prefix: str, no_dist: bool = False
     try:
         dcp.load(state, checkpoint_id=str(folder), no_dist=no_dist)
     except (Exception, CheckpointException) as exc:
+        error: BaseException = exc
         if isinstance(exc, CheckpointException) and exc.failures:
-            exc = next(iter(exc.failures.values()))
-            exc = getattr(exc, "exc", exc)  # the rank's own exception inside DCP's wrapper
-        reason = str(exc).strip().splitlines()[-1][:300] if str(exc).strip() else type(exc).__name__
+            error, _ = next(iter(exc.failures.values()))  # the rank's own exception and its stack summary
+        reason = str(error).strip().splitlines()[-1][:300] if str(error).strip() else type(error).__name__
         raise UserError(f"{error_prefix}: {reason}") from None
 
 
@@ -194,7 +194,7 @@ class CheckpointManager:
 
     def load(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
         model_state, optim_state = get_state_dict(model, optimizer)
-        state = {"model": model_state, "optim": optim_state}
+        state: dict[str, Any] = {"model": model_state, "optim": optim_state}
         read_dcp(state, path, f"training.resume: checkpoint '{path}' cannot be loaded into this model")
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         rng_file = path / f"rng_rank{self.rank}.pt"

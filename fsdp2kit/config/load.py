@@ -10,6 +10,7 @@ from typing import Any
 
 import yaml
 from pydantic import BaseModel, ValidationError
+from pydantic_core import ErrorDetails
 
 from fsdp2kit.config.schema import JobConfig, Section
 from fsdp2kit.errors import UserError
@@ -154,7 +155,7 @@ def _real_loc(raw: dict[str, Any], loc: tuple) -> tuple:
     return real
 
 
-def _expectation(error: dict) -> str:
+def _expectation(error: ErrorDetails) -> str:
     expected = error.get("ctx", {}).get("expected")
     if expected:
         return f"one of {expected}" if " or " in expected else expected

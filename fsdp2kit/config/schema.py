@@ -61,10 +61,15 @@ def _device_list(value: Any) -> Any:
 DType = Annotated[Literal["bf16", "fp16", "fp32"], BeforeValidator(_dtype_name)]
 OptionalDType = Annotated[Literal["bf16", "fp16", "fp32"] | None, BeforeValidator(_dtype_name)]
 PatternList = Annotated[list[str], BeforeValidator(_pattern_list)]
+ReportTarget = Literal["tensorboard", "wandb"]
 ReportTargets = Annotated[
-    list[Literal["tensorboard", "wandb"]],
+    list[ReportTarget],
     BeforeValidator(lambda value: [] if value in ("none", None) else _pattern_list(value)),
 ]  # HF Trainer writes report_to: none
+
+
+def _tensorboard_only() -> list[ReportTarget]:
+    return ["tensorboard"]
 
 
 class Section(BaseModel):
@@ -174,7 +179,7 @@ class TrainingConfig(Section):
         description="fp16 compute: initial loss scale (halved on overflow, doubled after 2000 clean steps)",
     )
     report_to: ReportTargets = Field(
-        default_factory=lambda: ["tensorboard"],
+        default_factory=_tensorboard_only,
         description="where metrics go besides metrics.jsonl: tensorboard (output_dir/tb), wandb; [] for neither",
     )
     profile_steps: list[int] | None = Field(

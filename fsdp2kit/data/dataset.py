@@ -6,7 +6,7 @@ from __future__ import annotations
 import glob
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import torch
 
@@ -78,7 +78,7 @@ def load_documents(cfg: DataConfig) -> list[str] | list[PromptResponse]:
         queries = table[cfg.query_key] if cfg.query_key in table.column_names else [None] * len(table)
         return [
             PromptResponse((p if isinstance(p, str) else "") + (f"\n{q}" if isinstance(q, str) and q else ""), r)
-            for p, q, r in zip(table[cfg.prompt_key], queries, table[cfg.response_key])
+            for p, q, r in zip(table[cfg.prompt_key], queries, table[cfg.response_key], strict=True)
             if isinstance(r, str) and r
         ]
     if text_key not in table.column_names:
@@ -114,9 +114,10 @@ def encode_documents(
     eos = [tokenizer.eos_token_id] if append_eos and tokenizer.eos_token_id is not None else []
     if all(isinstance(d, str) for d in documents):
         return [(ids + eos, 0) for ids in tokenizer(list(documents))["input_ids"]]
-    prompts = tokenizer([d.prompt for d in documents])["input_ids"]
-    responses = tokenizer([d.response for d in documents], add_special_tokens=False)["input_ids"]
-    return [(p + r + eos, len(p)) for p, r in zip(prompts, responses)]
+    pairs = cast(list[PromptResponse], documents)  # a source is all texts or all prompt/response pairs
+    prompts = tokenizer([d.prompt for d in pairs])["input_ids"]
+    responses = tokenizer([d.response for d in pairs], add_special_tokens=False)["input_ids"]
+    return [(p + r + eos, len(p)) for p, r in zip(prompts, responses, strict=True)]
 
 
 def _positions_in_document(starts: torch.Tensor) -> torch.Tensor:
@@ -142,7 +143,8 @@ def tokenize_samples(documents: list[str] | list[PromptResponse], tokenizer, cfg
         trained_masks.append(trained)
     if not cfg.pack:
         samples = [
-            Sample(torch.tensor(ids[:width]), trained[:width]) for (ids, _), trained in zip(encoded, trained_masks)
+            Sample(torch.tensor(ids[:width]), trained[:width])
+            for (ids, _), trained in zip(encoded, trained_masks, strict=True)
         ]
         return [s for s in samples if s.trained[1:].any()]
     tokens = torch.tensor([t for ids, _ in encoded for t in ids], dtype=torch.long)
@@ -156,25 +158,26 @@ def tokenize_samples(documents: list[str] | list[PromptResponse], tokenizer, cfg
     return [s for s in samples if s.trained[1:].any()]
 
 
-def collate(samples: list[Sample | torch.Tensor], pad_id: int) -> dict[str, torch.Tensor]:
+def collate(samples: list[Sample] | list[torch.Tensor], pad_id: int) -> dict[str, torch.Tensor]:
     """The model's inputs and the labels. Samples are right-padded to the longest; padding is masked from attention
     (`attention_mask`) and loss. Packed samples with document positions are never padded and carry `position_ids`
     instead of an attention mask. A plain tensor is one document's tokens."""
-    samples = [s if isinstance(s, Sample) else Sample.document(s) for s in samples]
-    length = max(len(s.tokens) for s in samples) - 1
-    batch = len(samples)
+    rows = [s if isinstance(s, Sample) else Sample.document(s) for s in samples]
+    length = max(len(s.tokens) for s in rows) - 1
+    batch = len(rows)
     input_ids = torch.full((batch, length), pad_id, dtype=torch.long)
     labels = torch.full((batch, length), IGNORE_INDEX, dtype=torch.long)
     attention_mask = torch.zeros((batch, length), dtype=torch.long)
-    for i, sample in enumerate(samples):
+    for i, sample in enumerate(rows):
         n = len(sample.tokens) - 1
         input_ids[i, :n] = sample.tokens[:-1]
         labels[i, :n] = sample.tokens[1:].masked_fill(~sample.trained[1:], IGNORE_INDEX)
         attention_mask[i, :n] = 1
-    if all(s.positions is not None for s in samples):
+    positions = [s.positions[:-1] for s in rows if s.positions is not None]
+    if len(positions) == batch:
         return {
             "input_ids": input_ids,
-            "position_ids": torch.stack([s.positions[:-1] for s in samples]),
+            "position_ids": torch.stack(positions),
             "labels": labels,
         }
     return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}

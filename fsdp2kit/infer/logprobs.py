@@ -67,7 +67,9 @@ def infer(cfg: JobConfig, runtime: Runtime) -> None:
         if sharded.sp_group is not None:
             batch = shard_sequence(batch, sharded.sp_group)
         sums, counts = sample_logprobs(model, batch, sharded.sp_group)
-        for (index, _), total, count in zip(chunk, sums, counts):
+        if not chunk:
+            continue  # the dummy batch: its forward joined the collectives, its results are no sample's
+        for (index, _), total, count in zip(chunk, sums, counts, strict=True):
             results.append(
                 {
                     "index": index,
@@ -77,7 +79,7 @@ def infer(cfg: JobConfig, runtime: Runtime) -> None:
                 }
             )
 
-    gathered: list[list[dict] | None] = [None] * runtime.world_size
+    gathered: list[list[dict]] = [[] for _ in range(runtime.world_size)]
     dist.all_gather_object(gathered, results if runtime.rank % layout.ulysses_size == 0 else [])  # once per SP group
     if not runtime.is_main:
         return

@@ -7,8 +7,11 @@ import importlib.util
 import json
 import sys
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn as nn
@@ -20,6 +23,9 @@ from fsdp2kit.errors import UserError
 from fsdp2kit.models.builtin import BUILTIN_MODELS
 from fsdp2kit.parallel.moe import expert_views_from_other_layout
 
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedModel
+
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -27,32 +33,30 @@ TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.flo
 class ModelSource:
     """Where a model comes from: its transformers config, its tokenizer and (if pretrained) its weights."""
 
-    hf_config: object
+    hf_config: PretrainedConfig
     tokenizer_path: Path
     weights_dir: Path | None
     weights_format: str | None = None  # "safetensors" (an HF folder) or "dcp" (a checkpoint of ours)
 
 
-def _hf_config(model_type: str | None, folder: Path | None, overrides: dict):
-    """A transformers config built with `model.config` overrides (so derived fields such as layer_types follow)."""
-    from transformers import AutoConfig
-
+def _hf_config(load: Callable[..., PretrainedConfig], where: str, overrides: dict) -> PretrainedConfig:
+    """A transformers config built by `load` (AutoConfig.for_model or .from_pretrained, keyword overrides) with
+    `model.config` overrides (so derived fields such as layer_types follow); `where` names it in errors."""
     try:
-        base = AutoConfig.from_pretrained(folder) if folder else AutoConfig.for_model(model_type)
+        base = load()
         if not overrides:
             return base
         for key in overrides:
             if not hasattr(base, key):
                 raise UserError(f"model.config.{key}: the {type(base).__name__} has no such setting")
-        if folder:
-            return AutoConfig.from_pretrained(folder, **overrides)
-        return AutoConfig.for_model(model_type, **overrides)
+        return load(**overrides)
     except (ValueError, TypeError, OSError, KeyError) as exc:
-        where = f"'{folder / 'config.json'}'" if folder else "model.config"
         raise UserError(f"{where} is not a valid transformers config: {str(exc).strip().splitlines()[-1]}") from None
 
 
 def resolve_model(cfg: ModelConfig, tokenizer: str | None = None) -> ModelSource:
+    from transformers import AutoConfig
+
     from fsdp2kit.data.builtin import tokenizer_dir
 
     name = cfg.name_or_path
@@ -64,7 +68,7 @@ def resolve_model(cfg: ModelConfig, tokenizer: str | None = None) -> ModelSource
                 + ", ".join(f"builtin:{k}" for k in BUILTIN_MODELS)
             )
         settings = {**BUILTIN_MODELS[key], **cfg.config}  # model.config may even pick another architecture
-        hf_config = _hf_config(settings.pop("model_type"), None, settings)
+        hf_config = _hf_config(partial(AutoConfig.for_model, settings.pop("model_type")), "model.config", settings)
         weights_dir, weights_format, default_tokenizer = None, None, tokenizer_dir()
     else:
         folder = Path(name)
@@ -73,7 +77,7 @@ def resolve_model(cfg: ModelConfig, tokenizer: str | None = None) -> ModelSource
                 f"model.name_or_path: '{name}' is not a model folder or checkpoint with a config.json "
                 "(or a builtin: model: " + ", ".join(f"builtin:{k}" for k in BUILTIN_MODELS) + ")"
             )
-        hf_config = _hf_config(None, folder, cfg.config)
+        hf_config = _hf_config(partial(AutoConfig.from_pretrained, folder), f"'{folder / 'config.json'}'", cfg.config)
         if (folder / ".metadata").is_file():
             weights_dir, weights_format = folder, "dcp"
         elif any(folder.glob("*.safetensors")):
@@ -87,7 +91,7 @@ def resolve_model(cfg: ModelConfig, tokenizer: str | None = None) -> ModelSource
     return ModelSource(hf_config, tokenizer_path, weights_dir, weights_format)
 
 
-def load_model_class(spec: str, hf_config) -> type:
+def load_model_class(spec: str, hf_config: PretrainedConfig) -> type[PreTrainedModel]:
     """`model.model_class`: a transformers model class for this config, from an importable module or a .py file
     (relative paths from the current directory). Local code only: nothing is downloaded."""
     from transformers import PreTrainedModel
@@ -100,6 +104,8 @@ def load_model_class(spec: str, hf_config) -> type:
         if not path.is_file():
             raise UserError(f"model.model_class: no such file '{path}'")
         module_spec = importlib.util.spec_from_file_location(f"fsdp2kit_model_class.{path.stem}", path)
+        if module_spec is None or module_spec.loader is None:
+            raise UserError(f"model.model_class: '{path}' cannot be loaded as a Python module")
         module = importlib.util.module_from_spec(module_spec)
         sys.modules[module_spec.name] = module  # so that the module can refer to itself (dataclasses, pickling)
         module_spec.loader.exec_module(module)
@@ -111,15 +117,16 @@ def load_model_class(spec: str, hf_config) -> type:
     model_class = getattr(module, class_name, None)
     if not (isinstance(model_class, type) and issubclass(model_class, PreTrainedModel)):
         raise UserError(f"model.model_class: '{where}' has no transformers model class named '{class_name}'")
-    if not isinstance(hf_config, model_class.config_class):
+    config_class = model_class.config_class
+    if config_class is not None and not isinstance(hf_config, config_class):
         raise UserError(
-            f"model.model_class: {class_name} takes a {model_class.config_class.__name__}, but the model's "
+            f"model.model_class: {class_name} takes a {config_class.__name__}, but the model's "
             f"config is a {type(hf_config).__name__}"
         )
     return model_class
 
 
-def build_meta_model(source: ModelSource, cfg: ModelConfig) -> nn.Module:
+def build_meta_model(source: ModelSource, cfg: ModelConfig) -> PreTrainedModel:
     """The model with every parameter and buffer on the meta device: no memory, any size."""
     from transformers import AutoModelForCausalLM
 
@@ -140,7 +147,7 @@ def build_meta_model(source: ModelSource, cfg: ModelConfig) -> nn.Module:
 def _local_index(param: DTensor) -> tuple[slice, ...]:
     """Where this rank's shard of a sharded parameter sits in the full tensor."""
     shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
-    return tuple(slice(o, o + s) for o, s in zip(offset, shape))
+    return tuple(slice(o, o + s) for o, s in zip(offset, shape, strict=True))
 
 
 def _module_seed(seed: int, name: str) -> int:
@@ -148,7 +155,7 @@ def _module_seed(seed: int, name: str) -> int:
 
 
 @torch.no_grad()
-def initialise_weights(model: nn.Module, seed: int, buffers_only: bool = False) -> None:
+def initialise_weights(model: PreTrainedModel, seed: int, buffers_only: bool = False) -> None:
     """Run the model family's own `_init_weights` module by module on full-size CPU copies, seeded by the
     module's name, and keep each rank's slice: the weights depend on the seed only, not on the mesh.
     Peak extra memory is the largest single module, never the model."""
@@ -199,7 +206,7 @@ def _safetensors_index(folder: Path) -> dict[str, Path]:
 
 
 @torch.no_grad()
-def _safetensors_views(model: nn.Module, folder: Path, handles: dict) -> dict[str, tuple[torch.Tensor, object]]:
+def _safetensors_views(model: nn.Module, folder: Path, handles: dict[Path, Any]) -> dict[str, tuple[torch.Tensor, Any]]:
     """Each state-dict tensor with its lazy view in the files (headers only), checked against the model."""
     from safetensors import safe_open
 
@@ -254,7 +261,7 @@ def load_safetensors(model: nn.Module, folder: Path, mode: str = "sliced") -> No
     import torch.distributed as dist
     from torch.distributed.tensor import distribute_tensor
 
-    handles: dict[Path, object] = {}
+    handles: dict[Path, Any] = {}  # safetensors' safe_open handles, entered
     try:
         views = _safetensors_views(model, folder, handles)  # every rank validates: errors come before any collective
         for param, view in views.values():
@@ -285,7 +292,7 @@ def load_dcp(model: nn.Module, folder: Path) -> None:
 
 
 def materialise(
-    model: nn.Module, source: ModelSource, device: torch.device, seed: int, loading: str = "sliced"
+    model: PreTrainedModel, source: ModelSource, device: torch.device, seed: int, loading: str = "sliced"
 ) -> None:
     """Allocate each rank's shards on `device`, then initialise them (fresh) or read them (pretrained)."""
     model.to_empty(device=device)

@@ -3,6 +3,8 @@ ignored parameters and explicit prefetch as the plan says."""
 
 from __future__ import annotations
 
+from typing import Any, cast
+
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -48,30 +50,36 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan) -> list[F
     master_dtype = next(model.parameters()).dtype
     ignored = {p for name in plan.ignored_modules for p in model.get_submodule(name).parameters()}
     offload: OffloadPolicy = CPUOffloadPolicy(pin_memory=plan.pin_memory) if plan.offload else OffloadPolicy()
-    common = dict(
+    common: dict[str, Any] = dict(
         mesh=mesh,
         reshard_after_forward=plan.reshard_after_forward,
         offload_policy=offload,
         ignored_params=ignored or None,
     )
 
-    def shard(modules: list[nn.Module] | nn.Module, names: tuple[str, ...]) -> None:
-        cast = plan.cast_forward_inputs and not set(names) & set(plan.no_cast_modules)
-        fully_shard(modules, mp_policy=_mp_policy(plan, master_dtype, cast, root=False), **common)
+    def shard(names: tuple[str, ...]) -> None:
+        cast_inputs = plan.cast_forward_inputs and not set(names) & set(plan.no_cast_modules)
+        policy = _mp_policy(plan, master_dtype, cast_inputs, root=False)
+        modules = [model.get_submodule(n) for n in names]
+        if len(modules) == 1:
+            fully_shard(modules[0], mp_policy=policy, **common)
+        else:
+            fully_shard(modules, mp_policy=policy, **common)
 
+    groups: list[FSDPModule]
     if plan.custom:
-        model._fully_shard(dict(common, mp_policy=_mp_policy(plan, master_dtype, plan.cast_forward_inputs, root=False)))
+        policy = _mp_policy(plan, master_dtype, plan.cast_forward_inputs, root=False)
+        model._fully_shard(dict(common, mp_policy=policy))  # type: ignore[operator]  # the model's own method
         # One entry per fully_shard call: a group of several modules shares one FSDP state.
-        states: dict[int, nn.Module] = {}
+        states: dict[int, FSDPModule] = {}
         for module in model.modules():
             if isinstance(module, FSDPModule) and module is not model:
                 states.setdefault(id(module._get_fsdp_state()), module)
         groups = list(states.values())
     else:
         for names in reversed(plan.groups):  # bottom-up: inner groups before the modules that contain them
-            modules = [model.get_submodule(n) for n in names]
-            shard(modules if len(modules) > 1 else modules[0], names)
-        groups = [model.get_submodule(names[0]) for names in plan.groups]
+            shard(names)
+        groups = [cast(FSDPModule, model.get_submodule(names[0])) for names in plan.groups]
     # The root keeps whatever no group took (embeddings, final norm, head). It is never resharded after forward:
     # backward needs it at once (FSDP's own default, which an explicit reshard_after_forward would override).
     # Its inputs are not cast when a vision encoder must see its pixel values in full precision.

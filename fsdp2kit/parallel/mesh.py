@@ -53,7 +53,7 @@ def mesh_layout(world_size: int, strategy: StrategyConfig, ulysses_size: int = 1
 def _fsdp_layout(world_size: int, strategy: StrategyConfig) -> MeshLayout:
     size = strategy.fsdp_size
     if strategy.sharding_strategy == "NO_SHARD":
-        if size not in ("auto", None, 0, 1) and size < world_size:
+        if isinstance(size, int) and 1 < size < world_size:
             raise UserError(
                 f"strategy_config.sharding_strategy NO_SHARD replicates on every rank; drop fsdp_size={size}"
             )
@@ -68,7 +68,7 @@ def _fsdp_layout(world_size: int, strategy: StrategyConfig) -> MeshLayout:
             return MeshLayout((world_size, 1), ("ddp", "fsdp"))
     if strategy.sharding_strategy in ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2") and size in ("auto", None):
         size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    if size in ("auto", None) or size <= 1 or size >= world_size:
+    if not isinstance(size, int) or size <= 1 or size >= world_size:  # 'auto' or None
         return MeshLayout((world_size,), ("fsdp",))
     if world_size % size:
         raise UserError(

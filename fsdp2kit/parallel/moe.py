@@ -9,9 +9,10 @@ so that each expert can be its own shard group and only one expert's weights are
 
 A separately sharded expert all-gathers its weights when it is called and reduce-scatters its gradient in
 backward. Ranks whose tokens go to different experts would call different experts: their collectives no longer
-pair up, and the job hangs (gloo aborts on the size mismatch) or, where the counts agree, silently mixes up experts. `apply_expert_patch` makes
-every rank call every expert in every layer, in the same order, giving an expert that got no token a dummy token
-whose output is weighted by zero: the results and gradients are exactly those of the unpatched block.
+pair up, and the job hangs (gloo aborts on the size mismatch) or, where the counts agree, silently mixes up experts.
+`apply_expert_patch` makes every rank call every expert in every layer, in the same order, giving an expert that
+got no token a dummy token whose output is weighted by zero: the results and gradients are exactly those of the
+unpatched block.
 """
 
 from __future__ import annotations

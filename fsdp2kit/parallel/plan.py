@@ -122,8 +122,10 @@ def _layer_classes(model: nn.Module) -> list[str]:
 
 def _embedding_modules(model: nn.Module) -> tuple[str | None, str | None]:
     names = {id(m): n for n, m in model.named_modules()}
-    inputs = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    outputs = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    get_inputs = getattr(model, "get_input_embeddings", None)  # transformers models have both; a plain module neither
+    get_outputs = getattr(model, "get_output_embeddings", None)
+    inputs = get_inputs() if get_inputs is not None else None
+    outputs = get_outputs() if get_outputs is not None else None
     return names.get(id(inputs)), names.get(id(outputs))
 
 
@@ -274,7 +276,8 @@ def build_plan(model: nn.Module, strategy: StrategyConfig, model_cfg: ModelConfi
     overlap = [n for n in selected + extra if any(_is_ancestor(i, n) or _is_ancestor(n, i) for i in ignored)]
     if overlap:
         raise UserError(
-            f"strategy_config.ignored_modules: '{overlap[0]}' is both ignored and sharded (or contains an ignored module)"
+            f"strategy_config.ignored_modules: '{overlap[0]}' is both ignored and sharded "
+            "(or contains an ignored module)"
         )
 
     order = [n for n, _ in model.named_modules()]
@@ -283,7 +286,7 @@ def build_plan(model: nn.Module, strategy: StrategyConfig, model_cfg: ModelConfi
     notes: list[str] = []
     if extra:
         # A weight shared by the embeddings and the LM head must live in one shard group, or the tie breaks.
-        if _tied(model, embed, head):
+        if embed is not None and head is not None and _tied(model, embed, head):
             groups.append((embed, head))
             notes.append(f"tied weights: '{embed}' and '{head}' share one shard group")
         else:

@@ -34,31 +34,32 @@ class _TiledMLP(torch.autograd.Function):
         # The parameters the recomputation uses: under FSDP, the unsharded ones its hooks have just all-gathered
         # (the same tensors that were passed to forward).
         params = list(ctx.mlp.parameters())
-        trainable = [p for p, needed in zip(params, ctx.needs_input_grad[4:]) if needed]
+        trainable = [p for p, needed in zip(params, ctx.needs_input_grad[4:], strict=True) if needed]
         input_needed = ctx.needs_input_grad[3]
         tokens = hidden_states.reshape(-1, hidden_states.shape[-1])
         grad_tokens = grad_output.reshape(-1, grad_output.shape[-1])
         grad_input = torch.empty_like(tokens) if input_needed else None
         param_grads: list[torch.Tensor | None] = [None] * len(trainable)
         start = 0
-        for tile, grad_tile in zip(tokens.chunk(ctx.num_shards), grad_tokens.chunk(ctx.num_shards)):
+        for tile, grad_tile in zip(tokens.chunk(ctx.num_shards), grad_tokens.chunk(ctx.num_shards), strict=True):
             tile = tile.detach().requires_grad_(input_needed)
             with torch.enable_grad():
                 out = ctx.mlp_forward(tile)
             grads = torch.autograd.grad(out, ([tile] if input_needed else []) + trainable, grad_tile, allow_unused=True)
-            if input_needed:
+            if grad_input is not None:
                 grad_input[start : start + len(tile)] = grads[0]
                 grads = grads[1:]
             for i, grad in enumerate(grads):
                 if grad is not None:
-                    param_grads[i] = grad if param_grads[i] is None else param_grads[i].add_(grad)
+                    summed_so_far = param_grads[i]
+                    param_grads[i] = grad if summed_so_far is None else summed_so_far.add_(grad)
             start += len(tile)
         summed = iter(param_grads)
         return (
             None,
             None,
             None,
-            grad_input.view_as(hidden_states) if input_needed else None,
+            grad_input.view_as(hidden_states) if grad_input is not None else None,
             *(next(summed) if needed else None for needed in ctx.needs_input_grad[4:]),
         )
 

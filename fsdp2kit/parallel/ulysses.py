@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -29,8 +30,11 @@ from fsdp2kit.data.dataset import IGNORE_INDEX
 from fsdp2kit.errors import UserError
 from fsdp2kit.parallel.mesh import divisors
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
-def apply_ulysses(model: torch.nn.Module, group: ProcessGroup) -> None:
+
+def apply_ulysses(model: PreTrainedModel, group: ProcessGroup) -> None:
     """Switch the model's attention to the Ulysses wrapper around its configured implementation (sdpa or eager)."""
     from transformers import AttentionInterface
 

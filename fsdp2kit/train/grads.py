@@ -4,6 +4,7 @@ global norm and its clipping over sharded (DTensor) and replicated gradients, an
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -12,7 +13,7 @@ from torch.distributed.tensor import DTensor
 from fsdp2kit.errors import TrainingDiverged
 
 
-def _split_sharded(params: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def _split_sharded(params: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """(sharded, plain) parameters that have a gradient: one foreach op cannot mix DTensors and plain tensors."""
     with_grad = [p for p in params if p.grad is not None]
     return [p for p in with_grad if isinstance(p.grad, DTensor)], [
@@ -20,21 +21,27 @@ def _split_sharded(params: list[torch.Tensor]) -> tuple[list[torch.Tensor], list
     ]
 
 
-def all_reduce_replicated_grads(params: list[torch.Tensor], world_size: int) -> None:
+def _grads(params: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [p.grad for p in params if p.grad is not None]
+
+
+def all_reduce_replicated_grads(params: Sequence[torch.Tensor], world_size: int) -> None:
     """Parameters of ignored modules are outside FSDP: average their gradients as DDP would."""
-    for param in _split_sharded(params)[1]:
-        dist.all_reduce(param.grad)
-        param.grad.div_(world_size)
+    for grad in _grads(_split_sharded(params)[1]):
+        dist.all_reduce(grad)
+        grad.div_(world_size)
 
 
-def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+def clip_grad_norm(params: Sequence[torch.Tensor], max_norm: float) -> torch.Tensor:
     """Global L2 norm over sharded and replicated gradients (the same value on every rank); clip if max_norm > 0."""
     sharded, plain = _split_sharded(params)
     squares = torch.zeros((), dtype=torch.float32)
-    if sharded:
-        squares = squares + torch.nn.utils.get_total_norm([p.grad for p in sharded]).full_tensor().float().cpu() ** 2
-    if plain:
-        squares = squares + torch.nn.utils.get_total_norm([p.grad for p in plain]).float().cpu() ** 2
+    for group in (sharded, plain):
+        if group:
+            norm = torch.nn.utils.get_total_norm(_grads(group))
+            if isinstance(norm, DTensor):  # the norm of this rank's shards, partial until all-reduced
+                norm = norm.full_tensor()
+            squares = squares + norm.float().cpu() ** 2
     total = squares.sqrt()
     if max_norm > 0 and math.isfinite(total.item()):
         for group in (sharded, plain):
@@ -57,11 +64,11 @@ class LossScaler:
         self.scale = initial_scale if enabled else 1.0
         self.clean_steps = 0
 
-    def unscale_(self, params: list[torch.Tensor]) -> None:
+    def unscale_(self, params: Sequence[torch.Tensor]) -> None:
         if self.enabled:
             for group in _split_sharded(params):
                 if group:
-                    torch._foreach_mul_([p.grad for p in group], 1.0 / self.scale)
+                    torch._foreach_mul_(_grads(group), 1.0 / self.scale)
 
     def update(self, overflowed: bool) -> None:
         if not self.enabled:
@@ -107,12 +114,12 @@ class NonFiniteGuard:
     def stop_if_diverged(self, step: int) -> None:
         if self.skipped_in_a_row >= self.limit:
             raise TrainingDiverged(
-                f"training diverged: the loss or gradient norm was non-finite for {self.skipped_in_a_row} steps in a row "
-                f"(steps {step - self.skipped_in_a_row + 1}-{step}, training.max_nonfinite_steps = {self.limit}); "
-                "lower training.learning_rate or compute in bf16/fp32"
+                "training diverged: the loss or gradient norm was non-finite for "
+                f"{self.skipped_in_a_row} steps in a row (steps {step - self.skipped_in_a_row + 1}-{step}, "
+                f"training.max_nonfinite_steps = {self.limit}); lower training.learning_rate or compute in bf16/fp32"
             )
         if self.scaler.scale < 1:
             raise TrainingDiverged(
-                f"training diverged: fp16 gradients overflow even unscaled (the loss scale fell below 1 at step {step}); "
-                "lower training.learning_rate or compute in bf16"
+                "training diverged: fp16 gradients overflow even unscaled "
+                f"(the loss scale fell below 1 at step {step}); lower training.learning_rate or compute in bf16"
             )

@@ -123,7 +123,8 @@ class ConsoleProgress:
 
 
 class RunLoggers:
-    """Every destination of the step records (`training.report_to` picks the dashboards); empty on ranks other than 0."""
+    """Every destination of the step records (`training.report_to` picks the dashboards); empty on ranks other
+    than 0."""
 
     def __init__(self, cfg: JobConfig, is_main: bool, total_steps: int, resume_step: int | None):
         tc = cfg.training

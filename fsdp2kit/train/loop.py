@@ -6,10 +6,12 @@ import json
 import shutil
 import time
 from pathlib import Path
+from typing import cast
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.fsdp import FSDPModule
 
 from fsdp2kit.checkpoint.manager import CheckpointManager, fault_point
 from fsdp2kit.config.schema import JobConfig
@@ -153,7 +155,9 @@ def train(cfg: JobConfig, runtime: Runtime) -> None:
             loss_sum = torch.zeros((), dtype=torch.float64)
             for index, batch in enumerate(micro_batches):
                 last = index == len(micro_batches) - 1
-                model.set_requires_gradient_sync(last)  # reduce-scatter once per step, not per micro-batch
+                cast(FSDPModule, model).set_requires_gradient_sync(
+                    last
+                )  # reduce-scatter once per step, not per micro-batch
                 if sharded.sp_group is not None:
                     batch = shard_sequence(batch, sharded.sp_group)  # this rank's slice of the tokens
                 micro_loss = token_loss_sum(model, batch, aux_loss_weight)

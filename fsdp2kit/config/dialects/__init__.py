@@ -14,7 +14,7 @@ Every step records where each native key came from (for error messages) and what
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -99,7 +99,7 @@ def _resolve_interpolations(raw: dict[str, Any], source: str) -> dict[str, Any]:
     if not _has_interpolation(body):
         return raw
     try:
-        resolved = OmegaConf.to_container(OmegaConf.create(body), resolve=True)
+        resolved = cast(dict[str, Any], OmegaConf.to_container(OmegaConf.create(body), resolve=True))
     except OmegaConfBaseException as exc:
         reason = str(exc.msg).splitlines()[0] if getattr(exc, "msg", None) else str(exc).splitlines()[0]
         where = f"'{exc.full_key}'" if getattr(exc, "full_key", None) else "an interpolation"

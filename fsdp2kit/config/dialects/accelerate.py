@@ -393,7 +393,7 @@ def _fsdp_options(translation: Translation, value: Any, key: Written) -> None:
             f"{key.file}: '{key}' = {value!r} is not valid: fsdp2kit always shards with FSDP2; give "
             "sharding options such as 'full_shard auto_wrap' or drop the key"
         )
-    mapped = []
+    mapped: list[tuple[str, Any]] = []
     for option in options:
         if str(option).upper() in SHARDING_STRATEGIES:
             mapped.append(("sharding_strategy", SHARDING_STRATEGIES[str(option).upper()]))
