@@ -26,10 +26,16 @@ def _parser() -> argparse.ArgumentParser:
         ("train", "train a model"),
         ("infer", "fsdp2_infer: forward-only per-sample log-probs and perplexity"),
         ("check", "validate the config and print the sharding plan"),
+        ("plan", "predict per-rank peak memory (traced on fake tensors) and a table by strategy"),
     ):
         sub = commands.add_parser(name, help=help_text)
         sub.add_argument("config", help="YAML config (native, or a ROLL file with roles)")
-        sub.add_argument("--nproc", type=int, default=None, help="launch this many local ranks (torch elastic)")
+        sub.add_argument(
+            "--nproc",
+            type=int,
+            default=None,
+            help="plan: the world size to plan for (nothing is launched); else launch this many local ranks",
+        )
         sub.add_argument(
             "--set",
             dest="overrides",
@@ -51,8 +57,15 @@ def _parser() -> argparse.ArgumentParser:
             default=None,
             help="a MindSpeed-MM fsdp2_config.yaml or an Accelerate config replacing strategy_config",
         )
-        if name == "check":
+        if name in ("check", "plan"):
             sub.add_argument("--json", action="store_true", help="print one JSON object")
+        if name == "plan":
+            sub.add_argument(
+                "--budget-gb",
+                type=float,
+                default=None,
+                help="also print, as --set lines, the fastest configuration whose per-rank peak fits X GiB",
+            )
     convert = commands.add_parser("convert", help="convert a checkpoint: DCP -> HF/torch, HF -> DCP")
     convert.add_argument("src", help="a DCP checkpoint folder (checkpoints/step_N) or an HF model folder")
     convert.add_argument("dst", help="a new folder")
@@ -152,6 +165,19 @@ def _run_rank(args: argparse.Namespace, cfg) -> int:
     return 0
 
 
+def _plan(args: argparse.Namespace, world_size: int) -> int:
+    from fsdp2kit.memory_plan import ConfigSource, print_plan
+    from fsdp2kit.parallel.mesh import mesh_layout
+
+    if args.budget_gb is not None and args.budget_gb <= 0:
+        raise UserError(f"--budget-gb {args.budget_gb}: give the memory per rank in GiB, > 0")
+    source = ConfigSource(args.config, args.overrides, args.role, args.fsdp_config)
+    cfg = source.load()
+    mesh_layout(world_size, cfg.strategy_args.strategy_config, cfg.model.ulysses_size)  # the mesh must exist
+    print_plan(source, world_size, args.json, args.budget_gb)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
@@ -173,6 +199,8 @@ def main(argv: list[str] | None = None) -> int:
         nproc = args.nproc or (len(cfg.device_mapping) if cfg.device_mapping and not _under_launcher() else None)
         if nproc is not None and nproc < 1:
             raise UserError(f"--nproc {nproc}: give a number of ranks >= 1")
+        if args.command == "plan":
+            return _plan(args, nproc or int(os.environ.get("WORLD_SIZE", "1")))
         if nproc and nproc > 1 and not _under_launcher():
             from fsdp2kit.parallel.mesh import mesh_layout
 

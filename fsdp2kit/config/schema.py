@@ -182,6 +182,11 @@ class TrainingConfig(Section):
         default_factory=_tensorboard_only,
         description="where metrics go besides metrics.jsonl: tensorboard (output_dir/tb), wandb; [] for neither",
     )
+    track_memory: bool = Field(
+        False,
+        description="count live tensor bytes by category each step (torch's FSDPMemTracker; slower): "
+        "peak_mem_bytes on CPU, peak_mem_categories everywhere",
+    )
     profile_steps: list[int] | None = Field(
         None, description="[first, last] steps (1-based) to trace with torch.profiler into output_dir/profile/"
     )

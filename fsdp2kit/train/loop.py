@@ -30,7 +30,8 @@ from fsdp2kit.models.export import export_hf
 from fsdp2kit.parallel.ulysses import shard_sequence
 from fsdp2kit.train.grads import LossScaler, NonFiniteGuard, all_reduce_replicated_grads, clip_grad_norm
 from fsdp2kit.train.loggers import RunLoggers
-from fsdp2kit.train.metrics import device_peak_flops, flops_per_token, peak_memory
+from fsdp2kit.train.memory import StepMemory
+from fsdp2kit.train.metrics import device_peak_flops, flops_per_token
 from fsdp2kit.train.optim import build_optimizer, build_scheduler
 from fsdp2kit.train.profiling import StepProfiler
 from fsdp2kit.train.setup import build_sharded_model, count_parameters
@@ -127,6 +128,7 @@ def train(cfg: JobConfig, runtime: Runtime) -> None:
     flops_token = flops_per_token(sharded.source.hf_config, trainable, cfg.data.seq_len)
     peak_flops = device_peak_flops(runtime.device)
     aux_loss_coef = getattr(sharded.source.hf_config, "router_aux_loss_coef", 0.0)
+    memory = StepMemory(model, optimizer, runtime.device, tc.track_memory)
     model.train()
 
     with (
@@ -138,49 +140,50 @@ def train(cfg: JobConfig, runtime: Runtime) -> None:
             started = time.perf_counter()
             micro_batches = [{k: v.to(runtime.device) for k, v in mb.items()} for mb in batches.micro_batches(step)]
             data_time = time.perf_counter() - started
-            # The loss is the mean over every target token of the global batch: normalise by their global count.
-            counts = torch.tensor(
-                [
-                    sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in micro_batches),
-                    sum(input_token_count(mb) for mb in micro_batches),
-                ],
-                dtype=torch.float64,
-            )
-            dist.all_reduce(counts)
-            # Every rank of a sequence-parallel group holds the group's whole micro-batches: count them once.
-            target_tokens, input_tokens = (counts / layout.ulysses_size).tolist()
-            # A mixture of experts adds router_aux_loss_coef x its load-balancing loss averaged over all micro-batches
-            # of all ranks, as transformers adds it to each batch's mean loss; in units of summed token losses:
-            aux_loss_weight = aux_loss_coef * target_tokens / (len(micro_batches) * runtime.world_size)
-            loss_sum = torch.zeros((), dtype=torch.float64)
-            for index, batch in enumerate(micro_batches):
-                last = index == len(micro_batches) - 1
-                cast(FSDPModule, model).set_requires_gradient_sync(
-                    last
-                )  # reduce-scatter once per step, not per micro-batch
-                if sharded.sp_group is not None:
-                    batch = shard_sequence(batch, sharded.sp_group)  # this rank's slice of the tokens
-                micro_loss = token_loss_sum(model, batch, aux_loss_weight)
-                # FSDP averages gradients over all ranks; scale so the result is the global token mean (times the
-                # fp16 loss scale, 1 otherwise). With sequence parallel each rank of a group holds a part of the
-                # group's gradient, and the average over all ranks sums those parts.
-                (micro_loss * (runtime.world_size * scaler.scale / target_tokens)).backward()
-                loss_sum += micro_loss.detach().double().cpu()
-            all_reduce_replicated_grads(params, runtime.world_size)
-            dist.all_reduce(loss_sum)
-            loss = loss_sum.item() / target_tokens
-            scaler.unscale_(params)
-            grad_norm = clip_grad_norm(params, tc.max_grad_norm).item()
-            lr = scheduler.get_last_lr()[0]
+            with memory.step(micro_batches):
+                # The loss is the mean over every target token of the global batch: normalise by their global count.
+                counts = torch.tensor(
+                    [
+                        sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in micro_batches),
+                        sum(input_token_count(mb) for mb in micro_batches),
+                    ],
+                    dtype=torch.float64,
+                )
+                dist.all_reduce(counts)
+                # Every rank of a sequence-parallel group holds the group's whole micro-batches: count them once.
+                target_tokens, input_tokens = (counts / layout.ulysses_size).tolist()
+                # A mixture of experts adds router_aux_loss_coef x its load-balancing loss averaged over all
+                # micro-batches of all ranks, as transformers adds it to each batch's mean loss; in units of summed
+                # token losses:
+                aux_loss_weight = aux_loss_coef * target_tokens / (len(micro_batches) * runtime.world_size)
+                loss_sum = torch.zeros((), dtype=torch.float64)
+                for index, batch in enumerate(micro_batches):
+                    last = index == len(micro_batches) - 1
+                    # reduce-scatter once per step, not per micro-batch
+                    cast(FSDPModule, model).set_requires_gradient_sync(last)
+                    if sharded.sp_group is not None:
+                        batch = shard_sequence(batch, sharded.sp_group)  # this rank's slice of the tokens
+                    micro_loss = token_loss_sum(model, batch, aux_loss_weight)
+                    # FSDP averages gradients over all ranks; scale so the result is the global token mean (times the
+                    # fp16 loss scale, 1 otherwise). With sequence parallel each rank of a group holds a part of the
+                    # group's gradient, and the average over all ranks sums those parts.
+                    (micro_loss * (runtime.world_size * scaler.scale / target_tokens)).backward()
+                    loss_sum += micro_loss.detach().double().cpu()
+                    memory.micro_batch_done()
+                all_reduce_replicated_grads(params, runtime.world_size)
+                dist.all_reduce(loss_sum)
+                loss = loss_sum.item() / target_tokens
+                scaler.unscale_(params)
+                grad_norm = clip_grad_norm(params, tc.max_grad_norm).item()
+                lr = scheduler.get_last_lr()[0]
 
-            finite = guard.step_is_finite(loss, grad_norm)
-            if finite:
-                optimizer.step()
-                scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
+                finite = guard.step_is_finite(loss, grad_norm)
+                if finite:
+                    optimizer.step()
+                    scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
 
             elapsed = time.perf_counter() - started
-            peak_bytes, peak_kind = peak_memory(runtime.device)
             record = {
                 "step": step + 1,
                 "loss": loss,
@@ -190,8 +193,7 @@ def train(cfg: JobConfig, runtime: Runtime) -> None:
                 "tokens_per_s": input_tokens / elapsed,
                 "step_time": elapsed,
                 "data_time": data_time,
-                "peak_mem_bytes": peak_bytes,
-                "peak_mem_kind": peak_kind,
+                **memory.fields(),
             }
             if peak_flops:
                 record["mfu"] = flops_token * input_tokens / elapsed / (peak_flops * runtime.world_size)

@@ -1,8 +1,6 @@
-"""Per-step measurements: model FLOPs per token, the device's peak FLOP/s (for MFU) and peak memory."""
+"""Per-step measurements: model FLOPs per token and the device's peak FLOP/s (for MFU)."""
 
 from __future__ import annotations
-
-import resource
 
 import torch
 
@@ -32,11 +30,3 @@ def device_peak_flops(device: torch.device) -> float | None:
         return None
     name = torch.cuda.get_device_name(device)
     return next((flops for key, flops in PEAK_FLOPS.items() if key in name), None)
-
-
-def peak_memory(device: torch.device) -> tuple[int, str]:
-    """CUDA: the caching allocator's peak allocation. CPU: the process's peak resident set size (it also counts
-    the Python runtime and libraries, so it is an upper bound of what training itself needs)."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device), "cuda_max_allocated"
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "cpu_max_rss"

@@ -1,0 +1,299 @@
+"""`fsdp2kit plan`: each rank's memory for a config, predicted without allocating it.
+
+The config's own sharded model (the builder `train` uses, on the meta device) is given fake storage
+(FakeTensorMode) in a fake process group of the planned world size, and two training steps run on it under torch's
+FSDPMemTracker: the same tracker `training.track_memory` measures real runs with. That peak and its categories are
+*traced*. Parameter, gradient, optimizer-state and all-gather sizes are also *computed* from the shard shapes, and CPU
+offload (which needs a GPU) is computed from a traced run without it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import cast
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from fsdp2kit.config import load_config
+from fsdp2kit.config.schema import JobConfig
+from fsdp2kit.data.dataset import Sample, collate
+from fsdp2kit.distributed import Runtime
+from fsdp2kit.errors import UserError
+from fsdp2kit.parallel.ulysses import shard_sequence
+from fsdp2kit.train.loop import token_loss_sum
+from fsdp2kit.train.memory import tracker_peak
+from fsdp2kit.train.optim import build_optimizer
+from fsdp2kit.train.setup import build_sharded_model
+
+GIB = 1024**3
+_STRATEGY = "strategy_args.strategy_config"
+# Fastest first (seed 002's throughput table): less sharding, no recompute, no offload.
+STRATEGIES = {
+    "NO_SHARD": [f"{_STRATEGY}.sharding_strategy=NO_SHARD", f"{_STRATEGY}.reshard_after_forward=false"],
+    "SHARD_GRAD_OP": [f"{_STRATEGY}.sharding_strategy=SHARD_GRAD_OP", f"{_STRATEGY}.reshard_after_forward=false"],
+    "FULL_SHARD": [f"{_STRATEGY}.sharding_strategy=FULL_SHARD", f"{_STRATEGY}.reshard_after_forward=true"],
+}
+
+
+@dataclass
+class ConfigSource:
+    """How the user named the config, so that variants are loaded exactly as the printed --set lines would be."""
+
+    path: str
+    overrides: list[str]
+    role: str | None
+    strategy_file: str | None
+
+    def load(self, extra: list[str] = ()) -> JobConfig:  # type: ignore[assignment]
+        return load_config(self.path, [*self.overrides, *extra], role=self.role, strategy_file=self.strategy_file)
+
+
+@contextlib.contextmanager
+def fake_world(world_size: int) -> Iterator[Runtime]:
+    """Rank 0 of `world_size` ranks in this process: torch's fake backend, whose collectives move nothing."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("fsdp2kit plan runs in a process without a process group")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        yield Runtime(0, world_size, 0, torch.device("cpu"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _synthetic_micro_batch(cfg: JobConfig) -> dict[str, torch.Tensor]:
+    """A micro-batch shaped like the data pipeline's (full seq_len windows, document positions when packing)."""
+    length = cfg.data.seq_len + 1
+    documents = cfg.data.pack and cfg.data.document_mask
+    sample = Sample(
+        torch.arange(length) % 64,
+        torch.ones(length, dtype=torch.bool),
+        torch.arange(length) % max(1, length // 2) if documents else None,
+    )
+    return collate([sample] * cfg.training.per_device_train_batch_size, pad_id=0)
+
+
+def _local_optimizer(
+    optimizer: torch.optim.AdamW,
+) -> tuple[torch.optim.AdamW, list[tuple[torch.Tensor, nn.Parameter]]]:
+    """The same AdamW over each parameter's local shard. Under FakeTensorMode the tracker also counts DTensor's
+    sharding-propagation tensors as allocations (it tells them apart only in eager mode), which would double the
+    optimizer's share; the local shards hold exactly the bytes the real step touches."""
+    pairs = []
+    groups = []
+    for group in optimizer.param_groups:
+        local_params = []
+        for param in group["params"]:
+            local = nn.Parameter(param.to_local() if isinstance(param, DTensor) else param.data)
+            pairs.append((param, local))
+            local_params.append(local)
+        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": local_params})
+    return torch.optim.AdamW(groups), pairs
+
+
+_TRACES: dict[tuple[str, int], dict[str, object]] = {}
+
+
+def trace_step_memory(cfg: JobConfig, world_size: int) -> dict[str, object]:
+    """Two optimizer steps of rank 0 on fake tensors; the tracker's peak (traced) and shard sizes (computed).
+    Remembered per resolved config: the table and the budget search meet the same configs again."""
+    key = (cfg.model_dump_json(), world_size)
+    if key not in _TRACES:
+        _TRACES[key] = _trace(cfg, world_size)
+    return _TRACES[key]
+
+
+def _trace(cfg: JobConfig, world_size: int) -> dict[str, object]:
+    with fake_world(world_size) as runtime:
+        sharded = build_sharded_model(cfg, runtime, training=True, materialize=False)
+        model = sharded.model
+        accumulation = cfg.training.gradient_accumulation_steps
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            model.to_empty(device="cpu")
+            optimizer, pairs = _local_optimizer(build_optimizer(model, cfg.training))
+            micro_batches = [_synthetic_micro_batch(cfg) for _ in range(accumulation)]
+            tracker = FSDPMemTracker(model, optimizer)
+            tracker.track_inputs(tuple(micro_batches))
+            with tracker:
+                for _ in range(2):  # the second step is the steady state: optimizer states exist during backward
+                    for index, batch in enumerate(micro_batches):
+                        cast(FSDPModule, model).set_requires_gradient_sync(index == accumulation - 1)
+                        if sharded.sp_group is not None:
+                            batch = shard_sequence(batch, sharded.sp_group)
+                        token_loss_sum(model, batch).backward()
+                        tracker.reset_mod_stats()
+                    for param, local in pairs:
+                        local.grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+                    model.zero_grad(set_to_none=True)
+            peak = tracker_peak(tracker, torch.device("cpu"))
+            computed = computed_sizes(model)  # after the first forward: FSDP sets compute dtypes lazily
+    return {"peak_bytes": peak.pop("total", 0), "categories": peak, "computed": computed}
+
+
+def computed_sizes(model: nn.Module) -> dict[str, int]:
+    """Per-rank bytes from the shard shapes alone: what the ZeRO tables count."""
+
+    def local_bytes(tensor: torch.Tensor) -> int:
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        return local.numel() * local.element_size()
+
+    params = list(dict.fromkeys(model.parameters()))
+    trainable = [p for p in params if p.requires_grad]
+    groups = []  # unsharded bytes of each fully_shard group, in its compute dtype
+    for state in dict.fromkeys(m._get_fsdp_state() for m in model.modules() if isinstance(m, FSDPModule)):
+        if (group := state._fsdp_param_group) is not None:
+            groups.append(
+                sum(fp._orig_size.numel() * (fp.param_dtype or fp.orig_dtype).itemsize for fp in group.fsdp_params)
+            )
+    return {
+        "sharded_params": sum(local_bytes(p) for p in params),
+        "sharded_grads": sum(local_bytes(p) for p in trainable),
+        "optimizer_states": 2 * sum(local_bytes(p) for p in trainable),  # AdamW: exp_avg and exp_avg_sq
+        "largest_unsharded_group": max(groups, default=0),
+        "buffers": sum(b.numel() * b.element_size() for b in model.buffers()),
+    }
+
+
+_OFF_DEVICE = ("sharded_param", "sharded_grad", "optstate")  # where CPUOffloadPolicy keeps them: host memory
+
+
+def predict(source: ConfigSource, world_size: int, extra: list[str] = ()) -> dict[str, object]:  # type: ignore[assignment]
+    """The traced prediction for the config plus `extra` --set lines. With offload_policy the step is traced
+    without it and the offloaded categories (sharded parameters, gradients, optimizer states) are taken out."""
+    cfg = source.load(list(extra))
+    offload = cfg.strategy_args.strategy_config.offload_policy
+    if offload:
+        cfg = source.load([*extra, f"{_STRATEGY}.offload_policy=false", f"{_STRATEGY}.pin_memory=false"])
+    traced = trace_step_memory(cfg, world_size)
+    if not offload:
+        return {**traced, "source": "traced"}
+    categories = dict(traced["categories"])  # type: ignore[call-overload]
+    host = {key: categories.pop(key, 0) for key in _OFF_DEVICE}
+    return {
+        "peak_bytes": int(traced["peak_bytes"]) - sum(host.values()),  # type: ignore[call-overload]
+        "categories": categories,
+        "host_bytes": sum(host.values()),
+        "computed": traced["computed"],
+        "source": "computed (traced without offload, minus what offload keeps on the host)",
+    }
+
+
+def _variant(strategy: str, recompute: bool) -> list[str]:
+    return [*STRATEGIES[strategy], f"model.gradient_checkpointing={str(recompute).lower()}"]
+
+
+def strategy_table(source: ConfigSource, world_size: int) -> list[dict[str, object]]:
+    """Seed 002's table for this model, batch and world size: each strategy with and without recompute
+    (traced), and FULL_SHARD with CPU offload (computed from the traced FULL_SHARD rows)."""
+    rows: list[dict[str, object]] = []
+    for recompute in (False, True):
+        for strategy in STRATEGIES:
+            try:
+                result = predict(source, world_size, _variant(strategy, recompute))
+            except UserError as exc:  # e.g. NO_SHARD with an explicit fsdp_size
+                rows.append({"strategy": strategy, "recompute": recompute, "offload": False, "error": str(exc)})
+                continue
+            rows.append(_row(strategy, recompute, False, result))
+            if strategy == "FULL_SHARD":
+                categories = result["categories"]
+                host = sum(categories.get(key, 0) for key in _OFF_DEVICE)  # type: ignore[attr-defined]
+                offloaded = {**result, "peak_bytes": result["peak_bytes"] - host, "source": "computed"}  # type: ignore[operator]
+                rows.append(_row(strategy, recompute, True, offloaded))
+    return rows
+
+
+def _row(strategy: str, recompute: bool, offload: bool, result: dict[str, object]) -> dict[str, object]:
+    return {
+        "strategy": strategy,
+        "recompute": recompute,
+        "offload": offload,
+        "peak_bytes": result["peak_bytes"],
+        "source": "computed" if offload else result["source"],
+    }
+
+
+def _micro_batch_choices(cfg: JobConfig) -> list[tuple[int, int]]:
+    """(micro-batch, accumulation) pairs keeping the per-rank batch of a step, largest micro-batch first."""
+    per_rank = cfg.training.per_device_train_batch_size * cfg.training.gradient_accumulation_steps
+    return [(size, per_rank // size) for size in range(per_rank, 0, -1) if per_rank % size == 0]
+
+
+def fastest_within(source: ConfigSource, world_size: int, budget_bytes: int) -> dict[str, object] | None:
+    """The first configuration that fits, in an order of expected speed: no offload before offload, no recompute
+    before recompute, larger micro-batches before smaller, less sharding before more (communication)."""
+    choices = _micro_batch_choices(source.load())
+    for offload in (False, True):
+        for recompute in (False, True):
+            for micro_batch, accumulation in choices:
+                batch = [
+                    f"training.per_device_train_batch_size={micro_batch}",
+                    f"training.gradient_accumulation_steps={accumulation}",
+                ]
+                for strategy in ("FULL_SHARD",) if offload else STRATEGIES:
+                    overrides = [*_variant(strategy, recompute), *batch]
+                    if offload:
+                        overrides.append(f"{_STRATEGY}.offload_policy=true")
+                    try:
+                        result = predict(source, world_size, overrides)
+                    except UserError:
+                        continue
+                    if result["peak_bytes"] <= budget_bytes:  # type: ignore[operator]
+                        return {"overrides": overrides, **_row(strategy, recompute, offload, result)}
+    return None
+
+
+def plan_report(source: ConfigSource, world_size: int, budget_gb: float | None) -> dict[str, object]:
+    report: dict[str, object] = {"world_size": world_size, **predict(source, world_size)}
+    report["strategies"] = strategy_table(source, world_size)
+    if budget_gb is not None:
+        report["budget"] = {"gb": budget_gb, "fits": fastest_within(source, world_size, int(budget_gb * GIB))}
+    return report
+
+
+def print_plan(source: ConfigSource, world_size: int, as_json: bool, budget_gb: float | None) -> None:
+    report = plan_report(source, world_size, budget_gb)
+    if as_json:
+        print(json.dumps(report), flush=True)
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    def gib(value: object) -> str:
+        return f"{int(value) / GIB:.3f}"  # type: ignore[call-overload]
+
+    console = Console()
+    peak = gib(report["peak_bytes"])
+    console.print(f"per-rank memory at {world_size} rank(s), GiB ({report['source']}): peak {peak}")
+    categories = Table("at the peak (traced)", "GiB")
+    for key, value in report["categories"].items():  # type: ignore[attr-defined]
+        categories.add_row(key, gib(value))
+    console.print(categories)
+    computed = Table("from the shard shapes (computed)", "GiB")
+    for key, value in report["computed"].items():  # type: ignore[attr-defined]
+        computed.add_row(key, gib(value))
+    console.print(computed)
+    strategies = Table("strategy", "recompute", "offload", "peak GiB", "how")
+    for row in report["strategies"]:  # type: ignore[attr-defined]
+        peak = gib(row["peak_bytes"]) if "peak_bytes" in row else row["error"]
+        strategies.add_row(row["strategy"], str(row["recompute"]), str(row["offload"]), peak, row.get("source", ""))
+    console.print(strategies)
+    if budget_gb is not None:
+        fits = report["budget"]["fits"]  # type: ignore[index]
+        if fits is None:
+            console.print(f"nothing fits {budget_gb} GB per rank at {world_size} rank(s): add ranks or cut seq_len")
+        else:
+            console.print(f"fastest within {budget_gb} GB per rank ({gib(fits['peak_bytes'])} GiB):")
+            for line in fits["overrides"]:
+                print(f"--set {line}")

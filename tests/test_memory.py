@@ -1,0 +1,107 @@
+"""Memory: `training.track_memory` counts live tensors by category, and `fsdp2kit plan` (fake tensors, no allocation)
+predicts the per-rank peak a real run measures."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import read_metrics, run_cli
+
+from fsdp2kit.memory_plan import ConfigSource, plan_report, predict
+
+SMALL = [
+    "model.config.num_hidden_layers=2",
+    "data.seq_len=64",
+    "training.per_device_train_batch_size=2",
+    "training.gradient_accumulation_steps=2",
+]
+# About 100M parameters (15 layers of 768, 4096-token vocabulary), one short sample per micro-batch.
+LLAMA_100M = [
+    "model.config.hidden_size=768",
+    "model.config.intermediate_size=2048",
+    "model.config.num_hidden_layers=15",
+    "model.config.num_attention_heads=12",
+    "model.config.num_key_value_heads=4",
+    "data.seq_len=32",
+    "training.per_device_train_batch_size=1",
+    "training.gradient_accumulation_steps=1",
+]
+ZERO = {
+    3: ["strategy_args.strategy_config.reshard_after_forward=true"],
+    2: ["strategy_args.strategy_config.reshard_after_forward=false"],
+}
+
+
+def _measured(tmp_path, nproc: int, overrides: list[str]) -> dict:
+    """The step record with the highest tracked peak of a real 2-step run."""
+    run = [
+        f"training.output_dir={tmp_path / 'run'}",
+        "training.max_steps=2",
+        "training.track_memory=true",
+        "training.export_hf=false",
+        "training.report_to=[]",
+    ]
+    sets = [arg for item in [*overrides, *run] for arg in ("--set", item)]
+    result = run_cli("train", "examples/demo.yaml", "--nproc", nproc, *sets)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return max(read_metrics(tmp_path / "run"), key=lambda r: r["peak_mem_bytes"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "model, nproc, zero, recompute",
+    [
+        ("tiny", 1, 3, False),
+        ("tiny", 2, 2, True),
+        ("tiny", 4, 3, True),
+        ("100M", 2, 3, False),
+    ],
+)
+def test_plan_predicts_the_measured_peak(tmp_path, model, nproc, zero, recompute):
+    overrides = [*(SMALL if model == "tiny" else LLAMA_100M), *ZERO[zero]]
+    overrides.append(f"model.gradient_checkpointing={str(recompute).lower()}")
+    predicted = predict(ConfigSource("examples/demo.yaml", overrides, None, None), nproc)
+    measured = _measured(tmp_path, nproc, overrides)
+
+    assert measured["peak_mem_kind"] == "cpu_live_tensors"
+    assert measured["peak_rss_bytes"] > measured["peak_mem_bytes"]  # RSS also holds the runtime and libraries
+    # The accounting itself: this rank's parameter shards are exactly what the shard shapes say.
+    assert measured["peak_mem_categories"]["sharded_param"] == predicted["computed"]["sharded_params"]
+    assert predicted["peak_bytes"] == pytest.approx(measured["peak_mem_bytes"], rel=0.10)
+
+
+@pytest.mark.slow
+def test_plan_table_and_budget():
+    """The table by strategy shards memory as ZeRO says and recompute saves activations; `plan --budget-gb` answers
+    with a configuration that fits, printed as --set lines that load."""
+    tiny = [  # four layers: with fewer, ZeRO-3's backward all-gather buffers outweigh what it frees
+        "data.seq_len=32",
+        "training.per_device_train_batch_size=1",
+        "training.gradient_accumulation_steps=1",
+    ]
+    report = plan_report(ConfigSource("examples/demo.yaml", tiny, None, None), 2, None)
+    rows = {(r["strategy"], r["recompute"], r["offload"]): r["peak_bytes"] for r in report["strategies"]}
+    assert len(rows) == 8
+    for recompute in (False, True):
+        assert rows["NO_SHARD", recompute, False] > rows["SHARD_GRAD_OP", recompute, False]
+        assert rows["SHARD_GRAD_OP", recompute, False] > rows["FULL_SHARD", recompute, False]
+        assert rows["FULL_SHARD", recompute, False] > rows["FULL_SHARD", recompute, True]
+        assert rows["FULL_SHARD", True, False] < rows["FULL_SHARD", False, False]
+    assert report["peak_bytes"] == rows["FULL_SHARD", False, False]  # the demo is FULL_SHARD without recompute
+
+    # Between FULL_SHARD with recompute and the next smallest without offload: that is the fastest that fits.
+    next_smallest = min(rows["SHARD_GRAD_OP", True, False], rows["FULL_SHARD", False, False])
+    budget = (rows["FULL_SHARD", True, False] + next_smallest) / 2 / 1024**3
+    sets = [arg for item in tiny for arg in ("--set", item)]
+    result = run_cli("plan", "examples/demo.yaml", "--nproc", "2", "--budget-gb", f"{budget:.6f}", *sets)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [line.split(" ", 1)[1] for line in result.stdout.splitlines() if line.startswith("--set ")]
+    assert "strategy_args.strategy_config.sharding_strategy=FULL_SHARD" in lines
+    assert "model.gradient_checkpointing=true" in lines
+    chosen = predict(ConfigSource("examples/demo.yaml", [*tiny, *lines], None, None), 2)
+    assert chosen["peak_bytes"] == rows["FULL_SHARD", True, False] <= budget * 1024**3
+
+
+def test_plan_refuses_a_bad_budget():
+    result = run_cli("plan", "examples/demo.yaml", "--budget-gb", "0")
+    assert result.returncode == 2
+    assert result.stderr.strip() == "error: --budget-gb 0.0: give the memory per rank in GiB, > 0"
