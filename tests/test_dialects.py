@@ -550,7 +550,10 @@ def test_accelerate_parallelism_config_is_the_hsdp_mesh(tmp_path):
         (
             {"parallelism_config": {"parallelism_config_tp_size": 2}},
             {},
-            "'parallelism_config.parallelism_config_tp_size' = 2 is not supported: tensor parallelism is not available",
+            "'parallelism_config.parallelism_config_tp_size' = 2 is not supported: Accelerate's tensor "
+            "parallelism is not "
+            "available in fsdp2kit, which shards with FSDP2 only; set it to 1 (parallelism_config_dp_shard_size and "
+            "dp_replicate_size still give the HSDP mesh)",
         ),
     ],
 )
@@ -619,3 +622,81 @@ def test_translation_records_where_each_key_was_written_and_groups_ignored_keys(
         "mapped actor_train.section → strategy_args.strategy_config",
         "ignored (no FSDP2 meaning): actor_train.a, actor_train.b",
     ]
+
+
+# ---------------------------------------------------------------- each reader's tool defaults, read from its code
+
+
+def plan_of(cfg, ranks: int = 2) -> dict:
+    from conftest import process_group
+
+    from fsdp2kit.check import describe
+
+    with process_group(ranks) as runtime:
+        return describe(cfg, runtime)
+
+
+@pytest.mark.parametrize("model, embeddings_group", [("builtin:tiny-llama", True), ("builtin:tiny-qwen3", False)])
+def test_roll_gives_untied_embeddings_their_own_group(tmp_path, model, embeddings_group):
+    """roll/utils/fsdp_utils.py apply_fsdp2 wraps every nn.Embedding of a model whose embeddings are not tied."""
+    plan = plan_of(load_config(roll_file(tmp_path), [f"model.name_or_path={model}"]))
+    assert ("model.embed_tokens" in plan["sharded_modules"]) is embeddings_group
+    assert plan["mixed_precision"]["cast_forward_inputs"] is False
+
+
+def test_mindspeed_class_paths_and_its_mesh_rule(tmp_path):
+    path = write_yaml(
+        tmp_path / "fsdp2_config.yaml",
+        {"sharding_size": 1, "sub_modules_to_wrap": ["transformers.models.llama.modeling_llama.LlamaDecoderLayer"]},
+    )
+    cfg = load_config("examples/demo.yaml", strategy_file=str(path))
+    assert cfg.strategy_args.strategy_config.wrap_policy.transformer_layer_cls_to_wrap == ["LlamaDecoderLayer"]
+    plan = plan_of(cfg, 4)
+    assert plan["mesh"] == {"shape": [4, 1], "dim_names": ["ddp", "fsdp"]}  # sharding_size 1: replicate everywhere
+    assert plan["sharded_modules"] == ["", *LAYERS]
+    assert plan["prefetch"]["backward"] == 0  # MindSpeed-MM's default
+    path = write_yaml(tmp_path / "fsdp2_config.yaml", {"sharding_size": 8})
+    with pytest.raises(UserError) as error:
+        plan_of(load_config("examples/demo.yaml", strategy_file=str(path)), 4)
+    assert str(error.value).startswith("strategy_config.fsdp_size = 8 does not divide the world size 4")
+
+
+def test_mindspeed_pins_offloaded_memory_by_default(tmp_path):
+    path = write_yaml(tmp_path / "fsdp2_config.yaml", {"sharding_size": "auto", "offload_to_cpu": True})
+    strategy = load_config("examples/demo.yaml", strategy_file=str(path)).strategy_args.strategy_config
+    assert (strategy.offload_policy, strategy.pin_memory) == (True, True)
+
+
+def test_trainer_reads_fsdp1_keys_only_with_version_1(tmp_path):
+    cfg = load_config(trainer_config(tmp_path, {"fsdp_config": {"backward_prefetch": "NO_PREFETCH"}}))
+    assert cfg.strategy_args.strategy_config.num_to_backward_prefetch == 1  # version 2: not read
+    assert (
+        "ignored (TrainingArguments reads it only with version 1 (FSDP1)): "
+        "strategy_args.strategy_config.fsdp_config.backward_prefetch"
+    ) in cfg.notes
+    cfg = load_config(trainer_config(tmp_path, {"fsdp_config": {"version": 1, "backward_prefetch": "NO_PREFETCH"}}))
+    assert cfg.strategy_args.strategy_config.num_to_backward_prefetch == 0
+    path = trainer_config(tmp_path, {"fsdp_config": "missing.json"})
+    assert load_error(path) == f"{path}: 'strategy_args.strategy_config.fsdp_config' = 'missing.json': no such file"
+
+
+def test_sft_query_key_and_a_list_of_files(tmp_path):
+    from fsdp2kit.config.schema import DataConfig
+    from fsdp2kit.data.dataset import PromptResponse, load_documents
+
+    files = []
+    for i, query in enumerate(["", "x = 1"]):
+        files.append(tmp_path / f"part{i}.jsonl")
+        files[-1].write_text(json.dumps({"instruction": f"task {i}", "input": query, "output": f"answer {i}"}) + "\n")
+    data = DataConfig(
+        source=[str(f) for f in files], prompt_key="instruction", query_key="input", response_key="output"
+    )
+    assert load_documents(data) == [PromptResponse("task 0", "answer 0"), PromptResponse("task 1\nx = 1", "answer 1")]
+
+
+def test_warmup_ratio_is_a_share_of_the_runs_steps_rounded_up():
+    from fsdp2kit.config.schema import TrainingConfig
+    from fsdp2kit.train.optim import warmup_steps
+
+    assert warmup_steps(TrainingConfig(warmup_ratio=0.1), 25) == 3
+    assert warmup_steps(TrainingConfig(warmup_ratio=0.1, warmup_steps=5), 25) == 5

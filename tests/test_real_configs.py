@@ -223,13 +223,15 @@ EXPECTED: dict[str, tuple[str, int, dict | str]] = {
     "accelerate/examples/torch_native_parallelism/configs/cp.yaml": (
         "tiny-llama",
         2,
-        "'parallelism_config.parallelism_config_cp_size' = 8 is not supported: context parallelism is not available; "
-        "use parallelism_config_sp_size (Ulysses)",
+        "'parallelism_config.parallelism_config_cp_size' = 8 is not supported: Accelerate's context parallelism is not "
+        "available in fsdp2kit; use parallelism_config_sp_size (Ulysses sequence parallel) instead",
     ),
     "accelerate/examples/torch_native_parallelism/configs/tp_hsdp.yaml": (
         "tiny-llama",
         2,
-        "'parallelism_config.parallelism_config_tp_size' = 2 is not supported: tensor parallelism is not available",
+        "'parallelism_config.parallelism_config_tp_size' = 2 is not supported: Accelerate's tensor parallelism is not "
+        "available in fsdp2kit, which shards with FSDP2 only; set it to 1 (parallelism_config_dp_shard_size and "
+        "dp_replicate_size still give the HSDP mesh)",
     ),
     "accelerate/tests/test_configs/latest_fsdp.yaml": (
         "tiny-llama",
@@ -242,8 +244,8 @@ EXPECTED: dict[str, tuple[str, int, dict | str]] = {
     "trl/examples/accelerate_configs/context_parallel_2gpu.yaml": (
         "tiny-llama",
         2,
-        "'parallelism_config.parallelism_config_cp_size' = 2 is not supported: context parallelism is not available; "
-        "use parallelism_config_sp_size (Ulysses)",
+        "'parallelism_config.parallelism_config_cp_size' = 2 is not supported: Accelerate's context parallelism is not "
+        "available in fsdp2kit; use parallelism_config_sp_size (Ulysses sequence parallel) instead",
     ),
     "trl/examples/accelerate_configs/fsdp1.yaml": ("tiny-llama", 2, {**ACCELERATE_LAYERS, "prefetch": [1, 1]}),
     "trl/examples/accelerate_configs/fsdp2.yaml": ("tiny-llama", 2, ACCELERATE_LAYERS),
@@ -255,7 +257,8 @@ EXPECTED: dict[str, tuple[str, int, dict | str]] = {
     "trainer/cambrian-mllm__cambrian/fsdp_config.json": (
         "tiny-llama",
         2,
-        "'xla' = True is not supported: PyTorch/XLA FSDP is not available",
+        "'xla' = True is not supported: PyTorch/XLA FSDP is not available in fsdp2kit, which runs PyTorch FSDP2 on "
+        "CUDA or CPU; drop it",
     ),
 }
 

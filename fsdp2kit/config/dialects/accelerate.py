@@ -50,6 +50,7 @@ WRAP_SETTINGS = {
     ),
     "fsdp_min_num_params": ("SIZE_BASED_WRAP", f"{STRATEGY_CONFIG}.wrap_policy.min_num_params", None),
 }
+XLA_FSDP = "PyTorch/XLA FSDP is not available in fsdp2kit, which runs PyTorch FSDP2 on CUDA or CPU; drop it"
 LAUNCHER = "Accelerate launcher settings; --nproc N or torchrun decide processes and machines"
 
 
@@ -139,9 +140,9 @@ FSDP_CONFIG: dict[str, Rule] = {
     "fsdp_limit_all_gathers": ignored("an FSDP1 rate limiter; FSDP2 bounds all-gathers itself"),
     **dict.fromkeys(
         ("fsdp_xla", "fsdp_xla_fsdp_v2", "fsdp_xla_fsdp_grad_ckpt"),
-        unsupported("PyTorch/XLA FSDP is not available", harmless=(False,)),
+        unsupported(XLA_FSDP, harmless=(False,)),
     ),
-    "fsdp_xla_fsdp_settings": unsupported("PyTorch/XLA FSDP is not available", harmless=({},)),
+    "fsdp_xla_fsdp_settings": unsupported(XLA_FSDP, harmless=({},)),
 }
 
 
@@ -174,9 +175,15 @@ PARALLELISM: dict[str, Rule] = {
     "parallelism_config_dp_shard_size": to(f"{STRATEGY_CONFIG}.fsdp_size"),
     "parallelism_config_dp_replicate_size": ignored("the replicate size is the world size / fsdp_size"),
     "parallelism_config_sp_size": to("model.ulysses_size"),
-    "parallelism_config_tp_size": unsupported("tensor parallelism is not available", harmless=(1,)),
+    "parallelism_config_tp_size": unsupported(
+        "Accelerate's tensor parallelism is not available in fsdp2kit, which shards with FSDP2 only; set it to 1 "
+        "(parallelism_config_dp_shard_size and dp_replicate_size still give the HSDP mesh)",
+        harmless=(1,),
+    ),
     "parallelism_config_cp_size": unsupported(
-        "context parallelism is not available; use parallelism_config_sp_size (Ulysses)", harmless=(1,)
+        "Accelerate's context parallelism is not available in fsdp2kit; use parallelism_config_sp_size "
+        "(Ulysses sequence parallel) instead",
+        harmless=(1,),
     ),
     **dict.fromkeys(
         (
