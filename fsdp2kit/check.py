@@ -43,6 +43,7 @@ def describe(cfg: JobConfig, runtime: Runtime) -> dict:
         if plan.tiled_mlp_modules
         else None,
         "expert_patch": plan.expert_patch,
+        "vision_patch": plan.vision_patch,
         "frozen_modules": cfg.model.freeze_module_prefix,
         "trainable_parameters": trainable,
         "frozen_parameters": frozen,

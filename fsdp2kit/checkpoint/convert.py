@@ -18,7 +18,9 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from fsdp2kit.checkpoint.manager import read_dcp
 from fsdp2kit.errors import UserError
+from fsdp2kit.models.build import auto_model_class
 from fsdp2kit.models.export import TOKENIZER_FILES, SafetensorsWriter, copy_present_files
+from fsdp2kit.models.vl import checkpoint_renamings, model_name, stored_name
 
 MODEL_PREFIX = "model."
 MODEL_FILES = ("config.json", "generation_config.json", *TOKENIZER_FILES)  # copied verbatim, so round trips are exact
@@ -41,15 +43,19 @@ def _model_tensors(src: Path) -> dict[str, TensorStorageMetadata]:
     }
 
 
-def _tied_names(src: Path) -> set[str]:
-    """Output weights tied to the input embeddings are written once, as transformers expects."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+def _meta_model(src: Path) -> torch.nn.Module:
+    """The model of a folder's config.json, on the meta device (names only, no memory)."""
+    from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(src)
-    if not getattr(config, "tie_word_embeddings", False):
-        return set()
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        return auto_model_class(config).from_config(config)
+
+
+def _tied_names(model: torch.nn.Module) -> set[str]:
+    """Output weights tied to the input embeddings are written once, as transformers expects."""
+    if not getattr(model.config, "tie_word_embeddings", False):
+        return set()
     return set(getattr(model, "_tied_weights_keys", None) or {})
 
 
@@ -88,14 +94,16 @@ def _convert(src: Path, dst: Path, to: str, dtype: torch.dtype | None) -> None:
     if not (src / "config.json").is_file():
         raise UserError(f"convert: '{src}' has no config.json; it was not written by fsdp2kit")
     tensors = _model_tensors(src)
-    tied = _tied_names(src)
+    model = _meta_model(src)
+    tied = _tied_names(model)
     names = [n for n in tensors if n not in tied]
     cast = (lambda t: t.to(dtype)) if dtype is not None else (lambda t: t)
     dst.mkdir(parents=True, exist_ok=True)
     if to == "hf":
         writer = SafetensorsWriter(dst)
+        renamings = checkpoint_renamings(model)  # stored under the names of the family's HF folders
         for name, tensor in read_dcp_model(src, names, tensors):
-            writer.add(name, cast(tensor))
+            writer.add(stored_name(name, renamings), cast(tensor))
         writer.close()
     else:  # torch
         state = {name: cast(tensor) for name, tensor in read_dcp_model(src, list(tensors), tensors)}
@@ -109,10 +117,11 @@ def _hf_to_dcp(src: Path, dst: Path) -> None:
     files = sorted(src.glob("*.safetensors"))
     if not (src / "config.json").is_file() or not files:
         raise UserError(f"convert --to dcp: '{src}' is not an HF model folder (config.json + *.safetensors)")
+    renamings = checkpoint_renamings(_meta_model(src))  # DCP holds the model's own names
     state: dict[str, torch.Tensor] = {}
     for file in files:  # safetensors memory-maps: pages are read as DCP writes them
         with safe_open(file, framework="pt") as handle:
-            state.update({key: handle.get_tensor(key) for key in handle.keys()})
+            state.update({model_name(key, renamings): handle.get_tensor(key) for key in handle.keys()})
     dst.mkdir(parents=True, exist_ok=True)
     dcp.save({"model": state}, checkpoint_id=str(dst), no_dist=True)
     copy_present_files(src, dst, MODEL_FILES)

@@ -4,6 +4,7 @@ index, so any world size and accumulation split of the same global batch sees th
 from __future__ import annotations
 
 import glob
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple, cast
@@ -199,7 +200,7 @@ class GlobalBatches:
     """Step s uses the global samples [s*G, (s+1)*G) of a seeded per-epoch permutation; rank r takes its
     contiguous `per_rank` share, cut into micro-batches. The position is just the step (world-size free)."""
 
-    samples: list[Sample]
+    samples: Sequence
     micro_batch_size: int
     accumulation_steps: int
     data_parallel_size: int
@@ -240,6 +241,10 @@ class GlobalBatches:
         start = within * self.global_batch_size + self.data_parallel_rank * per_rank
         indices = order[start : start + per_rank].tolist()
         return [
-            collate([self.samples[i] for i in indices[m : m + self.micro_batch_size]], self.pad_id)
+            self.collate_indices(indices[m : m + self.micro_batch_size])
             for m in range(0, per_rank, self.micro_batch_size)
         ]
+
+    def collate_indices(self, indices: list[int]) -> dict[str, torch.Tensor]:
+        """The micro-batch of these samples (a subclass may build its samples here, lazily)."""
+        return collate([self.samples[i] for i in indices], self.pad_id)

@@ -15,8 +15,10 @@ import torch.distributed as dist
 
 from fsdp2kit.config.schema import JobConfig
 from fsdp2kit.data.dataset import collate, encode_documents, load_documents, load_tokenizer, model_inputs
+from fsdp2kit.data.vl import VLEncoder, VLSample, load_conversations
 from fsdp2kit.distributed import Runtime
 from fsdp2kit.parallel.ulysses import shard_sequence
+from fsdp2kit.parallel.vision import shard_vision_batch
 from fsdp2kit.train.setup import build_sharded_model
 
 
@@ -24,7 +26,8 @@ from fsdp2kit.train.setup import build_sharded_model
 def sample_logprobs(
     model: torch.nn.Module, batch: dict[str, torch.Tensor], sp_group: dist.ProcessGroup | None = None
 ) -> tuple[list[float], list[int]]:
-    """Per sample: the sum of log p(token_i | tokens_<i) over i >= 1, and the number of those terms. With sequence
+    """Per sample: the sum of log p(token_i | tokens_<i) over its target tokens (i >= 1; a conversation's assistant
+    turns), and the number of those terms. With sequence
     parallel the batch holds this rank's slice of the tokens, and the sums over the group's slices are added up."""
     logits = model(**model_inputs(batch), use_cache=False).logits.float()  # one pass: a KV cache is wasted memory
     logprobs = torch.log_softmax(logits, dim=-1)
@@ -42,17 +45,23 @@ def infer(cfg: JobConfig, runtime: Runtime) -> None:
     sharded = build_sharded_model(cfg, runtime, training=False)
     model = sharded.model
     tokenizer = load_tokenizer(sharded.source.tokenizer_path)
-    documents = load_documents(cfg.data)
-    # As the model's users tokenise: default special tokens, no EOS added, no packing, truncated at data.seq_len
-    # (a prompt/response record is the prompt's ids followed by the response's).
-    encoded = [
-        torch.tensor(ids[: cfg.data.seq_len]) for ids, _ in encode_documents(documents, tokenizer, append_eos=False)
-    ]
+    vision = sharded.plan.vision_patch
+    items: list
+    if vision:  # conversations, encoded (images read) batch by batch; scored on their assistant turns
+        encoder = VLEncoder.load(sharded.source.tokenizer_path, sharded.source.hf_config, cfg.data.seq_len)
+        items = load_conversations(cfg.data)
+    else:
+        # As the model's users tokenise: default special tokens, no EOS added, no packing, truncated at data.seq_len
+        # (a prompt/response record is the prompt's ids followed by the response's).
+        documents = load_documents(cfg.data)
+        items = [
+            torch.tensor(ids[: cfg.data.seq_len]) for ids, _ in encode_documents(documents, tokenizer, append_eos=False)
+        ]
     layout = sharded.layout
     mine = [
-        (i, ids)
-        for i, ids in enumerate(encoded)
-        if i % layout.data_parallel_size == layout.data_parallel_rank(runtime.rank) and len(ids) >= 1
+        (i, item)
+        for i, item in enumerate(items)
+        if i % layout.data_parallel_size == layout.data_parallel_rank(runtime.rank) and (vision or len(item) >= 1)
     ]
     size = cfg.infer_batch_size
     rounds = torch.tensor(math.ceil(len(mine) / size))
@@ -62,10 +71,16 @@ def infer(cfg: JobConfig, runtime: Runtime) -> None:
     results: list[dict] = []
     for r in range(int(rounds)):
         chunk = mine[r * size : (r + 1) * size]
-        batch = collate([ids for _, ids in chunk] or [torch.tensor([pad_id, pad_id])], pad_id)
+        if vision:
+            samples = [encoder.encode(c) for _, c in chunk] or [
+                VLSample(torch.tensor([pad_id] * 2), torch.zeros(2) > 0)
+            ]
+            batch = encoder.collate(samples, pad_id)
+        else:
+            batch = collate([ids for _, ids in chunk] or [torch.tensor([pad_id, pad_id])], pad_id)
         batch = {k: v.to(runtime.device) for k, v in batch.items()}
         if sharded.sp_group is not None:
-            batch = shard_sequence(batch, sharded.sp_group)
+            batch = (shard_vision_batch if vision else shard_sequence)(batch, sharded.sp_group)
         sums, counts = sample_logprobs(model, batch, sharded.sp_group)
         if not chunk:
             continue  # the dummy batch: its forward joined the collectives, its results are no sample's

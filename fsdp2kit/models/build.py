@@ -21,6 +21,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from fsdp2kit.config.schema import ModelConfig
 from fsdp2kit.errors import UserError
 from fsdp2kit.models.builtin import BUILTIN_MODELS
+from fsdp2kit.models.vl import builtin_processor_dir, checkpoint_renamings, is_vision_language, model_name
 from fsdp2kit.parallel.moe import expert_views_from_other_layout
 
 if TYPE_CHECKING:
@@ -70,6 +71,8 @@ def resolve_model(cfg: ModelConfig, tokenizer: str | None = None) -> ModelSource
         settings = {**BUILTIN_MODELS[key], **cfg.config}  # model.config may even pick another architecture
         hf_config = _hf_config(partial(AutoConfig.for_model, settings.pop("model_type")), "model.config", settings)
         weights_dir, weights_format, default_tokenizer = None, None, tokenizer_dir()
+        if is_vision_language(hf_config):  # the tokenizer with the vision tokens and an image processor
+            default_tokenizer = builtin_processor_dir(hf_config.model_type, hf_config.vision_config.patch_size)
     else:
         folder = Path(name)
         if not (folder / "config.json").is_file():
@@ -126,21 +129,29 @@ def load_model_class(spec: str, hf_config: PretrainedConfig) -> type[PreTrainedM
     return model_class
 
 
-def build_meta_model(source: ModelSource, cfg: ModelConfig) -> PreTrainedModel:
-    """The model with every parameter and buffer on the meta device: no memory, any size."""
-    from transformers import AutoModelForCausalLM
+def auto_model_class(hf_config) -> Any:
+    """transformers' Auto class for this config: image-text-to-text for a vision-language model, else causal LM."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
+    return AutoModelForImageTextToText if is_vision_language(hf_config) else AutoModelForCausalLM
+
+
+def build_meta_model(source: ModelSource, cfg: ModelConfig) -> PreTrainedModel:
+    """The model with every parameter and buffer on the meta device: no memory, any size. It keeps the renamings
+    between its tensor names and its family's HF folders (`checkpoint_renamings`), taken before sharding."""
     source.hf_config._attn_implementation = cfg.attn_implementation
     dtype = TORCH_DTYPES[cfg.dtype]
     with torch.device("meta"):
         if cfg.model_class:
-            return load_model_class(cfg.model_class, source.hf_config)._from_config(source.hf_config, dtype=dtype)
-        try:
-            model = AutoModelForCausalLM.from_config(source.hf_config, dtype=dtype)
-        except ValueError as exc:
-            raise UserError(
-                f"model.name_or_path: transformers cannot build a causal LM from this config: {exc}"
-            ) from None
+            model = load_model_class(cfg.model_class, source.hf_config)._from_config(source.hf_config, dtype=dtype)
+        else:
+            try:
+                model = auto_model_class(source.hf_config).from_config(source.hf_config, dtype=dtype)
+            except ValueError as exc:
+                raise UserError(
+                    f"model.name_or_path: transformers cannot build a causal LM from this config: {exc}"
+                ) from None
+    model.checkpoint_renamings = checkpoint_renamings(model)
     return model
 
 
@@ -210,7 +221,10 @@ def _safetensors_views(model: nn.Module, folder: Path, handles: dict[Path, Any])
     """Each state-dict tensor with its lazy view in the files (headers only), checked against the model."""
     from safetensors import safe_open
 
-    locations = _safetensors_index(folder)
+    renamings = getattr(model, "checkpoint_renamings", [])
+    index = _safetensors_index(folder)
+    stored = {model_name(key, renamings): key for key in index}  # model name -> name in the files
+    locations = {name: index[key] for name, key in stored.items()}
     tied = getattr(model, "_tied_weights_keys", None) or {}
     state = model.state_dict(keep_vars=True)
 
@@ -218,7 +232,7 @@ def _safetensors_views(model: nn.Module, folder: Path, handles: dict[Path, Any])
         file = locations[name]
         if not file.is_file():
             raise UserError(f"model weights: file '{file}' named by the index does not exist")
-        return handles.setdefault(file, safe_open(file, framework="pt").__enter__()).get_slice(name)
+        return handles.setdefault(file, safe_open(file, framework="pt").__enter__()).get_slice(stored[name])
 
     # MoE experts stored per expert while the model holds them fused, or the other way round.
     other_layout = expert_views_from_other_layout(
@@ -229,7 +243,7 @@ def _safetensors_views(model: nn.Module, folder: Path, handles: dict[Path, Any])
     )
     if unexpected:
         raise UserError(
-            f"model weights: tensor '{unexpected[0]}' in '{folder}' is not part of the model its "
+            f"model weights: tensor '{stored[unexpected[0]]}' in '{folder}' is not part of the model its "
             f"config.json describes ({len(unexpected)} such tensors); config and weights do not match"
         )
     views = {}

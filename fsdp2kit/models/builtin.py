@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from fsdp2kit.data.builtin import VOCAB_SIZE
+from fsdp2kit.models.vl import BUILTIN_VL_MODELS
 
 _COMMON: dict[str, Any] = {
     "vocab_size": VOCAB_SIZE,
@@ -34,4 +35,5 @@ BUILTIN_MODELS: dict[str, dict[str, Any]] = {
         "output_router_logits": True,
         "router_aux_loss_coef": 0.001,
     },
+    **BUILTIN_VL_MODELS,
 }

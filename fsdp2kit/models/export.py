@@ -17,6 +17,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from fsdp2kit.models.build import TORCH_DTYPES
+from fsdp2kit.models.vl import stored_name
 
 MAX_SHARD_BYTES = 2 * 1024**3
 TOKENIZER_FILES = (
@@ -28,6 +29,9 @@ TOKENIZER_FILES = (
     "merges.txt",
     "chat_template.jinja",
     "added_tokens.json",
+    "chat_template.json",
+    "preprocessor_config.json",  # a vision-language model's image processor
+    "processor_config.json",
 )
 
 
@@ -124,16 +128,18 @@ def export_hf(
     is_main: bool,
     max_shard_bytes: int = MAX_SHARD_BYTES,
 ) -> None:
-    """Every rank joins each tensor's all-gather; only rank 0 keeps the result, on CPU, until its file is written."""
+    """Every rank joins each tensor's all-gather; only rank 0 keeps the result, on CPU, until its file is written.
+    Tensors are stored under the names of the family's HF folders (`save_pretrained`'s)."""
     state = model.state_dict()
     torch_dtype = TORCH_DTYPES[dtype]
+    renamings = getattr(model, "checkpoint_renamings", [])
 
     def gathered():
         for name in hf_state_names(model):
             tensor = state[name]
             full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
             if is_main:
-                yield name, full.detach().to("cpu", torch_dtype)
+                yield stored_name(name, renamings), full.detach().to("cpu", torch_dtype)
 
     if is_main:
         write_hf_folder(gathered(), out_dir, model.config, tokenizer_path, torch_dtype, max_shard_bytes)

@@ -14,6 +14,7 @@ import torch.nn as nn
 from fsdp2kit.config.schema import ModelConfig, StrategyConfig
 from fsdp2kit.errors import UserError
 from fsdp2kit.parallel.moe import expert_class_choices, is_moe_block, separately_wrapped_experts
+from fsdp2kit.parallel.vision import projector_modules
 
 _SEGMENT_RANGE = re.compile(r"\{(\d+)-(\d+)\}")
 _SEGMENT_LIST = re.compile(r"\{(\d+(?:\s*,\s*\d+)*)\}")
@@ -91,6 +92,7 @@ class ShardingPlan:
     backward_prefetch: int
     use_reentrant: bool
     custom: bool = False  # the model's own `_fully_shard` decides the groups
+    vision_patch: bool = False  # every forward runs the vision tower, on a dummy image if need be (parallel/vision.py)
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -255,7 +257,9 @@ def build_plan(model: nn.Module, strategy: StrategyConfig, model_cfg: ModelConfi
         classes = strategy.wrap_policy.transformer_layer_cls_to_wrap
         policy = strategy.wrap_policy
         if not (classes or strategy.sub_modules_to_wrap or policy.min_num_params or policy.no_wrap):
-            classes = _layer_classes(model)
+            classes = _layer_classes(model)  # a VL model's list names its vision block too
+            if getattr(model.config, "vision_config", None) is not None:
+                selected += projector_modules(model)
         selected += modules_of_classes(model, classes, "strategy_config.wrap_policy.transformer_layer_cls_to_wrap")
         experts = _moe_experts(model, strategy.wrap_policy.moe_experts)
         selected += experts
@@ -340,5 +344,6 @@ def build_plan(model: nn.Module, strategy: StrategyConfig, model_cfg: ModelConfi
         backward_prefetch=strategy.num_to_backward_prefetch,
         use_reentrant=use_reentrant,
         custom=custom,
+        vision_patch=getattr(model.config, "vision_config", None) is not None,
         notes=notes,
     )

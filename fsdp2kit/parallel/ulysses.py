@@ -51,7 +51,8 @@ def apply_ulysses(model: PreTrainedModel, group: ProcessGroup) -> None:
     name = f"ulysses_{inner}"
     # One SP group per process, so one registration per inner implementation serves every model of the process.
     AttentionInterface.register(name, _ulysses_attention(inner, group))
-    model.set_attn_implementation(name)
+    # A vision-language model's tower runs unsplit (parallel/vision.py): only its language model is switched.
+    model.set_attn_implementation({"text_config": name} if getattr(model.config, "vision_config", None) else name)
 
 
 def shard_sequence(batch: dict[str, torch.Tensor], group: ProcessGroup) -> dict[str, torch.Tensor]:

@@ -24,10 +24,12 @@ from fsdp2kit.data.dataset import (
     model_inputs,
     tokenize_samples,
 )
+from fsdp2kit.data.vl import VLEncoder, VLGlobalBatches, load_conversations
 from fsdp2kit.distributed import Runtime
 from fsdp2kit.errors import UserError
 from fsdp2kit.models.export import export_hf
 from fsdp2kit.parallel.ulysses import shard_sequence
+from fsdp2kit.parallel.vision import shard_vision_batch
 from fsdp2kit.train.grads import LossScaler, NonFiniteGuard, all_reduce_replicated_grads, clip_grad_norm
 from fsdp2kit.train.loggers import RunLoggers
 from fsdp2kit.train.memory import StepMemory
@@ -68,10 +70,14 @@ def train(cfg: JobConfig, runtime: Runtime) -> None:
     scaler = LossScaler("fp16" in (sharded.plan.param_dtype, sharded.plan.reduce_dtype), tc.fp16_initial_scale)
 
     # Data: the same global batches at any world size. The ranks of a sequence-parallel group share their samples.
+    # A vision-language model's conversations are encoded (images read) as their batches are built.
     tokenizer = load_tokenizer(sharded.source.tokenizer_path)
-    samples = tokenize_samples(load_documents(cfg.data), tokenizer, cfg.data)
+    vision = sharded.plan.vision_patch
+    samples = (
+        load_conversations(cfg.data) if vision else tokenize_samples(load_documents(cfg.data), tokenizer, cfg.data)
+    )
     layout = sharded.layout
-    batches = GlobalBatches(
+    batches = (VLGlobalBatches if vision else GlobalBatches)(
         samples,
         tc.per_device_train_batch_size,
         tc.gradient_accumulation_steps,
@@ -81,6 +87,8 @@ def train(cfg: JobConfig, runtime: Runtime) -> None:
         cfg.data.shuffle,
         tokenizer.pad_token_id or 0,
     )
+    if vision:
+        batches.encoder = VLEncoder.load(sharded.source.tokenizer_path, sharded.source.hf_config, cfg.data.seq_len)
     total_steps = tc.max_steps if tc.max_steps > 0 else max(1, int(tc.num_train_epochs * batches.steps_per_epoch))
     scheduler = build_scheduler(optimizer, tc, total_steps)
 
@@ -161,8 +169,9 @@ def train(cfg: JobConfig, runtime: Runtime) -> None:
                     last = index == len(micro_batches) - 1
                     # reduce-scatter once per step, not per micro-batch
                     cast(FSDPModule, model).set_requires_gradient_sync(last)
-                    if sharded.sp_group is not None:
-                        batch = shard_sequence(batch, sharded.sp_group)  # this rank's slice of the tokens
+                    if sharded.sp_group is not None:  # this rank's slice of the tokens (VL: taken inside the model)
+                        shard = shard_vision_batch if vision else shard_sequence
+                        batch = shard(batch, sharded.sp_group)
                     micro_loss = token_loss_sum(model, batch, aux_loss_weight)
                     # FSDP averages gradients over all ranks; scale so the result is the global token mean (times the
                     # fp16 loss scale, 1 otherwise). With sequence parallel each rank of a group holds a part of the

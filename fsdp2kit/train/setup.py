@@ -11,6 +11,7 @@ from torch.distributed import ProcessGroup
 from fsdp2kit.config.schema import JobConfig
 from fsdp2kit.distributed import Runtime
 from fsdp2kit.models.build import ModelSource, build_meta_model, materialise, resolve_model
+from fsdp2kit.models.vl import is_vision_language
 from fsdp2kit.parallel.fsdp import apply_fsdp
 from fsdp2kit.parallel.mesh import MeshLayout, build_mesh, mesh_layout, sequence_parallel_group
 from fsdp2kit.parallel.moe import apply_expert_patch, split_experts
@@ -18,6 +19,7 @@ from fsdp2kit.parallel.plan import ShardingPlan, build_plan
 from fsdp2kit.parallel.recompute import apply_recompute
 from fsdp2kit.parallel.tiled_mlp import apply_tiled_mlp
 from fsdp2kit.parallel.ulysses import apply_ulysses
+from fsdp2kit.parallel.vision import apply_vision_patch, apply_vision_ulysses
 
 
 @dataclass
@@ -31,8 +33,8 @@ class ShardedModel:
 
 def build_sharded_model(cfg: JobConfig, runtime: Runtime, training: bool, materialize: bool = True) -> ShardedModel:
     """Meta-device model -> split experts, Ulysses attention -> plan -> freeze -> recompute, TiledMLP, expert
-    patch -> fully_shard -> (materialise each rank's shards). Training keeps fp32 master weights and computes in
-    `param_dtype` (default: model.dtype)."""
+    patch, vision patch -> fully_shard -> (materialise each rank's shards). Training keeps fp32 master weights and
+    computes in `param_dtype` (default: model.dtype)."""
     strategy = cfg.strategy_args.strategy_config
     source = resolve_model(cfg.model, cfg.data.tokenizer)
     layout = mesh_layout(runtime.world_size, strategy, cfg.model.ulysses_size)
@@ -43,6 +45,8 @@ def build_sharded_model(cfg: JobConfig, runtime: Runtime, training: bool, materi
     split_experts(model, strategy.wrap_policy.moe_experts)  # where moe_experts names a per-expert class
     if sp_group is not None:
         apply_ulysses(model, sp_group)
+        if is_vision_language(source.hf_config):
+            apply_vision_ulysses(model, sp_group)
     plan = build_plan(model, strategy, cfg.model)
     frozen = set(plan.frozen_parameters)
     for name, param in model.named_parameters():
@@ -51,6 +55,8 @@ def build_sharded_model(cfg: JobConfig, runtime: Runtime, training: bool, materi
     apply_tiled_mlp(model, plan.tiled_mlp_modules, plan.tiled_num_shards)
     if plan.expert_patch:
         apply_expert_patch(model)
+    if plan.vision_patch:
+        apply_vision_patch(model)
     apply_fsdp(model, mesh, plan)
     if materialize:
         materialise(model, source, runtime.device, cfg.training.seed, cfg.model.weights_loading)

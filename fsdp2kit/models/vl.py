@@ -1,0 +1,155 @@
+"""Vision-language models: any architecture transformers builds with `AutoModelForImageTextToText` (Qwen2.5-VL,
+Qwen3-VL, ...), their checkpoint names, and the built-in tiny ones with a processor folder beside them.
+
+transformers 5 holds a VL model as `model.visual.*` + `model.language_model.*` + `lm_head`, while the HF folders of
+some families store other names (Qwen2.5-VL: `visual.*`, `model.layers.*`). transformers renames on load and back on
+save with the family's `WeightRenaming`s; we use the same renamings, so our sliced loading reads those folders and our
+exports carry exactly the names `save_pretrained` writes (those of the published checkpoints)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from fsdp2kit.data.builtin import VOCAB_SIZE, _locked, cache_dir, tokenizer_dir
+
+# The tokens a Qwen-VL chat needs beyond the built-in BPE vocabulary, in id order after it.
+VISION_TOKENS = ["<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+_TOKEN_IDS = {token: VOCAB_SIZE + i for i, token in enumerate(VISION_TOKENS)}
+
+# Qwen's chat format: a turn is `<|im_start|>role\n...<|im_end|>\n`, an image
+# `<|vision_start|><|image_pad|><|vision_end|>` (the data pipeline repeats `<|image_pad|>` once per merged patch).
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{%- if message['content'] is string %}{{ message['content'] }}"
+    "{%- else %}{%- for item in message['content'] %}"
+    "{%- if item['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{%- elif item['type'] == 'text' %}{{ item['text'] }}{%- endif %}"
+    "{%- endfor %}{%- endif %}<|im_end|>\n"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}"
+)
+
+_TEXT: dict[str, Any] = {
+    "vocab_size": VOCAB_SIZE + 16,  # the BPE vocabulary, the vision tokens, room to spare
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 4096,
+    "initializer_range": 0.02,
+    "bos_token_id": 0,
+    "eos_token_id": _TOKEN_IDS["<|im_end|>"],
+    "pad_token_id": 2,
+}
+_VISION: dict[str, Any] = {
+    "depth": 2,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_heads": 2,
+    "out_hidden_size": 128,
+}
+_SPECIAL_IDS = {
+    "image_token_id": _TOKEN_IDS["<|image_pad|>"],
+    "video_token_id": _TOKEN_IDS["<|video_pad|>"],
+    "vision_start_token_id": _TOKEN_IDS["<|vision_start|>"],
+    "vision_end_token_id": _TOKEN_IDS["<|vision_end|>"],
+}
+
+# head_dim 32: the three rotary sections (time, height, width) share its 16 frequencies.
+BUILTIN_VL_MODELS: dict[str, dict[str, Any]] = {
+    "tiny-qwen2.5-vl": {
+        "model_type": "qwen2_5_vl",
+        "text_config": {
+            **_TEXT,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "mrope_section": [4, 6, 6]},
+        },
+        "vision_config": {**_VISION, "patch_size": 14, "window_size": 56, "fullatt_block_indexes": [1]},
+        "tie_word_embeddings": False,
+        **_SPECIAL_IDS,
+    },
+    "tiny-qwen3-vl": {
+        "model_type": "qwen3_vl",
+        "text_config": {
+            **_TEXT,
+            "head_dim": 32,
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 1e4,
+                "mrope_section": [6, 5, 5],
+                "mrope_interleaved": True,
+            },
+        },
+        "vision_config": {**_VISION, "patch_size": 16, "num_position_embeddings": 64, "deepstack_visual_indexes": [0]},
+        "tie_word_embeddings": False,
+        **_SPECIAL_IDS,
+    },
+}
+
+
+def is_vision_language(hf_config) -> bool:
+    """A config transformers builds as an image-text-to-text model, with a vision tower."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    return (
+        getattr(hf_config, "vision_config", None) is not None
+        and hf_config.model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+    )
+
+
+def builtin_processor_dir(model_type: str, patch_size: int) -> Path:
+    """A folder with the built-in tokenizer plus the vision tokens, Qwen's chat template and a small-image Qwen2-VL
+    image processor (images of 1 to 16 merged patches), built once per machine."""
+    from transformers import AutoTokenizer
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    path = cache_dir() / f"processor-{model_type}-{len(VISION_TOKENS)}"
+    base = tokenizer_dir()
+    with _locked("processor"):
+        if not (path / "preprocessor_config.json").exists():
+            tokenizer = AutoTokenizer.from_pretrained(base)
+            tokenizer.add_special_tokens({"additional_special_tokens": VISION_TOKENS})
+            tokenizer.eos_token = "<|im_end|>"
+            tokenizer.chat_template = CHAT_TEMPLATE
+            unit = patch_size * 2  # a merged patch: 2 x 2 patches
+            image_processor = Qwen2VLImageProcessorPil(
+                patch_size=patch_size,
+                merge_size=2,
+                min_pixels=unit * unit,
+                max_pixels=16 * unit * unit,
+                image_mean=[0.5, 0.5, 0.5],
+                image_std=[0.5, 0.5, 0.5],
+            )
+            tmp = path.with_name(path.name + ".tmp")
+            tokenizer.save_pretrained(tmp)
+            image_processor.save_pretrained(tmp)
+            tmp.replace(path)
+    return path
+
+
+def checkpoint_renamings(model: Any) -> list:
+    """A VL family's renamings from its HF folders' tensor names to the model's (transformers' own table; empty for
+    families stored as they are built, and for text models, whose names we keep). Needs the unsharded model:
+    transformers looks its classes up by name."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightRenaming
+
+    if not is_vision_language(model.config):
+        return []
+    return [t for t in get_model_conversion_mapping(model, add_legacy=False) if type(t) is WeightRenaming]
+
+
+def model_name(stored: str, renamings: list) -> str:
+    """The model's name of a tensor stored in an HF folder under `stored`."""
+    from transformers.core_model_loading import apply_renamings
+
+    return apply_renamings(stored, renamings)
+
+
+def stored_name(name: str, renamings: list) -> str:
+    """The name `save_pretrained` stores the model's tensor `name` under."""
+    from transformers.core_model_loading import apply_renamings
+
+    return apply_renamings(name, [r.reverse_transform() for r in reversed(renamings)])

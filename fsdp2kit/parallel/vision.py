@@ -1,0 +1,129 @@
+"""Vision-language models under FSDP2: the projector's shard group, the collective-safety patch for ranks without
+images, and Ulysses sequence parallel after the image features are merged into the embeddings.
+
+A micro-batch without images skips the vision tower in transformers' forward. Under FSDP the tower's shard groups
+all-gather their parameters when called and reduce-scatter their gradients in backward, so a rank that skips them
+leaves the other ranks waiting (NCCL hangs; gloo aborts on the mismatched sizes). `apply_vision_patch` runs the tower
+on a tiny dummy image (one merged patch) whenever a forward has no images, and adds its outputs to the model's with
+weight zero (ROLL's `force_vit_image`): every rank calls every vision group, in the same order (before the language
+layers, where real images run), and the results and gradients are exactly those of the unpatched model.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.distributed import ProcessGroup
+
+_PROJECTOR_CLASS = re.compile(r"(Merger|Projector)$")
+
+
+def vision_tower_owner(model: nn.Module) -> Any:
+    """The module whose forward runs the vision tower and merges its features (transformers' `model.model`)."""
+    inner = getattr(model, "model", None)
+    if inner is None or not callable(getattr(inner, "get_image_features", None)):
+        raise ValueError(f"{type(model).__name__} has no inner model with get_image_features")
+    return inner
+
+
+def projector_modules(model: nn.Module) -> list[str]:
+    """The vision-to-text projectors (Qwen's patch mergers, LLaVA's multi-modal projector): classes named
+    `...Merger` / `...Projector`, outermost only."""
+    names = [n for n, m in model.named_modules() if n and _PROJECTOR_CLASS.search(type(m).__name__)]
+    return [n for n in names if not any(n.startswith(outer + ".") for outer in names)]
+
+
+def _dummy_image(inner: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pixel rows and grid of the smallest image the tower takes: one merged patch (merge x merge patches)."""
+    vision = inner.config.vision_config
+    merge = vision.spatial_merge_size
+    row = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
+    parameter = next(inner.visual.parameters())
+    pixels = torch.zeros(merge * merge, row, dtype=torch.float32, device=parameter.device)
+    grid = torch.tensor([[1, merge, merge]], device=parameter.device)
+    return pixels, grid
+
+
+def _zero_sum(value) -> torch.Tensor | None:
+    """0 x the sum of every floating tensor in a (nested) model output: joins them to the graph, changes nothing."""
+    if isinstance(value, torch.Tensor):
+        return value.float().sum() * 0 if value.is_floating_point() else None
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        parts = [p for p in (_zero_sum(v) for v in value) if p is not None]
+        return torch.stack(parts).sum() if parts else None
+    return None
+
+
+def apply_vision_patch(model: nn.Module) -> None:
+    """Every forward runs the vision tower: on the batch's images, or on a dummy image whose output is added with
+    weight zero (see the module docstring)."""
+    inner = vision_tower_owner(model)
+    pending: list[torch.Tensor | None] = []
+
+    def before(module, args, kwargs):
+        if kwargs.get("pixel_values") is None and not kwargs.get("past_key_values"):
+            pixels, grid = _dummy_image(module)
+            pending.append(_zero_sum(module.get_image_features(pixels, grid)))
+
+    def after(module, args, kwargs, output):
+        zero = pending.pop() if pending else None
+        if zero is not None:
+            output.last_hidden_state = output.last_hidden_state + zero.to(output.last_hidden_state.dtype)
+        return output
+
+    inner.register_forward_pre_hook(before, with_kwargs=True)
+    inner.register_forward_hook(after, with_kwargs=True)
+
+
+def apply_vision_ulysses(model: nn.Module, group: ProcessGroup) -> None:
+    """Ulysses for a VL model: the tower runs unsplit on every rank of the group (all hold the whole samples), the
+    image features are merged into the embeddings of the whole sequence and the 3-D (mrope) positions computed over
+    it; then, at the entry of the language model, each rank keeps its contiguous 1/k of the tokens. The language
+    model's attention is the Ulysses wrapper; the tower's stays the configured one."""
+    language_model = vision_tower_owner(model).language_model
+    size, rank = group.size(), group.rank()
+
+    def split(module, args, kwargs):
+        embeds = kwargs["inputs_embeds"]
+        length = embeds.shape[1]
+        local = slice(rank * length // size, (rank + 1) * length // size)
+        positions = kwargs.get("position_ids")
+        if positions is None:  # no image: the model would number the local slice from 0
+            positions = torch.arange(length, device=embeds.device).expand(3, embeds.shape[0], -1)
+        kwargs["inputs_embeds"] = embeds[:, local]
+        kwargs["position_ids"] = positions[..., local]
+        kwargs["attention_mask"] = None  # right padding under causal attention needs none (parallel/ulysses.py)
+        masks = kwargs.get("visual_pos_masks")
+        if masks is not None:  # Qwen3-VL's deepstack: the visual rows of this slice
+            mine = torch.zeros_like(masks)
+            mine[:, local] = True
+            keep = mine[masks]
+            kwargs["visual_pos_masks"] = masks[:, local]
+            kwargs["deepstack_visual_embeds"] = [e[keep] for e in kwargs["deepstack_visual_embeds"]]
+        return args, kwargs
+
+    language_model.register_forward_pre_hook(split, with_kwargs=True)
+
+
+def shard_vision_batch(batch: dict[str, torch.Tensor], group: ProcessGroup) -> dict[str, torch.Tensor]:
+    """A VL micro-batch for Ulysses: the whole token sequence (the tower and the mrope positions need it), padded at
+    the end to a multiple of k with non-target text tokens, and this rank's 1/k of the labels."""
+    import torch.nn.functional as F
+
+    from fsdp2kit.data.dataset import IGNORE_INDEX
+
+    size, rank = group.size(), group.rank()
+    length = batch["input_ids"].shape[1]
+    pad = -length % size
+    sharded = dict(batch)
+    for key, value in (("input_ids", 0), ("attention_mask", 0), ("mm_token_type_ids", 0), ("labels", IGNORE_INDEX)):
+        if key in batch:
+            sharded[key] = F.pad(batch[key], (0, pad), value=value)
+    total = length + pad
+    sharded["labels"] = sharded["labels"][:, rank * total // size : (rank + 1) * total // size]
+    return sharded
