@@ -20,15 +20,15 @@ _TOKEN_IDS = {token: VOCAB_SIZE + i for i, token in enumerate(VISION_TOKENS)}
 # Qwen's chat format: a turn is `<|im_start|>role\n...<|im_end|>\n`, an image
 # `<|vision_start|><|image_pad|><|vision_end|>` (the data pipeline repeats `<|image_pad|>` once per merged patch).
 CHAT_TEMPLATE = (
-    "{%- for message in messages -%}"
+    "{% for message in messages %}"
     "<|im_start|>{{ message['role'] }}\n"
-    "{%- if message['content'] is string %}{{ message['content'] }}"
-    "{%- else %}{%- for item in message['content'] %}"
-    "{%- if item['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
-    "{%- elif item['type'] == 'text' %}{{ item['text'] }}{%- endif %}"
-    "{%- endfor %}{%- endif %}<|im_end|>\n"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for item in message['content'] %}"
+    "{% if item['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif item['type'] == 'text' %}{{ item['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
 _TEXT: dict[str, Any] = {
@@ -105,7 +105,7 @@ def builtin_processor_dir(model_type: str, patch_size: int) -> Path:
     from transformers import AutoTokenizer
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    path = cache_dir() / f"processor-{model_type}-{len(VISION_TOKENS)}"
+    path = cache_dir() / f"processor-{model_type}-v2"  # v2: the chat template keeps its newlines
     base = tokenizer_dir()
     with _locked("processor"):
         if not (path / "preprocessor_config.json").exists():
