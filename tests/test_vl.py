@@ -18,13 +18,14 @@ import yaml
 from conftest import REPO, process_group, read_metrics, run_cli
 
 from fsdp2kit.check import describe
+from fsdp2kit.config.load import load_config
 from fsdp2kit.config.schema import DataConfig, JobConfig, TrainingConfig
 from fsdp2kit.data.vl import VLEncoder, load_conversations
 from fsdp2kit.distributed import free_port
 from fsdp2kit.errors import UserError
-from fsdp2kit.infer.logprobs import sample_logprobs
+from fsdp2kit.infer.logprobs import infer, sample_logprobs
 from fsdp2kit.models.export import export_hf
-from fsdp2kit.train.loop import token_loss_sum
+from fsdp2kit.train.loop import token_loss_sum, train
 from fsdp2kit.train.optim import build_optimizer
 from fsdp2kit.train.setup import build_sharded_model
 
@@ -86,6 +87,23 @@ def test_mindspeed_patterns_pick_the_visual_blocks():
         "model.visual.blocks.1",
         "model.language_model.layers.0",
         "model.language_model.layers.1",
+    ]
+
+
+def test_other_stacks_names_of_the_tower_and_language_model_map_onto_the_plan():
+    """ROLL's `freeze_module_prefix: vision_model` and MindSpeed-MM's Qwen2.5-VL file (its own module names:
+    `image_encoder`, `text_decoder.decoder.layers.{*}`) read as transformers' paths, each reading noted."""
+    strategy = {"sub_modules_to_wrap": ["text_decoder.decoder.layers.{*}"], "ignored_modules": ["image_encoder"]}
+    with process_group() as runtime:
+        plan = describe(job(strategy=strategy, freeze_module_prefix="vision_model"), runtime)
+    assert plan["sharded_modules"] == ["", "model.language_model.layers.0", "model.language_model.layers.1"]
+    assert plan["ignored_modules"] == ["model.visual"]
+    assert plan["frozen_parameters"] == 257344  # the whole tower (docs/vl.md)
+    assert plan["notes"] == [
+        "strategy_config.ignored_modules: 'image_encoder' read as 'model.visual'",
+        "strategy_config.sub_modules_to_wrap: 'text_decoder.decoder.layers.{*}' read as "
+        "'model.language_model.layers.{*}'",
+        "model.freeze_module_prefix: 'vision_model' read as 'model.visual'",
     ]
 
 
@@ -160,6 +178,17 @@ def test_frozen_tower_has_no_gradients_and_no_optimizer_state(dataset):
     assert measured[False] == 2 * 4 * everything > measured[True]
 
 
+def run(config: Path, ranks: int, command: str, *settings: str) -> None:
+    """The command on 2 ranks through the command line; 1 rank in this process (the same code, no start-up cost)."""
+    if ranks > 1:
+        result = run_cli(command, config, "--nproc", ranks, *(a for s in settings for a in ("--set", s)), timeout=300)
+        assert result.returncode == 0, result.stderr[-3000:]
+        return
+    cfg = load_config(config, list(settings))
+    with process_group() as runtime:
+        (train if command == "train" else infer)(cfg, runtime)
+
+
 def hf_logprobs(folder: Path, batches: list[dict]) -> list[float]:
     from transformers import AutoModelForImageTextToText
 
@@ -214,8 +243,7 @@ def test_infer_on_1_and_2_ranks_matches_transformers(dataset, tmp_path):
     )
     for ranks in (1, 2):  # 2 ranks: 3 and 2 samples, so rank 1 runs one text-only dummy batch at the end
         out = tmp_path / f"infer{ranks}"
-        result = run_cli("infer", config, "--nproc", ranks, "--set", f"training.output_dir={out}", timeout=240)
-        assert result.returncode == 0, result.stderr[-3000:]
+        run(config, ranks, "infer", f"training.output_dir={out}")
         records = [json.loads(line) for line in (out / "infer.jsonl").read_text().splitlines()][:-1]
         torch.testing.assert_close([r["sum_logprob"] for r in records], expected, rtol=1e-4, atol=1e-4)
 
@@ -239,19 +267,14 @@ def training_config(dataset, tmp_path_factory) -> Path:
 
 def train_losses(config: Path, out: Path, ranks: int, *settings: str) -> list[float]:
     accumulation = 2 // ranks if "model.ulysses_size=2" not in settings else 2
-    result = run_cli(
-        "train",
+    run(
         config,
-        "--nproc",
         ranks,
-        "--set",
+        "train",
         f"training.gradient_accumulation_steps={accumulation}",
-        "--set",
         f"training.output_dir={out}",
-        *(arg for setting in settings for arg in ("--set", setting)),
-        timeout=300,
+        *settings,
     )
-    assert result.returncode == 0, result.stderr[-3000:]
     return [record["loss"] for record in read_metrics(out)]
 
 

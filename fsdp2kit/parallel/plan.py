@@ -14,7 +14,7 @@ import torch.nn as nn
 from fsdp2kit.config.schema import ModelConfig, StrategyConfig
 from fsdp2kit.errors import UserError
 from fsdp2kit.parallel.moe import expert_class_choices, is_moe_block, separately_wrapped_experts
-from fsdp2kit.parallel.vision import projector_modules
+from fsdp2kit.parallel.vision import projector_modules, translate_vl_path
 
 _SEGMENT_RANGE = re.compile(r"\{(\d+)-(\d+)\}")
 _SEGMENT_LIST = re.compile(r"\{(\d+(?:\s*,\s*\d+)*)\}")
@@ -36,13 +36,19 @@ def compile_pattern(pattern: str) -> re.Pattern:
     return re.compile(r"\.".join(_segment_regex(s) for s in pattern.split(".")))
 
 
-def match_modules(model: nn.Module, patterns: list[str], key: str) -> list[str]:
-    """Module paths (in forward/definition order) matched by any pattern; a pattern matching nothing is an error."""
+def match_modules(model: nn.Module, patterns: list[str], key: str, notes: list[str] | None = None) -> list[str]:
+    """Module paths (in forward/definition order) matched by any pattern; a pattern matching nothing is an error,
+    unless it names a VL model's tower or language model as another stack does (`translate_vl_path`, noted)."""
     names = [name for name, _ in model.named_modules() if name]
     matched: set[str] = set()
     for pattern in patterns:
         regex = compile_pattern(pattern)
         hits = [n for n in names if regex.fullmatch(n)]
+        translated = None if hits else translate_vl_path(model, pattern)
+        if translated:
+            hits = [n for n in names if compile_pattern(translated).fullmatch(n)]
+            if hits and notes is not None:
+                notes.append(f"strategy_config.{key}: '{pattern}' read as '{translated}'")
         if not hits:
             example = next((n for n in names if n.count(".") == pattern.count(".")), names[0] if names else "")
             raise UserError(
@@ -246,19 +252,20 @@ def build_plan(model: nn.Module, strategy: StrategyConfig, model_cfg: ModelConfi
     if strategy.pin_memory and not strategy.offload_policy:
         raise UserError("strategy_config.pin_memory: true only applies with offload_policy: true")
 
-    ignored = match_modules(model, strategy.ignored_modules, "ignored_modules")
+    notes: list[str] = []
+    ignored = match_modules(model, strategy.ignored_modules, "ignored_modules", notes)
     custom = callable(getattr(model, "_fully_shard", None))
     if custom:
         _no_selection_keys(strategy, type(model).__name__)
     selected: list[str] = []
     experts: list[str] = []
     if not custom:
-        selected += match_modules(model, strategy.sub_modules_to_wrap, "sub_modules_to_wrap")
+        selected += match_modules(model, strategy.sub_modules_to_wrap, "sub_modules_to_wrap", notes)
         classes = strategy.wrap_policy.transformer_layer_cls_to_wrap
         policy = strategy.wrap_policy
         if not (classes or strategy.sub_modules_to_wrap or policy.min_num_params or policy.no_wrap):
             classes = _layer_classes(model)  # a VL model's list names its vision block too
-            if getattr(model.config, "vision_config", None) is not None:
+            if getattr(getattr(model, "config", None), "vision_config", None) is not None:
                 selected += projector_modules(model)
         selected += modules_of_classes(model, classes, "strategy_config.wrap_policy.transformer_layer_cls_to_wrap")
         experts = _moe_experts(model, strategy.wrap_policy.moe_experts)
@@ -287,7 +294,6 @@ def build_plan(model: nn.Module, strategy: StrategyConfig, model_cfg: ModelConfi
     order = [n for n, _ in model.named_modules()]
     names = sorted(set(selected), key=order.index)
     groups: list[tuple[str, ...]] = [(n,) for n in names]
-    notes: list[str] = []
     if extra:
         # A weight shared by the embeddings and the LM head must live in one shard group, or the tie breaks.
         if embed is not None and head is not None and _tied(model, embed, head):
@@ -300,7 +306,7 @@ def build_plan(model: nn.Module, strategy: StrategyConfig, model_cfg: ModelConfi
     if strategy.num_to_backward_prefetch == 0:
         notes.append("num_to_backward_prefetch 0 acts as 1: FSDP2 always prefetches the previous group in backward")
 
-    recompute = match_modules(model, strategy.recompute_modules, "recompute_modules")
+    recompute = match_modules(model, strategy.recompute_modules, "recompute_modules", notes)
     if model_cfg.gradient_checkpointing:
         recompute = sorted(
             set(recompute) | set(modules_of_classes(model, _layer_classes(model), "model.gradient_checkpointing")),
@@ -317,6 +323,10 @@ def build_plan(model: nn.Module, strategy: StrategyConfig, model_cfg: ModelConfi
     frozen: list[str] = []
     for prefix in model_cfg.freeze_module_prefix:
         hits = [n for n, _ in model.named_parameters() if n == prefix or n.startswith(prefix.rstrip(".") + ".")]
+        translated = None if hits else translate_vl_path(model, prefix.rstrip("."))
+        if translated:  # ROLL's `freeze_module_prefix: vision_model`
+            hits = [n for n, _ in model.named_parameters() if n.startswith(translated + ".")]
+            notes.append(f"model.freeze_module_prefix: '{prefix}' read as '{translated}'")
         if not hits:
             raise UserError(f"model.freeze_module_prefix: '{prefix}' is the prefix of no parameter")
         frozen += hits
@@ -344,6 +354,6 @@ def build_plan(model: nn.Module, strategy: StrategyConfig, model_cfg: ModelConfi
         backward_prefetch=strategy.num_to_backward_prefetch,
         use_reentrant=use_reentrant,
         custom=custom,
-        vision_patch=getattr(model.config, "vision_config", None) is not None,
+        vision_patch=getattr(getattr(model, "config", None), "vision_config", None) is not None,
         notes=notes,
     )

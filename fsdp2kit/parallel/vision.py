@@ -36,6 +36,38 @@ def projector_modules(model: nn.Module) -> list[str]:
     return [n for n in names if not any(n.startswith(outer + ".") for outer in names)]
 
 
+# Other stacks' names for a VL model's two halves, read as transformers' module paths: ROLL's `vision_model`, LLaVA's
+# `vision_tower`, MindSpeed-MM's `image_encoder`/`text_decoder` (its own Qwen2.5-VL) and `language_model.model`
+# (InternVL) or `language_model` (Mistral3), all relative to the model that holds the tower.
+_HALF_ALIASES = {
+    "vision_model": "tower",
+    "visual": "tower",
+    "vision_tower": "tower",
+    "image_encoder": "tower",
+    "image_encoder.encoder": "tower",
+    "language_model": "language",
+    "language_model.model": "language",
+    "text_decoder": "language",
+    "text_decoder.decoder": "language",
+}
+
+
+def translate_vl_path(model: nn.Module, pattern: str) -> str | None:
+    """`pattern` with another stack's name of the vision tower or language model replaced by the model's own path
+    (`vision_model.blocks.{*}` -> `model.visual.blocks.{*}`); None if it names neither or the model is not VL."""
+    inner = getattr(model, "model", None)
+    if getattr(getattr(model, "config", None), "vision_config", None) is None or inner is None:
+        return None
+    names = {id(m): n for n, m in model.named_modules()}
+    tower = next((getattr(inner, a) for a in ("visual", "vision_tower", "vision_model") if hasattr(inner, a)), None)
+    language = getattr(inner, "language_model", None)
+    targets = {"tower": names.get(id(tower)), "language": names.get(id(language))}
+    for alias in sorted(_HALF_ALIASES, key=len, reverse=True):
+        if (pattern == alias or pattern.startswith(alias + ".")) and targets[_HALF_ALIASES[alias]]:
+            return f"{targets[_HALF_ALIASES[alias]]}{pattern[len(alias) :]}"
+    return None
+
+
 def _dummy_image(inner: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """Pixel rows and grid of the smallest image the tower takes: one merged patch (merge x merge patches)."""
     vision = inner.config.vision_config
