@@ -120,11 +120,18 @@ def load_conversations(cfg: DataConfig) -> list[Conversation]:
             "data.pack: vision-language samples are not packed (each sample's image features stay with its own "
             "tokens); set data.pack: false"
         )
-    source = Path(cfg.source)
-    if source.suffix != ".jsonl" or not source.is_file():
-        raise UserError(
-            f"data.source: a vision-language model trains on a .jsonl file of conversations; '{source}' is not one"
-        )
+    sources = [Path(cfg.source)] if isinstance(cfg.source, str) else [Path(f) for f in cfg.source]
+    conversations: list[Conversation] = []
+    for source in sources:
+        if source.suffix != ".jsonl" or not source.is_file():
+            raise UserError(
+                f"data.source: a vision-language model trains on .jsonl files of conversations; '{source}' is not one"
+            )
+        conversations += _read_conversations(source)
+    return conversations[: cfg.max_samples]
+
+
+def _read_conversations(source: Path) -> list[Conversation]:
     conversations = []
     for number, line in enumerate(source.read_text().splitlines(), 1):
         if not line.strip():
@@ -149,8 +156,6 @@ def load_conversations(cfg: DataConfig) -> list[Conversation]:
             if not path.is_file():
                 raise UserError(f"data.source: {where} names image '{path}', which does not exist")
         conversations.append(conversation)
-        if cfg.max_samples is not None and len(conversations) == cfg.max_samples:
-            break
     return conversations
 
 
