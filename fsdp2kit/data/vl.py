@@ -276,8 +276,7 @@ class VLEncoder:
 class VLGlobalBatches(GlobalBatches):
     """GlobalBatches over conversations, each encoded (its images read) when its micro-batch is built."""
 
-    encoder: VLEncoder | None = None  # set before the first batch
+    encoder: VLEncoder
 
     def collate_indices(self, indices: list[int]) -> dict[str, torch.Tensor]:
-        assert self.encoder is not None
         return self.encoder.collate([self.encoder.encode(self.samples[i]) for i in indices], self.pad_id)

@@ -73,12 +73,8 @@ def train(cfg: JobConfig, runtime: Runtime) -> None:
     # A vision-language model's conversations are encoded (images read) as their batches are built.
     tokenizer = load_tokenizer(sharded.source.tokenizer_path)
     vision = sharded.plan.vision_patch
-    samples = (
-        load_conversations(cfg.data) if vision else tokenize_samples(load_documents(cfg.data), tokenizer, cfg.data)
-    )
     layout = sharded.layout
-    batches = (VLGlobalBatches if vision else GlobalBatches)(
-        samples,
+    order = (
         tc.per_device_train_batch_size,
         tc.gradient_accumulation_steps,
         layout.data_parallel_size,
@@ -87,8 +83,12 @@ def train(cfg: JobConfig, runtime: Runtime) -> None:
         cfg.data.shuffle,
         tokenizer.pad_token_id or 0,
     )
+    batches: GlobalBatches
     if vision:
-        batches.encoder = VLEncoder.load(sharded.source.tokenizer_path, sharded.source.hf_config, cfg.data.seq_len)
+        encoder = VLEncoder.load(sharded.source.tokenizer_path, sharded.source.hf_config, cfg.data.seq_len)
+        batches = VLGlobalBatches(load_conversations(cfg.data), *order, encoder=encoder)
+    else:
+        batches = GlobalBatches(tokenize_samples(load_documents(cfg.data), tokenizer, cfg.data), *order)
     total_steps = tc.max_steps if tc.max_steps > 0 else max(1, int(tc.num_train_epochs * batches.steps_per_epoch))
     scheduler = build_scheduler(optimizer, tc, total_steps)
 
