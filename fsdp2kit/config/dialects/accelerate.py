@@ -415,3 +415,9 @@ def _fsdp_options(translation: Translation, value: Any, key: Written) -> None:
         translation.set(f"{STRATEGY_CONFIG}.{native}", new_value, key)
     summary = ", ".join(f"{native}={new_value!r}" for native, new_value in mapped) or "the default plan"
     translation.note(f"mapped {key}={value!r} → {STRATEGY_CONFIG}: {summary}")
+    fsdp1_only = [o for o in options if str(o).upper() in ("HYBRID_SHARD", "HYBRID_SHARD_ZERO2", "NO_SHARD")]
+    if fsdp1_only:
+        translation.note(
+            f"{key}: transformers takes {fsdp1_only[0]} only with fsdp_config version 1 (FSDP1); "
+            "fsdp2kit runs it with FSDP2 on its mesh"
+        )
