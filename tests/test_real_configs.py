@@ -60,9 +60,18 @@ ACCELERATE_LAYERS = {  # TRANSFORMER_BASED_WRAP of _no_split_modules, FULL_SHARD
 }
 FULL_PRECISION = {**ACCELERATE_LAYERS, "mixed_precision": ["float32", "float32", None, True]}
 ROOT_ONLY = {**FULL_PRECISION, "sharded_modules": [""]}  # Accelerate without fsdp_config: NO_WRAP
-MINDSPEED_AUTO = {  # sharding_size auto over 4 ranks; the file lists no sub_modules_to_wrap (noted)
+# Qwen2.5-VL / Qwen3-VL: _no_split_modules (vision blocks, decoder layers) and fsdp2kit's projector group (issue 15's
+# VL plan; ROLL and MindSpeed-MM leave the merger in the root group); untied embeddings (ROLL); vision groups uncast.
+VL_TOWER = ["model.visual.blocks.0", "model.visual.blocks.1", "model.visual.merger"]
+VL_LAYERS = ["model.language_model.layers.0", "model.language_model.layers.1"]
+ROLL_VL = {
+    **ROLL_DENSE,
+    "sharded_modules": ["", *VL_TOWER, "model.language_model.embed_tokens", *VL_LAYERS],
+    "recompute_modules": [*VL_TOWER[:2], *VL_LAYERS],
+}
+MINDSPEED_VL = {
     "mesh": [4],
-    "sharded_modules": ["", *LAYERS],
+    "sharded_modules": ["", *VL_TOWER, "model.visual.deepstack_merger_list.0", *VL_LAYERS],
     "reshard_after_forward": True,
     "mixed_precision": ["bfloat16", "float32", None, True],
     "offload": [False, False],
@@ -120,11 +129,11 @@ EXPECTED: dict[str, tuple[str, int, dict | str]] = {
         2,
         LORA.format("o_proj,q_proj,k_proj,v_proj"),
     ),
-    "roll/examples/qwen2.5-vl-7B-distill/distill_vl_fsdp2.yaml": ("tiny-qwen3", 2, ROLL_DENSE),
+    "roll/examples/qwen2.5-vl-7B-distill/distill_vl_fsdp2.yaml": ("tiny-qwen2.5-vl", 2, ROLL_VL),
     "roll/examples/qwen2_5-vl-3B-rlvr_fsdp2/rlvr_fsdp2_offload.yaml": (
-        "tiny-qwen3",
+        "tiny-qwen2.5-vl",
         2,
-        "'actor_train.model_args.freeze_module_prefix': 'model.visual' is the prefix of no parameter",
+        {**ROLL_VL, "frozen_modules": ["model.visual"]},
     ),
     "roll/examples/qwen3-30BA3B-rlvr_fsdp2/rlvr_config.yaml": ("tiny-qwen3-moe", 4, {**ROLL_MOE, "mesh": [4]}),
     "roll/examples/qwen3-30BA3B-rlvr_fsdp2/rlvr_config_ep.yaml": (
@@ -164,9 +173,9 @@ EXPECTED: dict[str, tuple[str, int, dict | str]] = {
         LORA.format("q_proj, k_proj, v_proj, o_proj"),
     ),
     "roll/tests/distributed/strategy/log_probs/log_probs_fsdp_vlm_cp2_config.yaml": (
-        "tiny-qwen3",
+        "tiny-qwen2.5-vl",
         2,
-        "'actor_train.model_args.freeze_module_prefix': 'vision_model' is the prefix of no parameter",
+        {**ROLL_VL, "frozen_modules": ["vision_model"]},  # ROLL's name of the tower, read as model.visual
     ),
     "roll/tests/distributed/strategy/model_update/model_update_fsdp.yaml": ("tiny-qwen3", 2, OFFLOAD_CPU),
     # MindSpeed-MM fsdp2_config.yaml: module paths of its own model families; sharding_size must divide the world.
@@ -176,30 +185,30 @@ EXPECTED: dict[str, tuple[str, int, dict | str]] = {
         "'recompute_modules' = 'mindspeed_mm.models.omni.mllms.bagel_qwen2_mot.Qwen2MoTDecoderLayer' is a class path; "
         "fsdp2kit reads module paths here (such as model.layers.{*})",
     ),
-    "mindspeed_mm/examples/glm4.5v/fsdp2_config.yaml": ("tiny-qwen3", 4, {**MINDSPEED_AUTO, "prefetch": [0, 0]}),
+    "mindspeed_mm/examples/glm4.5v/fsdp2_config.yaml": ("tiny-qwen3-vl", 4, {**MINDSPEED_VL, "prefetch": [0, 0]}),
     "mindspeed_mm/examples/hunyuanvideo_1.5/fsdp2_config.yaml": ("tiny-qwen3", 4, NOT_DIVIDING),
     "mindspeed_mm/examples/internvl3.5/fsdp2_config.yaml": (
-        "tiny-qwen3",
+        "tiny-qwen2.5-vl",
         4,
-        no_match("sub_modules_to_wrap", "vision_model.embeddings", "model.embed_tokens"),
+        no_match("sub_modules_to_wrap", "vision_model.embeddings", "model.visual"),
     ),
     "mindspeed_mm/examples/magistral-2509/fsdp2_config.yaml": (
-        "tiny-qwen3",
+        "tiny-qwen2.5-vl",
         4,
-        no_match("sub_modules_to_wrap", "language_model.embed_tokens", "model.embed_tokens"),
+        no_match("sub_modules_to_wrap", "vision_tower.transformer.layers.{*}", "model.visual.patch_embed.proj"),
     ),
     "mindspeed_mm/examples/magistral-2509/fsdp2_lora_config.yaml": (
-        "tiny-qwen3",
+        "tiny-qwen2.5-vl",
         4,
-        no_match("sub_modules_to_wrap", "language_model.embed_tokens", "model.embed_tokens"),
+        no_match("sub_modules_to_wrap", "vision_tower.transformer.layers.{*}", "model.visual.patch_embed.proj"),
     ),
     "mindspeed_mm/examples/qwen2.5vl/fsdp2_config.yaml": (
-        "tiny-qwen3",
+        "tiny-qwen2.5-vl",
         4,
-        no_match("ignored_modules", "image_encoder", "model"),
+        no_match("sub_modules_to_wrap", "text_decoder.output_layer", "model.visual"),
     ),
-    "mindspeed_mm/examples/qwen3omni/fsdp2_config.yaml": ("tiny-qwen3", 4, MINDSPEED_AUTO),
-    "mindspeed_mm/examples/qwen3vl/fsdp2_config.yaml": ("tiny-qwen3", 4, MINDSPEED_AUTO),
+    "mindspeed_mm/examples/qwen3omni/fsdp2_config.yaml": ("tiny-qwen3-vl", 4, MINDSPEED_VL),
+    "mindspeed_mm/examples/qwen3vl/fsdp2_config.yaml": ("tiny-qwen3-vl", 4, MINDSPEED_VL),
     "mindspeed_mm/examples/vace/fsdp2_config.yaml": ("tiny-qwen3", 4, NOT_DIVIDING),
     "mindspeed_mm/examples/wan2.1/fsdp2_config.yaml": (
         "tiny-qwen3",
