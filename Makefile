@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install train test lint clean
+.PHONY: install train test lint bench clean
 
 install: $(STAMP)
 
@@ -26,6 +26,12 @@ lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
+
+# The CPU benchmarks, each printing one JSON object (docs/PERFORMANCE.md); benchmarks/gpu_suite.sh is the GPU set.
+bench: install
+	$(BIN)/python -m pip install --quiet -e '.[bench]'
+	for b in memory_scaling vs_raw_fsdp2 vs_fsdp1 vs_accelerate checkpoint_stall load_export_memory; do \
+		OMP_NUM_THREADS=1 $(BIN)/python benchmarks/$$b.py || exit 1; done
 
 clean:
 	rm -rf runs .pytest_cache

@@ -1,0 +1,155 @@
+"""What the side-by-side benchmarks share: one HF model folder (so every stack starts from the same weights), an
+fsdp2kit run and a reference-loop run on the same data, interleaved repeats, and the ratios of their medians."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+# The issue's model: a 25M-parameter Llama (7 layers of 512, 4096-token vocabulary), fp32.
+LLAMA_25M = {
+    "hidden_size": 512,
+    "intermediate_size": 1376,
+    "num_hidden_layers": 7,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+}
+LR = 1e-3
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Per rank and step: `accumulation` micro-batches of `batch` samples of `seq_len` tokens (the issue's run:
+    256 tokens, 4 x 2), for `steps` optimizer steps."""
+
+    seq_len: int = 256
+    batch: int = 4
+    accumulation: int = 2
+    steps: int = 6
+
+
+def model_folder(root: Path) -> Path:
+    """The builtin tiny Llama's architecture at 25M parameters, seeded, saved with the builtin tokenizer."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from fsdp2kit.data.builtin import tokenizer_dir
+    from fsdp2kit.models.builtin import BUILTIN_MODELS
+
+    folder = root / "llama25m"
+    settings = {**BUILTIN_MODELS["tiny-llama"], **LLAMA_25M}
+    config = AutoConfig.for_model(settings.pop("model_type"), **settings)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    for file in tokenizer_dir().iterdir():
+        (folder / file.name).write_bytes(file.read_bytes())
+    return folder
+
+
+def _env() -> dict[str, str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    return env
+
+
+def run_fsdp2kit(model: Path, nproc: int, work: Workload, out: Path, extra: list[str] = ()) -> dict:  # type: ignore[assignment]
+    sets = [
+        f"model.name_or_path={model}",
+        "model.dtype=fp32",
+        f"data.seq_len={work.seq_len}",
+        f"training.per_device_train_batch_size={work.batch}",
+        f"training.gradient_accumulation_steps={work.accumulation}",
+        f"training.learning_rate={LR}",
+        "training.weight_decay=0.0",
+        "training.warmup_steps=0",
+        "training.lr_scheduler_type=constant",
+        f"training.max_steps={work.steps}",
+        "training.save_steps=0",
+        "training.export_hf=false",
+        "training.report_to=[]",
+        "training.resume=never",
+        f"training.output_dir={out}",
+        *extra,
+    ]
+    command = [sys.executable, "-m", "fsdp2kit", "train", "examples/demo.yaml", "--nproc", str(nproc)]
+    command += [arg for item in sets for arg in ("--set", item)]
+    subprocess.run(command, cwd=REPO, env=_env(), check=True, capture_output=True)
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return {
+        "tokens_per_s": [r["tokens_per_s"] for r in records],
+        "losses": [r["loss"] for r in records],
+        # the process's peak RSS on CPU (what the reference loops report there), the allocator's peak on CUDA
+        "peak_mem_bytes": max(r.get("peak_rss_bytes", r["peak_mem_bytes"]) for r in records),
+    }
+
+
+def run_reference(impl: str, model: Path, nproc: int, work: Workload, out: Path) -> dict:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    command += [str(REPO / "benchmarks" / "reference_loop.py"), "--impl", impl, "--model", str(model)]
+    command += ["--out", str(out), "--steps", str(work.steps), "--seq-len", str(work.seq_len)]
+    command += ["--batch", str(work.batch), "--accumulation", str(work.accumulation), "--lr", str(LR)]
+    subprocess.run(command, cwd=REPO, env=_env(), check=True, capture_output=True)
+    return json.loads(out.read_text())
+
+
+def compare(ours: list[dict], theirs: list[dict]) -> dict:
+    """Ratios of medians (steady-state steps: the first, which warms up, is left out) and the largest relative
+    difference of any step's loss between any pair of runs."""
+
+    def median_tps(runs: list[dict]) -> float:
+        return statistics.median(t for run in runs for t in run["tokens_per_s"][1:])
+
+    def median_mem(runs: list[dict]) -> float:
+        return statistics.median(run["peak_mem_bytes"] for run in runs)
+
+    loss_diff = max(
+        abs(a - b) / abs(b) for x in ours for y in theirs for a, b in zip(x["losses"], y["losses"], strict=True)
+    )
+    return {
+        "ratio_tokens_per_s": median_tps(ours) / median_tps(theirs),
+        "ratio_peak_mem": median_mem(ours) / median_mem(theirs),
+        "loss_max_rel_diff": loss_diff,
+        "tokens_per_s": {"fsdp2kit": median_tps(ours), "reference": median_tps(theirs)},
+        "peak_mem_bytes": {"fsdp2kit": median_mem(ours), "reference": median_mem(theirs)},
+    }
+
+
+def side_by_side(impl: str, world_sizes: list[int], repeats: int, work: Workload, workdir: Path) -> dict:
+    """fsdp2kit and the reference loop alternately, `repeats` times at each world size."""
+    model = model_folder(workdir)
+    results: dict = {}
+    for nproc in world_sizes:
+        ours, theirs = [], []
+        for repeat in range(repeats):
+            ours.append(run_fsdp2kit(model, nproc, work, workdir / f"ours_{nproc}_{repeat}"))
+            theirs.append(run_reference(impl, model, nproc, work, workdir / f"{impl}_{nproc}_{repeat}.json"))
+        results[str(nproc)] = compare(ours, theirs)
+        if "accelerate_mode" in theirs[0]:
+            results[str(nproc)]["accelerate_mode"] = theirs[0]["accelerate_mode"]
+    return results
+
+
+def main(impl: str, name: str) -> None:
+    """The command line of each side-by-side benchmark; prints its one JSON object."""
+    import argparse
+    import tempfile
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--accumulation", type=int, default=2)
+    args = parser.parse_args()
+    work = Workload(args.seq_len, args.batch, args.accumulation, args.steps)
+    with tempfile.TemporaryDirectory(prefix="fsdp2kit-bench-") as workdir:
+        results = side_by_side(impl, args.world_sizes, args.repeats, work, Path(workdir))
+    print(json.dumps({"benchmark": name, "reference": impl, "workload": work.__dict__, "world_sizes": results}))

@@ -1,0 +1,161 @@
+"""The hand-written training loops fsdp2kit is compared with, one rank of them (start it with torchrun).
+
+Each takes the same HF model folder (same initial weights), the same micro-batches (fsdp2kit's data pipeline, so the
+tokens are identical), AdamW with the same settings, a constant learning rate, clipping at 1.0, and the loss summed
+over tokens and divided by the global target-token count, as fsdp2kit does:
+
+- `fsdp2`: `fully_shard` on each decoder layer, then the root (about 30 lines: what a user would write by hand);
+- `fsdp1`: torch's `FullyShardedDataParallel`, FULL_SHARD, transformer auto-wrap on the decoder layer class;
+- `accelerate`: `Accelerator().prepare(...)` with `accumulate()`; on a CPU-only machine Accelerate runs DDP.
+
+Rank 0 writes one JSON object to --out: per-step tokens/s and losses, its peak memory, and Accelerate's mode.
+On a GPU each rank uses its CUDA device (NCCL); on CPU, gloo.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import resource
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM
+
+
+def micro_batches_per_step(args: argparse.Namespace, rank: int, world_size: int):
+    from fsdp2kit.config.schema import DataConfig
+    from fsdp2kit.data.builtin import tokenizer_dir
+    from fsdp2kit.data.dataset import GlobalBatches, load_documents, load_tokenizer, tokenize_samples
+
+    data = DataConfig(source="builtin:corpus", seq_len=args.seq_len)
+    tokenizer = load_tokenizer(tokenizer_dir())
+    samples = tokenize_samples(load_documents(data), tokenizer, data)
+    batches = GlobalBatches(
+        samples, args.batch, args.accumulation, world_size, rank, args.seed, True, tokenizer.pad_token_id or 0
+    )
+    return [batches.micro_batches(step) for step in range(args.steps)]
+
+
+def loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    logits = model(**inputs, use_cache=False).logits
+    return F.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten(), ignore_index=-100, reduction="sum")
+
+
+def wrap(model: torch.nn.Module, impl: str, device: torch.device):
+    """The model as each stack shards it, and the clip function it offers."""
+    layer_class = type(model.model.layers[0])
+    if impl == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        return model, torch.nn.utils.clip_grad_norm_
+    if impl == "fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
+        from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+
+        wrapped = FullyShardedDataParallel(
+            model,
+            sharding_strategy=ShardingStrategy.FULL_SHARD,
+            auto_wrap_policy=functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={layer_class}),
+            device_id=device,
+            use_orig_params=True,
+        )
+        return wrapped, lambda params, norm: wrapped.clip_grad_norm_(norm)
+    raise ValueError(impl)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--impl", choices=["fsdp2", "fsdp1", "accelerate"], required=True)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--accumulation", type=int, default=2)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--seed", type=int, default=42)
+    args = parser.parse_args()
+    from fsdp2kit.distributed import return_large_frees_to_os
+
+    return_large_frees_to_os()  # the same allocator setting fsdp2kit's CPU ranks use
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
+    accelerator = None
+    if args.impl == "accelerate":
+        from accelerate import Accelerator
+
+        accelerator = Accelerator(gradient_accumulation_steps=args.accumulation, cpu=not cuda)
+    else:
+        if cuda:
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if cuda else "gloo")
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    steps = micro_batches_per_step(args, rank, world_size)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).to(device)
+    model.train()
+    if accelerator is None:
+        model, clip = wrap(model, args.impl, device)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0, foreach=True)
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0, foreach=True)
+        model, optimizer = accelerator.prepare(model, optimizer)
+        clip = accelerator.clip_grad_norm_
+
+    tokens_per_s, losses = [], []
+    for micro_batches in steps:
+        started = time.perf_counter()
+        micro_batches = [{k: v.to(device) for k, v in mb.items()} for mb in micro_batches]
+        targets_here = sum(int((mb["labels"] != -100).sum()) for mb in micro_batches)
+        counts = torch.tensor(
+            [targets_here, sum(mb["input_ids"].numel() for mb in micro_batches)], dtype=torch.float64, device=device
+        )
+        dist.all_reduce(counts)
+        targets, tokens = counts.tolist()
+        total = torch.zeros((), dtype=torch.float64, device=device)
+        for index, batch in enumerate(micro_batches):
+            last = index == len(micro_batches) - 1
+            if accelerator is not None:
+                with accelerator.accumulate(model):
+                    micro = loss_sum(model, batch)
+                    # Accelerate divides the loss by the accumulation steps itself: undo that to match the others.
+                    accelerator.backward(micro * world_size * args.accumulation / targets)
+            else:
+                if hasattr(model, "set_requires_gradient_sync"):
+                    model.set_requires_gradient_sync(last)
+                micro = loss_sum(model, batch)
+                (micro * world_size / targets).backward()
+            total += micro.detach().double()
+        dist.all_reduce(total)
+        clip(list(model.parameters()), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(total.item() / targets)
+        tokens_per_s.append(tokens / (time.perf_counter() - started))
+    if rank == 0:
+        result = {
+            "tokens_per_s": tokens_per_s,
+            "losses": losses,
+            # the CUDA allocator's peak on a GPU, the process's peak RSS on CPU (as fsdp2kit's peak_rss_bytes)
+            "peak_mem_bytes": torch.cuda.max_memory_allocated(device)
+            if cuda
+            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        }
+        if accelerator is not None:
+            result["accelerate_mode"] = str(accelerator.distributed_type).rsplit(".", 1)[-1]
+        with open(args.out, "w") as handle:
+            json.dump(result, handle)
+    if os.environ.get("WORLD_SIZE") and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,17 @@
+"""fsdp2kit against a minimal hand-written `fully_shard` loop (each decoder layer, then the root).
+
+The same 25M Llama, initial weights, data, fp32 precision, AdamW, clipping and world size, run alternately; medians of
+the repeats. Prints one JSON object: per world size, ratio_tokens_per_s and ratio_peak_mem (fsdp2kit / reference;
+peak RSS of rank 0) and loss_max_rel_diff.
+
+Run: .venv/bin/python benchmarks/vs_raw_fsdp2.py [--world-sizes 1 2] [--repeats 3] [--steps 6] [--seq-len 256]
+"""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import main  # noqa: E402
+
+if __name__ == "__main__":
+    main("fsdp2", "vs_raw_fsdp2")
