@@ -125,8 +125,8 @@ def test_accelerate_example_replaces_the_strategy_given_with_fsdp_config():
     assert plan["use_reentrant"] is False
     assert plan["mixed_precision"] == {
         "param_dtype": "bfloat16",
-        "reduce_dtype": "float32",
-        "output_dtype": "float32",
+        "reduce_dtype": "bfloat16",  # Accelerate's set_mixed_precision: one dtype for all three
+        "output_dtype": "bfloat16",
         "cast_forward_inputs": True,
         "no_cast_modules": [],
     }
@@ -140,8 +140,9 @@ def test_accelerate_example_replaces_the_strategy_given_with_fsdp_config():
         "strategy_args.strategy_config read from examples/accelerate_fsdp_config.yaml (Accelerate config)",
     ]
     assert (
-        "mapped mixed_precision=bf16 → param_dtype=bf16, reduce_dtype=fp32, output_dtype=fp32 "
-        "(Accelerate's autocast with fp32 master weights)"
+        "mapped mixed_precision=bf16 → param_dtype, reduce_dtype, output_dtype=bf16 (Accelerate's FSDP policy); "
+        "Accelerate also upcasts the parameters to fp32 (here model.dtype decides) and autocasts the forward "
+        "(fsdp2kit does not)"
     ) in notes
     assert (
         "ignored (FSDP2 always keeps the original parameters (as DTensors)): fsdp_config.fsdp_use_orig_params" in notes

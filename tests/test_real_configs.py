@@ -52,7 +52,7 @@ ACCELERATE_LAYERS = {  # TRANSFORMER_BASED_WRAP of _no_split_modules, FULL_SHARD
     "mesh": [2],
     "sharded_modules": ["", *LAYERS],
     "reshard_after_forward": True,
-    "mixed_precision": ["bfloat16", "float32", "float32", True],  # Accelerate's autocast with fp32 master weights
+    "mixed_precision": ["bfloat16", "bfloat16", "bfloat16", True],  # Accelerate's set_mixed_precision policy
     "offload": [False, False],
     "recompute_modules": [],
     "prefetch": [0, 1],

@@ -208,19 +208,20 @@ def _distributed_type(translation: Translation, key: Written, value: Any) -> Non
 
 
 def _mixed_precision(translation: Translation, key: Written, value: Any) -> None:
-    """Accelerate keeps fp32 master weights, autocasts the forward, reduces gradients in fp32 and returns fp32
-    outputs: with FSDP2's MixedPrecisionPolicy that is param_dtype=bf16|fp16, reduce and output dtype fp32."""
+    """Accelerate's FSDP plugin (`set_mixed_precision`) gives fully_shard a policy with param, reduce and output
+    dtype all bf16|fp16, over parameters it upcasts to fp32; it also runs the forward under torch.autocast."""
     name = "no" if value is False else str(value).lower()  # YAML reads an unquoted `no` as false
     if name in ("no", "fp32"):
         translation.ignore(key, "full precision: param_dtype stays the model's dtype")
         return
     if name not in ("bf16", "fp16"):
         raise UserError(f"{key.file}: '{key}' = {value!r} is not valid: expected one of 'no', 'bf16' or 'fp16'")
-    for native, dtype in (("param_dtype", name), ("reduce_dtype", "fp32"), ("output_dtype", "fp32")):
-        translation.set(f"{STRATEGY_CONFIG}.{native}", dtype, key)
+    for native in ("param_dtype", "reduce_dtype", "output_dtype"):
+        translation.set(f"{STRATEGY_CONFIG}.{native}", name, key)
     translation.note(
-        f"mapped {key}={name} → param_dtype={name}, reduce_dtype=fp32, output_dtype=fp32 "
-        "(Accelerate's autocast with fp32 master weights)"
+        f"mapped {key}={name} → param_dtype, reduce_dtype, output_dtype={name} (Accelerate's FSDP policy); "
+        "Accelerate also upcasts the parameters to fp32 (here model.dtype decides) and autocasts the forward "
+        "(fsdp2kit does not)"
     )
 
 
