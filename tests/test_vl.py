@@ -18,6 +18,7 @@ import yaml
 from conftest import REPO, process_group, read_metrics, run_cli
 
 from fsdp2kit.check import describe
+from fsdp2kit.checkpoint.convert import convert
 from fsdp2kit.config.load import load_config
 from fsdp2kit.config.schema import DataConfig, JobConfig, TrainingConfig
 from fsdp2kit.data.vl import VLEncoder, load_conversations
@@ -281,11 +282,22 @@ def train_losses(config: Path, out: Path, ranks: int, *settings: str) -> list[fl
 @pytest.mark.slow
 @pytest.mark.parametrize("frozen", ["model.visual", "[]"], ids=["tower frozen", "tower trained"])
 def test_two_ranks_train_like_one_with_text_only_micro_batches(training_config, tmp_path, frozen):
-    one = train_losses(training_config, tmp_path / "one", 1, f"model.freeze_module_prefix={frozen}")
+    one = train_losses(
+        training_config, tmp_path / "one", 1, f"model.freeze_module_prefix={frozen}", "training.export_hf=true"
+    )
     two = train_losses(training_config, tmp_path / "two", 2, f"model.freeze_module_prefix={frozen}")
     assert len(one) == len(two) == STEPS
     assert two == pytest.approx(one, rel=1e-5)
     assert one[-1] < one[0]
+    if frozen != "[]":  # `convert --to hf` of the final checkpoint writes the export's names and tensors
+        from safetensors.torch import load_file
+
+        convert(tmp_path / "one" / "checkpoints" / f"step_{STEPS}", tmp_path / "converted", "hf")
+        converted, exported = (
+            load_file(p / "model.safetensors") for p in (tmp_path / "converted", tmp_path / "one" / "hf")
+        )
+        assert converted.keys() == exported.keys() and "visual.blocks.0.attn.qkv.weight" in converted
+        assert all(torch.equal(converted[name], exported[name]) for name in converted)
     if frozen == "[]":  # Ulysses: the sequence split after the image features are merged, the tower unsplit
         ulysses = train_losses(
             training_config, tmp_path / "ulysses", 2, "model.freeze_module_prefix=[]", "model.ulysses_size=2"
