@@ -280,16 +280,19 @@ def train_losses(config: Path, out: Path, ranks: int, *settings: str) -> list[fl
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("frozen", ["model.visual", "[]"], ids=["tower frozen", "tower trained"])
-def test_two_ranks_train_like_one_with_text_only_micro_batches(training_config, tmp_path, frozen):
-    one = train_losses(
-        training_config, tmp_path / "one", 1, f"model.freeze_module_prefix={frozen}", "training.export_hf=true"
-    )
-    two = train_losses(training_config, tmp_path / "two", 2, f"model.freeze_module_prefix={frozen}")
+@pytest.mark.parametrize(
+    "name, frozen",
+    [(QWEN25, "model.visual"), (QWEN3, "[]")],
+    ids=["Qwen2.5-VL, tower frozen", "Qwen3-VL, tower trained, and Ulysses"],
+)
+def test_two_ranks_train_like_one_with_text_only_micro_batches(training_config, tmp_path, name, frozen):
+    model = [f"model.name_or_path={name}", f"model.freeze_module_prefix={frozen}"]
+    one = train_losses(training_config, tmp_path / "one", 1, *model, "training.export_hf=true")
+    two = train_losses(training_config, tmp_path / "two", 2, *model)
     assert len(one) == len(two) == STEPS
     assert two == pytest.approx(one, rel=1e-5)
     assert one[-1] < one[0]
-    if frozen != "[]":  # `convert --to hf` of the final checkpoint writes the export's names and tensors
+    if name == QWEN25:  # `convert --to hf` of the final checkpoint writes the export's names and tensors
         from safetensors.torch import load_file
 
         convert(tmp_path / "one" / "checkpoints" / f"step_{STEPS}", tmp_path / "converted", "hf")
@@ -297,11 +300,9 @@ def test_two_ranks_train_like_one_with_text_only_micro_batches(training_config, 
             load_file(p / "model.safetensors") for p in (tmp_path / "converted", tmp_path / "one" / "hf")
         )
         assert converted.keys() == exported.keys() and "visual.blocks.0.attn.qkv.weight" in converted
-        assert all(torch.equal(converted[name], exported[name]) for name in converted)
-    if frozen == "[]":  # Ulysses: the sequence split after the image features are merged, the tower unsplit
-        ulysses = train_losses(
-            training_config, tmp_path / "ulysses", 2, "model.freeze_module_prefix=[]", "model.ulysses_size=2"
-        )
+        assert all(torch.equal(converted[key], exported[key]) for key in converted)
+    else:  # Ulysses: the sequence split after the image (and deepstack) features are merged, the tower unsplit
+        ulysses = train_losses(training_config, tmp_path / "ulysses", 2, *model, "model.ulysses_size=2")
         assert ulysses == pytest.approx(one, rel=1e-5)
 
 
