@@ -12,7 +12,7 @@ import tempfile
 from pathlib import Path
 
 from fsdp2kit.config.load import load_config, name_as_written
-from fsdp2kit.errors import TrainingDiverged, UserError
+from fsdp2kit.errors import Interrupted, TrainingDiverged, UserError
 
 ERROR_DIR_ENV = "FSDP2KIT_ERROR_DIR"
 
@@ -106,11 +106,16 @@ def _strip_nproc(argv: list[str]) -> list[str]:
 
 
 def _launch(nproc: int, argv: list[str]) -> int:
-    """Start `nproc` local ranks with torch's own elastic launcher (torch.distributed.run), quietly."""
+    """Start `nproc` local ranks with torch's own elastic launcher (torch.distributed.run), quietly. A failed rank's
+    one-line report is printed once. On SIGINT/SIGTERM the launcher forwards the signal to the ranks (each in its
+    own session), which stop at a step boundary and report; it then re-raises the signal as SignalException."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    for name in list(logging.root.manager.loggerDict):  # elastic's modules set their own levels (env LOGLEVEL)
+        if name.startswith("torch.distributed.elastic"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     with tempfile.TemporaryDirectory(prefix="fsdp2kit-errors-") as error_dir:
         os.environ[ERROR_DIR_ENV] = error_dir
@@ -120,15 +125,28 @@ def _launch(nproc: int, argv: list[str]) -> int:
         try:
             run(args)
         except ChildFailedError as failure:
-            reports = sorted(Path(error_dir).glob("rank*.json"), key=lambda p: int(p.stem[4:]))
-            if reports:
-                report = json.loads(reports[0].read_text())
-                print(f"error: {report['message']}", file=sys.stderr)
-                return report["exit_code"]
-            ranks = ", ".join(f"rank {r} (exit code {f.exitcode})" for r, f in sorted(failure.failures.items()))
-            print(f"error: training failed: {ranks}; its output is above", file=sys.stderr)
-            return 1
+            code = _print_rank_report(Path(error_dir))
+            if code is None:
+                ranks = ", ".join(f"rank {r} (exit code {f.exitcode})" for r, f in sorted(failure.failures.items()))
+                print(f"error: training failed: {ranks}; its output is above", file=sys.stderr)
+                return 1
+            return code
+        except SignalException as stopped:
+            code = _print_rank_report(Path(error_dir))
+            if code is None:
+                print(f"error: stopped by {stopped.sigval.name}", file=sys.stderr)
+            return code or 128 + int(stopped.sigval)
     return 0
+
+
+def _print_rank_report(error_dir: Path) -> int | None:
+    """Print the lowest rank's one-line error report; its exit code, or None when no rank wrote one."""
+    reports = sorted(error_dir.glob("rank*.json"), key=lambda p: int(p.stem[4:]))
+    if not reports:
+        return None
+    report = json.loads(reports[0].read_text())
+    print(f"error: {report['message']}", file=sys.stderr)
+    return report["exit_code"]
 
 
 def _report_error(message: str, exit_code: int) -> int:
@@ -196,7 +214,9 @@ def main(argv: list[str] | None = None) -> int:
             print(write_report([Path(d) for d in args.run_dirs]))
             return 0
         cfg = load_config(args.config, args.overrides, role=args.role, strategy_file=args.fsdp_config)
-        nproc = args.nproc or (len(cfg.device_mapping) if cfg.device_mapping and not _under_launcher() else None)
+        nproc = args.nproc
+        if nproc is None and cfg.device_mapping and not _under_launcher():
+            nproc = len(cfg.device_mapping)
         if nproc is not None and nproc < 1:
             raise UserError(f"--nproc {nproc}: give a number of ranks >= 1")
         if args.command == "plan":
@@ -211,6 +231,8 @@ def main(argv: list[str] | None = None) -> int:
         return _report_error(name_as_written(str(exc), cfg) if cfg else str(exc), 2)
     except TrainingDiverged as exc:
         return _report_error(str(exc), 1)
+    except Interrupted as exc:
+        return _report_error(str(exc), exc.exit_code)
 
 
 if __name__ == "__main__":

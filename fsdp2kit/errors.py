@@ -8,3 +8,11 @@ class UserError(Exception):
 
 class TrainingDiverged(Exception):
     """The loss or gradients stayed non-finite: the run stops with exit code 1 and one message, not a traceback."""
+
+
+class Interrupted(Exception):
+    """SIGINT or SIGTERM stopped the run between steps: one message, exit code 128 + the signal's number."""
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.exit_code = 128 + signum

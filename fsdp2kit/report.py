@@ -3,11 +3,11 @@ overlaid), written to the first run's report/ folder, and a short text summary o
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 from fsdp2kit.errors import UserError
+from fsdp2kit.train.loggers import read_records
 
 GIB = 1024**3
 # file name: (metrics.jsonl field, y-axis label, scale)
@@ -26,14 +26,10 @@ def read_run(run_dir: Path) -> list[dict]:
         raise UserError(f"report: run folder '{run_dir}' does not exist")
     if not metrics.is_file():
         raise UserError(f"report: '{run_dir}' has no metrics.jsonl; give the training.output_dir of a run")
-    records = []
-    for number, line in enumerate(metrics.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            raise UserError(f"report: line {number} of '{metrics}' is not a JSON object") from None
+    try:
+        records = read_records(metrics)
+    except UserError as exc:
+        raise UserError(f"report: {exc}") from None
     if not records:
         raise UserError(f"report: '{metrics}' has no steps yet")
     return records

@@ -80,6 +80,8 @@ def test_bad_run_folders_exit_2_with_one_line(tmp_path, capsys):
     assert capsys.readouterr().err == (
         f"error: report: '{tmp_path}' has no metrics.jsonl; give the training.output_dir of a run\n"
     )
-    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\nnot json\n')
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\nnot json\n{"step": 2}\n')
     assert main(["report", str(tmp_path)]) == 2
-    assert capsys.readouterr().err == f"error: report: line 2 of '{tmp_path / 'metrics.jsonl'}' is not a JSON object\n"
+    assert capsys.readouterr().err == (
+        f"error: report: line 2 of '{tmp_path / 'metrics.jsonl'}' is not a step record (the file is damaged)\n"
+    )

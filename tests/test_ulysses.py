@@ -259,7 +259,12 @@ def test_every_gradient_matches_one_process_after_one_step(config_file, uneven_j
 @pytest.mark.slow
 def test_infer_with_ulysses_matches_one_process(config_file, uneven_jsonl, tmp_path):
     """fsdp2_infer: per-sample log-prob sums of unpadded samples of uneven lengths, in padded batches of 3."""
-    settings = {"model.config.num_hidden_layers": 2, "data.source": str(uneven_jsonl), "data.max_samples": 7}
+    settings = {
+        "model.config.num_hidden_layers": 2,
+        "model.allow_random_init": True,
+        "data.source": str(uneven_jsonl),
+        "data.max_samples": 7,
+    }
     cfg, model, tokenizer = plain_model(config_file, settings)
     expected = []
     with torch.no_grad():

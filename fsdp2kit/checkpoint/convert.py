@@ -7,18 +7,18 @@
 
 from __future__ import annotations
 
+import json
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from fsdp2kit.checkpoint.manager import read_dcp
+from fsdp2kit.checkpoint.dcp_io import METADATA_FILE, read_dcp, read_metadata
 from fsdp2kit.errors import UserError
-from fsdp2kit.models.build import auto_model_class
+from fsdp2kit.models.build import auto_model_class, open_safetensors
 from fsdp2kit.models.export import TOKENIZER_FILES, SafetensorsWriter, copy_present_files
 from fsdp2kit.models.vl import checkpoint_renamings, model_name, stored_name
 
@@ -28,14 +28,11 @@ LOAD_GROUP_BYTES = 1024**3
 
 
 def _is_dcp(path: Path) -> bool:
-    return (path / ".metadata").is_file()
+    return (path / METADATA_FILE).is_file()
 
 
 def _model_tensors(src: Path) -> dict[str, TensorStorageMetadata]:
-    try:
-        metadata = FileSystemReader(str(src)).read_metadata()
-    except Exception as exc:  # unreadable or truncated metadata
-        raise UserError(f"convert: '{src}/.metadata' cannot be read: {exc}") from None
+    metadata = read_metadata(src, "convert")
     return {
         key[len(MODEL_PREFIX) :]: meta
         for key, meta in metadata.state_dict_metadata.items()
@@ -47,9 +44,9 @@ def _meta_model(src: Path) -> torch.nn.Module:
     """The model of a folder's config.json, on the meta device (names only, no memory)."""
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(src)
+    config = AutoConfig.from_pretrained(src, trust_remote_code=False)  # a checkpoint of ours: plain transformers
     with torch.device("meta"):
-        return auto_model_class(config).from_config(config)
+        return auto_model_class(config).from_config(config, trust_remote_code=False)
 
 
 def _tied_names(model: torch.nn.Module) -> set[str]:
@@ -87,7 +84,7 @@ def _convert(src: Path, dst: Path, to: str, dtype: torch.dtype | None) -> None:
     if dst.exists() and any(dst.iterdir()):
         raise UserError(f"convert: '{dst}' exists and is not empty; give a new folder")
     if to == "dcp":
-        _hf_to_dcp(src, dst)
+        _hf_to_dcp(src, dst, dtype)
         return
     if not _is_dcp(src):
         raise UserError(f"convert --to {to}: '{src}' is not a DCP checkpoint (it has no .metadata)")
@@ -109,19 +106,37 @@ def _convert(src: Path, dst: Path, to: str, dtype: torch.dtype | None) -> None:
         state = {name: cast(tensor) for name, tensor in read_dcp_model(src, list(tensors), tensors)}
         torch.save(state, dst / "model.pt")
     copy_present_files(src, dst, MODEL_FILES)
+    _record_dtype(dst, dtype)
 
 
-def _hf_to_dcp(src: Path, dst: Path) -> None:
-    from safetensors import safe_open
+def _record_dtype(dst: Path, dtype: torch.dtype | None) -> None:
+    """config.json says which dtype the weights are stored in (transformers loads them as that by default): after a
+    cast it must name the new one. Only that key changes, so a conversion without --dtype stays byte-exact."""
+    config_file = dst / "config.json"
+    if dtype is None or not config_file.is_file():
+        return
+    config = json.loads(config_file.read_text())
+    name = str(dtype).removeprefix("torch.")
+    for key in ("dtype", "torch_dtype"):  # transformers >= 4.56 writes `dtype`, older versions `torch_dtype`
+        if key in config:
+            config[key] = name
+    if "dtype" not in config and "torch_dtype" not in config:
+        config["dtype"] = name
+    config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
+
+def _hf_to_dcp(src: Path, dst: Path, dtype: torch.dtype | None) -> None:
     files = sorted(src.glob("*.safetensors"))
     if not (src / "config.json").is_file() or not files:
         raise UserError(f"convert --to dcp: '{src}' is not an HF model folder (config.json + *.safetensors)")
     renamings = checkpoint_renamings(_meta_model(src))  # DCP holds the model's own names
     state: dict[str, torch.Tensor] = {}
     for file in files:  # safetensors memory-maps: pages are read as DCP writes them
-        with safe_open(file, framework="pt") as handle:
+        with open_safetensors(file) as handle:
             state.update({model_name(key, renamings): handle.get_tensor(key) for key in handle.keys()})
+    if dtype is not None:
+        state = {key: tensor.to(dtype) for key, tensor in state.items()}
     dst.mkdir(parents=True, exist_ok=True)
     dcp.save({"model": state}, checkpoint_id=str(dst), no_dist=True)
     copy_present_files(src, dst, MODEL_FILES)
+    _record_dtype(dst, dtype)

@@ -19,9 +19,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from fsdp2kit.checkpoint.dcp_io import METADATA_FILE, damage, read_dcp, read_metadata
 from fsdp2kit.errors import UserError
 from fsdp2kit.models.export import write_config_and_tokenizer
 
@@ -52,27 +52,27 @@ FAULT_ENV = "FSDP2KIT_FAULT"
 
 
 def fault_point(name: str, step: int, rank: int) -> None:
-    """Crash-test hook: with `FSDP2KIT_FAULT=name:step[:rank]` the process SIGKILLs itself here, on the first
-    attempt only (not after an elastic restart). The tests use it to stop a run at exact moments of a save."""
+    """Crash-test hook: with `FSDP2KIT_FAULT=name:step[:rank[:SIGNAL]]` the process sends itself SIGNAL (default
+    SIGKILL) here, on the first attempt only (not after an elastic restart). The tests use it to stop a run at exact
+    moments of a save."""
     spec = os.environ.get(FAULT_ENV)
     if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
         return
     parts = spec.split(":")
-    if parts[0] == name and int(parts[1]) == step and (len(parts) < 3 or int(parts[2]) == rank):
-        os.kill(os.getpid(), signal.SIGKILL)
+    if parts[0] == name and int(parts[1]) == step and (len(parts) < 3 or parts[2] in ("*", str(rank))):
+        os.kill(os.getpid(), getattr(signal, parts[3]) if len(parts) > 3 else signal.SIGKILL)
 
 
-def read_dcp(state: dict, folder: Path, error_prefix: str, no_dist: bool = False) -> None:
-    """`dcp.load` into `state` in place; any failure (missing key or rank file, shape mismatch, truncated file)
-    becomes one UserError sentence. DCP raises CheckpointException, a BaseException, wrapping each rank's error."""
+def read_trainer_state(path: Path) -> dict:
+    """A checkpoint's trainer_state.json, or one sentence saying it is corrupt."""
+    state_file = path / STATE_FILE
     try:
-        dcp.load(state, checkpoint_id=str(folder), no_dist=no_dist)
-    except (Exception, CheckpointException) as exc:
-        error: BaseException = exc
-        if isinstance(exc, CheckpointException) and exc.failures:
-            error, _ = next(iter(exc.failures.values()))  # the rank's own exception and its stack summary
-        reason = str(error).strip().splitlines()[-1][:300] if str(error).strip() else type(error).__name__
-        raise UserError(f"{error_prefix}: {reason}") from None
+        state = json.loads(state_file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise UserError(f"training.resume: '{state_file}' cannot be read: {exc}") from None
+    if not isinstance(state, dict) or not isinstance(state.get("step"), int):
+        raise UserError(f"training.resume: '{state_file}' is not a trainer state (it has no step)")
+    return state
 
 
 def committed_checkpoints(root: Path) -> list[Path]:
@@ -112,6 +112,7 @@ class CheckpointManager:
         self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, trainer_state: dict, blocking: bool = False
     ) -> None:
         self.wait()
+        trainer_state = {**trainer_state, "world_size": dist.get_world_size()}  # which ranks' RNG files it holds
         tmp, final = self.root / f".tmp-step_{step}", self.root / f"step_{step}"
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -171,6 +172,15 @@ class CheckpointManager:
         dist.barrier()
         fault_point("after_commit", step, self.rank)
 
+    def interrupted_message(self, signal_name: str, step: int) -> str:
+        complete = committed_checkpoints(self.root)
+        intact = (
+            f"checkpoint {complete[-1].name} is complete and the same command resumes from it"
+            if complete
+            else "no checkpoint was written yet"
+        )
+        return f"interrupted by {signal_name} after step {step}: {intact}"
+
     def _prune(self) -> None:
         if self.keep is None:
             return
@@ -179,28 +189,64 @@ class CheckpointManager:
             shutil.rmtree(old, ignore_errors=True)
 
     def resolve(self, resume: str) -> Path | None:
-        """`auto`: the newest complete checkpoint (None if there is none); `never`; or an explicit folder."""
+        """`auto`: the newest complete checkpoint whose files are whole (None if there is none; a damaged newer one
+        is skipped, saying so); `never`; or an explicit folder."""
         if resume == "never":
             return None
         if resume == "auto":
-            complete = committed_checkpoints(self.root)
-            return complete[-1] if complete else None
+            damaged: list[tuple[Path, str]] = []
+            for candidate in reversed(committed_checkpoints(self.root)):
+                problem = damage(candidate)
+                if problem is None:
+                    if damaged and self.rank == 0:
+                        print(
+                            f"warning: checkpoint {damaged[0][0].name} is damaged ({damaged[0][1]}); resuming from "
+                            f"{candidate.name}, the newest whole checkpoint",
+                            flush=True,
+                        )
+                    return candidate
+                damaged.append((candidate, problem))
+            if damaged:
+                raise UserError(
+                    f"training.resume: every checkpoint in '{self.root}' is damaged (the newest, "
+                    f"{damaged[0][0].name}: {damaged[0][1]}); move them away or set training.resume: never"
+                )
+            return None
         path = Path(resume)
-        if not (path / STATE_FILE).is_file() or not (path / ".metadata").is_file():
+        if not (path / STATE_FILE).is_file() or not (path / METADATA_FILE).is_file():
             raise UserError(
                 f"training.resume: '{path}' is not a complete checkpoint (it needs {STATE_FILE} and .metadata)"
             )
         return path
 
     def load(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+        """Model, optimizer and RNG state in place; returns the trainer state. A checkpoint of a larger model (more
+        layers, another head) would load into this one without a word, truncated: refused, as is a lost RNG file."""
+        trainer_state = read_trainer_state(path)
         model_state, optim_state = get_state_dict(model, optimizer)
+        cannot_load = f"training.resume: checkpoint '{path}' cannot be loaded into this model"
+        stored = read_metadata(path, cannot_load).state_dict_metadata
+        extra = sorted(key for key in stored if key.startswith("model.") and key[6:] not in model_state)
+        if extra:
+            raise UserError(
+                f"{cannot_load}: it holds {len(extra)} model tensors this model lacks (first '{extra[0][6:]}'), "
+                "so it was saved from another model; give the same model and model.config, or training.resume: never"
+            )
         state: dict[str, Any] = {"model": model_state, "optim": optim_state}
-        read_dcp(state, path, f"training.resume: checkpoint '{path}' cannot be loaded into this model")
+        read_dcp(state, path, cannot_load)
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         rng_file = path / f"rng_rank{self.rank}.pt"
         if rng_file.is_file():
-            rng = torch.load(rng_file, weights_only=True)
+            try:
+                rng = torch.load(rng_file, weights_only=True)
+            except Exception as exc:
+                raise UserError(f"training.resume: '{rng_file}' cannot be read: {exc}") from None
             torch.set_rng_state(rng["cpu"])
             if torch.cuda.is_available() and rng["cuda"]:
                 torch.cuda.set_rng_state_all(rng["cuda"])
-        return json.loads((path / STATE_FILE).read_text())
+        elif self.rank < trainer_state.get("world_size", 0):  # its saver had this rank: the file was lost
+            raise UserError(
+                f"training.resume: '{rng_file}' is missing, so this rank's random state cannot be restored and the "
+                "run would not continue exactly; restore the file or resume from another checkpoint"
+            )
+        return trainer_state

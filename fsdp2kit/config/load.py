@@ -21,7 +21,12 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise UserError(f"config file '{path}' does not exist")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as exc:
+        raise UserError(
+            f"config file '{path}' is not a YAML text file: byte {exc.start} is not UTF-8 "
+            f"({exc.object[exc.start]:#04x})"
+        ) from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""
@@ -83,6 +88,7 @@ def load_config(
     cfg._written_as = translation.written_as
     strategy_path = cfg.strategy_args.strategy_config_path
     cfg._given_files = [str(path), *([strategy_path] if strategy_path else [])]
+    cfg._as_written = translation.interpolated
     return cfg
 
 

@@ -106,6 +106,16 @@ class ModelConfig(Section):
     weights_loading: Literal["sliced", "rank0_broadcast"] = Field(
         "sliced", description="safetensors loading: each rank reads its own rows, or rank 0 reads and scatters"
     )
+    allow_random_init: bool = Field(
+        False,
+        description="let a model folder without weights, or a builtin model in `infer`, run on fresh random "
+        "weights (otherwise refused: random weights are rarely what was meant)",
+    )
+    trust_remote_code: bool = Field(
+        False,
+        description="let transformers run the Python files a model folder ships (its config's auto_map); "
+        "off, nothing read from a model folder runs code",
+    )
     model_class: str | None = Field(
         None,
         description="build this transformers model class instead of the Auto class: "
@@ -167,6 +177,11 @@ class TrainingConfig(Section):
     save_steps: int = Field(0, ge=0, description="save a DCP checkpoint every N steps (0 = only at the end)")
     save_total_limit: int | None = Field(None, ge=1, description="keep only the newest K checkpoints")
     resume: str = Field("auto", description="`auto` (newest checkpoint in output_dir), `never`, or a checkpoint path")
+    resume_allow_changes: bool = Field(
+        False,
+        description="resume even though data, seq_len, the model or the seed changed since the checkpoint "
+        "(the run then no longer continues the same loss curve)",
+    )
     export_hf: bool = Field(True, description="write the final model as an HF safetensors folder to output_dir/hf")
     max_nonfinite_steps: int = Field(
         5,
@@ -296,6 +311,21 @@ class JobConfig(Section):
     _written_as: Callable[[str], tuple[str, str]] | None = PrivateAttr(None)
     # The files the config was read from, as given (the config, and a strategy file): a run keeps copies.
     _given_files: list[str] = PrivateAttr(default_factory=list)
+    # Keys written as `${...}` interpolations (`${oc.env:TOKEN}`), with that text: what saved configs hold.
+    _as_written: dict[str, Any] = PrivateAttr(default_factory=dict)
+
+    def saved_dict(self) -> dict[str, Any]:
+        """The config as a run saves it: interpolated keys keep their `${...}` text, so the value of an environment
+        variable (a token, a private path) never lands in a file."""
+        data = self.model_dump(mode="json")
+        for key, text in self._as_written.items():
+            *parents, leaf = key.split(".")
+            node: Any = data
+            for part in parents:
+                node = node.get(part) if isinstance(node, dict) else None
+            if isinstance(node, dict) and leaf in node:
+                node[leaf] = text
+        return data
 
     @property
     def notes(self) -> list[str]:

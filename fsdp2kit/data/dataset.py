@@ -56,16 +56,31 @@ def _read_table(source: str | list[str]):
         raise UserError(f"data.source: cannot read '{source}': {exc}") from None
 
 
-def load_tokenizer(path: Path):
-    """The tokenizer of a model folder, a checkpoint or `data.tokenizer`, through transformers."""
+def load_tokenizer(path: Path, trust_remote_code: bool = False):
+    """The tokenizer of a model folder, a checkpoint or `data.tokenizer`, through transformers; a corrupt or
+    incomplete one is one sentence naming the folder."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path)
+    try:
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except Exception as exc:  # tokenizers and transformers raise many types for unreadable files
+        reason = str(exc).strip().splitlines()[-1][:300] if str(exc).strip() else type(exc).__name__
+        raise UserError(f"data.tokenizer: the tokenizer in '{path}' cannot be loaded: {reason}") from None
 
 
 def load_documents(cfg: DataConfig) -> list[str] | list[PromptResponse]:
     """The source's documents in file order (the first `max_samples`): texts, or prompt/response pairs when the
     source has both `prompt_key` and `response_key` fields. Empty texts and responses are dropped."""
+    try:
+        return _documents(cfg)
+    except UnicodeDecodeError as exc:  # datasets decodes a file's text lazily, column by column
+        raise UserError(
+            f"data.source: '{cfg.source}' is not UTF-8 text (byte {exc.object[exc.start]:#04x}: {exc.reason}); "
+            "re-save it as UTF-8"
+        ) from None
+
+
+def _documents(cfg: DataConfig) -> list[str] | list[PromptResponse]:
     if cfg.source == "builtin:corpus":
         from fsdp2kit.data.builtin import corpus_documents
 

@@ -17,8 +17,10 @@ from fsdp2kit.config.schema import JobConfig
 from fsdp2kit.data.dataset import collate, encode_documents, load_documents, load_tokenizer, model_inputs
 from fsdp2kit.data.vl import VLEncoder, VLSample, load_conversations
 from fsdp2kit.distributed import Runtime
+from fsdp2kit.errors import UserError
 from fsdp2kit.parallel.ulysses import shard_sequence
 from fsdp2kit.parallel.vision import shard_vision_batch
+from fsdp2kit.train.loggers import phase
 from fsdp2kit.train.setup import build_sharded_model
 
 
@@ -42,9 +44,15 @@ def sample_logprobs(
 
 
 def infer(cfg: JobConfig, runtime: Runtime) -> None:
-    sharded = build_sharded_model(cfg, runtime, training=False)
+    if cfg.model.name_or_path.startswith("builtin:") and not cfg.model.allow_random_init:
+        raise UserError(
+            f"model.name_or_path: {cfg.model.name_or_path} has no trained weights, so infer would score random "
+            "weights; give a model folder or checkpoint, or set model.allow_random_init: true"
+        )
+    with phase(f"loading the model ({cfg.model.name_or_path})", runtime.is_main):
+        sharded = build_sharded_model(cfg, runtime, training=False)
     model = sharded.model
-    tokenizer = load_tokenizer(sharded.source.tokenizer_path)
+    tokenizer = load_tokenizer(sharded.source.tokenizer_path, cfg.model.trust_remote_code)
     vision = sharded.plan.vision_patch
     items: list
     if vision:  # conversations, encoded (images read) batch by batch; scored on their assistant turns
@@ -53,10 +61,12 @@ def infer(cfg: JobConfig, runtime: Runtime) -> None:
     else:
         # As the model's users tokenise: default special tokens, no EOS added, no packing, truncated at data.seq_len
         # (a prompt/response record is the prompt's ids followed by the response's).
-        documents = load_documents(cfg.data)
-        items = [
-            torch.tensor(ids[: cfg.data.seq_len]) for ids, _ in encode_documents(documents, tokenizer, append_eos=False)
-        ]
+        with phase(f"tokenising {cfg.data.source}", runtime.is_main):
+            documents = load_documents(cfg.data)
+            items = [
+                torch.tensor(ids[: cfg.data.seq_len])
+                for ids, _ in encode_documents(documents, tokenizer, append_eos=False)
+            ]
     layout = sharded.layout
     mine = [
         (i, item)

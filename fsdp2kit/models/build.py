@@ -18,6 +18,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from fsdp2kit.checkpoint.dcp_io import METADATA_FILE, read_dcp
 from fsdp2kit.config.schema import ModelConfig
 from fsdp2kit.errors import UserError
 from fsdp2kit.models.builtin import BUILTIN_MODELS
@@ -80,18 +81,52 @@ def resolve_model(cfg: ModelConfig, tokenizer: str | None = None) -> ModelSource
                 f"model.name_or_path: '{name}' is not a model folder or checkpoint with a config.json "
                 "(or a builtin: model: " + ", ".join(f"builtin:{k}" for k in BUILTIN_MODELS) + ")"
             )
-        hf_config = _hf_config(partial(AutoConfig.from_pretrained, folder), f"'{folder / 'config.json'}'", cfg.config)
-        if (folder / ".metadata").is_file():
+        hf_config = _hf_config(
+            partial(AutoConfig.from_pretrained, folder, trust_remote_code=cfg.trust_remote_code),
+            f"'{folder / 'config.json'}'",
+            cfg.config,
+        )
+        if (folder / METADATA_FILE).is_file():
             weights_dir, weights_format = folder, "dcp"
         elif any(folder.glob("*.safetensors")):
             weights_dir, weights_format = folder, "safetensors"
         else:
+            _refuse_missing_weights(folder, name, cfg.allow_random_init)
             weights_dir, weights_format = None, None
         default_tokenizer = folder
     tokenizer_path = Path(tokenizer) if tokenizer else default_tokenizer
     if not (tokenizer_path / "tokenizer_config.json").is_file() and not (tokenizer_path / "tokenizer.json").is_file():
         raise UserError(f"data.tokenizer: no tokenizer files in '{tokenizer_path}'")
     return ModelSource(hf_config, tokenizer_path, weights_dir, weights_format)
+
+
+def check_sequence_length(hf_config, seq_len: int) -> None:
+    """Positions past the model's table are not an error in most attention code: they are silently garbage."""
+    limit = getattr(hf_config, "max_position_embeddings", None)
+    if isinstance(limit, int) and seq_len > limit:
+        raise UserError(
+            f"data.seq_len: {seq_len} is more than the model's max_position_embeddings ({limit}); give at most "
+            f"{limit}, or raise model.config.max_position_embeddings if the model was trained for longer"
+        )
+
+
+PICKLED_WEIGHTS = ("pytorch_model*.bin", "*.pt", "*.pth", "*.ckpt")
+
+
+def _refuse_missing_weights(folder: Path, name: str, allow_random_init: bool) -> None:
+    """A model folder without safetensors or a DCP checkpoint would train and infer on random weights."""
+    pickled = sorted(p.name for pattern in PICKLED_WEIGHTS for p in folder.glob(pattern))
+    if pickled:
+        raise UserError(
+            f"model.name_or_path: '{name}' holds its weights as '{pickled[0]}', a pickle that can run code when "
+            "loaded, which fsdp2kit does not read; save them as safetensors (transformers: "
+            "from_pretrained(folder).save_pretrained(folder), which reads .bin with weights_only=True)"
+        )
+    if not allow_random_init:
+        raise UserError(
+            f"model.name_or_path: '{name}' has a config.json but no weights (*.safetensors or a DCP checkpoint); "
+            "set model.allow_random_init: true to start from fresh random weights"
+        )
 
 
 def load_model_class(spec: str, hf_config: PretrainedConfig) -> type[PreTrainedModel]:
@@ -146,7 +181,9 @@ def build_meta_model(source: ModelSource, cfg: ModelConfig) -> PreTrainedModel:
             model = load_model_class(cfg.model_class, source.hf_config)._from_config(source.hf_config, dtype=dtype)
         else:
             try:
-                model = auto_model_class(source.hf_config).from_config(source.hf_config, dtype=dtype)
+                model = auto_model_class(source.hf_config).from_config(
+                    source.hf_config, dtype=dtype, trust_remote_code=cfg.trust_remote_code
+                )
             except ValueError as exc:
                 raise UserError(
                     f"model.name_or_path: transformers cannot build a causal LM from this config: {exc}"
@@ -202,16 +239,27 @@ def initialise_weights(model: PreTrainedModel, seed: int, buffers_only: bool = F
             buffer.copy_(shadow._buffers[key])
 
 
+def open_safetensors(file: Path):
+    """A safetensors file opened (headers read, tensors memory-mapped); close it with `__exit__`. A truncated or
+    damaged file is one sentence naming it: safetensors checks that the header covers the whole file."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        return safe_open(file, framework="pt").__enter__()
+    except (SafetensorError, OSError) as exc:
+        raise UserError(
+            f"model weights: '{file}' is not a readable safetensors file ({exc}); it is truncated or damaged"
+        ) from None
+
+
 def _safetensors_index(folder: Path) -> dict[str, Path]:
     index_file = folder / "model.safetensors.index.json"
     if index_file.is_file():
         weight_map = json.loads(index_file.read_text())["weight_map"]
         return {name: folder / file for name, file in weight_map.items()}
-    from safetensors import safe_open
-
     names: dict[str, Path] = {}
     for file in sorted(folder.glob("*.safetensors")):
-        with safe_open(file, framework="pt") as handle:
+        with open_safetensors(file) as handle:
             names.update({key: file for key in handle.keys()})
     return names
 
@@ -219,8 +267,6 @@ def _safetensors_index(folder: Path) -> dict[str, Path]:
 @torch.no_grad()
 def _safetensors_views(model: nn.Module, folder: Path, handles: dict[Path, Any]) -> dict[str, tuple[torch.Tensor, Any]]:
     """Each state-dict tensor with its lazy view in the files (headers only), checked against the model."""
-    from safetensors import safe_open
-
     renamings = getattr(model, "checkpoint_renamings", [])
     index = _safetensors_index(folder)
     stored = {model_name(key, renamings): key for key in index}  # model name -> name in the files
@@ -232,7 +278,9 @@ def _safetensors_views(model: nn.Module, folder: Path, handles: dict[Path, Any])
         file = locations[name]
         if not file.is_file():
             raise UserError(f"model weights: file '{file}' named by the index does not exist")
-        return handles.setdefault(file, safe_open(file, framework="pt").__enter__()).get_slice(stored[name])
+        if file not in handles:
+            handles[file] = open_safetensors(file)
+        return handles[file].get_slice(stored[name])
 
     # MoE experts stored per expert while the model holds them fused, or the other way round.
     other_layout = expert_views_from_other_layout(
@@ -298,8 +346,6 @@ def load_safetensors(model: nn.Module, folder: Path, mode: str = "sliced") -> No
 def load_dcp(model: nn.Module, folder: Path) -> None:
     """Load the model part of a DCP checkpoint; DCP reshards it to this run's mesh and world size."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-    from fsdp2kit.checkpoint.manager import read_dcp
 
     state = get_model_state_dict(model)  # the live sharded parameters: DCP reads into them in place
     read_dcp({"model": state}, folder, f"model weights: checkpoint '{folder}' does not fit this model")

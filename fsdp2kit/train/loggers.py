@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import shutil
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from fsdp2kit.config.schema import JobConfig
@@ -19,17 +22,51 @@ def _scalars(record: dict) -> dict[str, float]:
     return {k: v for k, v in record.items() if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
+def read_records(path: Path) -> list[dict]:
+    """The step records of a metrics.jsonl. A run killed mid-write leaves its last line torn: that line is skipped;
+    a bad line anywhere else is a damaged file (UserError naming the line)."""
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    records = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            record = None
+        if isinstance(record, dict) and isinstance(record.get("step"), int):
+            records.append(record)
+        elif number < len(lines):
+            raise UserError(f"line {number} of '{path}' is not a step record (the file is damaged)")
+    return records
+
+
+@contextmanager
+def phase(what: str, is_main: bool) -> Iterator[None]:
+    """A line before a long phase (loading the model, tokenising) and one with its duration after it, on rank 0,
+    so a run that is busy never looks hung."""
+    started = time.perf_counter()
+    if is_main:
+        print(f"{what} ...", flush=True)
+    yield
+    if is_main:
+        print(f"{what}: done in {time.perf_counter() - started:.1f}s", flush=True)
+
+
 class JsonlLog:
     """One JSON object per optimizer step. A fresh run starts a fresh file; a resumed one drops the records of
-    steps after its checkpoint, which are about to be recomputed."""
+    steps after its checkpoint, which are about to be recomputed, and a torn last line; the file is replaced
+    atomically, so a crash during the rewrite loses nothing."""
 
     def __init__(self, path: Path, resume_step: int | None):
         self.path = path
         if resume_step is None:
             path.unlink(missing_ok=True)
         elif path.exists():
-            kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= resume_step]
-            path.write_text("".join(line + "\n" for line in kept))
+            kept = [r for r in read_records(path) if r["step"] <= resume_step]
+            rewritten = path.with_name(path.name + ".tmp")
+            rewritten.write_text("".join(json.dumps(r) + "\n" for r in kept))
+            os.replace(rewritten, path)
 
     def write(self, record: dict) -> None:
         with self.path.open("a") as handle:
@@ -66,7 +103,7 @@ class WandbLog:
         import wandb
 
         output_dir = Path(cfg.training.output_dir)
-        self.run = wandb.init(name=output_dir.name, dir=str(output_dir), config=cfg.model_dump(mode="json"))
+        self.run = wandb.init(name=output_dir.name, dir=str(output_dir), config=cfg.saved_dict())
 
     def write(self, record: dict) -> None:
         self.run.log(_scalars(record), step=record["step"])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
 import time
 from pathlib import Path
 from typing import cast
@@ -26,16 +27,19 @@ from fsdp2kit.data.dataset import (
 )
 from fsdp2kit.data.vl import VLEncoder, VLGlobalBatches, load_conversations
 from fsdp2kit.distributed import Runtime
-from fsdp2kit.errors import UserError
+from fsdp2kit.errors import Interrupted, UserError
 from fsdp2kit.models.export import export_hf
 from fsdp2kit.parallel.ulysses import shard_sequence
 from fsdp2kit.parallel.vision import shard_vision_batch
 from fsdp2kit.train.grads import LossScaler, NonFiniteGuard, all_reduce_replicated_grads, clip_grad_norm
-from fsdp2kit.train.loggers import RunLoggers
+from fsdp2kit.train.interrupt import StopSignals
+from fsdp2kit.train.loggers import RunLoggers, phase
 from fsdp2kit.train.memory import StepMemory
 from fsdp2kit.train.metrics import device_peak_flops, flops_per_token
-from fsdp2kit.train.optim import build_optimizer, build_scheduler
+from fsdp2kit.train.optim import build_optimizer, build_scheduler, schedule_warnings
 from fsdp2kit.train.profiling import StepProfiler
+from fsdp2kit.train.resume import check_unchanged
+from fsdp2kit.train.run_dir import OutputDirLock
 from fsdp2kit.train.setup import build_sharded_model, count_parameters
 
 
@@ -57,12 +61,20 @@ def token_loss_sum(
 
 
 def train(cfg: JobConfig, runtime: Runtime) -> None:
+    """The run, holding output_dir's lock from before the model loads until the last file is written; SIGINT and
+    SIGTERM stop it at the next step boundary."""
+    with OutputDirLock(Path(cfg.training.output_dir), runtime.is_main), StopSignals() as stop:
+        _train(cfg, runtime, stop)
+
+
+def _train(cfg: JobConfig, runtime: Runtime, stop: StopSignals) -> None:
     tc = cfg.training
     output_dir = Path(tc.output_dir)
     torch.manual_seed(tc.seed)
 
     # Model: meta-device build, sharding plan, fully_shard, each rank's shards initialised or loaded.
-    sharded = build_sharded_model(cfg, runtime, training=True)
+    with phase(f"loading the model ({cfg.model.name_or_path})", runtime.is_main):
+        sharded = build_sharded_model(cfg, runtime, training=True)
     model = sharded.model
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = build_optimizer(model, tc)
@@ -71,7 +83,7 @@ def train(cfg: JobConfig, runtime: Runtime) -> None:
 
     # Data: the same global batches at any world size. The ranks of a sequence-parallel group share their samples.
     # A vision-language model's conversations are encoded (images read) as their batches are built.
-    tokenizer = load_tokenizer(sharded.source.tokenizer_path)
+    tokenizer = load_tokenizer(sharded.source.tokenizer_path, cfg.model.trust_remote_code)
     vision = sharded.plan.vision_patch
     layout = sharded.layout
     order = (
@@ -88,9 +100,14 @@ def train(cfg: JobConfig, runtime: Runtime) -> None:
         encoder = VLEncoder.load(sharded.source.tokenizer_path, sharded.source.hf_config, cfg.data.seq_len)
         batches = VLGlobalBatches(load_conversations(cfg.data), *order, encoder=encoder)
     else:
-        batches = GlobalBatches(tokenize_samples(load_documents(cfg.data), tokenizer, cfg.data), *order)
+        with phase(f"tokenising {cfg.data.source}", runtime.is_main):
+            samples = tokenize_samples(load_documents(cfg.data), tokenizer, cfg.data)
+        batches = GlobalBatches(samples, *order)
     total_steps = tc.max_steps if tc.max_steps > 0 else max(1, int(tc.num_train_epochs * batches.steps_per_epoch))
     scheduler = build_scheduler(optimizer, tc, total_steps)
+    if runtime.is_main:
+        for warning in schedule_warnings(tc, total_steps, batches.steps_per_epoch):
+            print(f"warning: {warning}", flush=True)
 
     # Resume from the newest complete checkpoint (or the one named).
     checkpoints = CheckpointManager(
@@ -105,6 +122,7 @@ def train(cfg: JobConfig, runtime: Runtime) -> None:
     resume_from = checkpoints.resolve(tc.resume)
     if resume_from is not None:
         state = checkpoints.load(resume_from, model, optimizer)
+        check_unchanged(resume_from, state.get("config", {}), cfg.saved_dict(), tc.resume_allow_changes)
         start_step = state["step"]
         if state["consumed_samples"] != start_step * batches.global_batch_size:
             raise UserError(
@@ -125,7 +143,7 @@ def train(cfg: JobConfig, runtime: Runtime) -> None:
             )
     if runtime.is_main:
         output_dir.mkdir(parents=True, exist_ok=True)
-        (output_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
+        (output_dir / "config.json").write_text(json.dumps(cfg.saved_dict(), indent=2))
         given = output_dir / "config.given"  # the files as the user gave them (a foreign dialect's included)
         given.mkdir(exist_ok=True)
         for path in cfg.given_files:
@@ -144,6 +162,10 @@ def train(cfg: JobConfig, runtime: Runtime) -> None:
         StepProfiler(tc.profile_steps, output_dir, runtime.rank, runtime.device) as profiler,
     ):
         for step in range(start_step, total_steps):
+            signum = stop.requested()
+            if signum:
+                checkpoints.wait()  # the save in flight is finished and published
+                raise Interrupted(checkpoints.interrupted_message(signal.Signals(signum).name, step), signum)
             profiler.step_started(step + 1)
             started = time.perf_counter()
             micro_batches = [{k: v.to(runtime.device) for k, v in mb.items()} for mb in batches.micro_batches(step)]
@@ -240,5 +262,5 @@ def _trainer_state(step: int, scheduler, scaler: LossScaler, batches: GlobalBatc
         "consumed_samples": step * batches.global_batch_size,
         "scheduler": scheduler.state_dict(),
         "loss_scaler": scaler.state_dict(),
-        "config": json.loads(cfg.model_dump_json()),
+        "config": cfg.saved_dict(),
     }

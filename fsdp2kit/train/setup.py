@@ -10,7 +10,13 @@ from torch.distributed import ProcessGroup
 
 from fsdp2kit.config.schema import JobConfig
 from fsdp2kit.distributed import Runtime
-from fsdp2kit.models.build import ModelSource, build_meta_model, materialise, resolve_model
+from fsdp2kit.models.build import (
+    ModelSource,
+    build_meta_model,
+    check_sequence_length,
+    materialise,
+    resolve_model,
+)
 from fsdp2kit.models.vl import is_vision_language
 from fsdp2kit.parallel.fsdp import apply_fsdp
 from fsdp2kit.parallel.mesh import MeshLayout, build_mesh, mesh_layout, sequence_parallel_group
@@ -37,6 +43,7 @@ def build_sharded_model(cfg: JobConfig, runtime: Runtime, training: bool, materi
     computes in `param_dtype` (default: model.dtype)."""
     strategy = cfg.strategy_args.strategy_config
     source = resolve_model(cfg.model, cfg.data.tokenizer)
+    check_sequence_length(source.hf_config, cfg.data.seq_len)
     layout = mesh_layout(runtime.world_size, strategy, cfg.model.ulysses_size)
     mesh = build_mesh(runtime.device.type, layout)
     sp_group = sequence_parallel_group(layout)

@@ -32,9 +32,9 @@ def read_config(
     path: str | Path, overrides: list[str], role: str | None = None, strategy_file: str | None = None
 ) -> Translation:
     source = str(path)
-    raw = read_yaml(path)
-    _refuse_hydra_defaults(raw, source)
-    raw = _resolve_interpolations(raw, source)
+    written = read_yaml(path)
+    _refuse_hydra_defaults(written, source)
+    raw = _resolve_interpolations(written, source)
     if roll.is_roll_file(raw):
         translation = roll.translate(raw, source, role)
     elif role is not None:
@@ -54,6 +54,9 @@ def read_config(
         key = item.split("=", 1)[0].strip()
         translation.replace_origin(key, Written(source, key))
     accelerate.translate_trainer_keys(translation)
+    if raw is not written:
+        overridden = {item.split("=", 1)[0].strip() for item in overrides}
+        translation.interpolated = _interpolated_keys(translation, written, source, overridden)
     return translation
 
 
@@ -82,6 +85,31 @@ def _refuse_strategy_file(raw: dict[str, Any], source: str) -> None:
                 f"'{source}' is {kind} (FSDP settings only), not a job config: give it with --fsdp-config "
                 f"{source} beside a job config such as examples/demo.yaml"
             )
+
+
+def _leaves(node: dict[str, Any], prefix: str = ""):
+    for key, value in node.items():
+        if isinstance(value, dict):
+            yield from _leaves(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}"
+
+
+def _interpolated_keys(
+    translation: Translation, written: dict[str, Any], source: str, overridden: set[str]
+) -> dict[str, Any]:
+    """Native keys whose value came from a `${...}` in the config file, with the text as written there."""
+    found = {}
+    for key in _leaves(translation.config):
+        origin = translation.written_as(key)
+        if origin.file != source or any(key == o or key.startswith(o + ".") for o in overridden):
+            continue
+        node: Any = written
+        for part in origin.path.split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        if _has_interpolation(node):
+            found[key] = node
+    return found
 
 
 def _has_interpolation(node: Any) -> bool:

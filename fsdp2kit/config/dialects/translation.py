@@ -39,6 +39,7 @@ class Translation:
         self._origins: dict[str, Written] = {}  # native dotted key (or section) -> where its value was written
         self._notes: list[str] = []
         self._ignored: dict[str, list[str]] = {}  # reason -> keys, so one note lists all keys ignored for a reason
+        self.interpolated: dict[str, Any] = {}  # native key -> its `${...}` text in the config file
 
     def set(self, native_key: str, value: Any, origin: Written) -> None:
         """Set a native key. Two foreign keys that give it different values contradict each other: an error."""

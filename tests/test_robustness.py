@@ -1,0 +1,363 @@
+"""Unhappy paths, as a new user or an adversary meets them: every one exits with its code and one line (never a
+traceback), and whatever was good before is still intact."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import shutil
+
+import pytest
+from conftest import run_cli
+
+from fsdp2kit.data.builtin import tokenizer_dir
+from fsdp2kit.models.builtin import BUILTIN_MODELS
+
+DEMO = "examples/demo.yaml"
+
+
+def assert_one_line_error(result, exit_code: int, *fragments: str) -> str:
+    """The command failed with `exit_code` and said so in one `error:` line naming every fragment."""
+    assert result.returncode == exit_code, (result.returncode, result.stdout, result.stderr)
+    assert "Traceback" not in result.stderr + result.stdout, result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, result.stderr
+    for fragment in fragments:
+        assert fragment in errors[0], (fragment, errors[0])
+    return errors[0]
+
+
+class _CreatesFile:
+    """Unpickling this opens (creates) a file: what a crafted checkpoint could do with any call."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def crafted_checkpoint(folder, marker):
+    """A checkpoint folder that looks complete (config, tokenizer, trainer state) but whose `.metadata` would
+    create `marker` when unpickled."""
+    from transformers import AutoConfig
+
+    settings = dict(BUILTIN_MODELS["tiny-llama"], num_hidden_layers=2)
+    AutoConfig.for_model(settings.pop("model_type"), **settings).save_pretrained(folder)
+    for file in tokenizer_dir().iterdir():
+        shutil.copy(file, folder / file.name)
+    (folder / "trainer_state.json").write_text(json.dumps({"step": 1, "consumed_samples": 8}))
+    (folder / ".metadata").write_bytes(pickle.dumps(_CreatesFile(marker)))
+    (folder / "__0_0.distcp").write_bytes(b"")
+    return folder
+
+
+@pytest.mark.parametrize("command", ["convert", "infer", "resume"])
+def test_crafted_metadata_never_runs(tmp_path, small_run, command):
+    marker = tmp_path / "pwned"
+    checkpoint = crafted_checkpoint(tmp_path / "step_1", marker)
+    if command == "convert":
+        result = run_cli("convert", checkpoint, tmp_path / "out", "--to", "hf")
+    elif command == "infer":
+        result = run_cli(
+            "infer",
+            DEMO,
+            *small_run,
+            "--set",
+            f"model.name_or_path={checkpoint}",
+            "--set",
+            "strategy_args.strategy_name=fsdp2_infer",
+        )
+    else:
+        result = run_cli("train", DEMO, *small_run, "--set", f"training.resume={checkpoint}")
+    assert_one_line_error(result, 2, f"{checkpoint}", "open'", "refusing to unpickle")
+    assert not marker.exists()
+
+
+def test_crafted_value_in_checkpoint_never_runs(tmp_path):
+    """A checkpoint's non-tensor values (optimizer hyper-parameters) are pickles too: DCP reads them with
+    weights_only=False, ours with torch's weights-only unpickler first."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from fsdp2kit.checkpoint.dcp_io import read_dcp
+    from fsdp2kit.errors import UserError
+
+    marker = tmp_path / "pwned"
+    dcp.save({"model": {"w": torch.ones(2)}, "lr": _CreatesFile(marker)}, checkpoint_id=str(tmp_path), no_dist=True)
+    state = {"model": {"w": torch.zeros(2)}, "lr": 0.1}
+    with pytest.raises(UserError, match="resume: its value 'lr' is not plain data; refusing to unpickle it"):
+        read_dcp(state, tmp_path, "resume", no_dist=True)
+    assert not marker.exists()
+    safe = {"model": {"w": torch.zeros(2)}, "lr": 0.1}
+    dcp.save({"model": {"w": torch.ones(2)}, "lr": 0.5}, checkpoint_id=str(tmp_path / "ok"), no_dist=True)
+    read_dcp(safe, tmp_path / "ok", "resume", no_dist=True)
+    assert safe["lr"] == 0.5 and safe["model"]["w"].tolist() == [1.0, 1.0]
+
+
+def test_model_folder_code_runs_only_when_trusted(tmp_path):
+    """A model folder whose config names its own Python (auto_map) is refused unless model.trust_remote_code."""
+    from fsdp2kit.config.schema import ModelConfig
+    from fsdp2kit.errors import UserError
+    from fsdp2kit.models.build import resolve_model
+
+    marker = tmp_path / "pwned"
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "evil_config.py").write_text(f"open({str(marker)!r}, 'w')\nfrom transformers import LlamaConfig as C\n")
+    config = {"model_type": "shipped", "auto_map": {"AutoConfig": "evil_config.C"}}  # only its own code builds it
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UserError, match="is not a valid transformers config: .*trust_remote_code=True"):
+        resolve_model(ModelConfig(name_or_path=str(folder)))
+    assert not marker.exists()
+
+
+def test_saved_config_keeps_environment_interpolations_as_written(tmp_path, monkeypatch):
+    from fsdp2kit.config import load_config
+
+    monkeypatch.setenv("FSDP2KIT_TEST_SECRET", "hunter2")
+    config = tmp_path / "job.yaml"
+    config.write_text(
+        "model: {name_or_path: builtin:tiny-llama}\n"
+        "training: {output_dir: '/runs/${oc.env:FSDP2KIT_TEST_SECRET}', seed: '${oc.env:FSDP2KIT_TEST_SEED,7}'}\n"
+    )
+    cfg = load_config(config, ["training.max_steps=3"])
+    assert cfg.training.output_dir == "/runs/hunter2" and cfg.training.seed == 7  # resolved for the run
+    saved = cfg.saved_dict()
+    assert "hunter2" not in json.dumps(saved)
+    assert saved["training"]["output_dir"] == "/runs/${oc.env:FSDP2KIT_TEST_SECRET}"
+    assert saved["training"]["seed"] == "${oc.env:FSDP2KIT_TEST_SEED,7}"
+    assert saved["training"]["max_steps"] == 3
+
+
+@pytest.mark.parametrize("weights", ["pytorch_model.bin", None])
+def test_model_folder_without_safetensors_is_refused(tmp_path, weights):
+    """Without readable weights the model would silently start from random ones."""
+    from transformers import AutoConfig
+
+    from fsdp2kit.config.schema import ModelConfig
+    from fsdp2kit.errors import UserError
+    from fsdp2kit.models.build import resolve_model
+
+    settings = dict(BUILTIN_MODELS["tiny-llama"], num_hidden_layers=2)
+    AutoConfig.for_model(settings.pop("model_type"), **settings).save_pretrained(tmp_path)
+    for file in tokenizer_dir().iterdir():
+        shutil.copy(file, tmp_path / file.name)
+    if weights:
+        (tmp_path / weights).write_bytes(b"not read")
+        expected = "holds its weights as 'pytorch_model.bin', a pickle that can run code"
+    else:
+        expected = "has a config.json but no weights .* set model.allow_random_init: true"
+    with pytest.raises(UserError, match=expected):
+        resolve_model(ModelConfig(name_or_path=str(tmp_path)))
+    if not weights:
+        assert resolve_model(ModelConfig(name_or_path=str(tmp_path), allow_random_init=True)).weights_dir is None
+
+
+def test_torn_last_metrics_line_is_dropped_on_resume_and_skipped_by_report(tmp_path):
+    from fsdp2kit.report import write_report
+    from fsdp2kit.train.loggers import JsonlLog
+
+    metrics = tmp_path / "metrics.jsonl"
+    record = {"loss": 2.0, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 10.0, "peak_mem_bytes": 1}
+    whole = "".join(json.dumps({"step": s, **record}) + "\n" for s in (1, 2, 3))
+    metrics.write_text(whole + '{"step": 4, "loss": 1.9')  # killed mid-write
+    assert write_report([tmp_path]).startswith(f"{tmp_path}: 3 steps (last 3)")
+    JsonlLog(metrics, resume_step=2)  # resumed from step 2: steps 3 and the torn 4 are about to be recomputed
+    assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == [1, 2]
+
+
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory):
+    """Two steps of the tiny model in one process, a checkpoint after each."""
+    run = tmp_path_factory.mktemp("saved") / "run"
+    overrides = {
+        "model.config.num_hidden_layers": 2,
+        "data.seq_len": 64,
+        "training.export_hf": "false",
+        "training.report_to": "[]",
+        "training.output_dir": run,
+        "training.max_steps": 2,
+        "training.save_steps": 1,
+    }
+    result = run_cli("train", DEMO, *[arg for k, v in overrides.items() for arg in ("--set", f"{k}={v}")])
+    assert result.returncode == 0, result.stderr
+    return run
+
+
+def _copy_checkpoint(saved_run, tmp_path):
+    copy = tmp_path / "step_2"
+    shutil.copytree(saved_run / "checkpoints" / "step_2", copy)
+    return copy
+
+
+@pytest.mark.parametrize(
+    "case", ["seq_len_changed", "fewer_layers", "rng_lost", "trainer_state_corrupt", "metadata_lost"]
+)
+def test_resume_that_would_be_silently_wrong_is_refused(saved_run, tmp_path, small_run, case):
+    from fsdp2kit.checkpoint.manager import committed_checkpoints
+
+    checkpoint = _copy_checkpoint(saved_run, tmp_path)
+    extra = []
+    if case == "seq_len_changed":
+        extra, expected = ["data.seq_len=32"], ("was trained with data.seq_len = 64, this run has 32",)
+    elif case == "fewer_layers":  # even when changes are allowed: the checkpoint would load truncated
+        extra = ["model.config.num_hidden_layers=1", "training.resume_allow_changes=true"]
+        expected = ("cannot be loaded into this model", "model tensors this model lacks (first 'model.layers.1.")
+    elif case == "rng_lost":
+        (checkpoint / "rng_rank0.pt").unlink()
+        expected = (f"'{checkpoint / 'rng_rank0.pt'}' is missing",)
+    elif case == "trainer_state_corrupt":
+        (checkpoint / "trainer_state.json").write_bytes(b"\x00\x01{garbage")
+        expected = (f"'{checkpoint / 'trainer_state.json'}' cannot be read",)
+    else:
+        (checkpoint / ".metadata").unlink()
+        expected = (f"'{checkpoint}' is not a complete checkpoint",)
+    args = [arg for item in [*extra, f"training.resume={checkpoint}"] for arg in ("--set", item)]
+    assert_one_line_error(run_cli("train", DEMO, *small_run, *args), 2, "training.resume: ", *expected)
+    assert [p.name for p in committed_checkpoints(saved_run / "checkpoints")] == ["step_1", "step_2"]
+
+
+def test_allowed_resume_change_is_one_warning(saved_run, tmp_path, small_run):
+    checkpoint = _copy_checkpoint(saved_run, tmp_path)
+    args = ["--set", "data.seq_len=32", "--set", "training.resume_allow_changes=true", "--set", "training.max_steps=3"]
+    result = run_cli("train", DEMO, *small_run, *args, "--set", f"training.resume={checkpoint}")
+    assert result.returncode == 0, result.stderr
+    assert "warning: training.resume: " in result.stdout and "data.seq_len = 64, this run has 32" in result.stdout
+    assert f"resumed from {checkpoint} at step 2" in result.stdout
+
+
+def _latin1_jsonl(tmp_path):
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes('{"text": "café au lait"}\n'.encode("latin-1"))
+    return path
+
+
+def _binary_yaml(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_bytes(bytes(range(256)))
+    return path
+
+
+def _truncated_model(tmp_path):
+    from test_infer import make_hf_folder
+
+    folder = tmp_path / "model"
+    make_hf_folder(folder, "tiny-llama")
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100_000])
+    return folder
+
+
+def _file(tmp_path):
+    path = tmp_path / "a_file"
+    path.write_text("not a folder")
+    return path
+
+
+# case: (command, config, --set overrides made from tmp_path, the fragments the one line holds)
+ONE_LINE_CASES = {
+    "nproc_0": ("train", DEMO, lambda t: [], ["--nproc 0: give a number of ranks >= 1"]),
+    "seq_len_over_positions": (
+        "train",
+        DEMO,
+        lambda t: ["data.seq_len=5000"],
+        ["data.seq_len: 5000 is more than the model's max_position_embeddings (4096)"],
+    ),
+    "infer_builtin_random": (
+        "infer",
+        DEMO,
+        lambda t: ["strategy_args.strategy_name=fsdp2_infer"],
+        ["builtin:tiny-llama has no trained weights", "model.allow_random_init: true"],
+    ),
+    "binary_yaml": ("train", _binary_yaml, lambda t: [], ["is not a YAML text file: byte 128 is not UTF-8"]),
+    "output_dir_is_a_file": (
+        "train",
+        DEMO,
+        lambda t: [f"training.output_dir={_file(t)}"],
+        ["training.output_dir: ", "is a file, not a folder"],
+    ),
+    "latin1_data": (
+        "train",
+        DEMO,
+        lambda t: [f"data.source={_latin1_jsonl(t)}"],
+        ["data.source: ", "is not UTF-8 text (byte 0xe9"],
+    ),
+    "truncated_safetensors": (
+        "train",
+        DEMO,
+        lambda t: [f"model.name_or_path={_truncated_model(t)}"],
+        ["model.safetensors' is not a readable safetensors file", "truncated or damaged"],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(ONE_LINE_CASES))
+def test_mistakes_and_damaged_files_are_one_line(tmp_path, small_run, case):
+    command, config, overrides, fragments = ONE_LINE_CASES[case]
+    args = [arg for item in overrides(tmp_path) for arg in ("--set", item)]
+    nproc = ["--nproc", "0"] if case == "nproc_0" else []
+    config = config(tmp_path) if callable(config) else config
+    assert_one_line_error(run_cli(command, config, *nproc, *small_run, *args), 2, *fragments)
+
+
+@pytest.mark.parametrize("damage", ["shard_truncated", "metadata_lost"])
+def test_resume_falls_back_from_a_damaged_newest_checkpoint(saved_run, tmp_path, small_run, damage):
+    run = tmp_path / "run"  # small_run's output_dir
+    shutil.copytree(saved_run, run)
+    newest = run / "checkpoints" / "step_2"
+    if damage == "shard_truncated":
+        shard = newest / "__0_0.distcp"
+        shard.write_bytes(shard.read_bytes()[:1000])
+    else:
+        (newest / ".metadata").unlink()
+    result = run_cli("train", DEMO, *small_run, "--set", "training.max_steps=3", "--set", "training.report_to=[]")
+    assert result.returncode == 0, result.stderr
+    assert "warning: checkpoint step_2 is damaged (" in result.stdout
+    assert "resuming from step_1, the newest whole checkpoint" in result.stdout
+    assert f"resumed from {run / 'checkpoints' / 'step_1'} at step 1" in result.stdout
+    assert [r["step"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())] == [1, 2, 3]
+
+
+@pytest.mark.parametrize("signal_name, exit_code", [("SIGINT", 130), ("SIGTERM", 143)])
+def test_signal_during_async_save_finishes_it_and_the_run_resumes(tmp_path, small_run, signal_name, exit_code):
+    """The signal arrives as the step-2 checkpoint starts writing in the background: the write is finished and
+    published, the run stops with one line and 128 + the signal's number, and the same command resumes."""
+    from fsdp2kit.checkpoint.manager import committed_checkpoints
+
+    args = [*small_run, "--set", "training.max_steps=4", "--set", "training.save_steps=2"]
+    args += ["--set", "strategy_args.strategy_config.async_save_ckpt=true", "--set", "training.report_to=[]"]
+    result = run_cli("train", DEMO, *args, env={"FSDP2KIT_FAULT": f"before_save:2:0:{signal_name}"})
+    assert_one_line_error(
+        result,
+        exit_code,
+        f"interrupted by {signal_name} after step 2: checkpoint step_2 is complete and the same command resumes",
+    )
+    checkpoints = tmp_path / "run" / "checkpoints"
+    assert [p.name for p in committed_checkpoints(checkpoints)] == ["step_2"]
+    assert not list(checkpoints.glob(".tmp-*"))
+    if signal_name == "SIGINT":
+        result = run_cli("train", DEMO, *args)
+        assert result.returncode == 0, result.stderr
+        assert f"resumed from {checkpoints / 'step_2'} at step 2" in result.stdout
+        assert [p.name for p in committed_checkpoints(checkpoints)] == ["step_2", "step_4"]
+
+
+def test_second_run_into_a_locked_output_dir_is_refused(tmp_path, small_run):
+    import os
+    import subprocess
+    import sys
+
+    from fsdp2kit.train.run_dir import OutputDirLock
+
+    run = tmp_path / "run"
+    with OutputDirLock(run, is_main=True):  # this process plays the first run
+        result = run_cli("train", DEMO, *small_run)
+    assert_one_line_error(result, 2, f"training.output_dir: '{run}' is in use by another run (pid {os.getpid()}")
+    assert not (run / "metrics.jsonl").exists()
+    # A holder that dies (even by SIGKILL) leaves no stale lock: the kernel drops it.
+    holder = "import os, sys; from pathlib import Path; from fsdp2kit.train.run_dir import OutputDirLock; "
+    holder += "lock = OutputDirLock(Path(sys.argv[1]), True); os.kill(os.getpid(), 9)"
+    assert subprocess.run([sys.executable, "-c", holder, str(run)]).returncode == -9
+    with OutputDirLock(run, is_main=True) as lock:
+        assert lock.handle is not None
