@@ -30,7 +30,8 @@ TOKENIZER_FILES = (
     "chat_template.jinja",
     "added_tokens.json",
     "chat_template.json",
-    "preprocessor_config.json",  # a vision-language model's image processor
+    "preprocessor_config.json",  # a vision-language model's image processor, video processor and processor
+    "video_preprocessor_config.json",
     "processor_config.json",
 )
 
