@@ -26,6 +26,7 @@ MANIFEST = yaml.safe_load((CORPUS / "MANIFEST.yaml").read_text())
 JOB = "examples/demo.yaml"  # the job a strategy file (MindSpeed-MM, Accelerate, Trainer) is given beside
 LAYERS = [f"model.layers.{i}" for i in range(4)]
 CPU_ONLY = not torch.cuda.is_available()
+REAL_CONTEXT = 40960  # Qwen3's max_position_embeddings: ROLL's files train on up to 2048 + 4096 tokens
 
 # What the source tool's plan is for each kind of file, field by field (see the module docstring).
 ROLL_DENSE = {  # fsdp_size >= world: one FSDP dim; _no_split_modules; ROLL's bf16/fp32, uncast inputs, recompute
@@ -275,6 +276,8 @@ EXPECTED: dict[str, tuple[str, int, dict | str]] = {
 def user_args(name: str, model: str, ranks: int) -> tuple[str, list[str], str | None]:
     """What a user types: a ROLL file is the config itself; a strategy file goes beside a job with --fsdp-config."""
     swaps = [f"model.name_or_path=builtin:{model}", f"device_mapping={list(range(ranks))}"]
+    if name.startswith("roll/") and not model.endswith("-vl"):  # the stand-in keeps the real Qwen's context length
+        swaps.append(f"model.config.max_position_embeddings={REAL_CONTEXT}")
     if name.startswith("roll/"):
         return str(CORPUS / name), swaps, None
     return JOB, swaps, str(CORPUS / name)
