@@ -59,6 +59,12 @@ def _env() -> dict[str, str]:
     return env
 
 
+def _run(command: list[str]) -> None:
+    result = subprocess.run(command, cwd=REPO, env=_env(), capture_output=True, text=True)
+    if result.returncode:
+        raise SystemExit(f"{' '.join(command)} failed:\n{result.stderr[-3000:]}")
+
+
 def run_fsdp2kit(model: Path, nproc: int, work: Workload, out: Path, extra: list[str] = ()) -> dict:  # type: ignore[assignment]
     sets = [
         f"model.name_or_path={model}",
@@ -80,7 +86,7 @@ def run_fsdp2kit(model: Path, nproc: int, work: Workload, out: Path, extra: list
     ]
     command = [sys.executable, "-m", "fsdp2kit", "train", "examples/demo.yaml", "--nproc", str(nproc)]
     command += [arg for item in sets for arg in ("--set", item)]
-    subprocess.run(command, cwd=REPO, env=_env(), check=True, capture_output=True)
+    _run(command)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return {
         "tokens_per_s": [r["tokens_per_s"] for r in records],
@@ -95,7 +101,7 @@ def run_reference(impl: str, model: Path, nproc: int, work: Workload, out: Path)
     command += [str(REPO / "benchmarks" / "reference_loop.py"), "--impl", impl, "--model", str(model)]
     command += ["--out", str(out), "--steps", str(work.steps), "--seq-len", str(work.seq_len)]
     command += ["--batch", str(work.batch), "--accumulation", str(work.accumulation), "--lr", str(LR)]
-    subprocess.run(command, cwd=REPO, env=_env(), check=True, capture_output=True)
+    _run(command)
     return json.loads(out.read_text())
 
 

@@ -32,7 +32,9 @@ def measure(nproc: int, overrides: list[str], out: Path) -> dict:
     command = [sys.executable, "-m", "fsdp2kit", "train", "examples/demo.yaml", "--nproc", str(nproc)]
     command += [arg for item in sets for arg in ("--set", item)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    subprocess.run(command, cwd=REPO, env=env, check=True, capture_output=True)
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
+    if result.returncode:
+        raise SystemExit(f"{' '.join(command)} failed:\n{result.stderr[-3000:]}")
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return max(records, key=lambda r: r["peak_mem_bytes"])
 

@@ -39,6 +39,7 @@ def describe(cfg: JobConfig, runtime: Runtime) -> dict:
         "groups": describe_groups(model),
         "ignored_modules": plan.ignored_modules,
         "recompute_modules": plan.recompute_modules,
+        "compiled_modules": plan.compiled_modules,
         "tiled_mlp": {"modules": plan.tiled_mlp_modules, "num_shards": plan.tiled_num_shards}
         if plan.tiled_mlp_modules
         else None,

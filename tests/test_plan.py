@@ -389,6 +389,21 @@ def test_gradient_checkpointing_recomputes_every_layer():
     assert check(gradient_checkpointing=True)["recompute_modules"] == LAYERS
 
 
+def test_compile_wraps_each_layers_recomputed_forward_and_keeps_names(gloo):
+    """training.compile: each decoder layer's forward (already wrapped by recompute) goes through torch.compile;
+    parameter names are unchanged, so checkpoints are the same with and without it."""
+    cfg = job(gradient_checkpointing=True)
+    plain = build_sharded_model(cfg, gloo, training=True, materialize=False)
+    cfg.training.compile = True
+    assert describe(cfg, gloo)["compiled_modules"] == LAYERS
+    compiled = build_sharded_model(cfg, gloo, training=True, materialize=False)
+    for name in LAYERS:
+        forward = compiled.model.get_submodule(name).forward
+        assert type(forward).__name__ != "method"  # torch.compile's wrapper, not the bound method
+        assert forward.__wrapped__.__code__.co_name == "recomputed"  # compile wraps recompute, not the reverse
+    assert [n for n, _ in compiled.model.named_parameters()] == [n for n, _ in plain.model.named_parameters()]
+
+
 # Prefetch.
 
 

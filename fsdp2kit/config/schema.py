@@ -197,6 +197,9 @@ class TrainingConfig(Section):
         default_factory=_tensorboard_only,
         description="where metrics go besides metrics.jsonl: tensorboard (output_dir/tb), wandb; [] for neither",
     )
+    compile: bool = Field(
+        False, description="torch.compile each decoder layer (after recompute, before fully_shard); first steps compile"
+    )
     track_memory: bool = Field(
         False,
         description="count live tensor bytes by category each step (torch's FSDPMemTracker; slower): "

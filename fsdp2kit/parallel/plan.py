@@ -82,6 +82,7 @@ class ShardingPlan:
     groups: list[tuple[str, ...]]  # each tuple is one fully_shard call; forward order; the root is not listed
     ignored_modules: list[str]
     recompute_modules: list[str]
+    compiled_modules: list[str]  # torch.compile on each decoder layer's forward (training.compile)
     tiled_mlp_modules: list[str]
     tiled_num_shards: int
     expert_patch: bool  # every rank runs every separately sharded expert (fsdp2kit.parallel.moe)
@@ -248,7 +249,9 @@ def effective_reshard(strategy: StrategyConfig) -> bool | int:
     return implied
 
 
-def build_plan(model: nn.Module, strategy: StrategyConfig, model_cfg: ModelConfig) -> ShardingPlan:
+def build_plan(
+    model: nn.Module, strategy: StrategyConfig, model_cfg: ModelConfig, compile_layers: bool = False
+) -> ShardingPlan:
     if strategy.pin_memory and not strategy.offload_policy:
         raise UserError("strategy_config.pin_memory: true only applies with offload_policy: true")
 
@@ -338,6 +341,7 @@ def build_plan(model: nn.Module, strategy: StrategyConfig, model_cfg: ModelConfi
         groups=groups,
         ignored_modules=ignored,
         recompute_modules=recompute,
+        compiled_modules=modules_of_classes(model, _layer_classes(model), "training.compile") if compile_layers else [],
         tiled_mlp_modules=tiled_mlps,
         tiled_num_shards=strategy.tiled_num_shards,
         expert_patch=expert_patch,

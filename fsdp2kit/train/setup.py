@@ -18,6 +18,7 @@ from fsdp2kit.models.build import (
     resolve_model,
 )
 from fsdp2kit.models.vl import is_vision_language
+from fsdp2kit.parallel.compile import compile_modules
 from fsdp2kit.parallel.fsdp import apply_fsdp
 from fsdp2kit.parallel.mesh import MeshLayout, build_mesh, mesh_layout, sequence_parallel_group
 from fsdp2kit.parallel.moe import apply_expert_patch, split_experts
@@ -54,7 +55,7 @@ def build_sharded_model(cfg: JobConfig, runtime: Runtime, training: bool, materi
         apply_ulysses(model, sp_group)
         if is_vision_language(source.hf_config):
             apply_vision_ulysses(model, sp_group)
-    plan = build_plan(model, strategy, cfg.model)
+    plan = build_plan(model, strategy, cfg.model, compile_layers=training and cfg.training.compile)
     frozen = set(plan.frozen_parameters)
     for name, param in model.named_parameters():
         param.requires_grad_(training and name not in frozen)
@@ -62,6 +63,7 @@ def build_sharded_model(cfg: JobConfig, runtime: Runtime, training: bool, materi
     apply_tiled_mlp(model, plan.tiled_mlp_modules, plan.tiled_num_shards)
     if plan.expert_patch:
         apply_expert_patch(model)
+    compile_modules(model, plan.compiled_modules)
     if plan.vision_patch:
         apply_vision_patch(model)
     apply_fsdp(model, mesh, plan)
