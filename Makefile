@@ -30,7 +30,7 @@ lint: install
 # The CPU benchmarks, each printing one JSON object (docs/PERFORMANCE.md); benchmarks/gpu_suite.sh is the GPU set.
 bench: install
 	$(BIN)/python -m pip install --quiet -e '.[bench]'
-	for b in memory_scaling vs_raw_fsdp2 vs_fsdp1 vs_accelerate checkpoint_stall load_export_memory; do \
+	for b in memory_scaling vs_raw_fsdp2 vs_fsdp1 vs_accelerate mallopt_cost checkpoint_stall load_export_memory; do \
 		OMP_NUM_THREADS=1 $(BIN)/python benchmarks/$$b.py || exit 1; done
 
 clean:

@@ -96,16 +96,23 @@ def run_fsdp2kit(model: Path, nproc: int, work: Workload, out: Path, extra: list
     }
 
 
-def run_reference(impl: str, model: Path, nproc: int, work: Workload, out: Path) -> dict:
+def run_reference(
+    impl: str,
+    model: Path,
+    nproc: int,
+    work: Workload,
+    out: Path,
+    extra: list[str] = (),  # type: ignore[assignment]
+) -> dict:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
     command += [str(REPO / "benchmarks" / "reference_loop.py"), "--impl", impl, "--model", str(model)]
     command += ["--out", str(out), "--steps", str(work.steps), "--seq-len", str(work.seq_len)]
-    command += ["--batch", str(work.batch), "--accumulation", str(work.accumulation), "--lr", str(LR)]
+    command += ["--batch", str(work.batch), "--accumulation", str(work.accumulation), "--lr", str(LR), *extra]
     _run(command)
     return json.loads(out.read_text())
 
 
-def compare(ours: list[dict], theirs: list[dict]) -> dict:
+def compare(ours: list[dict], theirs: list[dict], names: tuple[str, str] = ("fsdp2kit", "reference")) -> dict:
     """Ratios of medians (steady-state steps: the first, which warms up, is left out) and the largest relative
     difference of any step's loss between any pair of runs."""
 
@@ -122,8 +129,8 @@ def compare(ours: list[dict], theirs: list[dict]) -> dict:
         "ratio_tokens_per_s": median_tps(ours) / median_tps(theirs),
         "ratio_peak_mem": median_mem(ours) / median_mem(theirs),
         "loss_max_rel_diff": loss_diff,
-        "tokens_per_s": {"fsdp2kit": median_tps(ours), "reference": median_tps(theirs)},
-        "peak_mem_bytes": {"fsdp2kit": median_mem(ours), "reference": median_mem(theirs)},
+        "tokens_per_s": {names[0]: median_tps(ours), names[1]: median_tps(theirs)},
+        "peak_mem_bytes": {names[0]: median_mem(ours), names[1]: median_mem(theirs)},
     }
 
 

@@ -83,10 +83,14 @@ def main() -> None:
     parser.add_argument("--accumulation", type=int, default=2)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument(
+        "--glibc-default-mmap", action="store_true", help="keep glibc's own mmap threshold (benchmarks/mallopt_cost.py)"
+    )
     args = parser.parse_args()
     from fsdp2kit.distributed import return_large_frees_to_os
 
-    return_large_frees_to_os()  # the same allocator setting fsdp2kit's CPU ranks use
+    if not args.glibc_default_mmap:
+        return_large_frees_to_os()  # the same allocator setting fsdp2kit's CPU ranks use
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
     accelerator = None

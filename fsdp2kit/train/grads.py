@@ -33,17 +33,21 @@ def all_reduce_replicated_grads(params: Sequence[torch.Tensor], world_size: int)
 
 
 def clip_grad_norm(params: Sequence[torch.Tensor], max_norm: float) -> torch.Tensor:
-    """Global L2 norm over sharded and replicated gradients (the same value on every rank); clip if max_norm > 0."""
+    """Global L2 norm over sharded and replicated gradients (the same value on every rank); clip if max_norm > 0.
+    The norm stays on the gradients' device (no host sync here: the step fetches it with the loss, once). A
+    non-finite norm scales the gradients to zero or NaN, harmlessly: that step's update is skipped."""
     sharded, plain = _split_sharded(params)
-    squares = torch.zeros((), dtype=torch.float32)
+    squares = []
     for group in (sharded, plain):
         if group:
             norm = torch.nn.utils.get_total_norm(_grads(group))
             if isinstance(norm, DTensor):  # the norm of this rank's shards, partial until all-reduced
                 norm = norm.full_tensor()
-            squares = squares + norm.float().cpu() ** 2
-    total = squares.sqrt()
-    if max_norm > 0 and math.isfinite(total.item()):
+            squares.append(norm.float() ** 2)
+    if not squares:
+        return torch.zeros(())
+    total = torch.stack(squares).sum().sqrt()
+    if max_norm > 0:
         for group in (sharded, plain):
             torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
     return total
