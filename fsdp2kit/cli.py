@@ -12,7 +12,7 @@ import tempfile
 from pathlib import Path
 
 from fsdp2kit.config.load import load_config, name_as_written
-from fsdp2kit.errors import Interrupted, TrainingDiverged, UserError
+from fsdp2kit.errors import Interrupted, RunFault, TrainingDiverged, UserError
 
 ERROR_DIR_ENV = "FSDP2KIT_ERROR_DIR"
 
@@ -160,7 +160,7 @@ def _report_error(message: str, exit_code: int) -> int:
 
 
 def _run_rank(args: argparse.Namespace, cfg) -> int:
-    from fsdp2kit.distributed import init_distributed, shutdown
+    from fsdp2kit.distributed import init_distributed, out_of_memory_message, shutdown
 
     runtime = init_distributed(cfg.device_mapping)
     try:
@@ -178,6 +178,11 @@ def _run_rank(args: argparse.Namespace, cfg) -> int:
             from fsdp2kit.check import print_check
 
             print_check(cfg, runtime, args.json)
+    except (MemoryError, RuntimeError) as exc:  # torch.OutOfMemoryError is a RuntimeError
+        message = out_of_memory_message(exc, runtime)
+        if message is None:
+            raise
+        raise RunFault(message) from None
     finally:
         shutdown()
     return 0
@@ -229,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         return _run_rank(args, cfg)
     except UserError as exc:
         return _report_error(name_as_written(str(exc), cfg) if cfg else str(exc), 2)
-    except TrainingDiverged as exc:
+    except (TrainingDiverged, RunFault) as exc:
         return _report_error(str(exc), 1)
     except Interrupted as exc:
         return _report_error(str(exc), exc.exit_code)

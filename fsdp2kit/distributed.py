@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import socket
 from dataclasses import dataclass
 
@@ -77,6 +78,33 @@ def init_distributed(device_mapping: list[int] | None) -> Runtime:
             backend, store=dist.PrefixStore(f"fsdp2kit/attempt_{attempt}", store), rank=rank, world_size=world_size
         )
     return Runtime(rank, world_size, local_rank, device)
+
+
+_ALLOCATION = re.compile(r"[Tt]ried to allocate ([0-9.]+ ?[KMGT]?i?B|\d+ bytes)")
+
+
+def out_of_memory_message(exc: BaseException, runtime: Runtime) -> str | None:
+    """One sentence for an allocation failure (CUDA's OutOfMemoryError, the CPU allocator's RuntimeError, Python's
+    MemoryError): which rank, how much it asked for, and what to lower. None for any other error."""
+    text = str(exc)
+    if not (
+        isinstance(exc, (MemoryError, torch.OutOfMemoryError))
+        or "can't allocate memory" in text
+        or "out of memory" in text.lower()
+    ):
+        return None
+    match = _ALLOCATION.search(text)
+    asked = ""
+    if match:
+        amount = match.group(1)
+        if amount.endswith(" bytes"):  # the CPU allocator counts bytes
+            amount = f"{int(amount.split()[0]) / 2**30:.2f} GiB"
+        asked = f" allocating {amount}"
+    return (
+        f"out of memory on rank {runtime.rank} ({runtime.device}){asked}: lower "
+        "training.per_device_train_batch_size or data.seq_len, or set model.gradient_checkpointing: true or "
+        "strategy_args.strategy_config.offload_policy: true"
+    )
 
 
 def shutdown() -> None:

@@ -10,6 +10,11 @@ class TrainingDiverged(Exception):
     """The loss or gradients stayed non-finite: the run stops with exit code 1 and one message, not a traceback."""
 
 
+class RunFault(Exception):
+    """A fault the user did not cause (a full disk, out of memory): one sentence saying what happened and what is
+    intact, exit code 1."""
+
+
 class Interrupted(Exception):
     """SIGINT or SIGTERM stopped the run between steps: one message, exit code 128 + the signal's number."""
 

@@ -361,3 +361,46 @@ def test_second_run_into_a_locked_output_dir_is_refused(tmp_path, small_run):
     assert subprocess.run([sys.executable, "-c", holder, str(run)]).returncode == -9
     with OutputDirLock(run, is_main=True) as lock:
         assert lock.handle is not None
+
+
+def test_disk_full_while_saving_is_one_line_and_the_previous_checkpoint_resumes(tmp_path, small_run):
+    """ENOSPC is injected where the step-4 save writes (`FSDP2KIT_FAULT=before_save:4:0:ENOSPC`)."""
+    from fsdp2kit.checkpoint.manager import committed_checkpoints
+
+    args = [
+        *small_run,
+        "--set",
+        "training.max_steps=6",
+        "--set",
+        "training.save_steps=2",
+        "--set",
+        "training.report_to=[]",
+    ]
+    result = run_cli("train", DEMO, *args, env={"FSDP2KIT_FAULT": "before_save:4:0:ENOSPC"})
+    checkpoints = tmp_path / "run" / "checkpoints"
+    assert_one_line_error(
+        result, 1, f"no space left on device while writing checkpoint step_4 in '{checkpoints}'; step_2 is intact"
+    )
+    assert [p.name for p in committed_checkpoints(checkpoints)] == ["step_2"]
+    assert not list(checkpoints.glob(".tmp-*"))  # the partial write is gone, its space freed
+
+
+def test_out_of_memory_is_one_line_naming_rank_size_and_what_to_lower(small_run):
+    """A 10-billion-token vocabulary: the embedding (9537 GiB) cannot be allocated when the model is materialised."""
+    result = run_cli("train", DEMO, *small_run, "--set", "model.config.vocab_size=10000000000")
+    assert_one_line_error(
+        result, 1, "out of memory on rank 0 (cpu) allocating 9536.74 GiB", "lower training.per_device_train_batch_size"
+    )
+
+
+def test_cuda_out_of_memory_message_names_the_size():
+    import torch
+
+    from fsdp2kit.distributed import Runtime, out_of_memory_message
+
+    runtime = Runtime(3, 4, 3, torch.device("cuda", 3))
+    cuda = torch.OutOfMemoryError(
+        "CUDA out of memory. Tried to allocate 2.50 GiB. GPU 3 has a total capacity of 79 GiB"
+    )
+    assert out_of_memory_message(cuda, runtime).startswith("out of memory on rank 3 (cuda:3) allocating 2.50 GiB: ")
+    assert out_of_memory_message(RuntimeError("shape mismatch"), runtime) is None

@@ -7,11 +7,14 @@ A folder named `step_N` with a `trainer_state.json` is therefore complete; anyth
 
 from __future__ import annotations
 
+import errno
 import io
 import json
 import os
 import shutil
 import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -19,10 +22,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from fsdp2kit.checkpoint.dcp_io import METADATA_FILE, damage, read_dcp, read_metadata
-from fsdp2kit.errors import UserError
+from fsdp2kit.errors import RunFault, UserError
 from fsdp2kit.models.export import write_config_and_tokenizer
 
 STATE_FILE = "trainer_state.json"
@@ -52,14 +56,16 @@ FAULT_ENV = "FSDP2KIT_FAULT"
 
 
 def fault_point(name: str, step: int, rank: int) -> None:
-    """Crash-test hook: with `FSDP2KIT_FAULT=name:step[:rank[:SIGNAL]]` the process sends itself SIGNAL (default
-    SIGKILL) here, on the first attempt only (not after an elastic restart). The tests use it to stop a run at exact
-    moments of a save."""
+    """Crash-test hook: with `FSDP2KIT_FAULT=name:step[:rank[:SIGNAL|ENOSPC]]` the process sends itself SIGNAL
+    (default SIGKILL), or fails as a full disk would, here, on the first attempt only (not after an elastic
+    restart). The tests use it to stop a run at exact moments of a save."""
     spec = os.environ.get(FAULT_ENV)
     if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
         return
     parts = spec.split(":")
     if parts[0] == name and int(parts[1]) == step and (len(parts) < 3 or parts[2] in ("*", str(rank))):
+        if len(parts) > 3 and parts[3] == "ENOSPC":  # a full disk, as a write would report it
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         os.kill(os.getpid(), getattr(signal, parts[3]) if len(parts) > 3 else signal.SIGKILL)
 
 
@@ -73,6 +79,17 @@ def read_trainer_state(path: Path) -> dict:
     if not isinstance(state, dict) or not isinstance(state.get("step"), int):
         raise UserError(f"training.resume: '{state_file}' is not a trainer state (it has no step)")
     return state
+
+
+def _is_disk_full(exc: BaseException | None) -> bool:
+    """ENOSPC anywhere in an exception, its causes, or DCP's per-rank failures."""
+    if exc is None:
+        return False
+    if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+        return True
+    if isinstance(exc, CheckpointException):
+        return any(_is_disk_full(failure[0]) for failure in exc.failures.values())
+    return _is_disk_full(exc.__cause__) or _is_disk_full(exc.__context__)
 
 
 def committed_checkpoints(root: Path) -> list[Path]:
@@ -112,31 +129,35 @@ class CheckpointManager:
         self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, trainer_state: dict, blocking: bool = False
     ) -> None:
         self.wait()
-        trainer_state = {**trainer_state, "world_size": dist.get_world_size()}  # which ranks' RNG files it holds
-        tmp, final = self.root / f".tmp-step_{step}", self.root / f"step_{step}"
-        if self.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-            if self.hf_config is not None:
-                write_config_and_tokenizer(tmp, self.hf_config, self.tokenizer_path, next(model.parameters()).dtype)
-                for file in tmp.iterdir():  # only rank 0's files exist yet; DCP syncs the shards it writes
-                    _fsync_file(file)
-        dist.barrier()
-        fault_point("before_save", step, self.rank)
-        model_state, optim_state = get_state_dict(model, optimizer)
-        state = {"model": model_state, "optim": optim_state}
-        rng = io.BytesIO()
-        torch.save(
-            {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
-            rng,
-        )
-        _write_durable(tmp / f"rng_rank{self.rank}.pt", rng.getvalue())
-        if self.async_save and not blocking:
-            future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.group)
-            self.pending = (future, tmp, final, trainer_state)
-        else:
-            dcp.save(state, checkpoint_id=str(tmp))  # DCP fsyncs every file it writes
-            self._commit(tmp, final, trainer_state)
+        with self._writing(step):
+            trainer_state = {**trainer_state, "world_size": dist.get_world_size()}  # which ranks' RNG files it holds
+            tmp, final = self.root / f".tmp-step_{step}", self.root / f"step_{step}"
+            if self.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir(parents=True)
+                if self.hf_config is not None:
+                    write_config_and_tokenizer(tmp, self.hf_config, self.tokenizer_path, next(model.parameters()).dtype)
+                    for file in tmp.iterdir():  # only rank 0's files exist yet; DCP syncs the shards it writes
+                        _fsync_file(file)
+            dist.barrier()
+            fault_point("before_save", step, self.rank)
+            model_state, optim_state = get_state_dict(model, optimizer)
+            state = {"model": model_state, "optim": optim_state}
+            rng = io.BytesIO()
+            torch.save(
+                {
+                    "cpu": torch.get_rng_state(),
+                    "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+                },
+                rng,
+            )
+            _write_durable(tmp / f"rng_rank{self.rank}.pt", rng.getvalue())
+            if self.async_save and not blocking:
+                future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.group)
+                self.pending = (future, tmp, final, trainer_state)
+            else:
+                dcp.save(state, checkpoint_id=str(tmp))  # DCP fsyncs every file it writes
+                self._commit(tmp, final, trainer_state)
 
     def poll(self) -> None:
         """Publish a background write as soon as every rank has finished it (one tiny all-reduce per step),
@@ -153,8 +174,25 @@ class CheckpointManager:
         if self.pending is not None:
             future, tmp, final, trainer_state = self.pending
             self.pending = None
-            future.result()
-            self._commit(tmp, final, trainer_state)
+            with self._writing(trainer_state["step"]):
+                future.result()
+                self._commit(tmp, final, trainer_state)
+
+    @contextmanager
+    def _writing(self, step: int) -> Iterator[None]:
+        """A full disk while writing step_N is a fault, told in one sentence with what is intact; the partial folder
+        is removed so that the space it held is free again."""
+        try:
+            yield
+        except (Exception, CheckpointException) as exc:
+            if not _is_disk_full(exc):
+                raise
+            shutil.rmtree(self.root / f".tmp-step_{step}", ignore_errors=True)
+            complete = committed_checkpoints(self.root)
+            intact = f"{complete[-1].name} is intact" if complete else "no earlier checkpoint was written"
+            raise RunFault(
+                f"no space left on device while writing checkpoint step_{step} in '{self.root}'; {intact}"
+            ) from None
 
     def _commit(self, tmp: Path, final: Path, trainer_state: dict) -> None:
         step = trainer_state["step"]
