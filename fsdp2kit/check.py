@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import yaml
@@ -63,6 +64,8 @@ def describe(cfg: JobConfig, runtime: Runtime) -> dict:
         "use_reentrant": plan.use_reentrant,
         "ulysses_size": cfg.model.ulysses_size,
         "custom_plan": plan.custom,
+        # LoRA: the adapters by shard group, their trainable count and the bytes they and their AdamW state take.
+        "lora": dataclasses.asdict(plan.adapters) if plan.adapters else None,
         "notes": plan.notes,
         "config_notes": cfg.notes,
     }

@@ -76,6 +76,11 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="cast the weights (default: keep the stored dtype)",
     )
+    convert.add_argument(
+        "--adapter",
+        default=None,
+        help="a PEFT adapter folder to merge into the HF model SRC (--to hf): the merged HF folder goes to DST",
+    )
     report = commands.add_parser(
         "report", help="plot runs' metrics (loss, lr, grad norm, tokens/s, memory) and summarise them"
     )
@@ -210,7 +215,8 @@ def main(argv: list[str] | None = None) -> int:
             from fsdp2kit.checkpoint.convert import convert
             from fsdp2kit.models.build import TORCH_DTYPES
 
-            convert(Path(args.src), Path(args.dst), args.to, TORCH_DTYPES.get(args.dtype))
+            adapter = Path(args.adapter) if args.adapter else None
+            convert(Path(args.src), Path(args.dst), args.to, TORCH_DTYPES.get(args.dtype), adapter)
             print(f"converted {args.src} -> {args.dst} ({args.to})")
             return 0
         if args.command == "report":

@@ -311,9 +311,9 @@ def test_role_on_a_native_file_and_roll_file_without_fsdp2_roles(tmp_path, capsy
         ),
         (
             {},
-            {"model_args": {"lora_target": "q_proj,v_proj"}},
-            "'actor_train.model_args.lora_target' = 'q_proj,v_proj' is not supported: ROLL's LoRA training is not "
-            "available in fsdp2kit yet; drop lora_target to train all weights",
+            {"model_args": {"lora_target": "q_proj|v_proj"}},
+            "'actor_train.model_args.lora_target' = 'q_proj|v_proj' is not valid: a regular expression; list the "
+            "module names (q_proj,v_proj) or give all-linear",
         ),
         (
             {},

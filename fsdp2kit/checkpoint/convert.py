@@ -2,7 +2,9 @@
 
 - DCP checkpoint (from any world size or mesh) -> HF safetensors folder, streamed group by group;
 - DCP checkpoint -> one `torch.save` file holding the model's state dict (HF names);
-- HF safetensors folder -> DCP checkpoint usable as `model.name_or_path`.
+- HF safetensors folder -> DCP checkpoint usable as `model.name_or_path`;
+- LoRA checkpoint (adapters only) -> PEFT adapter folder (`--to hf`), its base model named in its adapter config;
+- HF folder + PEFT adapter (`--adapter`) -> HF folder with the adapter merged in, by peft's `merge_and_unload`.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from fsdp2kit.checkpoint.dcp_io import METADATA_FILE, read_dcp, read_metadata
 from fsdp2kit.errors import UserError
 from fsdp2kit.models.build import auto_model_class, open_safetensors
 from fsdp2kit.models.export import TOKENIZER_FILES, SafetensorsWriter, copy_present_files
+from fsdp2kit.models.lora import ADAPTER_CONFIG_FILE
 from fsdp2kit.models.vl import checkpoint_renamings, model_name, stored_name
 
 MODEL_PREFIX = "model."
@@ -72,19 +75,31 @@ def read_dcp_model(
             group, size = {}, 0
 
 
-def convert(src: Path, dst: Path, to: str, dtype: torch.dtype | None = None) -> None:
+def convert(src: Path, dst: Path, to: str, dtype: torch.dtype | None = None, adapter: Path | None = None) -> None:
     with warnings.catch_warnings():  # DCP warns that it runs without a process group: that is the intent here
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        _convert(src, dst, to, dtype)
+        _convert(src, dst, to, dtype, adapter)
 
 
-def _convert(src: Path, dst: Path, to: str, dtype: torch.dtype | None) -> None:
+def _convert(src: Path, dst: Path, to: str, dtype: torch.dtype | None, adapter: Path | None) -> None:
     if not src.is_dir():
         raise UserError(f"convert: '{src}' is not a folder")
     if dst.exists() and any(dst.iterdir()):
         raise UserError(f"convert: '{dst}' exists and is not empty; give a new folder")
+    if adapter is not None:
+        if to != "hf" or _is_dcp(src):
+            raise UserError(
+                "convert --adapter: merges a PEFT adapter into an HF model folder; give --to hf and an HF SRC"
+            )
+        _merge_adapter(src, adapter, dst, dtype)
+        return
     if to == "dcp":
         _hf_to_dcp(src, dst, dtype)
+        return
+    if _is_dcp(src) and (src / ADAPTER_CONFIG_FILE).is_file():
+        if to != "hf":
+            raise UserError(f"convert --to {to}: '{src}' is a LoRA checkpoint (adapters only); convert it --to hf")
+        _adapter_checkpoint_to_peft(src, dst, dtype)
         return
     if not _is_dcp(src):
         raise UserError(f"convert --to {to}: '{src}' is not a DCP checkpoint (it has no .metadata)")
@@ -140,3 +155,40 @@ def _hf_to_dcp(src: Path, dst: Path, dtype: torch.dtype | None) -> None:
     dcp.save({"model": state}, checkpoint_id=str(dst), no_dist=True)
     copy_present_files(src, dst, MODEL_FILES)
     _record_dtype(dst, dtype)
+
+
+def _adapter_checkpoint_to_peft(src: Path, dst: Path, dtype: torch.dtype | None) -> None:
+    """The adapters of a LoRA checkpoint in PEFT's layout. peft names the keys: it gets the base model (from the
+    adapter config) built on the meta device with the adapters injected, which costs no memory."""
+    from fsdp2kit.config.schema import ModelConfig
+    from fsdp2kit.models.build import build_meta_model, resolve_model
+    from fsdp2kit.models.lora import inject_peft, peft_keys, read_adapter_config, write_adapter_folder
+
+    config = read_adapter_config(src, "convert", weights=False)
+    base = ModelConfig.model_validate({"name_or_path": config.base_model_name_or_path or ""})
+    model = build_meta_model(resolve_model(base), base)
+    inject_peft(model, config)
+    file_keys = peft_keys(model)
+    tensors = _model_tensors(src)
+    unknown = sorted(set(tensors) - set(file_keys))
+    if unknown:
+        raise UserError(f"convert: '{src}' holds '{unknown[0]}', which is no adapter of '{base.name_or_path}'")
+    cast = (lambda t: t.to(dtype)) if dtype is not None else (lambda t: t)
+    weights = {file_keys[name]: cast(tensor) for name, tensor in read_dcp_model(src, list(tensors), tensors)}
+    write_adapter_folder(dst, config, weights)
+
+
+def _merge_adapter(src: Path, adapter: Path, dst: Path, dtype: torch.dtype | None) -> None:
+    """peft's own merge, in one process: the base model is held once in CPU memory."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from fsdp2kit.models.lora import read_adapter_config
+
+    read_adapter_config(adapter, "convert --adapter")
+    if not (src / "config.json").is_file():
+        raise UserError(f"convert --adapter: '{src}' is not an HF model folder (config.json + *.safetensors)")
+    base = AutoModelForCausalLM.from_pretrained(src, dtype=dtype or "auto")
+    merged = PeftModel.from_pretrained(base, adapter).merge_and_unload()
+    merged.save_pretrained(dst)
+    copy_present_files(src, dst, TOKENIZER_FILES)

@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from fsdp2kit.checkpoint.dcp_io import METADATA_FILE, damage, read_dcp, read_metadata
 from fsdp2kit.errors import RunFault, UserError
@@ -109,12 +109,17 @@ class CheckpointManager:
         keep: int | None,
         hf_config=None,
         tokenizer_path: Path | None = None,
+        adapter_config=None,
     ):
         self.root = output_dir / "checkpoints"
         # Each checkpoint carries the model's config and tokenizer, so it is a model source by itself
-        # (`model.name_or_path: .../step_N`, `fsdp2kit convert`).
+        # (`model.name_or_path: .../step_N`, `fsdp2kit convert`). A LoRA run's checkpoint holds only what trains
+        # (adapters, modules to save, their optimizer state) and the adapter's peft config: the frozen base is
+        # read again from its source at resume.
         self.hf_config = hf_config
         self.tokenizer_path = tokenizer_path
+        self.adapter_config = adapter_config
+        self.options = StateDictOptions(ignore_frozen_params=adapter_config is not None)
         self.rank = rank
         self.keep = keep
         self.async_save = async_save
@@ -135,13 +140,15 @@ class CheckpointManager:
             if self.rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
                 tmp.mkdir(parents=True)
-                if self.hf_config is not None:
+                if self.adapter_config is not None:
+                    self.adapter_config.save_pretrained(str(tmp))
+                elif self.hf_config is not None:
                     write_config_and_tokenizer(tmp, self.hf_config, self.tokenizer_path, next(model.parameters()).dtype)
-                    for file in tmp.iterdir():  # only rank 0's files exist yet; DCP syncs the shards it writes
-                        _fsync_file(file)
+                for file in tmp.iterdir():  # only rank 0's files exist yet; DCP syncs the shards it writes
+                    _fsync_file(file)
             dist.barrier()
             fault_point("before_save", step, self.rank)
-            model_state, optim_state = get_state_dict(model, optimizer)
+            model_state, optim_state = get_state_dict(model, optimizer, options=self.options)
             state = {"model": model_state, "optim": optim_state}
             rng = io.BytesIO()
             torch.save(
@@ -261,7 +268,7 @@ class CheckpointManager:
         """Model, optimizer and RNG state in place; returns the trainer state. A checkpoint of a larger model (more
         layers, another head) would load into this one without a word, truncated: refused, as is a lost RNG file."""
         trainer_state = read_trainer_state(path)
-        model_state, optim_state = get_state_dict(model, optimizer)
+        model_state, optim_state = get_state_dict(model, optimizer, options=self.options)
         cannot_load = f"training.resume: checkpoint '{path}' cannot be loaded into this model"
         stored = read_metadata(path, cannot_load).state_dict_metadata
         extra = sorted(key for key in stored if key.startswith("model.") and key[6:] not in model_state)
@@ -272,7 +279,14 @@ class CheckpointManager:
             )
         state: dict[str, Any] = {"model": model_state, "optim": optim_state}
         read_dcp(state, path, cannot_load)
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        # A LoRA checkpoint sets only the trainable tensors (DCP has already refused any it lacks); the frozen base
+        # was read from its source.
+        loading = StateDictOptions(
+            ignore_frozen_params=self.options.ignore_frozen_params, strict=not self.options.ignore_frozen_params
+        )
+        set_state_dict(
+            model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=loading
+        )
         rng_file = path / f"rng_rank{self.rank}.pt"
         if rng_file.is_file():
             try:

@@ -92,6 +92,64 @@ class Section(BaseModel):
         return data
 
 
+def _module_names(value: Any) -> Any:
+    """ROLL and MindSpeed-MM write module lists as one comma-separated string (`o_proj,q_proj`)."""
+    if isinstance(value, str):
+        return [name.strip() for name in value.split(",") if name.strip()]
+    return _pattern_list(value)
+
+
+class LoraConfig(Section):
+    """LoRA through peft (`model.lora`). The aliases are ROLL's model_args keys and MindSpeed-MM's LoRA keys
+    (`training.lora` of its FSDP2 back-end and `lora_args`), so their blocks can be pasted as they are written."""
+
+    enable: bool = Field(True, description="MindSpeed-MM's switch: false leaves the model without adapters")
+    rank: int = Field(8, ge=1, description="rank r of the low-rank matrices A (r x in) and B (out x r)")
+    alpha: int | None = Field(None, gt=0, description="the update is scaled by alpha / rank; default 2 x rank")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapters' input")
+    target_modules: Annotated[list[str], BeforeValidator(_module_names)] = Field(
+        default_factory=lambda: ["all-linear"],
+        description="'all-linear' (every linear layer but the LM head), or module names (a suffix such as q_proj) "
+        "and module-path patterns (`model.layers.{*}.self_attn.q_proj`)",
+    )
+    modules_to_save: Annotated[list[str], BeforeValidator(_module_names)] = Field(
+        default_factory=list, description="whole modules trained (and saved with the adapter) besides the adapters"
+    )
+    adapter: str | None = Field(
+        None, description="a PEFT adapter folder (adapter_config.json + adapter_model.safetensors) to start from"
+    )
+    dtype: OptionalDType = Field(
+        "fp32", description="dtype of the adapters' stored weights (fp32 over a bf16 base); none = the base's dtype"
+    )
+    init_lora_weights: bool | Literal["gaussian"] = Field(
+        True, description="peft's initialisation: true (A Kaiming-uniform, B zero), gaussian, or false (B random)"
+    )
+
+    register_forward_hook: Annotated[list[str], BeforeValidator(_module_names)] = Field(
+        default_factory=list,
+        description="modules (by name, e.g. embed_tokens) whose outputs are made to require grad so that reentrant "
+        "recompute reaches the adapters; the input embeddings always are when layers are recomputed",
+    )
+
+    ALIASES: ClassVar[dict[str, str]] = {
+        "lora_register_forward_hook": "register_forward_hook",
+        "r": "rank",
+        "lora_rank": "rank",
+        "lora_r": "rank",
+        "lora_alpha": "alpha",
+        "lora_dropout": "dropout",
+        "lora_target": "target_modules",
+        "lora_target_modules": "target_modules",
+        "additional_target": "modules_to_save",
+        "adapter_name_or_path": "adapter",
+        "pretrained_lora_path": "adapter",
+    }
+
+    @property
+    def scale_alpha(self) -> int:
+        return self.alpha if self.alpha is not None else 2 * self.rank
+
+
 class ModelConfig(Section):
     name_or_path: str = Field("builtin:tiny-llama", description="`builtin:<name>` or a local HF model folder")
     config: dict[str, Any] = Field(default_factory=dict, description="overrides applied to the transformers config")
@@ -122,7 +180,13 @@ class ModelConfig(Section):
         "'package.module:Class' or 'path/to/file.py:Class' (it may define its own plan, `_fully_shard`)",
     )
 
+    lora: LoraConfig | None = Field(None, description="train LoRA adapters (peft) over the frozen model")
+
     ALIASES: ClassVar[dict[str, str]] = {"model_name_or_path": "name_or_path"}
+
+    @property
+    def lora_enabled(self) -> bool:
+        return self.lora is not None and self.lora.enable
 
 
 class DataConfig(Section):
@@ -182,7 +246,14 @@ class TrainingConfig(Section):
         description="resume even though data, seq_len, the model or the seed changed since the checkpoint "
         "(the run then no longer continues the same loss curve)",
     )
-    export_hf: bool = Field(True, description="write the final model as an HF safetensors folder to output_dir/hf")
+    export_hf: bool = Field(
+        True,
+        description="write the final model as an HF safetensors folder to output_dir/hf "
+        "(with model.lora: the adapter, in PEFT's layout, to output_dir/adapter)",
+    )
+    export_merged: bool = Field(
+        False, description="with model.lora: also write the model with the adapters merged in to output_dir/hf"
+    )
     max_nonfinite_steps: int = Field(
         5,
         ge=1,
@@ -341,3 +412,9 @@ class JobConfig(Section):
     def written_as(self, native_key: str) -> tuple[str, str] | None:
         """Where a native key was written, or None when the config was read without a record of that."""
         return self._written_as(native_key) if self._written_as else None
+
+    @model_validator(mode="after")
+    def _merged_export_needs_lora(self) -> JobConfig:
+        if self.training.export_merged and not self.model.lora_enabled:
+            raise ValueError("training.export_merged: true merges LoRA adapters and needs model.lora")
+        return self

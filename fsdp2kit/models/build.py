@@ -6,7 +6,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import sys
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -16,12 +15,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from fsdp2kit.checkpoint.dcp_io import METADATA_FILE, read_dcp
 from fsdp2kit.config.schema import ModelConfig
 from fsdp2kit.errors import UserError
 from fsdp2kit.models.builtin import BUILTIN_MODELS
+from fsdp2kit.models.lora import base_renamer, base_state, has_adapters, initialise_adapters, load_adapter
+from fsdp2kit.models.shards import copy_to_shard, module_seed
 from fsdp2kit.models.vl import builtin_processor_dir, checkpoint_renamings, is_vision_language, model_name
 from fsdp2kit.parallel.moe import expert_views_from_other_layout
 
@@ -192,22 +192,13 @@ def build_meta_model(source: ModelSource, cfg: ModelConfig) -> PreTrainedModel:
     return model
 
 
-def _local_index(param: DTensor) -> tuple[slice, ...]:
-    """Where this rank's shard of a sharded parameter sits in the full tensor."""
-    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
-    return tuple(slice(o, o + s) for o, s in zip(offset, shape, strict=True))
-
-
-def _module_seed(seed: int, name: str) -> int:
-    return zlib.crc32(f"{seed}:{name}".encode())
-
-
 @torch.no_grad()
 def initialise_weights(model: PreTrainedModel, seed: int, buffers_only: bool = False) -> None:
     """Run the model family's own `_init_weights` module by module on full-size CPU copies, seeded by the
     module's name, and keep each rank's slice: the weights depend on the seed only, not on the mesh.
     Peak extra memory is the largest single module, never the model."""
     initialised: set[int] = set()
+    rename = base_renamer(model)
     for name, module in model.named_modules():
         params = {} if buffers_only else {k: p for k, p in module._parameters.items() if p is not None}
         buffers = {k: b for k, b in module._buffers.items() if b is not None}
@@ -225,16 +216,12 @@ def initialise_weights(model: PreTrainedModel, seed: int, buffers_only: bool = F
             k: None if b is None else torch.empty(b.shape, dtype=b.dtype) for k, b in module._buffers.items()
         }
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(_module_seed(seed, name))
+            torch.manual_seed(module_seed(seed, rename(name) or name))  # LoRA: by the base's own name
             model._init_weights(shadow)
         for key, param in params.items():
             if id(param) not in initialised:  # a tied weight is initialised once
                 initialised.add(id(param))
-                full = shadow._parameters[key]
-                if isinstance(param, DTensor):
-                    param.to_local().copy_(full[_local_index(param)])
-                else:
-                    param.copy_(full)
+                copy_to_shard(param, shadow._parameters[key])
         for key, buffer in buffers.items():
             buffer.copy_(shadow._buffers[key])
 
@@ -272,7 +259,7 @@ def _safetensors_views(model: nn.Module, folder: Path, handles: dict[Path, Any])
     stored = {model_name(key, renamings): key for key in index}  # model name -> name in the files
     locations = {name: index[key] for name, key in stored.items()}
     tied = getattr(model, "_tied_weights_keys", None) or {}
-    state = model.state_dict(keep_vars=True)
+    state = base_state(model)  # LoRA: the base model's tensors under their own names
 
     def stored_view(name: str):
         file = locations[name]
@@ -327,17 +314,14 @@ def load_safetensors(model: nn.Module, folder: Path, mode: str = "sliced") -> No
     try:
         views = _safetensors_views(model, folder, handles)  # every rank validates: errors come before any collective
         for param, view in views.values():
-            if not isinstance(param, DTensor):  # a replicated (ignored) module: every rank reads it
-                param.copy_(view[:].to(param.dtype))
-                continue
-            local = param.to_local()
-            if mode == "rank0_broadcast":
+            if mode == "rank0_broadcast" and isinstance(param, DTensor):
+                local = param.to_local()
                 full = (
                     view[:].to(local.dtype) if dist.get_rank() == 0 else torch.empty(param.shape, dtype=local.dtype)
                 ).to(local.device)
                 local.copy_(distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=0).to_local())
-            else:
-                local.copy_((view[_local_index(param)] if local.numel() else torch.empty(local.shape)).to(local.dtype))
+            else:  # sliced, or a replicated (ignored) module that every rank reads whole
+                copy_to_shard(param, view)
     finally:
         for handle in handles.values():
             handle.__exit__(None, None, None)
@@ -347,20 +331,30 @@ def load_dcp(model: nn.Module, folder: Path) -> None:
     """Load the model part of a DCP checkpoint; DCP reshards it to this run's mesh and world size."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    state = get_model_state_dict(model)  # the live sharded parameters: DCP reads into them in place
+    state = base_state(model, get_model_state_dict(model))  # the live shards: DCP reads into them in place
     read_dcp({"model": state}, folder, f"model weights: checkpoint '{folder}' does not fit this model")
 
 
 def materialise(
-    model: PreTrainedModel, source: ModelSource, device: torch.device, seed: int, loading: str = "sliced"
+    model: PreTrainedModel,
+    source: ModelSource,
+    device: torch.device,
+    seed: int,
+    loading: str = "sliced",
+    adapter: str | None = None,
 ) -> None:
-    """Allocate each rank's shards on `device`, then initialise them (fresh) or read them (pretrained)."""
+    """Allocate each rank's shards on `device`, then initialise them (fresh) or read them (pretrained); LoRA
+    adapters are initialised by peft's rules, or read from the PEFT adapter folder `adapter`."""
     model.to_empty(device=device)
     if source.weights_dir is None:
         initialise_weights(model, seed)
-        return
-    initialise_weights(model, seed, buffers_only=True)  # rotary tables and other computed buffers
-    if source.weights_format == "dcp":
-        load_dcp(model, source.weights_dir)
     else:
-        load_safetensors(model, source.weights_dir, loading)
+        initialise_weights(model, seed, buffers_only=True)  # rotary tables and other computed buffers
+        if source.weights_format == "dcp":
+            load_dcp(model, source.weights_dir)
+        else:
+            load_safetensors(model, source.weights_dir, loading)
+    if has_adapters(model):
+        initialise_adapters(model, seed)
+        if adapter:
+            load_adapter(model, Path(adapter))

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
 
 from fsdp2kit.models.build import TORCH_DTYPES
+from fsdp2kit.models.lora import merged_full_tensor, merged_state
 from fsdp2kit.models.vl import stored_name
 
 MAX_SHARD_BYTES = 2 * 1024**3
@@ -80,14 +80,14 @@ class SafetensorsWriter:
             (self.out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
-def hf_state_names(model: nn.Module) -> list[str]:
+def hf_state_names(model: nn.Module, names: Iterable[str]) -> list[str]:
     """State-dict names as transformers writes them: a tied output weight is stored once, under its source."""
     tied = (
         set(getattr(model, "_tied_weights_keys", None) or {})
         if getattr(model.config, "tie_word_embeddings", False)
         else set()
     )
-    return [name for name in model.state_dict() if name not in tied]
+    return [name for name in names if name not in tied]
 
 
 def copy_present_files(src: Path, dst: Path, names: Iterable[str]) -> None:
@@ -130,15 +130,15 @@ def export_hf(
     max_shard_bytes: int = MAX_SHARD_BYTES,
 ) -> None:
     """Every rank joins each tensor's all-gather; only rank 0 keeps the result, on CPU, until its file is written.
-    Tensors are stored under the names of the family's HF folders (`save_pretrained`'s)."""
-    state = model.state_dict()
+    Tensors are stored under the names of the family's HF folders (`save_pretrained`'s); a LoRA model's with its
+    adapters merged into the base weights."""
+    state = merged_state(model)
     torch_dtype = TORCH_DTYPES[dtype]
     renamings = getattr(model, "checkpoint_renamings", [])
 
     def gathered():
-        for name in hf_state_names(model):
-            tensor = state[name]
-            full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+        for name in hf_state_names(model, state):
+            full = merged_full_tensor(*state[name])
             if is_main:
                 yield stored_name(name, renamings), full.detach().to("cpu", torch_dtype)
 

@@ -76,6 +76,21 @@ def _is_ancestor(parent: str, child: str) -> bool:
 
 
 @dataclass
+class AdapterPlan:
+    """LoRA adapters (model.lora): where they live and what they cost, for `check` and the memory planner."""
+
+    rank: int
+    alpha: float
+    dtype: str  # of the adapters' stored weights
+    modules: list[str]  # the layers peft wrapped, and the modules to save
+    groups: dict[str, int]  # shard group (its first module; '' the root) -> adapter parameters in it
+    parameters: int  # trainable: adapters + modules to save
+    parameter_bytes: int
+    optimizer_state_bytes: int  # AdamW: exp_avg and exp_avg_sq, each the size of its parameter
+    input_grad_hooks: list[str]  # modules whose outputs are made to require grad (reentrant recompute)
+
+
+@dataclass
 class ShardingPlan:
     """Everything `apply_fsdp` and `apply_recompute` will do, in plain data."""
 
@@ -100,6 +115,7 @@ class ShardingPlan:
     use_reentrant: bool
     custom: bool = False  # the model's own `_fully_shard` decides the groups
     vision_patch: bool = False  # every forward runs the vision tower, on a dummy image if need be (parallel/vision.py)
+    adapters: AdapterPlan | None = None  # filled by fsdp2kit.models.lora.plan_adapters
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -323,7 +339,8 @@ def build_plan(
             "router logits of recomputed MoE blocks would give the auxiliary loss no gradient"
         )
 
-    frozen: list[str] = []
+    # Parameters the model itself marks frozen: with LoRA, peft leaves only the adapters trainable.
+    frozen: list[str] = [n for n, p in model.named_parameters() if not p.requires_grad]
     for prefix in model_cfg.freeze_module_prefix:
         hits = [n for n, _ in model.named_parameters() if n == prefix or n.startswith(prefix.rstrip(".") + ".")]
         translated = None if hits else translate_vl_path(model, prefix.rstrip("."))

@@ -29,6 +29,7 @@ from fsdp2kit.data.vl import VLEncoder, VLGlobalBatches, load_conversations
 from fsdp2kit.distributed import Runtime
 from fsdp2kit.errors import Interrupted, UserError
 from fsdp2kit.models.export import export_hf
+from fsdp2kit.models.lora import export_adapter, file_config
 from fsdp2kit.parallel.ulysses import shard_sequence
 from fsdp2kit.parallel.vision import shard_vision_batch
 from fsdp2kit.train.grads import LossScaler, NonFiniteGuard, all_reduce_replicated_grads, clip_grad_norm
@@ -117,6 +118,7 @@ def _train(cfg: JobConfig, runtime: Runtime, stop: StopSignals) -> None:
         tc.save_total_limit,
         sharded.source.hf_config,
         sharded.source.tokenizer_path,
+        file_config(model, cfg.model.name_or_path) if sharded.plan.adapters else None,
     )
     start_step = 0
     resume_from = checkpoints.resolve(tc.resume)
@@ -250,7 +252,9 @@ def _train(cfg: JobConfig, runtime: Runtime, stop: StopSignals) -> None:
         checkpoints.save(
             total_steps, model, optimizer, _trainer_state(total_steps, scheduler, scaler, batches, cfg), blocking=True
         )
-    if tc.export_hf:
+    if sharded.plan.adapters and tc.export_hf:
+        export_adapter(model, output_dir / "adapter", cfg.model.name_or_path, runtime.is_main)
+    if (tc.export_hf and not sharded.plan.adapters) or tc.export_merged:  # LoRA: the adapters merged in
         export_hf(model, output_dir / "hf", sharded.source.tokenizer_path, cfg.model.dtype, runtime.is_main)
     if runtime.is_main:
         print(f"done: {total_steps} steps; outputs in {output_dir}", flush=True)

@@ -17,6 +17,7 @@ from fsdp2kit.models.build import (
     materialise,
     resolve_model,
 )
+from fsdp2kit.models.lora import add_input_grad_hooks, inject_lora, plan_adapters
 from fsdp2kit.models.vl import is_vision_language
 from fsdp2kit.parallel.compile import compile_modules
 from fsdp2kit.parallel.fsdp import apply_fsdp
@@ -39,23 +40,30 @@ class ShardedModel:
 
 
 def build_sharded_model(cfg: JobConfig, runtime: Runtime, training: bool, materialize: bool = True) -> ShardedModel:
-    """Meta-device model -> split experts, Ulysses attention -> plan -> freeze -> recompute, TiledMLP, expert
-    patch, vision patch -> fully_shard -> (materialise each rank's shards). Training keeps fp32 master weights and
-    computes in `param_dtype` (default: model.dtype)."""
+    """Meta-device model -> split experts, Ulysses attention, LoRA adapters -> plan -> freeze -> recompute,
+    TiledMLP, expert patch, vision patch -> fully_shard -> (materialise each rank's shards). Training keeps fp32
+    master weights and computes in `param_dtype` (default: model.dtype); a LoRA base is frozen, so it stays in
+    model.dtype."""
     strategy = cfg.strategy_args.strategy_config
     source = resolve_model(cfg.model, cfg.data.tokenizer)
     check_sequence_length(source.hf_config, cfg.data.seq_len)
     layout = mesh_layout(runtime.world_size, strategy, cfg.model.ulysses_size)
     mesh = build_mesh(runtime.device.type, layout)
     sp_group = sequence_parallel_group(layout)
-    master_dtype = "fp32" if training else cfg.model.dtype
+    lora = cfg.model.lora if cfg.model.lora_enabled else None
+    master_dtype = "fp32" if training and lora is None else cfg.model.dtype
     model = build_meta_model(source, cfg.model.model_copy(update={"dtype": master_dtype}))
     split_experts(model, strategy.wrap_policy.moe_experts)  # where moe_experts names a per-expert class
     if sp_group is not None:
         apply_ulysses(model, sp_group)
         if is_vision_language(source.hf_config):
             apply_vision_ulysses(model, sp_group)
+    if lora is not None:
+        inject_lora(model, lora)
     plan = build_plan(model, strategy, cfg.model, compile_layers=training and cfg.training.compile)
+    if lora is not None:
+        plan.adapters = plan_adapters(model, plan, lora)
+        add_input_grad_hooks(model, plan.adapters.input_grad_hooks)
     frozen = set(plan.frozen_parameters)
     for name, param in model.named_parameters():
         param.requires_grad_(training and name not in frozen)
@@ -68,7 +76,8 @@ def build_sharded_model(cfg: JobConfig, runtime: Runtime, training: bool, materi
         apply_vision_patch(model)
     apply_fsdp(model, mesh, plan)
     if materialize:
-        materialise(model, source, runtime.device, cfg.training.seed, cfg.model.weights_loading)
+        adapter = lora.adapter if lora is not None else None
+        materialise(model, source, runtime.device, cfg.training.seed, cfg.model.weights_loading, adapter)
     if not training:
         model.eval()
     return ShardedModel(model, plan, layout, source, sp_group)

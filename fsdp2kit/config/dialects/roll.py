@@ -171,17 +171,46 @@ MODEL_ARGS: dict[str, Rule] = {
     "device_map": ignored("transformers device map; FSDP2 places the shards"),
     "num_labels": ignored("used only by classification model types"),
     "moe_aux_loss_coef": unsupported("the MoE auxiliary loss cannot be weighted yet"),
-    "adapter_name_or_path": unsupported("ROLL's LoRA adapters are not available in fsdp2kit yet"),
-    "lora_target": unsupported(
-        "ROLL's LoRA training is not available in fsdp2kit yet; drop lora_target to train all weights"
-    ),
-    "additional_target": unsupported("ROLL's LoRA training is not available in fsdp2kit yet"),
     **dict.fromkeys(
-        ("lora_rank", "lora_alpha", "lora_dropout", "autocast_adapter_dtype"),
+        (
+            "lora_target",
+            "lora_rank",
+            "lora_alpha",
+            "lora_dropout",
+            "autocast_adapter_dtype",
+            "additional_target",
+            "adapter_name_or_path",
+        ),
         ignored("LoRA settings, unused without lora_target"),
     ),
     "vision_dp": unsupported("ROLL's vision data parallel is not available in fsdp2kit", harmless=(False,)),
     **dict.fromkeys(("flash_attn", "lora_r", "max_pixels", "min_pixels"), ignored(DROPPED.format("ModelArguments"))),
+}
+
+
+def _lora_target(value: str | list[str]) -> str | list[str]:
+    """ROLL splits lora_target at commas and expands `all-linear`; a regular expression it hands to peft as is."""
+    if isinstance(value, str) and any(c in value for c in "*$|("):
+        raise ValueError("a regular expression; list the module names (q_proj,v_proj) or give all-linear")
+    names = comma_list(value)
+    if "all-linear" in names:
+        if len(names) > 1:
+            raise ValueError("all-linear already takes every linear layer; give it alone")
+        return "all-linear"
+    return names
+
+
+# ROLL's LoRA (roll/configs/model_args.py LoraArguments, applied with peft's get_peft_model): on only when
+# lora_target is set; alpha defaults to 2 x rank as in fsdp2kit; autocast_adapter_dtype (default true) keeps the
+# adapters in fp32 over a bf16/fp16 base.
+LORA_ARGS: dict[str, Rule] = {
+    "lora_target": to("model.lora.target_modules", _lora_target),
+    "lora_rank": to("model.lora.rank"),
+    "lora_alpha": to("model.lora.alpha"),
+    "lora_dropout": to("model.lora.dropout"),
+    "additional_target": to("model.lora.modules_to_save", comma_list),
+    "adapter_name_or_path": to("model.lora.adapter"),
+    "autocast_adapter_dtype": to("model.lora.dtype", lambda on: "fp32" if on else None),
 }
 
 TRAINING_ARGS: dict[str, Rule] = {
@@ -304,6 +333,8 @@ ROLE: dict[str, Rule] = {
     ),
 }
 
+ROLE_WITH_LORA: dict[str, Rule] = {**ROLE, "model_args": section({**MODEL_ARGS, **LORA_ARGS})}
+
 TOP_LEVEL: dict[str, Rule] = {
     "seed": to("training.seed"),
     "output_dir": to("training.output_dir"),
@@ -359,7 +390,8 @@ def translate(raw: dict[str, Any], source: str, role: str | None) -> Translation
     if strategy == "fsdp2_infer" and isinstance(model_args, dict) and "disable_gradient_checkpointing" in model_args:
         del model_args["disable_gradient_checkpointing"]  # a copy made by _with_defaults
         translation.ignore(f"{name}.model_args.disable_gradient_checkpointing", "fsdp2_infer runs no backward")
-    apply_rules(translation, role_section, ROLE, Written(source, name))
+    lora = isinstance(model_args, dict) and model_args.get("lora_target") is not None
+    apply_rules(translation, role_section, ROLE_WITH_LORA if lora else ROLE, Written(source, name))
 
     top_defaults = TOP_DEFAULTS | (SFT_DEFAULTS if name == "sft_train" else {})
     top = _with_defaults(

@@ -1,0 +1,358 @@
+"""LoRA through peft, on a model that FSDP2 shards.
+
+Adapters are injected with `peft.inject_adapter_in_model` into the transformers model built on the meta device,
+before the sharding plan. Each decoder layer's adapters are submodules of that layer, so they land in its FSDP
+group; the FSDP root stays the transformers model, so every module path a config names (shard groups, recompute,
+ignored, frozen) is the one users know. (Wrapping in a `PeftModel` instead would prefix every path with
+`base_model.model.` and put a wrapper outside FSDP's root.) What peft renames — a target's weight moves to
+`<target>.base_layer.weight`, a module to save becomes `<module>.original_module` plus
+`<module>.modules_to_save.default` — is mapped back here, so the base is read from files under its own names,
+and the adapter is written with the keys `peft.PeftModel.from_pretrained` reads.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from fsdp2kit.config.schema import LoraConfig
+from fsdp2kit.errors import UserError
+from fsdp2kit.models.shards import copy_to_shard, module_seed
+from fsdp2kit.parallel.plan import AdapterPlan, ShardingPlan, match_modules
+
+ADAPTER = "default"  # peft's adapter name; files written by peft leave it out of their keys
+PEFT_MODEL_PREFIX = "base_model.model."  # a PeftModel's path to the model it wraps: the prefix of the file's keys
+ADAPTER_CONFIG_FILE = "adapter_config.json"
+ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
+_TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+_SET_BY_ADAPTER = ("rank", "alpha", "target_modules", "modules_to_save")
+
+
+def read_adapter_config(folder: Path, key: str = "model.lora.adapter", weights: bool = True):
+    """The `peft.LoraConfig` of a PEFT adapter folder (or of a LoRA checkpoint: `weights=False`), local files only."""
+    from peft import LoraConfig as PeftLoraConfig
+
+    if not (folder / ADAPTER_CONFIG_FILE).is_file() or (weights and not (folder / ADAPTER_WEIGHTS_FILE).is_file()):
+        raise UserError(
+            f"{key}: '{folder}' is not a PEFT adapter folder ({ADAPTER_CONFIG_FILE} + {ADAPTER_WEIGHTS_FILE})"
+        )
+    try:
+        config = PeftLoraConfig.from_pretrained(str(folder))
+    except (ValueError, TypeError, KeyError, json.JSONDecodeError) as exc:
+        raise UserError(f"{key}: '{folder / ADAPTER_CONFIG_FILE}' is not a LoRA config: {exc}") from None
+    if config.peft_type != "LORA":
+        raise UserError(f"{key}: '{folder}' holds a {config.peft_type} adapter; only LoRA is supported")
+    return config
+
+
+def _resolve_targets(model: nn.Module, names: list[str], key: str) -> list[str]:
+    """Module-path patterns (`model.layers.{*}.self_attn.q_proj`, our shard-group syntax) become the module names
+    they match; plain names stay suffixes, as peft reads them."""
+    patterns = [n for n in names if "{" in n]
+    resolved = match_modules(model, patterns, key) if patterns else []
+    return [n for n in names if "{" not in n] + resolved
+
+
+def peft_config(cfg: LoraConfig, model: nn.Module):
+    """The `peft.LoraConfig` for `model.lora`: an existing adapter's own, or one built from the section."""
+    from peft import LoraConfig as PeftLoraConfig
+
+    if cfg.adapter:
+        config = read_adapter_config(Path(cfg.adapter))
+        for key in _SET_BY_ADAPTER:
+            if key in cfg.model_fields_set:
+                raise UserError(
+                    f"model.lora.{key}: the adapter '{cfg.adapter}' sets it in its {ADAPTER_CONFIG_FILE}; drop the key"
+                )
+        if "dropout" in cfg.model_fields_set:
+            config.lora_dropout = cfg.dropout
+        config.inference_mode = False
+        return config
+    targets: str | list[str] = _resolve_targets(model, cfg.target_modules, "model.lora.target_modules")
+    if "all-linear" in targets:  # peft's shorthand: every linear layer but the output layer
+        if len(targets) > 1:
+            raise UserError("model.lora.target_modules: all-linear already takes every linear layer; give it alone")
+        targets = "all-linear"
+    return PeftLoraConfig(
+        r=cfg.rank,
+        lora_alpha=cfg.scale_alpha,
+        lora_dropout=cfg.dropout,
+        target_modules=targets,
+        modules_to_save=_resolve_targets(model, cfg.modules_to_save, "model.lora.modules_to_save") or None,
+        init_lora_weights=cfg.init_lora_weights,
+        task_type="CAUSAL_LM",
+    )
+
+
+def inject_lora(model: nn.Module, cfg: LoraConfig) -> None:
+    """Add the adapters to the meta-device model in place; peft marks only them (and modules to save) trainable.
+    Adapter weights are kept in `cfg.dtype` (fp32 over a bf16 base: their updates are too small for bf16)."""
+    inject_peft(model, peft_config(cfg, model))
+    if cfg.dtype is not None:
+        for module in adapter_modules(model).values():
+            module.to(_TORCH_DTYPES[cfg.dtype])
+
+
+def inject_peft(model: nn.Module, config) -> None:
+    """peft's injection, its refusals as one sentence."""
+    from peft import inject_adapter_in_model
+
+    try:
+        inject_adapter_in_model(config, model, adapter_name=ADAPTER)
+    except ValueError as exc:
+        linear = next((n for n, m in model.named_modules() if isinstance(m, nn.Linear)), "")
+        raise UserError(
+            f"model.lora.target_modules: {str(exc).split('. ')[0][:200]} (linear layers are named like '{linear}')"
+        ) from None
+
+
+def _structure(model: nn.Module) -> tuple[set[str], set[str]]:
+    """(module paths peft inserted into the base's own paths, module paths that hold only adapter weights)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.utils.other import ModulesToSaveWrapper
+
+    inserted: set[str] = set()
+    adapters: set[str] = set()
+    for name, module in model.named_modules():
+        children = list(module._modules)
+        if isinstance(module, BaseTunerLayer):
+            inserted.add(f"{name}.base_layer")
+            adapters.update(f"{name}.{child}" for child in children if child != "base_layer")
+        elif isinstance(module, ModulesToSaveWrapper):
+            inserted.add(f"{name}.original_module")
+            adapters.add(f"{name}.modules_to_save")
+    return inserted, adapters
+
+
+def base_renamer(model: nn.Module) -> Callable[[str], str | None]:
+    """peft's path of a base tensor or module -> the base model's own path; None for an adapter's.
+    The identity on a model without adapters."""
+    inserted, adapters = _structure(model)
+
+    def rename(name: str) -> str | None:
+        kept, path = [], ""
+        for part in name.split("."):
+            path = f"{path}.{part}" if path else part
+            if path in adapters:
+                return None
+            if path not in inserted:
+                kept.append(part)
+        return ".".join(kept)
+
+    return rename
+
+
+def has_adapters(model: nn.Module) -> bool:
+    return bool(getattr(model, "peft_config", None))
+
+
+def adapter_settings(model: nn.Module) -> Any:
+    """The `peft.LoraConfig` that peft attached to the model when it injected the adapters."""
+    return model.__dict__["peft_config"][ADAPTER]
+
+
+def base_state(model: nn.Module, state: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """The base model's entries of a state dict (default: the live tensors), under the base model's own names."""
+    rename = base_renamer(model)
+    state = model.state_dict(keep_vars=True) if state is None else state
+    return {new: tensor for key, tensor in state.items() if (new := rename(key)) is not None}
+
+
+def adapter_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """The modules that hold only adapter weights (lora_A, lora_B, ..., the trained copies of modules to save)."""
+    _, adapters = _structure(model)
+    return {name: module for name, module in model.named_modules() if name in adapters}
+
+
+def peft_keys(model: nn.Module) -> dict[str, str]:
+    """Each adapter tensor's state-dict key -> its key in PEFT's adapter_model.safetensors (peft's own naming)."""
+    from peft import get_peft_model_state_dict
+
+    rename = base_renamer(model)
+    live = {key: tensor for key, tensor in model.state_dict(keep_vars=True).items() if rename(key) is None}
+    state = get_peft_model_state_dict(model, state_dict=live, adapter_name=ADAPTER, save_embedding_layers=False)
+    key_of = {id(tensor): key for key, tensor in live.items()}
+    return {key_of[id(tensor)]: PEFT_MODEL_PREFIX + key for key, tensor in state.items()}
+
+
+def peft_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The live adapter tensors under the keys of PEFT's adapter_model.safetensors."""
+    state = model.state_dict(keep_vars=True)
+    return {file_key: state[key] for key, file_key in peft_keys(model).items()}
+
+
+@torch.no_grad()
+def initialise_adapters(model: nn.Module, seed: int) -> None:
+    """peft's own initialisation (`reset_lora_parameters`) of each layer's adapters, run on full-size CPU copies
+    seeded by the layer's name, each rank keeping its slice (as for the base weights: the same at any world size).
+    A module to save starts as a copy of the module it replaces."""
+    from peft.tuners.lora import LoraLayer
+    from peft.utils.other import ModulesToSaveWrapper
+
+    init = adapter_settings(model).init_lora_weights
+    for name, module in model.named_modules():
+        children = dict(module._modules)
+        layer: Any = module
+        if isinstance(module, LoraLayer) and ADAPTER in layer.lora_A:
+            full = {key: _full_size_copy(getattr(layer, key)[ADAPTER]) for key in ("lora_A", "lora_B")}
+            shadow: Any = object.__new__(type(module))
+            shadow.__dict__.update(layer.__dict__)
+            shadow._modules = {**children, **{key: nn.ModuleDict({ADAPTER: clone}) for key, clone in full.items()}}
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(module_seed(seed, name))
+                for clone in full.values():  # as peft builds them: nn.Linear's own init, then peft's
+                    clone.reset_parameters()
+                shadow.reset_lora_parameters(ADAPTER, init)
+            for key, clone in full.items():
+                for target, source in zip(getattr(layer, key)[ADAPTER].parameters(), clone.parameters(), strict=True):
+                    copy_to_shard(target, source)
+        elif isinstance(module, ModulesToSaveWrapper):
+            original = dict(module.original_module.named_parameters())
+            for key, param in module.modules_to_save[ADAPTER].named_parameters():
+                param.copy_(original[key])  # same shapes and placements: both live in one shard group
+
+
+def _full_size_copy(layer: nn.Module) -> Any:
+    """A CPU module like `layer` (an nn.Linear or nn.Embedding of adapter weights) with full-size tensors."""
+    shadow = copy.copy(layer)
+    shadow._parameters = {
+        key: None if p is None else nn.Parameter(torch.empty(p.shape, dtype=p.dtype), requires_grad=False)
+        for key, p in layer._parameters.items()
+    }
+    return shadow
+
+
+@torch.no_grad()
+def load_adapter(model: nn.Module, folder: Path) -> None:
+    """Fill each rank's adapter shards from a PEFT adapter folder; every key and shape is checked first."""
+    from safetensors import safe_open
+
+    expected = peft_state(model)
+    file = folder / ADAPTER_WEIGHTS_FILE
+    with safe_open(str(file), framework="pt") as handle:
+        stored = set(handle.keys())
+        missing = sorted(set(expected) - stored)
+        unexpected = sorted(stored - set(expected))
+        if missing or unexpected:
+            which = f"lacks '{missing[0]}'" if missing else f"has '{unexpected[0]}', which this model has no place for"
+            raise UserError(
+                f"model.lora.adapter: '{file}' {which}; the adapter was trained on another model or configuration"
+            )
+        for key, param in expected.items():
+            view = handle.get_slice(key)
+            if tuple(view.get_shape()) != tuple(param.shape):
+                raise UserError(
+                    f"model.lora.adapter: tensor '{key}' in '{file}' has shape {tuple(view.get_shape())}, "
+                    f"the model expects {tuple(param.shape)}"
+                )
+            copy_to_shard(param, view)
+
+
+def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor on every rank (a collective for a DTensor)."""
+    return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach()
+
+
+@torch.no_grad()
+def export_adapter(model: nn.Module, out_dir: Path, base_name_or_path: str, is_main: bool) -> None:
+    """Write `out_dir` in PEFT's layout (adapter_config.json + adapter_model.safetensors), which
+    `peft.PeftModel.from_pretrained(base, out_dir)` loads. The adapters are small: every rank gathers them whole,
+    one at a time, and rank 0 keeps them on CPU."""
+    tensors = {key: full_tensor(tensor).cpu() for key, tensor in peft_state(model).items()}
+    if is_main:
+        write_adapter_folder(out_dir, file_config(model, base_name_or_path), tensors)
+
+
+def file_config(model: nn.Module, base_name_or_path: str):
+    """The adapter's peft config as written to files: it names its base model, as peft's own save does."""
+    config = copy.deepcopy(adapter_settings(model))
+    config.base_model_name_or_path = base_name_or_path
+    config.inference_mode = True
+    return config
+
+
+def write_adapter_folder(out_dir: Path, config, tensors: dict[str, torch.Tensor]) -> None:
+    from safetensors.torch import save_file
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(str(out_dir))
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out_dir / ADAPTER_WEIGHTS_FILE), {"format": "pt"})
+
+
+def merged_state(model: nn.Module) -> dict[str, tuple[torch.Tensor, nn.Module | None]]:
+    """The base model's tensors under their own names, each with the LoRA layer whose update peft adds to it
+    (`get_delta_weight`), if any; a module to save gives its trained copy."""
+    from peft.tuners.lora import LoraLayer
+
+    rename = base_renamer(model)
+    state = model.state_dict(keep_vars=True)
+    merged: dict[str, tuple[torch.Tensor, nn.Module | None]] = {}
+    for key, tensor in state.items():
+        new = rename(key)
+        if new is None:
+            continue
+        owner, _, leaf = key.rpartition(".")
+        if owner.endswith(".original_module"):  # a module to save: its trained copy replaces it
+            tensor = state[f"{owner.removesuffix('.original_module')}.modules_to_save.{ADAPTER}.{leaf}"]
+        layer = model.get_submodule(owner.removesuffix(".base_layer")) if owner.endswith(".base_layer") else None
+        merged[new] = (tensor, layer if isinstance(layer, LoraLayer) and leaf == "weight" else None)
+    return merged
+
+
+def merged_full_tensor(tensor: torch.Tensor, layer: Any) -> torch.Tensor:
+    """The whole weight with its LoRA update added in fp32 (every rank joins the gathers)."""
+    full = full_tensor(tensor)
+    if layer is None:
+        return full
+    return full.float() + full_tensor(layer.get_delta_weight(ADAPTER)).float()
+
+
+def add_input_grad_hooks(model: nn.Module, names: list[str]) -> None:
+    """Make these modules' outputs require grad: a reentrant-recomputed layer whose inputs do not would give its
+    adapters no gradient when the embeddings below are frozen (transformers' `enable_input_require_grads`)."""
+    for name in names:
+        model.get_submodule(name).register_forward_hook(lambda _module, _inputs, output: output.requires_grad_(True))
+
+
+def plan_adapters(model: nn.Module, plan: ShardingPlan, cfg: LoraConfig) -> AdapterPlan:
+    """Where the adapters live and what they cost. Each trainable parameter belongs to the innermost shard group
+    around it: a decoder layer's adapters are gathered, reduced and resharded with that layer."""
+    order = {name: i for i, (name, _) in enumerate(model.named_modules())}
+    wrapped = sorted({name.rpartition(".")[0] for name in adapter_modules(model)}, key=order.__getitem__)
+    frozen = set(plan.frozen_parameters)
+    trainable = {n: p for n, p in model.named_parameters() if n not in frozen}
+    group_of = {name: group[0] for group in plan.groups for name in group}
+    per_group: dict[str, int] = {}
+    for name, param in trainable.items():
+        inner = group_of.get(max((g for g in group_of if name.startswith(g + ".")), key=len, default=""), "")
+        per_group[inner] = per_group.get(inner, 0) + param.numel()
+    param_bytes = sum(p.numel() * p.element_size() for p in trainable.values())
+    hooks: list[str] = []
+    for hook in cfg.register_forward_hook:  # MindSpeed-MM names modules by their last name
+        hits = [n for n in order if n == hook or n.endswith("." + hook)]
+        if not hits:
+            raise UserError(f"model.lora.register_forward_hook: '{hook}' names no module of the model")
+        hooks += hits
+    get_embeddings = getattr(model, "get_input_embeddings", None)
+    embeddings = get_embeddings() if callable(get_embeddings) else None
+    if plan.recompute_modules and plan.use_reentrant and embeddings is not None:
+        hooks += [n for n, m in model.named_modules() if m is embeddings][:1]
+    settings = adapter_settings(model)  # an existing adapter's own, where one is given
+    return AdapterPlan(
+        rank=settings.r,
+        alpha=settings.lora_alpha,
+        dtype=str(next(iter(trainable.values())).dtype).removeprefix("torch.") if trainable else "",
+        modules=wrapped,
+        groups=per_group,
+        parameters=sum(p.numel() for p in trainable.values()),
+        parameter_bytes=param_bytes,
+        optimizer_state_bytes=2 * param_bytes,
+        input_grad_hooks=sorted(set(hooks), key=order.__getitem__),
+    )
