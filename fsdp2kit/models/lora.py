@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -158,7 +158,7 @@ def adapter_settings(model: nn.Module) -> Any:
     return model.__dict__["peft_config"][ADAPTER]
 
 
-def base_state(model: nn.Module, state: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+def base_state(model: nn.Module, state: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The base model's entries of a state dict (default: the live tensors), under the base model's own names."""
     rename = base_renamer(model)
     state = model.state_dict(keep_vars=True) if state is None else state
