@@ -3,8 +3,9 @@ memory, trainable parameters, tokens/s.
 
 Prints one JSON object. Run: .venv/bin/python benchmarks/lora_vs_full.py [--nproc 2] [--steps 4] [--hidden 768]
 The model is the built-in Llama widened to --hidden with --layers layers (fp32 master weights for full
-fine-tuning; the LoRA base is frozen in model.dtype). On CPU `peak_mem_bytes` is rank 0's peak resident set size,
-which includes the Python runtime and libraries (about the same in both runs), so the difference is what counts.
+fine-tuning; the LoRA base is frozen in model.dtype). Memory is rank 0's peak of live tensor bytes
+(`training.track_memory`, torch's FSDPMemTracker) with its categories, and its peak resident set size, which also
+counts the Python runtime and libraries.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ def run(lora: str | None, args: argparse.Namespace, out: Path) -> dict:
         "training.save_steps": 0,
         "training.output_dir": out,
         "training.export_hf": "false",
+        "training.track_memory": "true",
         "strategy_args.strategy_config.async_save_ckpt": "false",
     }
     if lora:
@@ -60,6 +62,8 @@ def run(lora: str | None, args: argparse.Namespace, out: Path) -> dict:
         "frozen_parameters": plan["frozen_parameters"],
         "checkpoint_bytes": sum(f.stat().st_size for f in checkpoint.iterdir()),
         "peak_mem_bytes_rank0": max(r["peak_mem_bytes"] for r in records),
+        "peak_mem_categories_rank0": max(records, key=lambda r: r["peak_mem_bytes"])["peak_mem_categories"],
+        "peak_rss_bytes_rank0": max(r["peak_rss_bytes"] for r in records),
         "tokens_per_s_median": statistics.median(r["tokens_per_s"] for r in records[1:]),
         "first_loss": records[0]["loss"],
         "last_loss": records[-1]["loss"],

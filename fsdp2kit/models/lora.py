@@ -31,7 +31,6 @@ ADAPTER = "default"  # peft's adapter name; files written by peft leave it out o
 PEFT_MODEL_PREFIX = "base_model.model."  # a PeftModel's path to the model it wraps: the prefix of the file's keys
 ADAPTER_CONFIG_FILE = "adapter_config.json"
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
-_TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _SET_BY_ADAPTER = ("rank", "alpha", "target_modules", "modules_to_save")
 
 
@@ -91,13 +90,14 @@ def peft_config(cfg: LoraConfig, model: nn.Module):
     )
 
 
-def inject_lora(model: nn.Module, cfg: LoraConfig) -> None:
+def inject_lora(model: nn.Module, cfg: LoraConfig, dtype: torch.dtype | None) -> None:
     """Add the adapters to the meta-device model in place; peft marks only them (and modules to save) trainable.
-    Adapter weights are kept in `cfg.dtype` (fp32 over a bf16 base: their updates are too small for bf16)."""
+    Adapter weights are kept in `dtype` (`model.lora.dtype`; fp32 over a bf16 base: their updates are too small
+    for bf16), or the base's dtype when None."""
     inject_peft(model, peft_config(cfg, model))
-    if cfg.dtype is not None:
+    if dtype is not None:
         for module in adapter_modules(model).values():
-            module.to(_TORCH_DTYPES[cfg.dtype])
+            module.to(dtype)
 
 
 def inject_peft(model: nn.Module, config) -> None:

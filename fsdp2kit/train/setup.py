@@ -11,6 +11,7 @@ from torch.distributed import ProcessGroup
 from fsdp2kit.config.schema import JobConfig
 from fsdp2kit.distributed import Runtime
 from fsdp2kit.models.build import (
+    TORCH_DTYPES,
     ModelSource,
     build_meta_model,
     check_sequence_length,
@@ -59,7 +60,7 @@ def build_sharded_model(cfg: JobConfig, runtime: Runtime, training: bool, materi
         if is_vision_language(source.hf_config):
             apply_vision_ulysses(model, sp_group)
     if lora is not None:
-        inject_lora(model, lora)
+        inject_lora(model, lora, TORCH_DTYPES[lora.dtype] if lora.dtype else None)
     plan = build_plan(model, strategy, cfg.model, compile_layers=training and cfg.training.compile)
     if lora is not None:
         plan.adapters = plan_adapters(model, plan, lora)
