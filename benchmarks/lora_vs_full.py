@@ -95,6 +95,7 @@ def main() -> None:
                     for key in (
                         "checkpoint_bytes",
                         "peak_mem_bytes_rank0",
+                        "peak_rss_bytes_rank0",
                         "tokens_per_s_median",
                         "trainable_parameters",
                     )
