@@ -27,15 +27,17 @@ def _parser() -> argparse.ArgumentParser:
         ("infer", "fsdp2_infer: forward-only per-sample log-probs and perplexity"),
         ("check", "validate the config and print the sharding plan"),
         ("plan", "predict per-rank peak memory (traced on fake tensors) and a table by strategy"),
+        ("prepare", "tokenize the config's data once into the token store every later run and rank memory-maps"),
     ):
         sub = commands.add_parser(name, help=help_text)
         sub.add_argument("config", help="YAML config (native, or a ROLL file with roles)")
-        sub.add_argument(
-            "--nproc",
-            type=int,
-            default=None,
-            help="plan: the world size to plan for (nothing is launched); else launch this many local ranks",
-        )
+        if name != "prepare":  # one process: the store's build uses every core itself
+            sub.add_argument(
+                "--nproc",
+                type=int,
+                default=None,
+                help="plan: the world size to plan for (nothing is launched); else launch this many local ranks",
+            )
         sub.add_argument(
             "--set",
             dest="overrides",
@@ -225,6 +227,14 @@ def main(argv: list[str] | None = None) -> int:
             print(write_report([Path(d) for d in args.run_dirs]))
             return 0
         cfg = load_config(args.config, args.overrides, role=args.role, strategy_file=args.fsdp_config)
+        if args.command == "prepare":
+            from fsdp2kit.data.dataset import load_tokenizer
+            from fsdp2kit.data.store import describe, token_store
+            from fsdp2kit.models.build import resolve_model
+
+            tokenizer = load_tokenizer(resolve_model(cfg.model, cfg.data.tokenizer).tokenizer_path)
+            print(f"token store {describe(token_store(cfg.data, tokenizer))}")
+            return 0
         nproc = args.nproc
         if nproc is None and cfg.device_mapping and not _under_launcher():
             nproc = len(cfg.device_mapping)

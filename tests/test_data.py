@@ -8,10 +8,12 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
+from transformers import AutoTokenizer
 
 from fsdp2kit.config.schema import DataConfig
 from fsdp2kit.data.builtin import corpus_documents, tokenizer_dir
-from fsdp2kit.data.dataset import IGNORE_INDEX, PromptResponse, collate, load_documents, tokenize_samples
+from fsdp2kit.data.dataset import IGNORE_INDEX, PromptResponse, Sample, collate, load_documents
+from fsdp2kit.data.samples import GlobalBatches, TrainingSamples
 from fsdp2kit.errors import UserError
 from fsdp2kit.train.loop import token_loss_sum
 
@@ -28,8 +30,6 @@ SFT = [
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from transformers import AutoTokenizer
-
     return AutoTokenizer.from_pretrained(tokenizer_dir())
 
 
@@ -60,6 +60,8 @@ def test_every_source_kind_yields_the_same_documents(tmp_path):
     write_jsonl(tmp_path / "part-1.jsonl", [{"text": d} for d in DOCS[1:]])
     for kind, source in sources.items():
         assert load_documents(DataConfig(source=str(source))) == DOCS, kind
+    files = [str(tmp_path / "part-0.jsonl"), str(tmp_path / "part-1.jsonl")]
+    assert load_documents(DataConfig(source=files)) == DOCS
 
 
 def test_text_key_and_max_samples(tmp_path):
@@ -76,6 +78,17 @@ def test_sft_fields_give_prompt_response_pairs(tmp_path):
     assert load_documents(cfg) == [PromptResponse(**row) for row in SFT]
 
 
+def samples_of(tmp_path, rows: list, **settings) -> TrainingSamples:
+    """The training samples of `rows` (texts or SFT records) written as a jsonl file, through a token store."""
+    source = write_jsonl(tmp_path / "rows.jsonl", [{"text": r} if isinstance(r, str) else r for r in rows])
+    cfg = DataConfig(source=str(source), cache_dir=str(tmp_path / "cache"), **settings)
+    return TrainingSamples.from_config(cfg, AutoTokenizer.from_pretrained(tokenizer_dir()))
+
+
+def every(samples: TrainingSamples) -> list[Sample]:
+    return [samples[i] for i in range(len(samples))]
+
+
 def expected_sft_tokens(tokenizer):
     """Per example: prompt ids (with default special tokens), response ids + EOS."""
     return [
@@ -87,10 +100,9 @@ def expected_sft_tokens(tokenizer):
     ]
 
 
-def test_sft_loss_is_on_the_response_and_eos_only(tokenizer):
-    documents = [PromptResponse(**row) for row in SFT]
-    samples = tokenize_samples(documents, tokenizer, DataConfig(seq_len=64, pack=False))
-    batch = collate(samples, tokenizer.pad_token_id)
+def test_sft_loss_is_on_the_response_and_eos_only(tokenizer, tmp_path):
+    samples = samples_of(tmp_path, SFT, seq_len=64, pack=False)
+    batch = collate(every(samples), tokenizer.pad_token_id)
     for row, (prompt, response) in enumerate(expected_sft_tokens(tokenizer)):
         tokens = prompt + response
         assert batch["input_ids"][row, : len(tokens) - 1].tolist() == tokens[:-1]
@@ -100,25 +112,128 @@ def test_sft_loss_is_on_the_response_and_eos_only(tokenizer):
         assert (batch["labels"][row, len(tokens) - 1 :] == IGNORE_INDEX).all()
 
 
-def test_sft_masks_travel_with_the_tokens_when_packing(tokenizer):
-    documents = [PromptResponse(**row) for row in SFT] * 3
-    samples = tokenize_samples(documents, tokenizer, DataConfig(seq_len=16, pack=True))
+def test_sft_masks_travel_with_the_tokens_when_packing(tokenizer, tmp_path):
+    samples = samples_of(tmp_path, SFT * 3, seq_len=16, pack=True)
     stream, trained = [], []
     for prompt, response in expected_sft_tokens(tokenizer) * 3:
         stream += prompt + response
         trained += [False] * len(prompt) + [True] * len(response)
     assert len(samples) == len(stream) // 17
-    for index, sample in enumerate(samples):
+    for index, sample in enumerate(every(samples)):
         window = slice(index * 17, (index + 1) * 17)
         assert sample.tokens.tolist() == stream[window]
         assert sample.trained.tolist() == trained[window]
 
 
-def test_samples_without_any_target_are_dropped(tokenizer):
-    long_prompt = PromptResponse(" ".join(["word"] * 100), " answer")
-    kept = PromptResponse("short", " answer")
-    samples = tokenize_samples([long_prompt, kept], tokenizer, DataConfig(seq_len=16, pack=False))
+def test_samples_without_any_target_are_dropped(tokenizer, tmp_path):
+    long_prompt = {"prompt": " ".join(["word"] * 100), "response": " answer"}
+    kept = {"prompt": "short", "response": " answer"}
+    samples = samples_of(tmp_path, [long_prompt, kept], seq_len=16, pack=False)
     assert len(samples) == 1 and samples[0].tokens[0] == tokenizer("short")["input_ids"][0]
+
+
+def reference_samples(rows: list, tokenizer, seq_len: int, pack: bool, document_mask: bool) -> list[Sample]:
+    """The samples of the pipeline before the token store, computed here from scratch with the tokenizer: each
+    document's ids (a prompt's, then the response's) and EOS; no target at a document's first token nor in a
+    prompt; unpacked: a document cut at seq_len + 1; packed: the joined stream cut into windows of seq_len + 1 with
+    positions restarting at each document and at the window's start; samples without a target dropped."""
+    documents = []
+    for row in rows:
+        if isinstance(row, str):
+            if row:
+                documents.append((tokenizer(row)["input_ids"] + [tokenizer.eos_token_id], 0))
+        elif row["response"]:
+            prompt = tokenizer(row["prompt"])["input_ids"]
+            response = tokenizer(row["response"], add_special_tokens=False)["input_ids"]
+            documents.append((prompt + response + [tokenizer.eos_token_id], len(prompt)))
+    width, samples = seq_len + 1, []
+    if not pack:
+        for ids, prompt in documents:
+            trained = [i >= max(prompt, 1) for i in range(len(ids))][:width]
+            samples.append(Sample(torch.tensor(ids[:width]), torch.tensor(trained)))
+    else:
+        stream = [(t, i >= max(prompt, 1), i) for ids, prompt in documents for i, t in enumerate(ids)]
+        for start in range(0, len(stream) - width + 1, width):
+            window = stream[start : start + width]
+            positions, position = [], 0
+            for k, (_, _, in_document) in enumerate(window):
+                position = 0 if k == 0 or in_document == 0 else position + 1
+                positions.append(position)
+            samples.append(
+                Sample(
+                    torch.tensor([t for t, _, _ in window]),
+                    torch.tensor([trained for _, trained, _ in window]),
+                    torch.tensor(positions) if document_mask else None,
+                )
+            )
+    return [s for s in samples if s.trained[1:].any()]
+
+
+EDGY_TEXTS = [d[: 5 + (i * 131) % 700] for i, d in enumerate(corpus_documents()[:120])] + ["", "a", "b", "x" * 3]
+EDGY_SFT = [
+    {"prompt": d[: (i * 37) % 300], "response": d[(i * 37) % 300 : (i * 37) % 300 + 5 + (i * 53) % 200]}
+    for i, d in enumerate(corpus_documents()[200:320])
+] + [
+    {"prompt": "only a prompt", "response": ""},
+    {"prompt": "p " * 80, "response": "r"},
+    {"prompt": "", "response": "z"},
+]
+
+
+@pytest.mark.parametrize("kind", ["text", "sft"])
+@pytest.mark.parametrize("pack, document_mask", [(True, True), (True, False), (False, False)])
+@pytest.mark.parametrize("seq_len", [16, 100])
+def test_samples_and_batches_are_those_of_the_reference(tokenizer, tmp_path, kind, pack, document_mask, seq_len):
+    """Every sample (tokens, loss mask, document positions) and every micro-batch of every rank equal those of the
+    reference pipeline, so the 1-process numerics and exact-resume tests carry over to the token store."""
+    rows = EDGY_TEXTS if kind == "text" else EDGY_SFT
+    samples = samples_of(tmp_path, rows, seq_len=seq_len, pack=pack, document_mask=document_mask)
+    expected = reference_samples(rows, tokenizer, seq_len, pack, document_mask)
+    assert len(samples) == len(expected) > 8
+    for got, want in zip(every(samples), expected, strict=True):
+        assert torch.equal(got.tokens, want.tokens) and torch.equal(got.trained, want.trained)
+        assert (got.positions is None) == (want.positions is None)
+        assert got.positions is None or torch.equal(got.positions, want.positions)
+    micro_batch, accumulation, ranks = 2, 2, 2
+    order = torch.randperm(len(expected), generator=torch.Generator().manual_seed(5 * 1_000_003 + 0))
+    for rank in range(ranks):
+        batches = GlobalBatches(samples, micro_batch, accumulation, ranks, rank, 5, True, tokenizer.pad_token_id)
+        for step in (0, 1):
+            first = step * 8 + rank * 4
+            for m, batch in enumerate(batches.micro_batches(step)):
+                indices = order[first + 2 * m : first + 2 * m + 2].tolist()
+                want = collate([expected[i] for i in indices], tokenizer.pad_token_id)
+                assert batch.keys() == want.keys() and all(torch.equal(batch[k], want[k]) for k in want)
+
+
+def sample_rows(micro_batches: list[dict]) -> list[tuple]:
+    """The unpadded inputs of every sample of the micro-batches, sorted."""
+    return sorted(
+        tuple(batch["input_ids"][row][batch["attention_mask"][row] == 1].tolist())
+        for batch in micro_batches
+        for row in range(len(batch["input_ids"]))
+    )
+
+
+def test_token_budget_micro_batches_hold_the_step_samples_under_the_budget(tokenizer, tmp_path):
+    """Each rank's micro-batches hold exactly its share of the step, padded to at most the budget, in as many
+    micro-batches as the rank needing most; fixed micro-batches of the same samples pad more."""
+    samples = samples_of(tmp_path, EDGY_TEXTS, seq_len=100, pack=False)
+    budget, ranks, per_rank = 200, 2, 8
+    padded = {"fixed": 0, "budget": 0}
+    for step in range(4):
+        counts = []
+        for rank in range(ranks):
+            fixed = GlobalBatches(samples, 2, 4, ranks, rank, 5, True, tokenizer.pad_token_id).micro_batches(step)
+            grouped = GlobalBatches(samples, 2, 4, ranks, rank, 5, True, tokenizer.pad_token_id, budget)
+            batches = grouped.micro_batches(step)
+            assert all(b["input_ids"].numel() <= budget for b in batches)
+            assert sample_rows(batches) == sample_rows(fixed)
+            padded["fixed"] += sum(int((b["attention_mask"] == 0).sum()) for b in fixed)
+            padded["budget"] += sum(int((b["attention_mask"] == 0).sum()) for b in batches)
+            counts.append(len(batches))
+        assert len(set(counts)) == 1 and 1 < counts[0] <= per_rank
+    assert padded["budget"] < 0.7 * padded["fixed"]  # 539 vs 946 pad tokens here
 
 
 @pytest.fixture(scope="module")
@@ -133,13 +248,12 @@ def tiny_model():
 
 
 @pytest.mark.parametrize("document_mask", [True, False])
-def test_packed_documents_do_not_attend_to_each_other(tokenizer, tiny_model, document_mask):
+def test_packed_documents_do_not_attend_to_each_other(tokenizer, tiny_model, document_mask, tmp_path):
     """With document_mask the training loss of a packed window equals the sum of each document's loss on its own;
     without it, the later documents see the earlier ones and the loss differs."""
     documents = DOCS
     stream_len = sum(len(tokenizer(d)["input_ids"]) + 1 for d in documents)
-    cfg = DataConfig(seq_len=stream_len - 1, pack=True, document_mask=document_mask)
-    (sample,) = tokenize_samples(documents, tokenizer, cfg)
+    (sample,) = every(samples_of(tmp_path, documents, seq_len=stream_len - 1, pack=True, document_mask=document_mask))
     with torch.no_grad():
         packed = token_loss_sum(tiny_model, collate([sample], tokenizer.pad_token_id)).item()
         alone = 0.0
@@ -153,9 +267,9 @@ def test_packed_documents_do_not_attend_to_each_other(tokenizer, tiny_model, doc
         assert abs(packed - alone) > 1e-3 * alone
 
 
-def test_packed_positions_restart_at_each_document(tokenizer):
+def test_packed_positions_restart_at_each_document(tokenizer, tmp_path):
     lengths = [len(tokenizer(d)["input_ids"]) + 1 for d in DOCS]
-    (sample,) = tokenize_samples(DOCS, tokenizer, DataConfig(seq_len=sum(lengths) - 1, pack=True))
+    (sample,) = every(samples_of(tmp_path, DOCS, seq_len=sum(lengths) - 1, pack=True))
     assert sample.positions.tolist() == [p for n in lengths for p in range(n)]
     batch = collate([sample], tokenizer.pad_token_id)
     assert set(batch) == {"input_ids", "position_ids", "labels"}  # no padding, so no attention mask to hide it

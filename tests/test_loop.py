@@ -21,7 +21,8 @@ from conftest import read_metrics, run_cli
 from fsdp2kit.cli import main
 from fsdp2kit.config.load import load_config
 from fsdp2kit.data.builtin import corpus_documents
-from fsdp2kit.data.dataset import IGNORE_INDEX, GlobalBatches, load_documents, tokenize_samples
+from fsdp2kit.data.dataset import IGNORE_INDEX
+from fsdp2kit.data.samples import GlobalBatches, TrainingSamples
 from fsdp2kit.errors import TrainingDiverged
 from fsdp2kit.models.build import build_meta_model, materialise, resolve_model
 from fsdp2kit.train.grads import LossScaler, NonFiniteGuard
@@ -48,10 +49,12 @@ CONFIG = {
     },
     "strategy_args": {"strategy_config": {"async_save_ckpt": False}},
 }
-SPLITS = {  # name: (ranks, per_device_train_batch_size, gradient_accumulation_steps); 4 samples a step in each
-    "1 rank, 1 micro-batch of 4": (1, 4, 1),
-    "1 rank, 4 micro-batches of 1": (1, 1, 4),
-    "2 ranks, 2 micro-batches of 1": (2, 1, 2),
+SPLITS = {  # name: (ranks, per_device_train_batch_size, gradient_accumulation_steps, token budget); 4 samples a step
+    "1 rank, 1 micro-batch of 4": (1, 4, 1, None),
+    "1 rank, 4 micro-batches of 1": (1, 1, 4, None),
+    "2 ranks, 2 micro-batches of 1": (2, 1, 2, None),
+    "1 rank, micro-batches of <= 100 tokens": (1, 1, 4, 100),
+    "2 ranks, micro-batches of <= 100 tokens": (2, 1, 2, 100),
 }
 
 
@@ -87,12 +90,13 @@ def losses(run_dir) -> list[float]:
 @pytest.fixture(scope="module")
 def split_losses(config_file, tmp_path_factory) -> dict[str, list[float]]:
     result = {}
-    for name, (ranks, micro_batch, accumulation) in SPLITS.items():
+    for name, (ranks, micro_batch, accumulation, budget) in SPLITS.items():
         out = tmp_path_factory.mktemp("split")
         settings = {
             "training.per_device_train_batch_size": micro_batch,
             "training.gradient_accumulation_steps": accumulation,
             "training.output_dir": str(out),
+            "data.max_tokens_per_micro_batch": budget,
         }
         if ranks == 1:
             assert main(["train", str(config_file), *overrides(settings)]) == 0
@@ -105,7 +109,8 @@ def split_losses(config_file, tmp_path_factory) -> dict[str, list[float]]:
 
 @pytest.mark.slow
 def test_loss_is_the_mean_over_the_global_batch_tokens_at_any_split(split_losses):
-    """Samples of very different lengths, split over 1 or 4 micro-batches and 1 or 2 ranks: the same loss curve."""
+    """Samples of very different lengths, split over 1 or 4 micro-batches, 1 or 2 ranks, or into micro-batches under a
+    token budget (the ranks' counts evened out): the same loss curve."""
     reference = split_losses["1 rank, 1 micro-batch of 4"]
     assert len(reference) == STEPS
     for name, curve in split_losses.items():
@@ -123,7 +128,7 @@ def test_per_micro_batch_means_would_not_agree(config_file, split_losses):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(source.tokenizer_path)
-    samples = tokenize_samples(load_documents(cfg.data), tokenizer, cfg.data)
+    samples = TrainingSamples.from_config(cfg.data, tokenizer)
     batches = GlobalBatches(samples, 1, 4, 1, 0, cfg.training.seed, cfg.data.shuffle, tokenizer.pad_token_id)
     sums, counts = [], []
     with torch.no_grad():
@@ -180,7 +185,7 @@ def test_clipping_scales_the_update_exactly_as_clip_grad_norm(config_file, tmp_p
     cfg = load_config(config_file, as_set(settings))
     source = resolve_model(cfg.model)
     tokenizer = AutoTokenizer.from_pretrained(source.tokenizer_path)
-    samples = tokenize_samples(load_documents(cfg.data), tokenizer, cfg.data)
+    samples = TrainingSamples.from_config(cfg.data, tokenizer)
     (batch,) = GlobalBatches(
         samples, 4, 1, 1, 0, cfg.training.seed, cfg.data.shuffle, tokenizer.pad_token_id
     ).micro_batches(0)

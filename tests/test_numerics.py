@@ -12,7 +12,8 @@ import yaml
 from conftest import read_metrics, run_cli
 
 from fsdp2kit.config.load import load_config
-from fsdp2kit.data.dataset import IGNORE_INDEX, GlobalBatches, load_documents, tokenize_samples
+from fsdp2kit.data.dataset import IGNORE_INDEX
+from fsdp2kit.data.samples import GlobalBatches, TrainingSamples
 from fsdp2kit.models.build import build_meta_model, materialise, resolve_model
 from fsdp2kit.train.optim import build_optimizer, build_scheduler
 
@@ -86,7 +87,7 @@ def reference_losses(config_file) -> list[float]:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(source.tokenizer_path)
-    samples = tokenize_samples(load_documents(cfg.data), tokenizer, cfg.data)
+    samples = TrainingSamples.from_config(cfg.data, tokenizer)
     batches = GlobalBatches(samples, GLOBAL_BATCH, 1, 1, 0, tc.seed, cfg.data.shuffle, tokenizer.pad_token_id)
     losses = []
     for step in range(STEPS):

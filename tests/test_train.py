@@ -3,6 +3,7 @@ its metrics, checkpoints and HF export, and the demo's acceptance numbers."""
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -12,7 +13,8 @@ from conftest import read_metrics, run_cli
 
 from fsdp2kit.config.schema import DataConfig
 from fsdp2kit.data.builtin import corpus_documents, tokenizer_dir
-from fsdp2kit.data.dataset import IGNORE_INDEX, GlobalBatches, collate, tokenize_samples
+from fsdp2kit.data.dataset import IGNORE_INDEX, collate
+from fsdp2kit.data.samples import GlobalBatches, TrainingSamples
 from fsdp2kit.train.optim import lr_factor
 
 DEMO = "examples/demo.yaml"
@@ -30,9 +32,14 @@ def test_builtin_tokenizer_is_a_real_hf_tokenizer():
     assert len(ids) < len(text) / 2  # a trained BPE, not bytes
 
 
-def test_data_order_depends_only_on_seed_and_global_index():
+def test_data_order_depends_only_on_seed_and_global_index(tmp_path):
     """1 rank x 4 micro-batches and 2 ranks x 2 see exactly the same global batches."""
-    samples = [torch.arange(i, i + 9) for i in range(40)]
+    from transformers import AutoTokenizer
+
+    source = tmp_path / "docs.jsonl"
+    source.write_text("".join(json.dumps({"text": d}) + "\n" for d in corpus_documents()[:40]))
+    cfg = DataConfig(source=str(source), seq_len=16, pack=False, cache_dir=str(tmp_path / "cache"))
+    samples = TrainingSamples.from_config(cfg, AutoTokenizer.from_pretrained(tokenizer_dir()))
     one = GlobalBatches(samples, 1, 4, 1, 0, seed=7, shuffle=True, pad_id=0)
     two = [GlobalBatches(samples, 1, 2, 2, rank, seed=7, shuffle=True, pad_id=0) for rank in range(2)]
     for step in (0, 3, 12):  # 12 is in the second epoch
@@ -54,10 +61,11 @@ def test_packing_cuts_windows_of_seq_len_plus_one():
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir())
     documents = corpus_documents()[:50]
-    samples = tokenize_samples(documents, tokenizer, DataConfig(seq_len=32, pack=True))
-    assert {len(s.tokens) for s in samples} == {33}
+    samples = TrainingSamples.from_config(DataConfig(seq_len=32, pack=True, max_samples=50), tokenizer)
+    assert {len(samples[i].tokens) for i in range(len(samples))} == {33}
     joined = [t for d in documents for t in tokenizer(d)["input_ids"] + [tokenizer.eos_token_id]]
-    assert torch.cat([s.tokens for s in samples]).tolist() == joined[: len(samples) * 33]  # joined by EOS, in order
+    tokens = torch.cat([samples[i].tokens for i in range(len(samples))])
+    assert tokens.tolist() == joined[: len(samples) * 33]  # joined by EOS, in order
 
 
 def test_schedule_shapes():

@@ -21,7 +21,8 @@ from safetensors.torch import load_file
 from fsdp2kit.config.load import load_config
 from fsdp2kit.config.schema import StrategyConfig
 from fsdp2kit.data.builtin import corpus_documents
-from fsdp2kit.data.dataset import IGNORE_INDEX, GlobalBatches, collate, load_documents, model_inputs, tokenize_samples
+from fsdp2kit.data.dataset import IGNORE_INDEX, collate, load_documents, model_inputs
+from fsdp2kit.data.samples import GlobalBatches, TrainingSamples
 from fsdp2kit.errors import UserError
 from fsdp2kit.models.build import build_meta_model, materialise, resolve_model
 from fsdp2kit.parallel.mesh import mesh_layout
@@ -98,7 +99,7 @@ def reference_run(config_file, settings: dict, steps: int = STEPS) -> tuple[list
     tc = cfg.training
     optimizer = build_optimizer(model, tc)
     scheduler = build_scheduler(optimizer, tc, steps)
-    samples = tokenize_samples(load_documents(cfg.data), tokenizer, cfg.data)
+    samples = TrainingSamples.from_config(cfg.data, tokenizer)
     batches = GlobalBatches(samples, GLOBAL_BATCH, 1, 1, 0, tc.seed, cfg.data.shuffle, tokenizer.pad_token_id)
     initial = {name: p.detach().clone() for name, p in model.named_parameters()}
     losses, first_grads = [], {}

@@ -215,6 +215,20 @@ class DataConfig(Section):
     max_samples: int | None = Field(
         None, ge=1, description="use only the first N documents of the source (default: all)"
     )
+    cache_dir: str | None = Field(
+        None,
+        description="where token stores go (the corpus tokenized once, memory-mapped by every run and rank); "
+        "default: ~/.cache/fsdp2kit/tokens, or $FSDP2KIT_CACHE/tokens",
+    )
+    num_proc: int | None = Field(
+        None, ge=1, description="processes tokenizing a corpus into its token store (default: every CPU core)"
+    )
+    max_tokens_per_micro_batch: int | None = Field(
+        None,
+        ge=1,
+        description="group each rank's samples of a step into micro-batches of at most this many padded tokens "
+        "(instead of per_device_train_batch_size samples each); the step's samples stay the same",
+    )
 
 
 class TrainingConfig(Section):

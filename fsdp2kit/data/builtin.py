@@ -17,9 +17,13 @@ SPECIAL_TOKENS = {"bos_token": "<|bos|>", "eos_token": "<|endoftext|>", "pad_tok
 _VERSION = f"v1-py{sys.version_info.major}{sys.version_info.minor}"
 
 
+def cache_root() -> Path:
+    """`$FSDP2KIT_CACHE`, else ~/.cache/fsdp2kit: one folder per user and machine for what fsdp2kit builds once."""
+    return Path(os.environ.get("FSDP2KIT_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "fsdp2kit"))
+
+
 def cache_dir() -> Path:
-    root = os.environ.get("FSDP2KIT_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "fsdp2kit")
-    path = Path(root) / _VERSION
+    path = cache_root() / _VERSION
     path.mkdir(parents=True, exist_ok=True)
     return path
 
@@ -45,8 +49,9 @@ def _docstrings(source: str) -> list[str]:
     return [d.strip() for d in docs if d and len(d.strip()) > 40]
 
 
-def corpus_documents() -> list[str]:
-    """Docstrings of the standard library's own sources, in a fixed (sorted) file order; read, never imported."""
+def corpus_file() -> Path:
+    """The corpus as one file, documents separated by NUL: docstrings of the standard library's own sources, in a
+    fixed (sorted) file order; read, never imported. Built once per machine."""
     path = cache_dir() / "corpus.txt"
     with _locked("corpus"):
         if not path.exists():
@@ -65,7 +70,11 @@ def corpus_documents() -> list[str]:
             tmp = path.with_suffix(".tmp")
             tmp.write_text("\x00".join(documents), encoding="utf-8")
             tmp.replace(path)
-    return path.read_text(encoding="utf-8").split("\x00")
+    return path
+
+
+def corpus_documents() -> list[str]:
+    return corpus_file().read_text(encoding="utf-8").split("\x00")
 
 
 def tokenizer_dir() -> Path:

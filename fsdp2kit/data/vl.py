@@ -24,7 +24,8 @@ from typing import Any
 import torch
 
 from fsdp2kit.config.schema import DataConfig
-from fsdp2kit.data.dataset import IGNORE_INDEX, GlobalBatches
+from fsdp2kit.data.dataset import IGNORE_INDEX
+from fsdp2kit.data.samples import GlobalBatches
 from fsdp2kit.errors import UserError
 
 _SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
@@ -276,7 +277,7 @@ class VLEncoder:
 class VLGlobalBatches(GlobalBatches):
     """GlobalBatches over conversations, each encoded (its images read) when its micro-batch is built."""
 
-    encoder: VLEncoder
+    encoder: VLEncoder = field(kw_only=True)  # after the base's defaulted fields
 
     def collate_indices(self, indices: list[int]) -> dict[str, torch.Tensor]:
         return self.encoder.collate([self.encoder.encode(self.samples[i]) for i in indices], self.pad_id)

@@ -10,11 +10,13 @@ import json
 import math
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from fsdp2kit.config.schema import JobConfig
-from fsdp2kit.data.dataset import collate, encode_documents, load_documents, load_tokenizer, model_inputs
+from fsdp2kit.data.dataset import collate, load_tokenizer, model_inputs
+from fsdp2kit.data.store import token_store
 from fsdp2kit.data.vl import VLEncoder, VLSample, load_conversations
 from fsdp2kit.distributed import Runtime
 from fsdp2kit.errors import UserError
@@ -54,55 +56,47 @@ def infer(cfg: JobConfig, runtime: Runtime) -> None:
     model = sharded.model
     tokenizer = load_tokenizer(sharded.source.tokenizer_path, cfg.model.trust_remote_code)
     vision = sharded.plan.vision_patch
-    items: list
+    layout = sharded.layout
+    first, step = layout.data_parallel_rank(runtime.rank), layout.data_parallel_size
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    dummy = [pad_id, pad_id]  # a rank out of samples joins each round's collectives with this
+    results: list[dict] = []
     if vision:  # conversations, encoded (images read) batch by batch; scored on their assistant turns
         encoder = VLEncoder.load(sharded.source.tokenizer_path, sharded.source.hf_config, cfg.data.seq_len)
-        items = load_conversations(cfg.data)
-    else:
-        # As the model's users tokenise: default special tokens, no EOS added, no packing, truncated at data.seq_len
-        # (a prompt/response record is the prompt's ids followed by the response's).
-        with phase(f"tokenising {cfg.data.source}", runtime.is_main):
-            documents = load_documents(cfg.data)
-            items = [
-                torch.tensor(ids[: cfg.data.seq_len])
-                for ids, _ in encode_documents(documents, tokenizer, append_eos=False)
-            ]
-    layout = sharded.layout
-    mine = [
-        (i, item)
-        for i, item in enumerate(items)
-        if i % layout.data_parallel_size == layout.data_parallel_rank(runtime.rank) and (vision or len(item) >= 1)
-    ]
-    size = cfg.infer_batch_size
-    rounds = torch.tensor(math.ceil(len(mine) / size))
-    dist.all_reduce(rounds, op=dist.ReduceOp.MAX)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        conversations = load_conversations(cfg.data)
+        scored = list(range(first, len(conversations), step))
 
-    results: list[dict] = []
+        def batch_of(chunk: list[int]) -> dict[str, torch.Tensor]:
+            samples = [encoder.encode(conversations[i]) for i in chunk]
+            return encoder.collate(samples or [VLSample(torch.tensor(dummy), torch.zeros(2) > 0)], pad_id)
+
+    else:
+        # As the model's users tokenise: default special tokens, no EOS (the store appends one for training), no
+        # packing, truncated at data.seq_len (a prompt/response record is the prompt's ids followed by the
+        # response's). A document of fewer than 2 tokens has no term: recorded as such, never sent to the model.
+        with phase(f"the token store of {cfg.data.source}", runtime.is_main):
+            store = token_store(cfg.data, tokenizer)
+        lengths = np.minimum(np.diff(store.offsets) - int(store.eos_appended), cfg.data.seq_len)
+        mine = np.arange(first, store.num_documents, step)
+        results = [_record(int(i), 0.0, 0) for i in mine[lengths[mine] < 2]]
+        scored = mine[lengths[mine] >= 2].tolist()
+
+        def batch_of(chunk: list[int]) -> dict[str, torch.Tensor]:
+            documents = [torch.from_numpy(store.document(i)[: lengths[i]].astype(np.int64)) for i in chunk]
+            return collate(documents or [torch.tensor(dummy)], pad_id)
+
+    size = cfg.infer_batch_size
+    rounds = torch.tensor(math.ceil(len(scored) / size))
+    dist.all_reduce(rounds, op=dist.ReduceOp.MAX)
     for r in range(int(rounds)):
-        chunk = mine[r * size : (r + 1) * size]
-        if vision:
-            samples = [encoder.encode(c) for _, c in chunk] or [
-                VLSample(torch.tensor([pad_id] * 2), torch.zeros(2) > 0)
-            ]
-            batch = encoder.collate(samples, pad_id)
-        else:
-            batch = collate([ids for _, ids in chunk] or [torch.tensor([pad_id, pad_id])], pad_id)
-        batch = {k: v.to(runtime.device) for k, v in batch.items()}
+        chunk = scored[r * size : (r + 1) * size]
+        batch = {k: v.to(runtime.device) for k, v in batch_of(chunk).items()}
         if sharded.sp_group is not None:
             batch = (shard_vision_batch if vision else shard_sequence)(batch, sharded.sp_group)
         sums, counts = sample_logprobs(model, batch, sharded.sp_group)
         if not chunk:
             continue  # the dummy batch: its forward joined the collectives, its results are no sample's
-        for (index, _), total, count in zip(chunk, sums, counts, strict=True):
-            results.append(
-                {
-                    "index": index,
-                    "num_tokens": count,
-                    "sum_logprob": total,
-                    "mean_logprob": total / count if count else None,
-                }
-            )
+        results += [_record(index, total, count) for index, total, count in zip(chunk, sums, counts, strict=True)]
 
     gathered: list[list[dict]] = [[] for _ in range(runtime.world_size)]
     dist.all_gather_object(gathered, results if runtime.rank % layout.ulysses_size == 0 else [])  # once per SP group
@@ -123,8 +117,17 @@ def infer(cfg: JobConfig, runtime: Runtime) -> None:
     with (out / "infer.jsonl").open("w") as handle:
         for record in records + [summary]:
             handle.write(json.dumps(record) + "\n")
+    perplexity = "n/a (no sample has two tokens)" if not tokens else f"{summary['perplexity']:.4f}"
     print(
-        f"infer: {len(records)} samples, {tokens} tokens, perplexity {summary['perplexity']:.4f}; "
-        f"wrote {out / 'infer.jsonl'}",
+        f"infer: {len(records)} samples, {tokens} tokens, perplexity {perplexity}; wrote {out / 'infer.jsonl'}",
         flush=True,
     )
+
+
+def _record(index: int, sum_logprob: float, num_tokens: int) -> dict:
+    return {
+        "index": index,
+        "num_tokens": num_tokens,
+        "sum_logprob": sum_logprob,
+        "mean_logprob": sum_logprob / num_tokens if num_tokens else None,
+    }

@@ -16,15 +16,8 @@ from torch.distributed.fsdp import FSDPModule
 
 from fsdp2kit.checkpoint.manager import CheckpointManager, fault_point
 from fsdp2kit.config.schema import JobConfig
-from fsdp2kit.data.dataset import (
-    IGNORE_INDEX,
-    GlobalBatches,
-    input_token_count,
-    load_documents,
-    load_tokenizer,
-    model_inputs,
-    tokenize_samples,
-)
+from fsdp2kit.data.dataset import IGNORE_INDEX, input_token_count, load_tokenizer, model_inputs
+from fsdp2kit.data.samples import GlobalBatches, Prefetcher, TrainingSamples
 from fsdp2kit.data.vl import VLEncoder, VLGlobalBatches, load_conversations
 from fsdp2kit.distributed import Runtime
 from fsdp2kit.errors import Interrupted, UserError
@@ -95,14 +88,15 @@ def _train(cfg: JobConfig, runtime: Runtime, stop: StopSignals) -> None:
         tc.seed,
         cfg.data.shuffle,
         tokenizer.pad_token_id or 0,
+        cfg.data.max_tokens_per_micro_batch,
     )
     batches: GlobalBatches
     if vision:
         encoder = VLEncoder.load(sharded.source.tokenizer_path, sharded.source.hf_config, cfg.data.seq_len)
         batches = VLGlobalBatches(load_conversations(cfg.data), *order, encoder=encoder)
     else:
-        with phase(f"tokenising {cfg.data.source}", runtime.is_main):
-            samples = tokenize_samples(load_documents(cfg.data), tokenizer, cfg.data)
+        with phase(f"the token store of {cfg.data.source}", runtime.is_main):
+            samples = TrainingSamples.from_config(cfg.data, tokenizer)  # tokenized once, memory-mapped
         batches = GlobalBatches(samples, *order)
     total_steps = tc.max_steps if tc.max_steps > 0 else max(1, int(tc.num_train_epochs * batches.steps_per_epoch))
     scheduler = build_scheduler(optimizer, tc, total_steps)
@@ -162,6 +156,7 @@ def _train(cfg: JobConfig, runtime: Runtime, stop: StopSignals) -> None:
     with (
         RunLoggers(cfg, runtime.is_main, total_steps, start_step if resume_from is not None else None) as loggers,
         StepProfiler(tc.profile_steps, output_dir, runtime.rank, runtime.device) as profiler,
+        Prefetcher(batches, range(start_step, total_steps), pin_memory=runtime.device.type == "cuda") as prefetched,
     ):
         for step in range(start_step, total_steps):
             signum = stop.requested()
@@ -170,8 +165,10 @@ def _train(cfg: JobConfig, runtime: Runtime, stop: StopSignals) -> None:
                 raise Interrupted(checkpoints.interrupted_message(signal.Signals(signum).name, step), signum)
             profiler.step_started(step + 1)
             started = time.perf_counter()
-            micro_batches = [{k: v.to(runtime.device) for k, v in mb.items()} for mb in batches.micro_batches(step)]
-            data_time = time.perf_counter() - started
+            micro_batches = [
+                {k: v.to(runtime.device, non_blocking=True) for k, v in mb.items()} for mb in prefetched.next()
+            ]
+            data_time = time.perf_counter() - started  # waiting for the prefetching thread, and the copy
             with memory.step(micro_batches):
                 # The loss is the mean over every target token of the global batch: normalise by their global count.
                 counts = torch.tensor(

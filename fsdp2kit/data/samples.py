@@ -1,0 +1,248 @@
+"""Training samples cut lazily from a token store, and which of them each rank trains on at each step.
+
+The order depends only on the seed and the global sample index, so any world size and accumulation split of the same
+global batch sees the same samples, and resuming at a step resumes the data exactly. Nothing per token or per document
+is held in Python objects: a sample is computed from the store's offsets when a micro-batch asks for it, by a
+background thread while the previous step computes."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass
+from typing import Any, cast
+
+import numpy as np
+import torch
+
+from fsdp2kit.config.schema import DataConfig
+from fsdp2kit.data.dataset import Sample, collate
+from fsdp2kit.data.store import TokenStore, token_store
+from fsdp2kit.errors import UserError
+
+
+class TrainingSamples:
+    """Without packing sample i is a document truncated to seq_len + 1 tokens. With packing the documents (each
+    ending in EOS) form one stream cut into windows of seq_len + 1 tokens; with `document_mask` each window carries
+    positions that restart at every document, from which transformers builds a block-diagonal causal mask. A
+    document's first token and an SFT prompt's tokens are never targets; samples without any target are skipped.
+    Held in memory: the index of the kept samples, and only when some are skipped."""
+
+    def __init__(self, store: TokenStore, seq_len: int, pack: bool, document_mask: bool):
+        self.store = store
+        self.width = seq_len + 1
+        self.pack = pack
+        self.document_mask = document_mask
+        self._kept: np.ndarray | None = None  # the kept samples' windows or documents; None: all are kept
+        if store.prompt_lengths is not None or store.meta["min_document_tokens"] < 2:
+            kept = self._with_targets(pack)
+            self._kept = None if kept.all() else np.flatnonzero(kept)
+        # Otherwise every sample has a target, found without any per-document array: a document of 2+ tokens has
+        # targets after its first token, and no window's 2+ positions after its first can all start documents.
+        units = store.num_tokens // self.width if pack else store.num_documents
+        self._count = units if self._kept is None else len(self._kept)
+
+    def _with_targets(self, pack: bool) -> np.ndarray:
+        """Which windows (packing) or documents have a loss target, for any prompt and document lengths."""
+        store, offsets = self.store, self.store.offsets
+        lengths = np.diff(offsets)
+        untrained = np.minimum(self._first_target(np.arange(store.num_documents)), lengths)
+        if not pack:
+            return untrained < np.minimum(lengths, self.width)
+        starts = np.arange(store.num_tokens // self.width, dtype=np.int64) * self.width
+        before = np.concatenate([[0], np.cumsum(untrained)])  # untrained tokens of the documents before d
+
+        def untrained_below(position: np.ndarray) -> np.ndarray:
+            doc = np.minimum(np.searchsorted(offsets, position, side="right") - 1, store.num_documents - 1)
+            return before[doc] + np.minimum(position - offsets[doc], untrained[doc])
+
+        targets = (self.width - 1) - (untrained_below(starts + self.width) - untrained_below(starts + 1))
+        return targets > 0
+
+    @classmethod
+    def from_config(cls, cfg: DataConfig, tokenizer) -> TrainingSamples:
+        """The samples of the config's data, from its token store (built first if absent)."""
+        return cls(token_store(cfg, tokenizer), cfg.seq_len, cfg.pack, cfg.document_mask)
+
+    def _first_target(self, documents: np.ndarray) -> np.ndarray:
+        """Per document, the position of its first loss target: after the prompt, and never position 0."""
+        if self.store.prompt_lengths is None:
+            return np.ones(len(documents), dtype=np.int64)
+        return np.maximum(self.store.prompt_lengths[documents].astype(np.int64), 1)
+
+    def __len__(self) -> int:
+        return self._count
+
+    def _unit(self, index: int) -> int:
+        """The window (packing) or document of sample `index`."""
+        if not 0 <= index < self._count:
+            raise IndexError(index)
+        return index if self._kept is None else int(self._kept[index])
+
+    def __getitem__(self, index: int) -> Sample:
+        unit = self._unit(index)
+        if not self.pack:
+            document = self.store.document(unit)[: self.width]
+            trained = np.arange(len(document)) >= self._first_target(np.array([unit]))[0]
+            return Sample(torch.from_numpy(document.astype(np.int64)), torch.from_numpy(trained))
+        start = unit * self.width
+        position = np.arange(start, start + self.width)
+        doc = np.searchsorted(self.store.offsets, position, side="right") - 1
+        doc_start = self.store.offsets[doc]
+        trained = position - doc_start >= self._first_target(doc)
+        positions = torch.from_numpy(position - np.maximum(doc_start, start)) if self.document_mask else None
+        tokens = torch.from_numpy(self.store.tokens[start : start + self.width].astype(np.int64))
+        return Sample(tokens, torch.from_numpy(trained), positions)
+
+    def lengths(self, indices: np.ndarray) -> np.ndarray:
+        """Tokens of each sample (inputs + 1), from the offsets alone."""
+        if self.pack:
+            return np.full(len(indices), self.width, dtype=np.int64)
+        units = indices if self._kept is None else self._kept[indices]
+        return np.minimum(self.store.offsets[units + 1] - self.store.offsets[units], self.width)
+
+
+def token_budget_groups(lengths: list[np.ndarray], budget: int) -> list[list[list[int]]]:
+    """Per rank, its samples (positions in its share) grouped into micro-batches of at most `budget` padded input
+    tokens: sorted by length, filled in turn. Every rank gets as many micro-batches as the rank needing most (a
+    micro-batch is a round of parameter all-gathers all ranks take part in), by halving its largest groups."""
+    per_rank = []
+    for rank_lengths in lengths:
+        groups: list[list[int]] = []
+        longest = 0
+        for k in np.argsort(rank_lengths, kind="stable").tolist():
+            inputs = int(rank_lengths[k]) - 1
+            if groups and max(longest, inputs) * (len(groups[-1]) + 1) <= budget:
+                groups[-1].append(k)
+                longest = max(longest, inputs)
+            else:
+                groups.append([k])
+                longest = inputs
+        per_rank.append(groups)
+    target = max(len(groups) for groups in per_rank)
+    for groups in per_rank:
+        while len(groups) < target:  # target <= samples per rank, so a group of two or more always exists
+            largest = max(range(len(groups)), key=lambda g: len(groups[g]))
+            half = len(groups[largest]) // 2
+            groups[largest : largest + 1] = [groups[largest][:half], groups[largest][half:]]
+    return per_rank
+
+
+@dataclass
+class GlobalBatches:
+    """Step s uses the global samples [s*G, (s+1)*G) of a seeded per-epoch permutation; rank r takes its
+    contiguous `per_rank` share, cut into micro-batches of `micro_batch_size` samples, or with
+    `max_tokens_per_micro_batch` into micro-batches under that token budget. The position is just the step."""
+
+    samples: Any  # TrainingSamples, or a subclass's own records (VL conversations)
+    micro_batch_size: int
+    accumulation_steps: int
+    data_parallel_size: int
+    data_parallel_rank: int
+    seed: int
+    shuffle: bool
+    pad_id: int
+    max_tokens_per_micro_batch: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.steps_per_epoch == 0:
+            raise UserError(
+                f"data: the dataset yields {len(self.samples)} samples, fewer than one global batch of "
+                f"{self.global_batch_size} (per_device_train_batch_size x gradient_accumulation_steps x ranks)"
+            )
+        budget, samples = self.max_tokens_per_micro_batch, self.samples
+        if budget is not None and not isinstance(samples, TrainingSamples):
+            raise UserError("data.max_tokens_per_micro_batch: only for text data; unset it for vision-language data")
+        if budget is not None and isinstance(samples, TrainingSamples) and budget < samples.width - 1:
+            raise UserError(
+                f"data.max_tokens_per_micro_batch: {budget} is less than data.seq_len {samples.width - 1}; "
+                "a micro-batch must hold the longest sample"
+            )
+        self._orders: dict[int, torch.Tensor] = {}
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.micro_batch_size * self.accumulation_steps * self.data_parallel_size
+
+    @property
+    def per_rank(self) -> int:
+        return self.micro_batch_size * self.accumulation_steps
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return len(self.samples) // self.global_batch_size
+
+    def _order(self, epoch: int) -> torch.Tensor:
+        if epoch not in self._orders:
+            if self.shuffle:
+                generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+                self._orders = {epoch: torch.randperm(len(self.samples), generator=generator)}
+            else:
+                self._orders = {epoch: torch.arange(len(self.samples))}
+        return self._orders[epoch]
+
+    def micro_batches(self, step: int) -> list[dict[str, torch.Tensor]]:
+        epoch, within = divmod(step, self.steps_per_epoch)
+        first = within * self.global_batch_size
+        shares = self._order(epoch)[first : first + self.global_batch_size].numpy().reshape(-1, self.per_rank)
+        mine = shares[self.data_parallel_rank].tolist()
+        if self.max_tokens_per_micro_batch is None:
+            groups = [list(range(m, m + self.micro_batch_size)) for m in range(0, self.per_rank, self.micro_batch_size)]
+        else:
+            samples = cast(TrainingSamples, self.samples)  # checked in __post_init__
+            lengths = [samples.lengths(share) for share in shares]
+            groups = token_budget_groups(lengths, self.max_tokens_per_micro_batch)[self.data_parallel_rank]
+        return [self.collate_indices([mine[k] for k in group]) for group in groups]
+
+    def collate_indices(self, indices: list[int]) -> dict[str, torch.Tensor]:
+        """The micro-batch of these samples (a subclass may build its samples here, lazily)."""
+        return collate([self.samples[i] for i in indices], self.pad_id)
+
+
+class Prefetcher:
+    """The micro-batches of the coming steps, collated by a background thread while the current step computes
+    (pinned, on CUDA, so the copy to the device can be asynchronous). `next()` returns them in step order."""
+
+    def __init__(self, batches: GlobalBatches, steps: range, pin_memory: bool, depth: int = 2):
+        self._batches = batches
+        self._pin = pin_memory
+        self._queue: queue.Queue = queue.Queue(depth)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._fill, args=(steps,), name="fsdp2kit-prefetch", daemon=True)
+        self._thread.start()
+
+    def _fill(self, steps: range) -> None:
+        try:
+            for step in steps:
+                if self._stop.is_set():
+                    return
+                micro_batches = self._batches.micro_batches(step)
+                if self._pin:
+                    micro_batches = [{k: v.pin_memory() for k, v in mb.items()} for mb in micro_batches]
+                self._put(micro_batches)
+        except BaseException as exc:  # handed to the training thread, which raises it
+            self._put(exc)
+
+    def _put(self, item) -> None:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+
+    def next(self) -> list[dict[str, torch.Tensor]]:
+        item = self._queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def __enter__(self) -> Prefetcher:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

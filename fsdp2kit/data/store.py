@@ -1,0 +1,289 @@
+"""The token store: a corpus tokenized once into flat files that every later run and every rank memory-maps.
+
+A store is a folder under `data.cache_dir` named by a fingerprint of everything that decides its tokens (the source
+files' paths, sizes and modification times, the tokenizer, the data keys that pick fields and rows). It holds
+`tokens.bin` (every document's ids followed by EOS, back to back, uint16 when the vocabulary fits, else uint32),
+`offsets.bin` (int64, where each document starts, plus the end), `prompt_lengths.bin` (int32, SFT only) and
+`meta.json`. It is built by a pool of processes into a temporary folder and committed by renaming
+that folder, under an exclusive file lock: ranks (and nodes sharing the folder) that start together get one build,
+the others wait and then read it; a killed build leaves only a temporary folder, never a store that looks complete."""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import math
+import os
+import re
+import shutil
+import socket
+import sys
+import time
+from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
+from itertools import chain
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fsdp2kit.config.schema import DataConfig
+from fsdp2kit.data.builtin import cache_root
+from fsdp2kit.data.dataset import SourceDocuments, open_source, source_files
+from fsdp2kit.errors import UserError
+
+STORE_FORMAT = 2
+_BATCH_ROWS = 1000  # rows a tokenizer call encodes at once (a task of the pool)
+_ROWS_PER_PROCESS = 5000  # below this a second process costs more to start than it saves
+
+
+@dataclass(frozen=True)
+class TokenStore:
+    """A committed store, memory-mapped: nothing is read until a sample asks for it."""
+
+    path: Path
+    tokens: np.ndarray
+    offsets: np.ndarray
+    prompt_lengths: np.ndarray | None  # tokens of each document that are prompt (SFT); None: no prompts
+    eos_appended: bool  # each document ends in the tokenizer's EOS (training); infer reads documents without it
+    meta: dict
+
+    @property
+    def num_documents(self) -> int:
+        return len(self.offsets) - 1
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+    def document(self, index: int) -> np.ndarray:
+        return self.tokens[self.offsets[index] : self.offsets[index + 1]]
+
+
+def default_cache_dir() -> Path:
+    """~/.cache/fsdp2kit/tokens (or $FSDP2KIT_CACHE/tokens): one per user and machine, shared by its ranks."""
+    return cache_root() / "tokens"
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """A hash of what decides a tokenizer's ids: its serialised vocabulary, merges, normalisation and special-token
+    handling (a fast tokenizer's JSON, else its vocabulary), and its EOS; not where it was loaded from."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    state = backend.to_str() if backend is not None else json.dumps(tokenizer.get_vocab(), sort_keys=True)
+    extra = json.dumps([type(tokenizer).__name__, tokenizer.eos_token_id, tokenizer.special_tokens_map], default=str)
+    return hashlib.sha256((state + extra).encode()).hexdigest()
+
+
+def store_fingerprint(cfg: DataConfig, tokenizer) -> dict:
+    """Everything that changes a store's tokens; seq_len, packing and shuffling do not (samples are cut at read)."""
+    files = [(f.resolve(), f.stat()) for f in source_files(cfg.source)]
+    return {
+        "format": STORE_FORMAT,
+        "source": cfg.source,
+        "files": [[str(path), stat.st_size, stat.st_mtime_ns] for path, stat in files],
+        "tokenizer": tokenizer_fingerprint(tokenizer),
+        "text_key": cfg.text_key,
+        "prompt_key": cfg.prompt_key,
+        "response_key": cfg.response_key,
+        "query_key": cfg.query_key,
+        "max_samples": cfg.max_samples,
+    }
+
+
+def store_path(cfg: DataConfig, tokenizer) -> Path:
+    """Where the store of this data config and tokenizer lives: `<cache_dir>/<source name>-<fingerprint>`."""
+    digest = hashlib.sha256(json.dumps(store_fingerprint(cfg, tokenizer), sort_keys=True).encode()).hexdigest()
+    first = cfg.source[0] if isinstance(cfg.source, list) else cfg.source
+    stem = re.sub(r"[^A-Za-z0-9_.-]+", "_", Path(first.removeprefix("builtin:")).stem)[:40] or "data"
+    cache = Path(cfg.cache_dir).expanduser() if cfg.cache_dir else default_cache_dir()
+    return cache / f"{stem}-{digest[:20]}"
+
+
+def open_store(path: Path) -> TokenStore:
+    meta = json.loads((path / "meta.json").read_text())
+    tokens = np.memmap(path / "tokens.bin", dtype=meta["dtype"], mode="r", shape=(meta["tokens"],))
+    offsets = np.memmap(path / "offsets.bin", dtype=np.int64, mode="r", shape=(meta["documents"] + 1,))
+    prompts = None
+    if meta["sft"]:
+        prompts = np.memmap(path / "prompt_lengths.bin", dtype=np.int32, mode="r", shape=(meta["documents"],))
+    return TokenStore(path, tokens, offsets, prompts, meta["eos_appended"], meta)
+
+
+def token_store(cfg: DataConfig, tokenizer) -> TokenStore:
+    """The store of this data config and tokenizer, built now (once, whoever asks first) if it is absent."""
+    path = store_path(cfg, tokenizer)
+    if not (path / "meta.json").is_file():
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise UserError(f"data.cache_dir: cannot create '{path.parent}': {exc.strerror}") from None
+        with _exclusive(path.parent / f"{path.name}.lock"):
+            if not (path / "meta.json").is_file():  # another process may have committed it while we waited
+                _build(cfg, tokenizer, path)
+    return open_store(path)
+
+
+@contextmanager
+def _exclusive(lock_path: Path):
+    """One holder at a time across processes (and nodes, where the filesystem supports flock); the kernel
+    releases it when its holder dies, so a killed builder never blocks the next."""
+    with open(lock_path, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _build(cfg: DataConfig, tokenizer, path: Path) -> None:
+    for stale in path.parent.glob(f"{path.name}.tmp-*"):  # left by a killed build; we hold the lock
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = path.with_name(f"{path.name}.tmp-{socket.gethostname()}-{os.getpid()}")
+    documents = open_source(cfg)
+    tmp.mkdir()
+    try:
+        meta = _write_store(documents, tokenizer, tmp, cfg.num_proc)
+        meta["fingerprint"] = store_fingerprint(cfg, tokenizer)
+        _write_durably(tmp / "meta.json", json.dumps(meta, indent=1).encode())
+        os.rename(tmp, path)  # atomic: the store appears whole or not at all
+        _fsync_dir(path.parent)
+    except UnicodeDecodeError:
+        raise documents.undecodable() from None
+    except OSError as exc:
+        raise UserError(
+            f"data.cache_dir: writing the token store '{tmp}' failed ({exc.strerror}); nothing was committed"
+        ) from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(
+        f"token store: {meta['documents']} documents, {meta['tokens']} tokens from {meta['text_bytes']} bytes of "
+        f"text in {meta['build_seconds']:.1f}s ({meta['tokens_per_s']:.0f} tokens/s, {meta['processes']} "
+        f"processes) -> {path}",
+        flush=True,
+    )
+
+
+def _write_store(documents: SourceDocuments, tokenizer, folder: Path, num_proc: int | None) -> dict:
+    """Tokenize row ranges in a pool of `num_proc` processes, appending each range's ids to the flat files in row
+    order; memory stays a few ranges' worth whatever the corpus size."""
+    from tqdm.auto import tqdm
+
+    started = time.perf_counter()
+    dtype = np.uint16 if len(tokenizer) <= 1 << 16 else np.uint32
+    rows = len(documents)
+    processes = max(1, min(num_proc or len(os.sched_getaffinity(0)), math.ceil(rows / _ROWS_PER_PROCESS)))
+    ranges = [(start, min(start + _BATCH_ROWS, rows)) for start in range(0, rows, _BATCH_ROWS)]
+    counts = {"documents": 0, "tokens": 0, "text_bytes": 0, "min_document_tokens": 1 << 62}
+    with (
+        open(folder / "tokens.bin", "wb") as tokens_file,
+        open(folder / "offsets.bin", "wb") as offsets_file,
+        open(folder / "prompt_lengths.bin", "wb") as prompts_file,
+        tqdm(total=rows, unit=" rows", desc="token store", disable=not sys.stderr.isatty(), mininterval=1) as bar,
+    ):
+        offsets_file.write(np.zeros(1, np.int64).tobytes())
+        for (start, stop), (tokens, lengths, prompt_lengths, text_bytes) in zip(
+            ranges, _encoded_ranges(documents, tokenizer, dtype, ranges, processes), strict=True
+        ):
+            tokens_file.write(tokens.tobytes())
+            offsets_file.write((counts["tokens"] + np.cumsum(lengths)).tobytes())
+            prompts_file.write(prompt_lengths.tobytes())
+            counts["documents"] += len(lengths)
+            counts["tokens"] += len(tokens)
+            counts["text_bytes"] += text_bytes
+            counts["min_document_tokens"] = min(counts["min_document_tokens"], int(lengths.min(initial=1 << 62)))
+            bar.update(stop - start)
+        for handle in (tokens_file, offsets_file, prompts_file):
+            handle.flush()
+            os.fsync(handle.fileno())
+    sft = documents.text_key is None
+    if not sft:
+        (folder / "prompt_lengths.bin").unlink()
+    if counts["tokens"] == 0:
+        field = documents.response_key if sft else documents.text_key
+        raise UserError(f"data.source: no documents (every '{field}' is empty or missing)")
+    seconds = time.perf_counter() - started
+    return {
+        **counts,
+        "dtype": np.dtype(dtype).name,
+        "sft": sft,
+        "eos_appended": tokenizer.eos_token_id is not None,
+        "build_seconds": seconds,
+        "tokens_per_s": counts["tokens"] / seconds,
+        "processes": processes,
+    }
+
+
+def _encoded_ranges(documents, tokenizer, dtype, ranges, processes) -> Iterator[tuple]:
+    """Each row range encoded, in order: in this process, or by a pool of freshly spawned processes that each get
+    the table (memory-mapped Arrow, pickled by reference) and the tokenizer once. Spawned, not forked: a fork of a
+    process with live threads (a rank's communication threads, a used tokenizer's thread pool) can crash or hang."""
+    if processes == 1:
+        _start_worker(documents, tokenizer, dtype, single_process=True)
+        yield from map(_encode_range, ranges)
+        return
+    with ProcessPoolExecutor(
+        processes, mp_context=get_context("spawn"), initializer=_start_worker, initargs=(documents, tokenizer, dtype)
+    ) as pool:
+        yield from pool.map(_encode_range, ranges)
+
+
+_worker: dict = {}
+
+
+def _start_worker(documents: SourceDocuments, tokenizer, dtype, single_process: bool = False) -> None:
+    if not single_process:  # one process per core already: no tokenizer threads on top
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    _worker.update(documents=documents, tokenizer=tokenizer, dtype=dtype)
+
+
+def _encode_range(rows: tuple[int, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """Rows [start, stop) as flat token ids (each document followed by EOS), document lengths, prompt lengths
+    (SFT; zeros otherwise) and the UTF-8 bytes of their text; rows without a document give none. A prompt gets the
+    tokenizer's default special tokens (e.g. BOS); the response is joined as ids."""
+    documents: SourceDocuments = _worker["documents"]
+    tokenizer, dtype = _worker["tokenizer"], _worker["dtype"]
+    texts: list[Any] = documents.read(*rows)
+    eos = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
+    if not texts:
+        return np.zeros(0, dtype), np.zeros(0, np.int64), np.zeros(0, np.int32), 0
+    if documents.text_key is None:
+        prompts = tokenizer([d.prompt for d in texts])["input_ids"]
+        responses = tokenizer([d.response for d in texts], add_special_tokens=False)["input_ids"]
+        ids = [p + r + eos for p, r in zip(prompts, responses, strict=True)]
+        prompt_lengths = np.fromiter(map(len, prompts), np.int32, len(prompts))
+        text_bytes = sum(len(d.prompt.encode()) + len(d.response.encode()) for d in texts)
+    else:
+        ids = [x + eos for x in tokenizer(texts)["input_ids"]]
+        prompt_lengths = np.zeros(len(ids), np.int32)
+        text_bytes = sum(len(t.encode()) for t in texts)
+    lengths = np.fromiter(map(len, ids), np.int64, len(ids))
+    return np.fromiter(chain.from_iterable(ids), dtype, int(lengths.sum())), lengths, prompt_lengths, text_bytes
+
+
+def _write_durably(path: Path, data: bytes) -> None:
+    with open(path, "wb") as handle:
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def describe(store: TokenStore) -> str:
+    """One line for `fsdp2kit prepare`: what the store holds and how fast it was built."""
+    meta = store.meta
+    return (
+        f"{store.path}: {meta['documents']} documents, {meta['tokens']} tokens, {meta['text_bytes']} bytes of text; "
+        f"built in {meta['build_seconds']:.1f}s at {meta['tokens_per_s']:.0f} tokens/s by {meta['processes']} "
+        f"processes"
+    )
