@@ -62,7 +62,8 @@ def _first_bad_line(files: list[Path], kind: str) -> str | None:
                 try:
                     line = raw.decode("utf-8")
                 except UnicodeDecodeError as exc:
-                    return f"'{file}' line {number} is not UTF-8 text (byte {exc.start + 1} of the line)"
+                    byte = f"byte {raw[exc.start]:#04x} at column {exc.start + 1}"
+                    return f"'{file}' line {number} is not UTF-8 text ({byte})"
                 if kind == "json" and line.strip():
                     try:
                         record = json.loads(line)
