@@ -1,7 +1,7 @@
 """Fault soak: train, kill at a random moment (SIGKILL or SIGINT; during steps, synchronous and asynchronous saves),
 resume; repeat. At the end the loss curve must equal an uninterrupted run's and no committed checkpoint may be lost.
 
-Prints one JSON object. Run: .venv/bin/python benchmarks/fault_soak.py [--rounds 20] [--steps 60] [--nproc 1]
+Prints one JSON object. Run: .venv/bin/python benchmarks/fault_soak.py [--rounds 20] [--steps 120] [--nproc 1]
 Each round resumes `resume: auto` from the newest checkpoint, picks sync or async saves and SIGKILL or SIGINT at
 random, waits until a random step 1-3 steps past the newest checkpoint is printed, sleeps a random fraction of a
 step (so the signal lands in the step, or in the save that follows it) and sends the signal. Checked every round:
@@ -106,7 +106,7 @@ def one_round(args: argparse.Namespace, run: Path, rng: random.Random, env: dict
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=20)
-    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--steps", type=int, default=120)  # 20 rounds advance 1-4 steps each
     parser.add_argument("--every", type=int, default=2, help="save_steps")
     parser.add_argument("--nproc", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
