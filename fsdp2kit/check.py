@@ -10,15 +10,23 @@ from torch.distributed.fsdp import FSDPModule
 
 from fsdp2kit.config.schema import JobConfig
 from fsdp2kit.distributed import Runtime
+from fsdp2kit.dtypes import torch_name
+from fsdp2kit.models.sharded import build_sharded_model, count_parameters
 from fsdp2kit.parallel.fsdp import describe_groups
-from fsdp2kit.train.setup import build_sharded_model, count_parameters
-
-_DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", None: None}
 
 
 def describe(cfg: JobConfig, runtime: Runtime) -> dict:
     training = cfg.strategy_args.strategy_name == "fsdp2_train"
-    sharded = build_sharded_model(cfg, runtime, training=training, materialize=False)
+    sharded = build_sharded_model(
+        cfg.model,
+        cfg.strategy_args.strategy_config,
+        cfg.data,
+        runtime,
+        training=training,
+        seed=cfg.training.seed,
+        compile_layers=cfg.training.compile,
+        materialize=False,
+    )
     model, plan = sharded.model, sharded.plan
     trainable, frozen = count_parameters(model)
     return {
@@ -51,9 +59,9 @@ def describe(cfg: JobConfig, runtime: Runtime) -> dict:
         "frozen_parameters": frozen,
         "master_dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
         "mixed_precision": {
-            "param_dtype": _DTYPE_NAMES[plan.param_dtype],
-            "reduce_dtype": _DTYPE_NAMES[plan.reduce_dtype],
-            "output_dtype": _DTYPE_NAMES[plan.output_dtype],
+            "param_dtype": torch_name(plan.param_dtype),
+            "reduce_dtype": torch_name(plan.reduce_dtype),
+            "output_dtype": torch_name(plan.output_dtype),
             "cast_forward_inputs": plan.cast_forward_inputs,
             "no_cast_modules": plan.no_cast_modules,
         },

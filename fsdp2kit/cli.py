@@ -215,10 +215,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "convert":
             from fsdp2kit.checkpoint.convert import convert
-            from fsdp2kit.models.build import TORCH_DTYPES
+            from fsdp2kit.dtypes import torch_dtype
 
             adapter = Path(args.adapter) if args.adapter else None
-            convert(Path(args.src), Path(args.dst), args.to, TORCH_DTYPES.get(args.dtype), adapter)
+            convert(Path(args.src), Path(args.dst), args.to, torch_dtype(args.dtype), adapter)
             print(f"converted {args.src} -> {args.dst} ({args.to})")
             return 0
         if args.command == "report":

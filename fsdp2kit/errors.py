@@ -1,5 +1,10 @@
 """The exceptions the command line reports as one message, never a traceback: a user's mistake (exit code 2) and a
-diverged run (exit code 1)."""
+diverged run (exit code 1), and the wording of an unknown key that both the native loader and the dialects use."""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Callable
 
 
 class UserError(Exception):
@@ -21,3 +26,14 @@ class Interrupted(Exception):
     def __init__(self, message: str, signum: int):
         super().__init__(message)
         self.exit_code = 128 + signum
+
+
+def unknown_key_message(
+    file: str, key: str, leaf: str, valid: list[str], spell: Callable[[str], str], listed: list[str] | None = None
+) -> str:
+    """ "{file}: unknown key '{key}'" with the valid key closest to `leaf` (its last part), spelled as the user would
+    write it by `spell`, or where none is close the keys valid there (`listed`, default `valid`)."""
+    close = difflib.get_close_matches(leaf, valid, n=1, cutoff=0.6)
+    if close:
+        return f"{file}: unknown key '{key}' (did you mean '{spell(close[0])}'?)"
+    return f"{file}: unknown key '{key}'; valid keys here: {', '.join(sorted(listed or valid))}"

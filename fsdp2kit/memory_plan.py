@@ -28,11 +28,11 @@ from fsdp2kit.config.schema import JobConfig
 from fsdp2kit.data.dataset import Sample, collate
 from fsdp2kit.distributed import Runtime
 from fsdp2kit.errors import UserError
+from fsdp2kit.models.sharded import build_sharded_model
 from fsdp2kit.parallel.ulysses import shard_sequence
-from fsdp2kit.train.loop import token_loss_sum
 from fsdp2kit.train.memory import tracker_peak
 from fsdp2kit.train.optim import build_optimizer
-from fsdp2kit.train.setup import build_sharded_model
+from fsdp2kit.train.step import token_loss_sum
 
 GIB = 1024**3
 _STRATEGY = "strategy_args.strategy_config"
@@ -115,7 +115,16 @@ def trace_step_memory(cfg: JobConfig, world_size: int) -> dict[str, object]:
 
 def _trace(cfg: JobConfig, world_size: int) -> dict[str, object]:
     with fake_world(world_size) as runtime:
-        sharded = build_sharded_model(cfg, runtime, training=True, materialize=False)
+        sharded = build_sharded_model(
+            cfg.model,
+            cfg.strategy_args.strategy_config,
+            cfg.data,
+            runtime,
+            training=True,
+            seed=cfg.training.seed,
+            compile_layers=cfg.training.compile,
+            materialize=False,
+        )
         model = sharded.model
         accumulation = cfg.training.gradient_accumulation_steps
         with FakeTensorMode(allow_non_fake_inputs=True):

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -48,6 +49,85 @@ def process_group(size: int = 1, rank: int = 0):
         yield Runtime(rank, size, 0, torch.device("cpu"))
     finally:
         dist.destroy_process_group()
+
+
+def sharded_model(cfg, runtime, **kwargs):
+    """`build_sharded_model` with the sections of a whole JobConfig, as train and infer call it."""
+    from fsdp2kit.models.sharded import build_sharded_model
+
+    return build_sharded_model(
+        cfg.model,
+        cfg.strategy_args.strategy_config,
+        cfg.data,
+        runtime,
+        seed=cfg.training.seed,
+        compile_layers=cfg.training.compile,
+        **kwargs,
+    )
+
+
+def plain_model(cfg):
+    """The config's model and tokenizer in this process, no FSDP, no sequence parallel, with the weights every rank
+    of a run would have (fresh ones are seeded per module name)."""
+    from fsdp2kit.data.dataset import load_tokenizer
+    from fsdp2kit.models.build import build_meta_model, materialise, resolve_model
+
+    source = resolve_model(cfg.model, cfg.data.tokenizer)
+    model = build_meta_model(source, cfg.model)
+    materialise(model, source, torch.device("cpu"), cfg.training.seed)
+    return model, load_tokenizer(source.tokenizer_path)
+
+
+@dataclass
+class ReferenceRun:
+    model: torch.nn.Module
+    results: list = field(default_factory=list)  # a StepResult per step
+    initial: dict[str, torch.Tensor] = field(default_factory=dict)  # the weights before the first step
+    first_grads: dict[str, torch.Tensor] = field(default_factory=dict)  # the gradients the first update used
+
+    @property
+    def losses(self) -> list[float]:
+        return [result.loss for result in self.results]
+
+
+def reference_run(cfg, steps: int) -> ReferenceRun:
+    """The plain reference the multi-rank runs are compared with: one process, no FSDP, no sequence parallel,
+    `train_step` on each global batch of the config's data (its per_device_train_batch_size x
+    gradient_accumulation_steps samples, in the order every run reads them), AdamW and the schedule."""
+    from fsdp2kit.data.samples import GlobalBatches, TrainingSamples
+    from fsdp2kit.train.grads import LossScaler, NonFiniteGuard
+    from fsdp2kit.train.optim import build_optimizer, build_scheduler
+    from fsdp2kit.train.step import train_step
+
+    tc = cfg.training
+    model, tokenizer = plain_model(cfg)
+    run = ReferenceRun(model, initial={name: p.detach().clone() for name, p in model.named_parameters()})
+    optimizer = build_optimizer(model, tc)
+    scheduler = build_scheduler(optimizer, tc, steps)
+    guard = NonFiniteGuard(tc.max_nonfinite_steps, LossScaler(False, tc.fp16_initial_scale))
+
+    def keep_first_grads(*_):
+        if not run.first_grads:
+            run.first_grads.update({name: p.grad.clone() for name, p in model.named_parameters()})
+
+    optimizer.register_step_pre_hook(keep_first_grads)
+    samples = TrainingSamples.from_config(cfg.data, tokenizer)
+    batches = GlobalBatches(
+        samples,
+        tc.per_device_train_batch_size,
+        tc.gradient_accumulation_steps,
+        1,
+        0,
+        tc.seed,
+        cfg.data.shuffle,
+        tokenizer.pad_token_id,
+    )
+    with process_group():
+        for step in range(steps):
+            run.results.append(
+                train_step(model, batches.micro_batches(step), optimizer, scheduler, guard, tc.max_grad_norm)
+            )
+    return run
 
 
 def token_batch(rows: int, length: int) -> dict[str, torch.Tensor]:

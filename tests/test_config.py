@@ -6,7 +6,8 @@ import pytest
 from conftest import run_cli
 
 from fsdp2kit.cli import main
-from fsdp2kit.config.load import apply_overrides, load_config, validate
+from fsdp2kit.config.load import load_config, validate
+from fsdp2kit.config.yaml_io import apply_overrides
 from fsdp2kit.errors import UserError
 
 DEMO = "examples/demo.yaml"

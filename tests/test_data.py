@@ -15,7 +15,7 @@ from fsdp2kit.data.builtin import corpus_documents, tokenizer_dir
 from fsdp2kit.data.dataset import IGNORE_INDEX, PromptResponse, Sample, collate, load_documents
 from fsdp2kit.data.samples import GlobalBatches, TrainingSamples
 from fsdp2kit.errors import UserError
-from fsdp2kit.train.loop import token_loss_sum
+from fsdp2kit.train.step import token_loss_sum
 
 DOCS = [
     "The quick brown fox jumps over the lazy dog.",

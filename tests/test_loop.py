@@ -14,20 +14,19 @@ from collections import Counter
 
 import pytest
 import torch
-import torch.nn.functional as F
 import yaml
-from conftest import read_metrics, run_cli
+from conftest import plain_model, read_metrics, reference_run, run_cli
 
 from fsdp2kit.cli import main
 from fsdp2kit.config.load import load_config
 from fsdp2kit.data.builtin import corpus_documents
-from fsdp2kit.data.dataset import IGNORE_INDEX
 from fsdp2kit.data.samples import GlobalBatches, TrainingSamples
 from fsdp2kit.errors import TrainingDiverged
-from fsdp2kit.models.build import build_meta_model, materialise, resolve_model
+from fsdp2kit.labels import IGNORE_INDEX
 from fsdp2kit.train.grads import LossScaler, NonFiniteGuard
 from fsdp2kit.train.loggers import ConsoleProgress
-from fsdp2kit.train.optim import build_optimizer, lr_factor
+from fsdp2kit.train.optim import lr_factor
+from fsdp2kit.train.step import token_loss_sum
 
 STEPS = 4
 AGREEMENT = 1e-5  # relative, per step, fp32
@@ -122,23 +121,13 @@ def test_per_micro_batch_means_would_not_agree(config_file, split_losses):
     """The agreement above means something: on this data the mean of per-micro-batch means (what normalising each
     micro-batch by its own tokens gives) is far from the global token mean, which is what the run logs."""
     cfg = load_config(config_file, as_set({"training.per_device_train_batch_size": 1}))
-    source = resolve_model(cfg.model)
-    model = build_meta_model(source, cfg.model)
-    materialise(model, source, torch.device("cpu"), cfg.training.seed)  # the run's initial weights
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(source.tokenizer_path)
+    model, tokenizer = plain_model(cfg)  # the run's initial weights
     samples = TrainingSamples.from_config(cfg.data, tokenizer)
     batches = GlobalBatches(samples, 1, 4, 1, 0, cfg.training.seed, cfg.data.shuffle, tokenizer.pad_token_id)
     sums, counts = [], []
     with torch.no_grad():
         for batch in batches.micro_batches(0):
-            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-            sums.append(
-                F.cross_entropy(
-                    logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
-                ).item()
-            )
+            sums.append(token_loss_sum(model, batch).item())
             counts.append(int((batch["labels"] != IGNORE_INDEX).sum()))
     token_mean = sum(sums) / sum(counts)
     micro_batch_mean = sum(s / c for s, c in zip(sums, counts, strict=True)) / len(counts)
@@ -166,9 +155,10 @@ def test_gradients_are_reduced_once_per_step_not_per_micro_batch(config_file, tm
 
 
 def test_clipping_scales_the_update_exactly_as_clip_grad_norm(config_file, tmp_path):
-    """One step with a tiny max_grad_norm gives the weights of plain PyTorch's clip_grad_norm_ + AdamW, which
-    differ clearly from the unclipped update (AdamW divides by sqrt(v) + eps, and eps dominates tiny gradients)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """One step with a tiny max_grad_norm, its norm taken over the sharded gradients of 2 micro-batches, gives the
+    weights of the same step in one plain process with one micro-batch, which differ clearly from the unclipped
+    update (AdamW divides by sqrt(v) + eps, and eps dominates tiny gradients)."""
+    from transformers import AutoModelForCausalLM
 
     max_norm = 1e-6
     settings = {
@@ -182,25 +172,14 @@ def test_clipping_scales_the_update_exactly_as_clip_grad_norm(config_file, tmp_p
     trained = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").state_dict()
     (record,) = read_metrics(tmp_path)
 
-    cfg = load_config(config_file, as_set(settings))
-    source = resolve_model(cfg.model)
-    tokenizer = AutoTokenizer.from_pretrained(source.tokenizer_path)
-    samples = TrainingSamples.from_config(cfg.data, tokenizer)
-    (batch,) = GlobalBatches(
-        samples, 4, 1, 1, 0, cfg.training.seed, cfg.data.shuffle, tokenizer.pad_token_id
-    ).micro_batches(0)
-
     def one_step(clip: bool) -> tuple[dict, float]:
-        model = build_meta_model(source, cfg.model)
-        materialise(model, source, torch.device("cpu"), cfg.training.seed)
-        optimizer = build_optimizer(model, cfg.training)
-        for group in optimizer.param_groups:
-            group["lr"] = cfg.training.learning_rate * lr_factor(0, 1, cfg.training.warmup_steps, "cosine")
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-        F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=IGNORE_INDEX).backward()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm if clip else float("inf")).item()
-        optimizer.step()
-        return model.state_dict(), norm
+        """The same step in one plain process (one micro-batch of all 4 samples), clipped or not (0: no clipping)."""
+        one_batch = {"training.per_device_train_batch_size": 4, "training.gradient_accumulation_steps": 1}
+        cfg = load_config(
+            config_file, as_set(settings | one_batch | {"training.max_grad_norm": max_norm if clip else 0.0})
+        )
+        run = reference_run(cfg, 1)
+        return run.model.state_dict(), run.results[0].grad_norm
 
     clipped, norm = one_step(clip=True)
     unclipped, _ = one_step(clip=False)

@@ -12,15 +12,14 @@ import time
 import pytest
 import torch
 import yaml
-from conftest import REPO, process_group, read_metrics, run_cli, token_batch
+from conftest import REPO, process_group, read_metrics, run_cli, sharded_model, token_batch
 
 from fsdp2kit.check import describe
 from fsdp2kit.config.schema import JobConfig
 from fsdp2kit.distributed import free_port
 from fsdp2kit.errors import UserError
 from fsdp2kit.models.export import export_hf
-from fsdp2kit.train.loop import token_loss_sum
-from fsdp2kit.train.setup import build_sharded_model
+from fsdp2kit.train.step import token_loss_sum
 
 PER_EXPERT = {"apply_expert_patch": True, "wrap_policy": {"moe_experts": ["Qwen3MoeMLP"]}}
 FUSED = {"wrap_policy": {"moe_experts": ["Qwen3MoeExperts"]}}
@@ -82,7 +81,7 @@ def test_expert_settings_that_cannot_work_are_refused(strategy, message):
 
 def test_router_aux_loss_is_part_of_the_training_loss():
     with process_group() as runtime:
-        model = build_sharded_model(job({}), runtime, training=True).model
+        model = sharded_model(job({}), runtime, training=True).model
         batch = token_batch(2, 16)
         aux_loss = model(input_ids=batch["input_ids"], use_cache=False).aux_loss
         plain = token_loss_sum(model, batch)
@@ -100,7 +99,7 @@ def test_recomputed_moe_layers_keep_the_aux_loss_gradient():
 
     def router_gradient(strategy: dict) -> tuple[torch.Tensor, list[str]]:
         with process_group() as runtime:
-            sharded = build_sharded_model(job(strategy), runtime, training=True)
+            sharded = sharded_model(job(strategy), runtime, training=True)
             token_loss_sum(sharded.model, token_batch(2, 16), aux_loss_weight=100.0).backward()
             return sharded.model.model.layers[0].mlp.gate.weight.grad.full_tensor(), sharded.plan.notes
 
@@ -124,7 +123,7 @@ def test_weights_move_between_expert_layouts_and_transformers(tmp_path):
 
     input_ids = token_batch(2, 12)["input_ids"]
     with process_group() as runtime:
-        split = build_sharded_model(job(PER_EXPERT), runtime, training=False)
+        split = sharded_model(job(PER_EXPERT), runtime, training=False)
         logits = logits_of(split.model, input_ids)
         export_hf(split.model, tmp_path / "per_expert", split.source.tokenizer_path, "fp32", is_main=True)
     hf_model = AutoModelForCausalLM.from_pretrained(tmp_path / "per_expert", dtype=torch.float32)
@@ -135,24 +134,22 @@ def test_weights_move_between_expert_layouts_and_transformers(tmp_path):
     ]  # [experts, gate + up rows, hidden]
 
     with process_group() as runtime:  # per-expert files into a fused model, exported with fused names
-        fused = build_sharded_model(job({}, str(tmp_path / "per_expert"), config={}), runtime, training=False)
+        fused = sharded_model(job({}, str(tmp_path / "per_expert"), config={}), runtime, training=False)
         torch.testing.assert_close(logits_of(fused.model, input_ids), logits, rtol=1e-5, atol=1e-5)
         export_hf(fused.model, tmp_path / "fused", fused.source.tokenizer_path, "fp32", is_main=True)
     with safe_open(tmp_path / "fused" / "model.safetensors", "pt") as handle:
         assert "model.layers.1.mlp.experts.gate_up_proj" in handle.keys()
     with process_group() as runtime:  # fused files into a split model
-        model = build_sharded_model(job(PER_EXPERT, str(tmp_path / "fused"), config={}), runtime, training=False).model
+        model = sharded_model(job(PER_EXPERT, str(tmp_path / "fused"), config={}), runtime, training=False).model
         torch.testing.assert_close(logits_of(model, input_ids), logits, rtol=1e-5, atol=1e-5)
 
     for folder in ("per_expert", "fused"):
         with process_group(size=2, rank=1) as runtime:
-            model = build_sharded_model(
-                job(PER_EXPERT, str(tmp_path / folder), config={}), runtime, training=False
-            ).model
+            model = sharded_model(job(PER_EXPERT, str(tmp_path / folder), config={}), runtime, training=False).model
             up_proj = model.model.layers[1].mlp.experts[3].up_proj.weight  # rows 64-127 of 128 on rank 1
             torch.testing.assert_close(up_proj.to_local(), fused_weights[3, 128 + 64 :], rtol=0, atol=0)
         with process_group(size=2, rank=1) as runtime:
-            model = build_sharded_model(job({}, str(tmp_path / folder), config={}), runtime, training=False).model
+            model = sharded_model(job({}, str(tmp_path / folder), config={}), runtime, training=False).model
             gate_up_proj = model.model.layers[1].mlp.experts.gate_up_proj  # experts 2 and 3 of 4 on rank 1
             torch.testing.assert_close(gate_up_proj.to_local(), fused_weights[2:], rtol=0, atol=0)
 
@@ -213,8 +210,8 @@ def test_with_the_patch_ranks_routing_differently_train_like_one_rank(forced_rou
 # The run of a config with the expert patch step skipped.
 WITHOUT_PATCH = """
 import sys
-import fsdp2kit.train.setup as setup
-setup.apply_expert_patch = lambda model: None
+import fsdp2kit.models.sharded as sharded
+sharded.apply_expert_patch = lambda model: None
 from fsdp2kit.cli import main
 sys.exit(main(sys.argv[1:]))
 """

@@ -6,16 +6,10 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
-import torch.nn.functional as F
 import yaml
-from conftest import read_metrics, run_cli
+from conftest import read_metrics, reference_run, run_cli
 
 from fsdp2kit.config.load import load_config
-from fsdp2kit.data.dataset import IGNORE_INDEX
-from fsdp2kit.data.samples import GlobalBatches, TrainingSamples
-from fsdp2kit.models.build import build_meta_model, materialise, resolve_model
-from fsdp2kit.train.optim import build_optimizer, build_scheduler
 
 STEPS = 8
 GLOBAL_BATCH = 4  # samples per optimizer step in every case
@@ -76,35 +70,9 @@ def config_file(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference_losses(config_file) -> list[float]:
-    """One process, no FSDP: the mean token cross-entropy of each whole global batch, clip, AdamW step."""
+    """One process, no FSDP: `train_step` on each whole global batch (the mean token cross-entropy, clip, AdamW)."""
     cfg = load_config(config_file, as_overrides(SMALL | {"training.per_device_train_batch_size": GLOBAL_BATCH}))
-    tc = cfg.training
-    source = resolve_model(cfg.model)
-    model = build_meta_model(source, cfg.model)
-    materialise(model, source, torch.device("cpu"), tc.seed)  # seeded per module name, as on every rank
-    optimizer = build_optimizer(model, tc)
-    scheduler = build_scheduler(optimizer, tc, STEPS)
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(source.tokenizer_path)
-    samples = TrainingSamples.from_config(cfg.data, tokenizer)
-    batches = GlobalBatches(samples, GLOBAL_BATCH, 1, 1, 0, tc.seed, cfg.data.shuffle, tokenizer.pad_token_id)
-    losses = []
-    for step in range(STEPS):
-        (batch,) = batches.micro_batches(step)
-        inputs = {key: value for key, value in batch.items() if key != "labels"}
-        # No KV cache, as in training: with one, transformers would let packed documents attend to each other.
-        logits = model(**inputs, use_cache=False).logits
-        targets = batch["labels"].flatten()
-        loss = F.cross_entropy(logits.flatten(0, 1), targets, ignore_index=IGNORE_INDEX, reduction="sum")
-        loss = loss / (targets != IGNORE_INDEX).sum()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), tc.max_grad_norm)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    return losses
+    return reference_run(cfg, STEPS).losses
 
 
 def test_reference_trains(reference_losses):

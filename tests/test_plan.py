@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from conftest import REPO
+from conftest import REPO, sharded_model
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -26,9 +26,8 @@ from fsdp2kit.data.builtin import VOCAB_SIZE
 from fsdp2kit.distributed import Runtime
 from fsdp2kit.parallel.fsdp import apply_fsdp
 from fsdp2kit.parallel.plan import build_plan
-from fsdp2kit.train.loop import token_loss_sum
 from fsdp2kit.train.optim import build_optimizer
-from fsdp2kit.train.setup import build_sharded_model
+from fsdp2kit.train.step import token_loss_sum
 
 LAYERS = ["model.layers.0", "model.layers.1"]
 LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -71,7 +70,7 @@ def gloo():
 
 def sharded(runtime: Runtime, strategy: dict | None = None, **model) -> nn.Module:
     """The model of `fsdp2kit train`: sharded, with its (single-rank) weights materialised."""
-    return build_sharded_model(job(strategy, **model), runtime, training=True).model
+    return sharded_model(job(strategy, **model), runtime, training=True).model
 
 
 def random_batch(rows: int = 2, length: int = 16) -> dict[str, torch.Tensor]:
@@ -144,7 +143,7 @@ def config_file(tmp_path_factory):
 def test_fsdp_size_shapes_the_mesh(strategy, shape, names, placements):
     with world(4) as runtime:
         cfg = job(strategy)
-        model = build_sharded_model(cfg, runtime, training=True, materialize=False).model
+        model = sharded_model(cfg, runtime, training=True, materialize=False).model
         weight = model.model.layers[0].mlp.up_proj.weight
         mesh = weight.device_mesh
         assert (mesh.shape, mesh.mesh_dim_names, weight.placements) == (shape, names, placements)
@@ -393,10 +392,10 @@ def test_compile_wraps_each_layers_recomputed_forward_and_keeps_names(gloo):
     """training.compile: each decoder layer's forward (already wrapped by recompute) goes through torch.compile;
     parameter names are unchanged, so checkpoints are the same with and without it."""
     cfg = job(gradient_checkpointing=True)
-    plain = build_sharded_model(cfg, gloo, training=True, materialize=False)
+    plain = sharded_model(cfg, gloo, training=True, materialize=False)
     cfg.training.compile = True
     assert describe(cfg, gloo)["compiled_modules"] == LAYERS
-    compiled = build_sharded_model(cfg, gloo, training=True, materialize=False)
+    compiled = sharded_model(cfg, gloo, training=True, materialize=False)
     for name in LAYERS:
         forward = compiled.model.get_submodule(name).forward
         assert type(forward).__name__ != "method"  # torch.compile's wrapper, not the bound method

@@ -8,14 +8,13 @@ import json
 
 import pytest
 import torch
-from conftest import process_group, read_metrics, run_cli, token_batch
+from conftest import process_group, read_metrics, run_cli, sharded_model, token_batch
 from torch.distributed.tensor import DTensor
 
 from fsdp2kit.config.schema import JobConfig
 from fsdp2kit.errors import UserError
 from fsdp2kit.models.builtin import BUILTIN_MODELS
-from fsdp2kit.train.loop import token_loss_sum
-from fsdp2kit.train.setup import build_sharded_model
+from fsdp2kit.train.step import token_loss_sum
 
 LAYERS = 2
 
@@ -31,7 +30,7 @@ def job(strategy: dict, name: str = "builtin:tiny-llama") -> JobConfig:
 
 def loss_and_gradients(strategy: dict) -> tuple[float, dict[str, torch.Tensor]]:
     with process_group() as runtime:
-        model = build_sharded_model(job(strategy), runtime, training=True).model
+        model = sharded_model(job(strategy), runtime, training=True).model
         loss = token_loss_sum(model, token_batch(2, 37))  # 74 tokens: tiles of unequal size
         loss.backward()
         grads = {
@@ -63,7 +62,7 @@ def saved_activation_bytes(strategy: dict, seq_len: int) -> int:
         return tensor
 
     with process_group() as runtime:
-        model = build_sharded_model(job(strategy), runtime, training=True).model
+        model = sharded_model(job(strategy), runtime, training=True).model
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
             loss = token_loss_sum(model, token_batch(1, seq_len))
         loss.backward()  # the recomputation in backward runs, outside the accounting
@@ -89,7 +88,7 @@ def test_saves_the_mlp_activations_at_a_long_sequence():
 def test_moe_blocks_are_left_whole_and_a_dense_model_is_needed():
     with process_group() as runtime:
         with pytest.raises(UserError, match="no dense `mlp` module to tile"):
-            build_sharded_model(
+            sharded_model(
                 job({"apply_tiled_mlp": True}, "builtin:tiny-qwen3-moe"), runtime, training=True, materialize=False
             )
 
@@ -97,7 +96,7 @@ def test_moe_blocks_are_left_whole_and_a_dense_model_is_needed():
 def test_a_shard_group_inside_a_tiled_mlp_is_refused():
     with process_group() as runtime:
         with pytest.raises(UserError, match="'model.layers.0.mlp.gate_proj' is a shard group inside the tiled MLP"):
-            build_sharded_model(
+            sharded_model(
                 job({"apply_tiled_mlp": True, "sub_modules_to_wrap": ["model.layers.{*}.mlp.gate_proj"]}),
                 runtime,
                 training=True,

@@ -13,21 +13,18 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.nn.functional as F
 import yaml
-from conftest import read_metrics, run_cli
+from conftest import plain_model, read_metrics, reference_run, run_cli
 from safetensors.torch import load_file
 
 from fsdp2kit.config.load import load_config
 from fsdp2kit.config.schema import StrategyConfig
 from fsdp2kit.data.builtin import corpus_documents
-from fsdp2kit.data.dataset import IGNORE_INDEX, collate, load_documents, model_inputs
-from fsdp2kit.data.samples import GlobalBatches, TrainingSamples
+from fsdp2kit.data.dataset import collate, load_documents
 from fsdp2kit.errors import UserError
-from fsdp2kit.models.build import build_meta_model, materialise, resolve_model
+from fsdp2kit.labels import IGNORE_INDEX
 from fsdp2kit.parallel.mesh import mesh_layout
 from fsdp2kit.parallel.ulysses import shard_sequence
-from fsdp2kit.train.optim import build_optimizer, build_scheduler
 
 STEPS = 8
 GLOBAL_BATCH = 4
@@ -81,43 +78,9 @@ def uneven_jsonl(tmp_path_factory):
     return path
 
 
-def plain_model(config_file, settings: dict):
-    """The config's model and tokenizer in one process, no FSDP, no SP, with the weights every rank would have."""
-    from transformers import AutoTokenizer
-
-    cfg = load_config(config_file, as_overrides(settings | {"training.per_device_train_batch_size": GLOBAL_BATCH}))
-    source = resolve_model(cfg.model)
-    model = build_meta_model(source, cfg.model)
-    materialise(model, source, torch.device("cpu"), cfg.training.seed)  # seeded per module name, as on every rank
-    return cfg, model, AutoTokenizer.from_pretrained(source.tokenizer_path)
-
-
-def reference_run(config_file, settings: dict, steps: int = STEPS) -> tuple[list[float], dict, dict]:
-    """One process, no FSDP, no SP: the mean token cross-entropy of each whole global batch, clip, AdamW step.
-    Returns the losses, the initial weights and the gradients of the first step."""
-    cfg, model, tokenizer = plain_model(config_file, settings)
-    tc = cfg.training
-    optimizer = build_optimizer(model, tc)
-    scheduler = build_scheduler(optimizer, tc, steps)
-    samples = TrainingSamples.from_config(cfg.data, tokenizer)
-    batches = GlobalBatches(samples, GLOBAL_BATCH, 1, 1, 0, tc.seed, cfg.data.shuffle, tokenizer.pad_token_id)
-    initial = {name: p.detach().clone() for name, p in model.named_parameters()}
-    losses, first_grads = [], {}
-    for step in range(steps):
-        (batch,) = batches.micro_batches(step)
-        logits = model(**model_inputs(batch), use_cache=False).logits  # as training: a cache turns packing off
-        targets = batch["labels"].flatten()
-        loss = F.cross_entropy(logits.flatten(0, 1), targets, ignore_index=IGNORE_INDEX, reduction="sum")
-        loss = loss / (targets != IGNORE_INDEX).sum()
-        loss.backward()
-        if step == 0:
-            first_grads = {name: p.grad.clone() for name, p in model.named_parameters()}
-        torch.nn.utils.clip_grad_norm_(model.parameters(), tc.max_grad_norm)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    return losses, initial, first_grads
+def reference_config(config_file, settings: dict):
+    """The config of the one-process reference: each global batch as one micro-batch."""
+    return load_config(config_file, as_overrides(settings | {"training.per_device_train_batch_size": GLOBAL_BATCH}))
 
 
 def train_cli(config_file, ranks: int, settings: dict, output_dir) -> None:
@@ -193,7 +156,7 @@ def test_shard_sequence_gives_packed_documents_their_full_length_mask():
 @pytest.mark.slow
 def test_two_ranks_ulysses_matches_one_process_on_uneven_unpacked_samples(config_file, uneven_jsonl, tmp_path):
     settings = SMALL | {"data.source": str(uneven_jsonl), "data.pack": False}
-    reference, _, _ = reference_run(config_file, settings)
+    reference = reference_run(reference_config(config_file, settings), STEPS).losses
     train_cli(config_file, 2, settings | {"model.ulysses_size": 2, "training.gradient_accumulation_steps": 4}, tmp_path)
     records = read_metrics(tmp_path)
     print("max relative loss difference:", assert_losses_match([r["loss"] for r in records], reference))
@@ -205,7 +168,7 @@ def test_ulysses_with_data_parallel_and_hsdp_matches_one_process_on_packed_docum
     layers: packed documents with their block-diagonal mask, on a Mistral whose sliding window (16) is shorter than
     the sequence."""
     settings = SMALL | {"model.config.model_type": "mistral", "model.config.sliding_window": 16}
-    reference, _, _ = reference_run(config_file, settings)
+    reference = reference_run(reference_config(config_file, settings), STEPS).losses
     train_cli(
         config_file,
         4,
@@ -227,7 +190,6 @@ def test_every_gradient_matches_one_process_after_one_step(config_file, uneven_j
     the exported weights give every parameter's gradient. Eager attention, and one key/value head for two ranks
     (each rank needs its own copy of it)."""
     settings = SMALL | {"data.source": str(uneven_jsonl), "data.pack": False, "model.config.num_key_value_heads": 1}
-    _, initial, reference_grads = reference_run(config_file, settings, steps=1)
     one_step = {
         "training.max_steps": 1,
         "training.learning_rate": 1.0e6,
@@ -238,6 +200,8 @@ def test_every_gradient_matches_one_process_after_one_step(config_file, uneven_j
         "training.lr_scheduler_type": "constant",
         "training.export_hf": True,
     }
+    reference = reference_run(reference_config(config_file, settings | one_step), 1)
+    initial, reference_grads = reference.initial, reference.first_grads
     train_cli(
         config_file,
         2,
@@ -266,7 +230,8 @@ def test_infer_with_ulysses_matches_one_process(config_file, uneven_jsonl, tmp_p
         "data.source": str(uneven_jsonl),
         "data.max_samples": 7,
     }
-    cfg, model, tokenizer = plain_model(config_file, settings)
+    cfg = reference_config(config_file, settings)
+    model, tokenizer = plain_model(cfg)
     expected = []
     with torch.no_grad():
         for document in load_documents(cfg.data):

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import REPO, process_group, read_metrics, run_cli
+from conftest import REPO, process_group, read_metrics, run_cli, sharded_model
 
 from fsdp2kit.check import describe
 from fsdp2kit.checkpoint.convert import convert
@@ -26,9 +26,9 @@ from fsdp2kit.distributed import free_port
 from fsdp2kit.errors import UserError
 from fsdp2kit.infer.logprobs import infer, sample_logprobs
 from fsdp2kit.models.export import export_hf
-from fsdp2kit.train.loop import token_loss_sum, train
+from fsdp2kit.train.loop import train
 from fsdp2kit.train.optim import build_optimizer
-from fsdp2kit.train.setup import build_sharded_model
+from fsdp2kit.train.step import token_loss_sum
 
 sys.path.insert(0, str(REPO / "examples"))
 from make_vl_dataset import main as make_dataset  # noqa: E402
@@ -110,7 +110,7 @@ def test_other_stacks_names_of_the_tower_and_language_model_map_onto_the_plan():
 
 def test_both_record_forms_give_the_same_samples_with_loss_on_the_answers(dataset):
     with process_group() as runtime:
-        sharded = build_sharded_model(job(), runtime, training=False, materialize=False)
+        sharded = sharded_model(job(), runtime, training=False, materialize=False)
     encoder, chat = encoder_and_conversations(sharded, dataset / "train.jsonl")
     _, llava = encoder_and_conversations(sharded, dataset / "llava.jsonl")
     assert len(chat) == len(llava) == 24
@@ -141,7 +141,7 @@ def test_missing_or_unreadable_images_and_packing_are_refused(dataset, tmp_path)
     broken = tmp_path / "broken.jsonl"
     broken.write_text(lines[0] + "\n")
     with process_group() as runtime:
-        sharded = build_sharded_model(job(), runtime, training=False, materialize=False)
+        sharded = sharded_model(job(), runtime, training=False, materialize=False)
     encoder, conversations = encoder_and_conversations(sharded, broken)
     with pytest.raises(UserError, match=r"record 1 of '.*broken.jsonl': image '.*images/000.png' cannot be read"):
         encoder.encode(conversations[0])
@@ -164,7 +164,7 @@ def test_frozen_tower_has_no_gradients_and_no_optimizer_state(dataset):
     measured = {}
     for frozen in ([], ["model.visual"]):
         with process_group() as runtime:
-            sharded = build_sharded_model(job(freeze_module_prefix=frozen), runtime, training=True)
+            sharded = sharded_model(job(freeze_module_prefix=frozen), runtime, training=True)
             model = sharded.model
             encoder, conversations = encoder_and_conversations(sharded, dataset / "train.jsonl")
             optimizer = build_optimizer(model, TrainingConfig())
@@ -202,7 +202,7 @@ def test_export_has_the_hf_names_and_transformers_gives_the_same_logprobs(name, 
     from safetensors import safe_open
 
     with process_group() as runtime:
-        sharded = build_sharded_model(job(name), runtime, training=False)
+        sharded = sharded_model(job(name), runtime, training=False)
         encoder, conversations = encoder_and_conversations(sharded, dataset / "train.jsonl")
         batches = [encoder.collate([encoder.encode(c)], 2) for c in conversations[:3]]  # image, image, text
         ours = [s for batch in batches for s in sample_logprobs(sharded.model, batch)[0]]
@@ -219,7 +219,7 @@ def test_export_has_the_hf_names_and_transformers_gives_the_same_logprobs(name, 
     assert (tmp_path / "hf" / "preprocessor_config.json").is_file()
     torch.testing.assert_close(hf_logprobs(tmp_path / "hf", batches), ours, rtol=1e-4, atol=1e-4)
     with process_group() as runtime:  # and back in: sliced loading reads the renamed tensors
-        reloaded = build_sharded_model(job(str(tmp_path / "hf")), runtime, training=False).model
+        reloaded = sharded_model(job(str(tmp_path / "hf")), runtime, training=False).model
         again = [s for batch in batches for s in sample_logprobs(reloaded, batch)[0]]
     assert again == pytest.approx(ours, rel=1e-6)
 
@@ -227,7 +227,7 @@ def test_export_has_the_hf_names_and_transformers_gives_the_same_logprobs(name, 
 @pytest.mark.slow
 def test_infer_on_1_and_2_ranks_matches_transformers(dataset, tmp_path):
     with process_group() as runtime:
-        sharded = build_sharded_model(job(), runtime, training=False)
+        sharded = sharded_model(job(), runtime, training=False)
         export_hf(sharded.model, tmp_path / "hf", sharded.source.tokenizer_path, "fp32", is_main=True)
         encoder, conversations = encoder_and_conversations(sharded, dataset / "train.jsonl")
         batches = [encoder.collate([encoder.encode(c)], 2) for c in conversations[:5]]
@@ -309,14 +309,14 @@ def test_two_ranks_train_like_one_with_text_only_micro_batches(training_config, 
 # A run with the vision patch left out, its ranks launched here so that the patch can be removed in them.
 WITHOUT_PATCH = """
 import sys
-import fsdp2kit.train.loop as loop
-import fsdp2kit.train.setup as setup
-setup.apply_vision_patch = lambda model: None
-forward = loop.token_loss_sum
+import fsdp2kit.models.sharded as sharded
+import fsdp2kit.train.step as step
+sharded.apply_vision_patch = lambda model: None
+forward = step.token_loss_sum
 def announced(model, batch, *args):
     print(f"forward: images {'pixel_values' in batch}", flush=True)
     return forward(model, batch, *args)
-loop.token_loss_sum = announced
+step.token_loss_sum = announced
 from fsdp2kit.cli import main
 sys.exit(main(sys.argv[1:]))
 """

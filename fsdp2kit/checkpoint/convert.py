@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from fsdp2kit.checkpoint.dcp_io import METADATA_FILE, read_dcp, read_metadata
 from fsdp2kit.errors import UserError
-from fsdp2kit.models.build import auto_model_class, open_safetensors
+from fsdp2kit.models.build import auto_model_class, open_safetensors, tied_weight_names
 from fsdp2kit.models.export import TOKENIZER_FILES, SafetensorsWriter, copy_present_files
 from fsdp2kit.models.lora import ADAPTER_CONFIG_FILE
 from fsdp2kit.models.vl import checkpoint_renamings, model_name, stored_name
@@ -50,13 +50,6 @@ def _meta_model(src: Path) -> torch.nn.Module:
     config = AutoConfig.from_pretrained(src, trust_remote_code=False)  # a checkpoint of ours: plain transformers
     with torch.device("meta"):
         return auto_model_class(config).from_config(config, trust_remote_code=False)
-
-
-def _tied_names(model: torch.nn.Module) -> set[str]:
-    """Output weights tied to the input embeddings are written once, as transformers expects."""
-    if not getattr(model.config, "tie_word_embeddings", False):
-        return set()
-    return set(getattr(model, "_tied_weights_keys", None) or {})
 
 
 def read_dcp_model(
@@ -107,7 +100,7 @@ def _convert(src: Path, dst: Path, to: str, dtype: torch.dtype | None, adapter: 
         raise UserError(f"convert: '{src}' has no config.json; it was not written by fsdp2kit")
     tensors = _model_tensors(src)
     model = _meta_model(src)
-    tied = _tied_names(model)
+    tied = tied_weight_names(model)
     names = [n for n in tensors if n not in tied]
     cast = (lambda t: t.to(dtype)) if dtype is not None else (lambda t: t)
     dst.mkdir(parents=True, exist_ok=True)

@@ -1,70 +1,19 @@
-"""Read a YAML file, apply `--set` overrides, validate, and turn pydantic errors into one clear sentence."""
+"""Load a job's config: its file in any dialect (with `--set` overrides) as a native dict, validated, with pydantic
+errors turned into one clear sentence naming the key as the user wrote it."""
 
 from __future__ import annotations
 
-import difflib
 import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import yaml
 from pydantic import BaseModel, ValidationError
 from pydantic_core import ErrorDetails
 
-from fsdp2kit.config.schema import JobConfig, Section
-from fsdp2kit.errors import UserError
-
-
-def read_yaml(path: str | Path) -> dict[str, Any]:
-    path = Path(path)
-    if not path.is_file():
-        raise UserError(f"config file '{path}' does not exist")
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except UnicodeDecodeError as exc:
-        raise UserError(
-            f"config file '{path}' is not a YAML text file: byte {exc.start} is not UTF-8 "
-            f"({exc.object[exc.start]:#04x})"
-        ) from None
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark else ""
-        raise UserError(f"config file '{path}' is not valid YAML{where}: {getattr(exc, 'problem', exc)}") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise UserError(f"config file '{path}' must hold a mapping of keys, not a {type(data).__name__}")
-    return data
-
-
-def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """`key.path=value`, the value parsed as YAML (so `[a,b]` is a list and `1e-3` a number)."""
-    for item in overrides:
-        if "=" not in item:
-            raise UserError(f"--set '{item}' must look like key.path=value")
-        key, text = item.split("=", 1)
-        parts = key.strip().split(".")
-        if not all(parts):
-            raise UserError(f"--set '{item}': '{key}' is not a dotted key path")
-        try:
-            value = yaml.safe_load(text)
-        except yaml.YAMLError:
-            raise UserError(
-                f"--set '{item}': the value is not valid YAML; quote strings holding {{ }} [ ] "
-                'inside it, e.g. key=["model.layers.{*}"]'
-            ) from None
-        node = raw
-        for i, part in enumerate(parts[:-1]):
-            child = node.get(part)
-            if child is None:
-                child = node[part] = {}
-            if not isinstance(child, dict):
-                raise UserError(f"--set '{item}': '{'.'.join(parts[: i + 1])}' is a value, not a section")
-            node = child
-        node[parts[-1]] = value
-    return raw
-
+from fsdp2kit.config import dialects
+from fsdp2kit.config.schema import JobConfig
+from fsdp2kit.errors import UserError, unknown_key_message
 
 # Where a native key was written, as (file, key in that file), so errors name a foreign dialect's keys as written.
 WrittenAs = Callable[[str], tuple[str, str]]
@@ -80,8 +29,6 @@ def validate(raw: dict[str, Any], source: str = "config", written_as: WrittenAs 
 def load_config(
     path: str | Path, overrides: list[str] | None = None, role: str | None = None, strategy_file: str | None = None
 ) -> JobConfig:
-    from fsdp2kit.config import dialects  # dialects import this module's helpers
-
     translation = dialects.read_config(path, list(overrides or []), role=role, strategy_file=strategy_file)
     cfg = validate(translation.config, str(path), translation.written_as)
     cfg.notes.extend(translation.notes)
@@ -185,23 +132,20 @@ def describe_validation_error(
     file, written_key = written_as(key)
     if errors[0]["type"] == "extra_forbidden":
         owner = _section_at(JobConfig, loc)
-        message = f"{file}: unknown key '{written_key}'"
-        if owner is not None:
-            names = list(owner.model_fields) + list(getattr(owner, "ALIASES", {}))
-            close = difflib.get_close_matches(str(loc[-1]), names, n=1, cutoff=0.6)
-            prefix = ".".join(str(p) for p in loc[:-1])
-            if close:
-                message += f" (did you mean '{written_as(prefix + '.' + close[0] if prefix else close[0])[1]}'?)"
-            else:
-                message += f"; valid keys here: {', '.join(sorted(owner.model_fields))}"
-        return message
+        if owner is None:
+            return f"{file}: unknown key '{written_key}'"
+        prefix = ".".join(str(p) for p in loc[:-1])
+        return unknown_key_message(
+            file,
+            written_key,
+            str(loc[-1]),
+            list(owner.model_fields) + list(getattr(owner, "ALIASES", {})),
+            lambda close: written_as(f"{prefix}.{close}" if prefix else close)[1],
+            listed=list(owner.model_fields),
+        )
     # A union (e.g. `int | 'auto'`) fails once per member: name them all.
     same_key = [e for e in errors if _real_loc(raw, e["loc"]) == loc and e["type"] != "extra_forbidden"]
     expectations = list(dict.fromkeys(_expectation(e) for e in same_key))
     value = _value_at(raw, loc)
     where = f"'{written_key}'" if key else "the top level"
     return f"{file}: {where} = {value!r} is not valid: expected {' or '.join(expectations)}"
-
-
-def field_docs(section: type[Section]) -> dict[str, str]:
-    return {name: (field.description or "") for name, field in section.model_fields.items()}

@@ -13,24 +13,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
-DTYPE_ALIASES = {
-    "bf16": "bf16",
-    "bfloat16": "bf16",
-    "fp16": "fp16",
-    "float16": "fp16",
-    "half": "fp16",
-    "fp32": "fp32",
-    "float32": "fp32",
-    "float": "fp32",
-}
-
-
-def _dtype_name(value: Any) -> Any:
-    if isinstance(value, str) and value.lower() in DTYPE_ALIASES:
-        return DTYPE_ALIASES[value.lower()]
-    if isinstance(value, str) and value.lower() == "none":
-        return None
-    return value
+from fsdp2kit.dtypes import short_name
 
 
 def _pattern_list(value: Any) -> Any:
@@ -58,8 +41,8 @@ def _device_list(value: Any) -> Any:
     return list(parsed) if isinstance(parsed, (list, tuple)) else parsed
 
 
-DType = Annotated[Literal["bf16", "fp16", "fp32"], BeforeValidator(_dtype_name)]
-OptionalDType = Annotated[Literal["bf16", "fp16", "fp32"] | None, BeforeValidator(_dtype_name)]
+DType = Annotated[Literal["bf16", "fp16", "fp32"], BeforeValidator(short_name)]
+OptionalDType = Annotated[Literal["bf16", "fp16", "fp32"] | None, BeforeValidator(short_name)]
 PatternList = Annotated[list[str], BeforeValidator(_pattern_list)]
 ReportTarget = Literal["tensorboard", "wandb"]
 ReportTargets = Annotated[

@@ -15,8 +15,8 @@ import torch
 
 from fsdp2kit.config.schema import DataConfig
 from fsdp2kit.errors import UserError
+from fsdp2kit.labels import IGNORE_INDEX
 
-IGNORE_INDEX = -100
 _FILE_KINDS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text"}
 
 

@@ -24,9 +24,9 @@ from typing import Any
 import torch
 
 from fsdp2kit.config.schema import DataConfig
-from fsdp2kit.data.dataset import IGNORE_INDEX
 from fsdp2kit.data.samples import GlobalBatches
 from fsdp2kit.errors import UserError
+from fsdp2kit.labels import IGNORE_INDEX
 
 _SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 IMAGE_PLACEHOLDER = "<image>"

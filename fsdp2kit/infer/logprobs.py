@@ -20,10 +20,11 @@ from fsdp2kit.data.store import token_store
 from fsdp2kit.data.vl import VLEncoder, VLSample, load_conversations
 from fsdp2kit.distributed import Runtime
 from fsdp2kit.errors import UserError
+from fsdp2kit.labels import IGNORE_INDEX
+from fsdp2kit.models.sharded import build_sharded_model
 from fsdp2kit.parallel.ulysses import shard_sequence
 from fsdp2kit.parallel.vision import shard_vision_batch
 from fsdp2kit.train.loggers import phase
-from fsdp2kit.train.setup import build_sharded_model
 
 
 @torch.no_grad()
@@ -36,7 +37,7 @@ def sample_logprobs(
     logits = model(**model_inputs(batch), use_cache=False).logits.float()  # one pass: a KV cache is wasted memory
     logprobs = torch.log_softmax(logits, dim=-1)
     targets = batch["labels"]
-    mask = targets != -100
+    mask = targets != IGNORE_INDEX
     picked = logprobs.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1) * mask
     sums, counts = picked.sum(dim=1).double(), mask.sum(dim=1)
     if sp_group is not None:
@@ -52,7 +53,14 @@ def infer(cfg: JobConfig, runtime: Runtime) -> None:
             "weights; give a model folder or checkpoint, or set model.allow_random_init: true"
         )
     with phase(f"loading the model ({cfg.model.name_or_path})", runtime.is_main):
-        sharded = build_sharded_model(cfg, runtime, training=False)
+        sharded = build_sharded_model(
+            cfg.model,
+            cfg.strategy_args.strategy_config,
+            cfg.data,
+            runtime,
+            training=False,
+            seed=cfg.training.seed,
+        )
     model = sharded.model
     tokenizer = load_tokenizer(sharded.source.tokenizer_path, cfg.model.trust_remote_code)
     vision = sharded.plan.vision_patch

@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 
 from fsdp2kit.checkpoint.dcp_io import METADATA_FILE, read_dcp
 from fsdp2kit.config.schema import ModelConfig
+from fsdp2kit.dtypes import torch_dtype
 from fsdp2kit.errors import UserError
 from fsdp2kit.models.builtin import BUILTIN_MODELS
 from fsdp2kit.models.lora import base_renamer, base_state, has_adapters, initialise_adapters, load_adapter
@@ -27,8 +28,6 @@ from fsdp2kit.parallel.moe import expert_views_from_other_layout
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
-
-TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 @dataclass
@@ -175,7 +174,7 @@ def build_meta_model(source: ModelSource, cfg: ModelConfig) -> PreTrainedModel:
     """The model with every parameter and buffer on the meta device: no memory, any size. It keeps the renamings
     between its tensor names and its family's HF folders (`checkpoint_renamings`), taken before sharding."""
     source.hf_config._attn_implementation = cfg.attn_implementation
-    dtype = TORCH_DTYPES[cfg.dtype]
+    dtype = torch_dtype(cfg.dtype)
     with torch.device("meta"):
         if cfg.model_class:
             model = load_model_class(cfg.model_class, source.hf_config)._from_config(source.hf_config, dtype=dtype)
@@ -226,6 +225,14 @@ def initialise_weights(model: PreTrainedModel, seed: int, buffers_only: bool = F
             buffer.copy_(shadow._buffers[key])
 
 
+def tied_weight_names(model: nn.Module) -> set[str]:
+    """Output weights tied to the input embeddings: transformers stores (and expects) them once, under their
+    source's name, so export skips them and loading does not look for them."""
+    if not getattr(getattr(model, "config", None), "tie_word_embeddings", False):
+        return set()
+    return set(getattr(model, "_tied_weights_keys", None) or {})
+
+
 def open_safetensors(file: Path):
     """A safetensors file opened (headers read, tensors memory-mapped); close it with `__exit__`. A truncated or
     damaged file is one sentence naming it: safetensors checks that the header covers the whole file."""
@@ -258,7 +265,7 @@ def _safetensors_views(model: nn.Module, folder: Path, handles: dict[Path, Any])
     index = _safetensors_index(folder)
     stored = {model_name(key, renamings): key for key in index}  # model name -> name in the files
     locations = {name: index[key] for name, key in stored.items()}
-    tied = getattr(model, "_tied_weights_keys", None) or {}
+    tied = tied_weight_names(model)
     state = base_state(model)  # LoRA: the base model's tensors under their own names
 
     def stored_view(name: str):
@@ -287,7 +294,7 @@ def _safetensors_views(model: nn.Module, folder: Path, handles: dict[Path, Any])
             view, where = other_layout[name][0], f"'{other_layout[name][1][0]}' and the like"
         elif name in locations:
             view, where = stored_view(name), f"'{locations[name].name}'"
-        elif name in tied and getattr(model.config, "tie_word_embeddings", False):
+        elif name in tied:
             continue  # tied to its source, loaded under that name
         else:
             raise UserError(f"model weights: tensor '{name}' is missing from the safetensors files in '{folder}'")

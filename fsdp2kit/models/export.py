@@ -15,7 +15,8 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from fsdp2kit.models.build import TORCH_DTYPES
+from fsdp2kit.dtypes import torch_dtype
+from fsdp2kit.models.build import tied_weight_names
 from fsdp2kit.models.lora import merged_full_tensor, merged_state
 from fsdp2kit.models.vl import stored_name
 
@@ -80,16 +81,6 @@ class SafetensorsWriter:
             (self.out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
-def hf_state_names(model: nn.Module, names: Iterable[str]) -> list[str]:
-    """State-dict names as transformers writes them: a tied output weight is stored once, under its source."""
-    tied = (
-        set(getattr(model, "_tied_weights_keys", None) or {})
-        if getattr(model.config, "tie_word_embeddings", False)
-        else set()
-    )
-    return [name for name in names if name not in tied]
-
-
 def copy_present_files(src: Path, dst: Path, names: Iterable[str]) -> None:
     """Copy those of `names` that exist in `src` (a tokenizer has some of TOKENIZER_FILES, never all)."""
     for name in names:
@@ -105,21 +96,6 @@ def write_config_and_tokenizer(out_dir: Path, hf_config, tokenizer_path: Path | 
         copy_present_files(tokenizer_path, out_dir, TOKENIZER_FILES)
 
 
-def write_hf_folder(
-    tensors: Iterable[tuple[str, torch.Tensor]],
-    out_dir: Path,
-    hf_config,
-    tokenizer_path: Path | None,
-    dtype: torch.dtype,
-    max_shard_bytes: int = MAX_SHARD_BYTES,
-) -> None:
-    writer = SafetensorsWriter(out_dir, max_shard_bytes)
-    for name, tensor in tensors:
-        writer.add(name, tensor.to(dtype))
-    writer.close()
-    write_config_and_tokenizer(out_dir, hf_config, tokenizer_path, dtype)
-
-
 @torch.no_grad()
 def export_hf(
     model: nn.Module,
@@ -129,21 +105,20 @@ def export_hf(
     is_main: bool,
     max_shard_bytes: int = MAX_SHARD_BYTES,
 ) -> None:
-    """Every rank joins each tensor's all-gather; only rank 0 keeps the result, on CPU, until its file is written.
-    Tensors are stored under the names of the family's HF folders (`save_pretrained`'s); a LoRA model's with its
-    adapters merged into the base weights."""
+    """A collective: every rank must call it, as each sharded tensor is all-gathered by all ranks in turn. Only
+    rank 0 (`is_main`) keeps the gathered tensors, on CPU, until their shard file is written; it also writes the
+    config and tokenizer. Tensors are stored under the names of the family's HF folders (`save_pretrained`'s), a
+    LoRA model's with its adapters merged into the base weights, a tied output weight once, under its source."""
     state = merged_state(model)
-    torch_dtype = TORCH_DTYPES[dtype]
+    tied = tied_weight_names(model)
     renamings = getattr(model, "checkpoint_renamings", [])
-
-    def gathered():
-        for name in hf_state_names(model, state):
-            full = merged_full_tensor(*state[name])
-            if is_main:
-                yield stored_name(name, renamings), full.detach().to("cpu", torch_dtype)
-
-    if is_main:
-        write_hf_folder(gathered(), out_dir, model.config, tokenizer_path, torch_dtype, max_shard_bytes)
-    else:
-        for _ in gathered():
-            pass
+    writer = SafetensorsWriter(out_dir, max_shard_bytes) if is_main else None
+    for name in state:
+        if name in tied:
+            continue
+        full = merged_full_tensor(*state[name])  # all ranks join this all-gather
+        if writer is not None:
+            writer.add(stored_name(name, renamings), full.detach().to("cpu", torch_dtype(dtype)))
+    if writer is not None:
+        writer.close()
+        write_config_and_tokenizer(out_dir, model.config, tokenizer_path, torch_dtype(dtype))

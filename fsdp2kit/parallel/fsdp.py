@@ -10,22 +10,21 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+from fsdp2kit.dtypes import torch_dtype
 from fsdp2kit.errors import UserError
 from fsdp2kit.parallel.mesh import divisors
 from fsdp2kit.parallel.plan import ShardingPlan
-
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, None: None}
 
 
 def _mp_policy(plan: ShardingPlan, master_dtype: torch.dtype, cast_inputs: bool, root: bool) -> MixedPrecisionPolicy:
     """output_dtype is the dtype of the model's outputs, so only the root casts to it: inner groups that did would
     hand the next module (e.g. the LM head) inputs of another dtype than its weights."""
-    param_dtype = _DTYPES[plan.param_dtype]
-    reduce_dtype = _DTYPES[plan.reduce_dtype]
+    param_dtype = torch_dtype(plan.param_dtype)
+    reduce_dtype = torch_dtype(plan.reduce_dtype)
     return MixedPrecisionPolicy(
         param_dtype=None if param_dtype == master_dtype else param_dtype,
         reduce_dtype=None if reduce_dtype == param_dtype else reduce_dtype,
-        output_dtype=_DTYPES[plan.output_dtype] if root else None,
+        output_dtype=torch_dtype(plan.output_dtype) if root else None,
         cast_forward_inputs=cast_inputs,
     )
 

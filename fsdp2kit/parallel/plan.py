@@ -118,10 +118,6 @@ class ShardingPlan:
     adapters: AdapterPlan | None = None  # filled by fsdp2kit.models.lora.plan_adapters
     notes: list[str] = field(default_factory=list)
 
-    @property
-    def sharded_modules(self) -> list[str]:
-        return [name for group in self.groups for name in group] + [""]
-
 
 def _size_based(model: nn.Module, min_num_params: int, taken: set[str]) -> list[str]:
     """Accelerate's SIZE_BASED_WRAP: bottom-up, wrap a module once its not-yet-wrapped parameters reach the limit."""

@@ -1,8 +1,8 @@
 """`apply_recompute`: activation checkpointing on exactly the planned modules.
 
-The module's own `forward` is wrapped in place (no wrapper module), so parameter names, state-dict keys and
-checkpoints are the same with and without recompute. FSDP's hooks sit on `__call__`, outside the checkpointed
-region, so parameters are all-gathered again by FSDP's pre-backward hook before the recomputation runs."""
+The module's own `forward` is replaced in place (`replace_forward`: names and checkpoints unchanged). FSDP's hooks
+sit on `__call__`, outside the checkpointed region, so parameters are all-gathered again by FSDP's pre-backward
+hook before the recomputation runs."""
 
 from __future__ import annotations
 
@@ -11,17 +11,17 @@ import functools
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
+from fsdp2kit.parallel.forward_patch import Forward, replace_forward
+
 
 def apply_recompute(model: nn.Module, module_names: list[str], use_reentrant: bool) -> None:
-    for name in module_names:
-        module = model.get_submodule(name)
-        forward = module.forward
-
-        @functools.wraps(forward)
-        def recomputed(*args, _forward=forward, **kwargs):
+    def recompute(module: nn.Module, forward: Forward) -> Forward:
+        def recomputed(*args, **kwargs):
             if use_reentrant:
                 # The reentrant implementation takes positional tensors only; bind the keywords.
-                return checkpoint(functools.partial(_forward, **kwargs), *args, use_reentrant=True)
-            return checkpoint(_forward, *args, use_reentrant=False, **kwargs)
+                return checkpoint(functools.partial(forward, **kwargs), *args, use_reentrant=True)
+            return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
-        module.forward = recomputed
+        return recomputed
+
+    replace_forward(model, module_names, recompute)

@@ -10,10 +10,10 @@ tiles of the forward and their recomputation in backward see the full, unsharded
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn as nn
+
+from fsdp2kit.parallel.forward_patch import Forward, replace_forward
 
 
 class _TiledMLP(torch.autograd.Function):
@@ -65,12 +65,10 @@ class _TiledMLP(torch.autograd.Function):
 
 
 def apply_tiled_mlp(model: nn.Module, module_names: list[str], num_shards: int) -> None:
-    for name in module_names:
-        mlp = model.get_submodule(name)
-        forward = mlp.forward
+    def tile(mlp: nn.Module, forward: Forward) -> Forward:
+        def tiled(hidden_states):
+            return _TiledMLP.apply(mlp, forward, num_shards, hidden_states, *mlp.parameters())
 
-        @functools.wraps(forward)
-        def tiled(hidden_states, _mlp=mlp, _forward=forward):
-            return _TiledMLP.apply(_mlp, _forward, num_shards, hidden_states, *_mlp.parameters())
+        return tiled
 
-        mlp.forward = tiled
+    replace_forward(model, module_names, tile)

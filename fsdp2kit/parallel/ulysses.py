@@ -26,8 +26,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed import ProcessGroup
 
-from fsdp2kit.data.dataset import IGNORE_INDEX
 from fsdp2kit.errors import UserError
+from fsdp2kit.labels import IGNORE_INDEX
 from fsdp2kit.parallel.mesh import divisors
 
 if TYPE_CHECKING:

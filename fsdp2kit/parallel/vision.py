@@ -18,6 +18,8 @@ import torch
 import torch.nn as nn
 from torch.distributed import ProcessGroup
 
+from fsdp2kit.labels import IGNORE_INDEX
+
 _PROJECTOR_CLASS = re.compile(r"(Merger|Projector)$")
 
 
@@ -146,8 +148,6 @@ def shard_vision_batch(batch: dict[str, torch.Tensor], group: ProcessGroup) -> d
     """A VL micro-batch for Ulysses: the whole token sequence (the tower and the mrope positions need it), padded at
     the end to a multiple of k with non-target text tokens, and this rank's 1/k of the labels."""
     import torch.nn.functional as F
-
-    from fsdp2kit.data.dataset import IGNORE_INDEX
 
     size, rank = group.size(), group.rank()
     length = batch["input_ids"].shape[1]

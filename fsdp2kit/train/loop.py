@@ -7,25 +7,22 @@ import shutil
 import signal
 import time
 from pathlib import Path
-from typing import cast
 
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
-from torch.distributed.fsdp import FSDPModule
 
 from fsdp2kit.checkpoint.manager import CheckpointManager, fault_point
 from fsdp2kit.config.schema import JobConfig
-from fsdp2kit.data.dataset import IGNORE_INDEX, input_token_count, load_tokenizer, model_inputs
+from fsdp2kit.data.dataset import load_tokenizer
 from fsdp2kit.data.samples import GlobalBatches, Prefetcher, TrainingSamples
 from fsdp2kit.data.vl import VLEncoder, VLGlobalBatches, load_conversations
 from fsdp2kit.distributed import Runtime
 from fsdp2kit.errors import Interrupted, UserError
 from fsdp2kit.models.export import export_hf
 from fsdp2kit.models.lora import export_adapter, file_config
+from fsdp2kit.models.sharded import build_sharded_model, count_parameters
 from fsdp2kit.parallel.ulysses import shard_sequence
 from fsdp2kit.parallel.vision import shard_vision_batch
-from fsdp2kit.train.grads import LossScaler, NonFiniteGuard, all_reduce_replicated_grads, clip_grad_norm
+from fsdp2kit.train.grads import LossScaler, NonFiniteGuard
 from fsdp2kit.train.interrupt import StopSignals
 from fsdp2kit.train.loggers import RunLoggers, phase
 from fsdp2kit.train.memory import StepMemory
@@ -34,24 +31,7 @@ from fsdp2kit.train.optim import build_optimizer, build_scheduler, schedule_warn
 from fsdp2kit.train.profiling import StepProfiler
 from fsdp2kit.train.resume import check_unchanged
 from fsdp2kit.train.run_dir import OutputDirLock
-from fsdp2kit.train.setup import build_sharded_model, count_parameters
-
-
-def token_loss_sum(
-    model: torch.nn.Module, batch: dict[str, torch.Tensor], aux_loss_weight: float = 0.0
-) -> torch.Tensor:
-    """Summed next-token cross-entropy over the batch's target tokens (normalised by the caller), plus
-    `aux_loss_weight` times the router's load-balancing loss where the model returns one (a mixture of experts
-    with `output_router_logits`). No KV cache: training never reuses one, and a recomputed (checkpointed) layer
-    would append to it twice."""
-    outputs = model(**model_inputs(batch), use_cache=False)
-    loss = F.cross_entropy(
-        outputs.logits.float().flatten(0, 1), batch["labels"].flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
-    )
-    aux_loss = getattr(outputs, "aux_loss", None)
-    if aux_loss_weight and isinstance(aux_loss, torch.Tensor):
-        loss = loss + aux_loss_weight * aux_loss.float()
-    return loss
+from fsdp2kit.train.step import train_step
 
 
 def train(cfg: JobConfig, runtime: Runtime) -> None:
@@ -68,9 +48,16 @@ def _train(cfg: JobConfig, runtime: Runtime, stop: StopSignals) -> None:
 
     # Model: meta-device build, sharding plan, fully_shard, each rank's shards initialised or loaded.
     with phase(f"loading the model ({cfg.model.name_or_path})", runtime.is_main):
-        sharded = build_sharded_model(cfg, runtime, training=True)
+        sharded = build_sharded_model(
+            cfg.model,
+            cfg.strategy_args.strategy_config,
+            cfg.data,
+            runtime,
+            training=True,
+            seed=tc.seed,
+            compile_layers=tc.compile,
+        )
     model = sharded.model
-    params = [p for p in model.parameters() if p.requires_grad]
     optimizer = build_optimizer(model, tc)
     # fp32 master weights; computing or reducing gradients in fp16 needs loss scaling.
     scaler = LossScaler("fp16" in (sharded.plan.param_dtype, sharded.plan.reduce_dtype), tc.fp16_initial_scale)
@@ -170,66 +157,36 @@ def _train(cfg: JobConfig, runtime: Runtime, stop: StopSignals) -> None:
             ]
             data_time = time.perf_counter() - started  # waiting for the prefetching thread, and the copy
             with memory.step(micro_batches):
-                # The loss is the mean over every target token of the global batch: normalise by their global count.
-                counts = torch.tensor(
-                    [
-                        sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in micro_batches),
-                        sum(input_token_count(mb) for mb in micro_batches),
-                    ],
-                    dtype=torch.float64,
+                result = train_step(
+                    model,
+                    micro_batches,
+                    optimizer,
+                    scheduler,
+                    guard,
+                    tc.max_grad_norm,
+                    aux_loss_coef,
+                    sharded.sp_group,
+                    shard_vision_batch if vision else shard_sequence,  # VL: the tokens are sliced inside the model
+                    on_micro_batch_done=memory.micro_batch_done,
                 )
-                dist.all_reduce(counts)
-                # Every rank of a sequence-parallel group holds the group's whole micro-batches: count them once.
-                target_tokens, input_tokens = (counts / layout.ulysses_size).tolist()
-                # A mixture of experts adds router_aux_loss_coef x its load-balancing loss averaged over all
-                # micro-batches of all ranks, as transformers adds it to each batch's mean loss; in units of summed
-                # token losses:
-                aux_loss_weight = aux_loss_coef * target_tokens / (len(micro_batches) * runtime.world_size)
-                loss_sum = torch.zeros((), dtype=torch.float64)
-                for index, batch in enumerate(micro_batches):
-                    last = index == len(micro_batches) - 1
-                    # reduce-scatter once per step, not per micro-batch
-                    cast(FSDPModule, model).set_requires_gradient_sync(last)
-                    if sharded.sp_group is not None:  # this rank's slice of the tokens (VL: taken inside the model)
-                        shard = shard_vision_batch if vision else shard_sequence
-                        batch = shard(batch, sharded.sp_group)
-                    micro_loss = token_loss_sum(model, batch, aux_loss_weight)
-                    # FSDP averages gradients over all ranks; scale so the result is the global token mean (times the
-                    # fp16 loss scale, 1 otherwise). With sequence parallel each rank of a group holds a part of the
-                    # group's gradient, and the average over all ranks sums those parts.
-                    (micro_loss * (runtime.world_size * scaler.scale / target_tokens)).backward()
-                    loss_sum += micro_loss.detach().double().cpu()
-                    memory.micro_batch_done()
-                all_reduce_replicated_grads(params, runtime.world_size)
-                dist.all_reduce(loss_sum)
-                loss = loss_sum.item() / target_tokens
-                scaler.unscale_(params)
-                grad_norm = clip_grad_norm(params, tc.max_grad_norm).item()
-                lr = scheduler.get_last_lr()[0]
-
-                finite = guard.step_is_finite(loss, grad_norm)
-                if finite:
-                    optimizer.step()
-                    scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
 
             elapsed = time.perf_counter() - started
             record = {
                 "step": step + 1,
-                "loss": loss,
-                "lr": lr,
-                "grad_norm": grad_norm,
-                "tokens": int(input_tokens),
-                "tokens_per_s": input_tokens / elapsed,
+                "loss": result.loss,
+                "lr": result.lr,
+                "grad_norm": result.grad_norm,
+                "tokens": int(result.input_tokens),
+                "tokens_per_s": result.input_tokens / elapsed,
                 "step_time": elapsed,
                 "data_time": data_time,
                 **memory.fields(),
             }
             if peak_flops:
-                record["mfu"] = flops_token * input_tokens / elapsed / (peak_flops * runtime.world_size)
+                record["mfu"] = flops_token * result.input_tokens / elapsed / (peak_flops * runtime.world_size)
             if scaler.enabled:
                 record["loss_scale"] = scaler.scale  # the scale of the next step
-            if not finite:
+            if not result.applied:
                 record["skipped"] = True
             loggers.write(record)
             profiler.step_finished(step + 1)

@@ -21,8 +21,8 @@ from omegaconf.errors import OmegaConfBaseException
 
 from fsdp2kit.config.dialects import accelerate, mindspeed, roll
 from fsdp2kit.config.dialects.translation import STRATEGY_CONFIG, Translation, Written
-from fsdp2kit.config.load import apply_overrides, read_yaml
 from fsdp2kit.config.schema import JobConfig
+from fsdp2kit.config.yaml_io import apply_overrides, read_yaml
 from fsdp2kit.errors import UserError
 
 __all__ = ["Translation", "Written", "read_config"]

@@ -7,11 +7,10 @@ that fsdp2kit cannot honour (`unsupported`). A key with no rule is an error, so 
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
-from fsdp2kit.errors import UserError
+from fsdp2kit.errors import UserError, unknown_key_message
 
 NO_FSDP2_MEANING = "no FSDP2 meaning"
 STRATEGY_CONFIG = "strategy_args.strategy_config"  # the native section most foreign keys land in
@@ -136,10 +135,7 @@ def apply_rules(
 
 def unknown_key(key: Written, valid: list[str]) -> str:
     leaf = key.path.rsplit(".", 1)[-1]
-    close = difflib.get_close_matches(leaf, valid, n=1, cutoff=0.6)
-    if close:
-        return f"{key.file}: unknown key '{key}' (did you mean '{key.path[: -len(leaf)]}{close[0]}'?)"
-    return f"{key.file}: unknown key '{key}'; valid keys here: {', '.join(sorted(valid))}"
+    return unknown_key_message(key.file, key.path, leaf, valid, lambda close: key.path[: -len(leaf)] + close)
 
 
 def mapped_note(key: Written, value: Any, native_key: str, new_value: Any) -> str:

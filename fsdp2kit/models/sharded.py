@@ -1,4 +1,6 @@
-"""From a config to a sharded model: the steps `train`, `infer` and `check` share."""
+"""From the model, strategy and data sections to a sharded model on this rank: the steps `train`, `infer`, `check`
+and `plan` share. The sharding plan is built on the meta device and applied as it is; `materialize=False` stops
+there (the plan and the FSDP groups, no weights), which is what `check` prints."""
 
 from __future__ import annotations
 
@@ -8,10 +10,10 @@ import torch
 import torch.nn as nn
 from torch.distributed import ProcessGroup
 
-from fsdp2kit.config.schema import JobConfig
+from fsdp2kit.config.schema import DataConfig, ModelConfig, StrategyConfig
 from fsdp2kit.distributed import Runtime
+from fsdp2kit.dtypes import torch_dtype
 from fsdp2kit.models.build import (
-    TORCH_DTYPES,
     ModelSource,
     build_meta_model,
     check_sequence_length,
@@ -40,28 +42,39 @@ class ShardedModel:
     sp_group: ProcessGroup | None  # this rank's Ulysses sequence-parallel group; None without
 
 
-def build_sharded_model(cfg: JobConfig, runtime: Runtime, training: bool, materialize: bool = True) -> ShardedModel:
+def build_sharded_model(
+    model_cfg: ModelConfig,
+    strategy: StrategyConfig,
+    data: DataConfig,
+    runtime: Runtime,
+    *,
+    training: bool,
+    seed: int,
+    compile_layers: bool = False,
+    materialize: bool = True,
+) -> ShardedModel:
     """Meta-device model -> split experts, Ulysses attention, LoRA adapters -> plan -> freeze -> recompute,
     TiledMLP, expert patch, vision patch -> fully_shard -> (materialise each rank's shards). Training keeps fp32
     master weights and computes in `param_dtype` (default: model.dtype); a LoRA base is frozen, so it stays in
-    model.dtype."""
-    strategy = cfg.strategy_args.strategy_config
-    source = resolve_model(cfg.model, cfg.data.tokenizer)
-    check_sequence_length(source.hf_config, cfg.data.seq_len)
-    layout = mesh_layout(runtime.world_size, strategy, cfg.model.ulysses_size)
+    model.dtype. From `data`: the tokenizer (default: the model's own) and seq_len, which the model's positions
+    must cover; fresh weights come from `seed`; `compile_layers` (training.compile) compiles each decoder layer when
+    training."""
+    source = resolve_model(model_cfg, data.tokenizer)
+    check_sequence_length(source.hf_config, data.seq_len)
+    layout = mesh_layout(runtime.world_size, strategy, model_cfg.ulysses_size)
     mesh = build_mesh(runtime.device.type, layout)
     sp_group = sequence_parallel_group(layout)
-    lora = cfg.model.lora if cfg.model.lora_enabled else None
-    master_dtype = "fp32" if training and lora is None else cfg.model.dtype
-    model = build_meta_model(source, cfg.model.model_copy(update={"dtype": master_dtype}))
+    lora = model_cfg.lora if model_cfg.lora_enabled else None
+    master_dtype = "fp32" if training and lora is None else model_cfg.dtype
+    model = build_meta_model(source, model_cfg.model_copy(update={"dtype": master_dtype}))
     split_experts(model, strategy.wrap_policy.moe_experts)  # where moe_experts names a per-expert class
     if sp_group is not None:
         apply_ulysses(model, sp_group)
         if is_vision_language(source.hf_config):
             apply_vision_ulysses(model, sp_group)
     if lora is not None:
-        inject_lora(model, lora, TORCH_DTYPES[lora.dtype] if lora.dtype else None)
-    plan = build_plan(model, strategy, cfg.model, compile_layers=training and cfg.training.compile)
+        inject_lora(model, lora, torch_dtype(lora.dtype))
+    plan = build_plan(model, strategy, model_cfg, compile_layers=training and compile_layers)
     if lora is not None:
         plan.adapters = plan_adapters(model, plan, lora)
         add_input_grad_hooks(model, plan.adapters.input_grad_hooks)
@@ -78,7 +91,7 @@ def build_sharded_model(cfg: JobConfig, runtime: Runtime, training: bool, materi
     apply_fsdp(model, mesh, plan)
     if materialize:
         adapter = lora.adapter if lora is not None else None
-        materialise(model, source, runtime.device, cfg.training.seed, cfg.model.weights_loading, adapter)
+        materialise(model, source, runtime.device, seed, model_cfg.weights_loading, adapter)
     if not training:
         model.eval()
     return ShardedModel(model, plan, layout, source, sp_group)

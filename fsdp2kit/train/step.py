@@ -1,0 +1,107 @@
+"""One optimizer step: forward and backward over a rank's micro-batches with the loss normalised by the global
+batch's target tokens, gradient reduction, loss unscaling, clipping and the optimizer update. The training loop
+and the tests that need a step both call `train_step`, so the step they check is the step that trains."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed import ProcessGroup
+from torch.distributed.fsdp import FSDPModule
+from torch.optim.lr_scheduler import LRScheduler
+
+from fsdp2kit.data.dataset import input_token_count, model_inputs
+from fsdp2kit.labels import IGNORE_INDEX
+from fsdp2kit.parallel.ulysses import shard_sequence
+from fsdp2kit.train.grads import NonFiniteGuard, all_reduce_replicated_grads, clip_grad_norm
+
+
+@dataclass(frozen=True)
+class StepResult:
+    loss: float  # mean next-token cross-entropy over every target token of the global batch
+    grad_norm: float  # global L2 norm before clipping
+    lr: float  # the learning rate this step's update used
+    input_tokens: float  # tokens the model read on all data-parallel ranks, padding excluded
+    applied: bool  # False: the loss or gradient norm was not finite and the update was skipped
+
+
+def token_loss_sum(
+    model: torch.nn.Module, batch: dict[str, torch.Tensor], aux_loss_weight: float = 0.0
+) -> torch.Tensor:
+    """Summed next-token cross-entropy over the batch's target tokens (normalised by the caller), plus
+    `aux_loss_weight` times the router's load-balancing loss where the model returns one (a mixture of experts
+    with `output_router_logits`). No KV cache: training never reuses one, and a recomputed (checkpointed) layer
+    would append to it twice."""
+    outputs = model(**model_inputs(batch), use_cache=False)
+    loss = F.cross_entropy(
+        outputs.logits.float().flatten(0, 1), batch["labels"].flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
+    aux_loss = getattr(outputs, "aux_loss", None)
+    if aux_loss_weight and isinstance(aux_loss, torch.Tensor):
+        loss = loss + aux_loss_weight * aux_loss.float()
+    return loss
+
+
+def train_step(
+    model: torch.nn.Module,
+    micro_batches: list[dict[str, torch.Tensor]],
+    optimizer: torch.optim.Optimizer,
+    scheduler: LRScheduler,
+    guard: NonFiniteGuard,
+    max_grad_norm: float,
+    aux_loss_coef: float = 0.0,
+    sp_group: ProcessGroup | None = None,
+    shard_batch: Callable[[dict[str, torch.Tensor], ProcessGroup], dict[str, torch.Tensor]] = shard_sequence,
+    on_micro_batch_done: Callable[[], None] | None = None,
+) -> StepResult:
+    """Every rank calls it with its own micro-batches (the ranks of a sequence-parallel group with the same ones,
+    each training on the slice `shard_batch` cuts for it). `model` is FSDP-sharded or, in a world of one, a plain
+    module; the guard's loss scaler scales the loss (fp16) and the guard decides whether the update is applied.
+    `on_micro_batch_done` runs after each micro-batch's backward (the memory tracker's marks)."""
+    world_size = dist.get_world_size()
+    scaler = guard.scaler
+    params = [p for p in model.parameters() if p.requires_grad]
+    # The loss is the mean over every target token of the global batch: normalise by their global count.
+    counts = torch.tensor(
+        [
+            sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in micro_batches),
+            sum(input_token_count(mb) for mb in micro_batches),
+        ],
+        dtype=torch.float64,
+    )
+    dist.all_reduce(counts)
+    # Every rank of a sequence-parallel group holds the group's whole micro-batches: count them once.
+    target_tokens, input_tokens = (counts / (sp_group.size() if sp_group is not None else 1)).tolist()
+    # A mixture of experts adds router_aux_loss_coef x its load-balancing loss averaged over all micro-batches
+    # of all ranks, as transformers adds it to each batch's mean loss; in units of summed token losses:
+    aux_loss_weight = aux_loss_coef * target_tokens / (len(micro_batches) * world_size)
+    loss_sum = torch.zeros((), dtype=torch.float64)
+    for index, batch in enumerate(micro_batches):
+        if isinstance(model, FSDPModule):  # reduce-scatter once per step, not per micro-batch
+            model.set_requires_gradient_sync(index == len(micro_batches) - 1)
+        if sp_group is not None:
+            batch = shard_batch(batch, sp_group)  # this rank's slice of the tokens
+        micro_loss = token_loss_sum(model, batch, aux_loss_weight)
+        # FSDP averages gradients over all ranks; scale so the result is the global token mean (times the
+        # fp16 loss scale, 1 otherwise). With sequence parallel each rank of a group holds a part of the
+        # group's gradient, and the average over all ranks sums those parts.
+        (micro_loss * (world_size * scaler.scale / target_tokens)).backward()
+        loss_sum += micro_loss.detach().double().cpu()
+        if on_micro_batch_done is not None:
+            on_micro_batch_done()
+    all_reduce_replicated_grads(params, world_size)
+    dist.all_reduce(loss_sum)
+    loss = loss_sum.item() / target_tokens
+    scaler.unscale_(params)
+    grad_norm = clip_grad_norm(params, max_grad_norm).item()
+    lr = float(scheduler.get_last_lr()[0])
+    applied = guard.step_is_finite(loss, grad_norm)
+    if applied:
+        optimizer.step()
+        scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return StepResult(loss, grad_norm, lr, input_tokens, applied)
