@@ -142,6 +142,16 @@ def token_batch(rows: int, length: int) -> dict[str, torch.Tensor]:
     }
 
 
+def as_overrides(settings: dict) -> list[str]:
+    """`--set` values, key.path=value, the value written as JSON (which YAML reads back as the same value)."""
+    return [f"{key}={json.dumps(value)}" for key, value in settings.items()]
+
+
+def set_args(settings: dict) -> list[str]:
+    """`settings` as command-line arguments: --set key.path=value ..."""
+    return [arg for item in as_overrides(settings) for arg in ("--set", item)]
+
+
 def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if line]
 

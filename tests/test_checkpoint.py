@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import uuid
+from pathlib import Path
 
 import pytest
 from conftest import REPO, read_metrics, run_cli
@@ -130,16 +131,19 @@ def test_global_batch_change_on_resume_is_refused(tmp_path):
     assert "was trained with a global batch of 2 samples, this run has 4" in result.stderr
 
 
-def _torchrun(*args, env=None, timeout=600):
+def _torchrun(*args, log: Path, env=None) -> subprocess.Popen:
+    """`python -m torch.distributed.run ARGS`, its output (stdout and stderr) to the file `log`: launchers that run
+    side by side must never block on a full pipe that nobody reads."""
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    return subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", *args],
-        cwd=REPO,
-        env=full_env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    with log.open("w") as output:
+        return subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", *args],
+            cwd=REPO,
+            env=full_env,
+            stdout=output,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
 
 
 def test_rank_killed_under_torchrun_max_restarts_recovers(tmp_path, straight):
@@ -154,10 +158,11 @@ def test_rank_killed_under_torchrun_max_restarts_recovers(tmp_path, straight):
         "train",
         DEMO,
         *base(run),
+        log=tmp_path / "torchrun.log",
         env={"FSDP2KIT_FAULT": "step:8:1"},
     )
-    out, err = proc.communicate(timeout=600)
-    assert proc.returncode == 0, err
+    code, out = proc.wait(timeout=600), (tmp_path / "torchrun.log").read_text()
+    assert code == 0, out[-3000:]
     assert "resumed from" in out
     got = losses(run)
     assert sorted(got) == list(range(1, 13))
@@ -183,13 +188,15 @@ def test_two_nodes_on_localhost_train_checkpoint_and_resume(tmp_path, straight):
             DEMO,
             *base(run),
         ]
-        nodes = [_torchrun(*args, env={"FSDP2KIT_FAULT": fault} if fault else None) for _ in range(2)]
-        return [(node.wait(timeout=600), node.communicate()) for node in nodes]
+        logs = [tmp_path / f"node{i}.log" for i in range(2)]
+        nodes = [_torchrun(*args, log=log, env={"FSDP2KIT_FAULT": fault} if fault else None) for log in logs]
+        codes = [node.wait(timeout=600) for node in nodes]
+        return [(code, log.read_text()) for code, log in zip(codes, logs, strict=True)]
 
     crashed = both_nodes(fault="after_commit:6")
     assert all(code != 0 for code, _ in crashed)
     finished = both_nodes()
-    assert all(code == 0 for code, _ in finished), [err for _, (_, err) in finished]
+    assert all(code == 0 for code, _ in finished), [out[-3000:] for _, out in finished]
     got = losses(run)
     assert all(abs(got[s] - straight[s]) <= 1e-6 for s in range(1, 13))
 

@@ -5,6 +5,7 @@ W&B, profiler traces). Runs are in-process at 1 rank unless a second rank is the
 from __future__ import annotations
 
 import importlib.machinery
+import importlib.util
 import io
 import itertools
 import json
@@ -15,7 +16,7 @@ from collections import Counter
 import pytest
 import torch
 import yaml
-from conftest import plain_model, read_metrics, reference_run, run_cli
+from conftest import as_overrides, plain_model, read_metrics, reference_run, run_cli, set_args
 
 from fsdp2kit.cli import main
 from fsdp2kit.config.load import load_config
@@ -67,19 +68,10 @@ def config_file(tmp_path_factory):
     return folder / "loop.yaml"
 
 
-def as_set(settings: dict) -> list[str]:
-    """key.path=value strings, the value as JSON (which YAML reads back as the same value)."""
-    return [f"{key}={json.dumps(value)}" for key, value in settings.items()]
-
-
-def overrides(settings: dict) -> list[str]:
-    return [arg for item in as_set(settings) for arg in ("--set", item)]
-
-
 def train_here(config_file, out_dir, **settings) -> int:
     """`fsdp2kit train` in this process (one rank); `settings` are --set overrides with `__` for dots."""
     settings = {key.replace("__", "."): value for key, value in settings.items()}
-    return main(["train", str(config_file), *overrides({"training.output_dir": str(out_dir)} | settings)])
+    return main(["train", str(config_file), *set_args({"training.output_dir": str(out_dir)} | settings)])
 
 
 def losses(run_dir) -> list[float]:
@@ -98,9 +90,9 @@ def split_losses(config_file, tmp_path_factory) -> dict[str, list[float]]:
             "data.max_tokens_per_micro_batch": budget,
         }
         if ranks == 1:
-            assert main(["train", str(config_file), *overrides(settings)]) == 0
+            assert main(["train", str(config_file), *set_args(settings)]) == 0
         else:
-            run = run_cli("train", config_file, "--nproc", ranks, *overrides(settings))
+            run = run_cli("train", config_file, "--nproc", ranks, *set_args(settings))
             assert run.returncode == 0, run.stderr[-3000:]
         result[name] = losses(out)
     return result
@@ -120,7 +112,7 @@ def test_loss_is_the_mean_over_the_global_batch_tokens_at_any_split(split_losses
 def test_per_micro_batch_means_would_not_agree(config_file, split_losses):
     """The agreement above means something: on this data the mean of per-micro-batch means (what normalising each
     micro-batch by its own tokens gives) is far from the global token mean, which is what the run logs."""
-    cfg = load_config(config_file, as_set({"training.per_device_train_batch_size": 1}))
+    cfg = load_config(config_file, as_overrides({"training.per_device_train_batch_size": 1}))
     model, tokenizer = plain_model(cfg)  # the run's initial weights
     samples = TrainingSamples.from_config(cfg.data, tokenizer)
     batches = GlobalBatches(samples, 1, 4, 1, 0, cfg.training.seed, cfg.data.shuffle, tokenizer.pad_token_id)
@@ -168,7 +160,7 @@ def test_clipping_scales_the_update_exactly_as_clip_grad_norm(config_file, tmp_p
         "training.per_device_train_batch_size": 2,
         "training.gradient_accumulation_steps": 2,
     }
-    assert main(["train", str(config_file), *overrides(settings | {"training.output_dir": str(tmp_path)})]) == 0
+    assert main(["train", str(config_file), *set_args(settings | {"training.output_dir": str(tmp_path)})]) == 0
     trained = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").state_dict()
     (record,) = read_metrics(tmp_path)
 
@@ -176,7 +168,7 @@ def test_clipping_scales_the_update_exactly_as_clip_grad_norm(config_file, tmp_p
         """The same step in one plain process (one micro-batch of all 4 samples), clipped or not (0: no clipping)."""
         one_batch = {"training.per_device_train_batch_size": 4, "training.gradient_accumulation_steps": 1}
         cfg = load_config(
-            config_file, as_set(settings | one_batch | {"training.max_grad_norm": max_norm if clip else 0.0})
+            config_file, as_overrides(settings | one_batch | {"training.max_grad_norm": max_norm if clip else 0.0})
         )
         run = reference_run(cfg, 1)
         return run.model.state_dict(), run.results[0].grad_norm
@@ -293,7 +285,7 @@ def test_divergence_under_the_launcher_is_one_line_exit_1(config_file, tmp_path)
         config_file,
         "--nproc",
         2,
-        *overrides(
+        *set_args(
             {
                 "training.learning_rate": 1e30,
                 "training.max_nonfinite_steps": 2,
@@ -373,8 +365,12 @@ def test_console_tensorboard_wandb_profiler_and_lr_schedule(config_file, tmp_pat
 
 
 def test_asking_for_wandb_without_it_installed_is_a_user_error(config_file, tmp_path, capsys, monkeypatch):
+    """wandb made unfindable whether or not this machine has it, as on a machine without it."""
+    find_spec = importlib.util.find_spec
     monkeypatch.delitem(sys.modules, "wandb", raising=False)
-    monkeypatch.setattr(sys, "path", [p for p in sys.path if "wandb" not in p])
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *args: None if name == "wandb" else find_spec(name, *args)
+    )
     assert train_here(config_file, tmp_path, training__report_to=["wandb"]) == 2
     assert capsys.readouterr().err == (
         "error: training.report_to: 'wandb' needs the wandb package, which is not "

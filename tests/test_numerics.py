@@ -3,11 +3,9 @@ without recompute and prefetch, trains to the same per-step losses as one plain 
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import yaml
-from conftest import read_metrics, reference_run, run_cli
+from conftest import as_overrides, read_metrics, reference_run, run_cli, set_args
 
 from fsdp2kit.config.load import load_config
 
@@ -56,11 +54,6 @@ CASES = {
 }
 
 
-def as_overrides(settings: dict) -> list[str]:
-    """`--set` values: key.path=value, the value written as JSON (which YAML reads back as the same value)."""
-    return [f"{key}={json.dumps(value)}" for key, value in settings.items()]
-
-
 @pytest.fixture(scope="module")
 def config_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("numerics") / "numerics.yaml"
@@ -86,8 +79,7 @@ def test_losses_match_single_process_reference(case, config_file, reference_loss
     ranks, overrides = CASES[case]
     accumulation = GLOBAL_BATCH // ranks
     settings = SMALL | {"training.gradient_accumulation_steps": accumulation, "training.output_dir": str(tmp_path)}
-    set_args = [arg for item in as_overrides(settings | overrides) for arg in ("--set", item)]
-    result = run_cli("train", config_file, "--nproc", ranks, *set_args)
+    result = run_cli("train", config_file, "--nproc", ranks, *set_args(settings | overrides))
     assert result.returncode == 0, result.stderr[-3000:]
     losses = [record["loss"] for record in read_metrics(tmp_path)]
     assert len(losses) == STEPS

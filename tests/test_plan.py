@@ -8,16 +8,13 @@ from __future__ import annotations
 
 import json
 import os
-from contextlib import contextmanager
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
-from conftest import REPO, sharded_model
+from conftest import REPO, process_group, sharded_model
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from fsdp2kit.check import describe
 from fsdp2kit.cli import main
@@ -26,24 +23,12 @@ from fsdp2kit.data.builtin import VOCAB_SIZE
 from fsdp2kit.distributed import Runtime
 from fsdp2kit.parallel.fsdp import apply_fsdp
 from fsdp2kit.parallel.plan import build_plan
-from fsdp2kit.train.optim import build_optimizer
-from fsdp2kit.train.step import token_loss_sum
+from fsdp2kit.train.grads import LossScaler, NonFiniteGuard
+from fsdp2kit.train.optim import build_optimizer, build_scheduler
+from fsdp2kit.train.step import token_loss_sum, train_step
 
 LAYERS = ["model.layers.0", "model.layers.1"]
 LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
-
-@contextmanager
-def world(size: int = 1):
-    """A process group in this process: real gloo for one rank, torch's fake backend for more."""
-    if size == 1:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    else:
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=size)
-    try:
-        yield Runtime(0, size, 0, torch.device("cpu"))
-    finally:
-        dist.destroy_process_group()
 
 
 def job(strategy: dict | None = None, layers: int = 2, **model) -> JobConfig:
@@ -58,13 +43,13 @@ def plan_of(runtime: Runtime, strategy: dict | None = None, **model) -> dict:
 
 def check(strategy: dict | None = None, world_size: int = 1, **model) -> dict:
     """`plan_of` in a world of its own, of `world_size` ranks."""
-    with world(world_size) as runtime:
+    with process_group(world_size) as runtime:
         return plan_of(runtime, strategy, **model)
 
 
 @pytest.fixture
 def gloo():
-    with world(1) as runtime:
+    with process_group(1) as runtime:
         yield runtime
 
 
@@ -83,13 +68,14 @@ def random_batch(rows: int = 2, length: int = 16) -> dict[str, torch.Tensor]:
 
 
 def train_steps(model: nn.Module, steps: int = 2) -> torch.optim.Optimizer:
-    """A few AdamW steps of the library's loss on random tokens."""
-    optimizer = build_optimizer(model, TrainingConfig(learning_rate=1e-2))
+    """A few training steps (`train_step`: clipping, AdamW, the schedule) on random tokens; every one applied."""
+    cfg = TrainingConfig(learning_rate=1e-2)
+    optimizer = build_optimizer(model, cfg)
+    scheduler = build_scheduler(optimizer, cfg, steps)
+    guard = NonFiniteGuard(cfg.max_nonfinite_steps, LossScaler(False, cfg.fp16_initial_scale))
     batch = random_batch()
     for _ in range(steps):
-        token_loss_sum(model, batch).backward()
-        optimizer.step()
-        optimizer.zero_grad()
+        assert train_step(model, [batch], optimizer, scheduler, guard, cfg.max_grad_norm).applied
     return optimizer
 
 
@@ -141,7 +127,7 @@ def config_file(tmp_path_factory):
     ids=["auto", "world", "one", "fsdp_size", "sharding_size"],
 )
 def test_fsdp_size_shapes_the_mesh(strategy, shape, names, placements):
-    with world(4) as runtime:
+    with process_group(4) as runtime:
         cfg = job(strategy)
         model = sharded_model(cfg, runtime, training=True, materialize=False).model
         weight = model.model.layers[0].mlp.up_proj.weight
@@ -331,7 +317,11 @@ def test_ignored_modules_stay_plain_replicated_tensors(gloo):
     assert not isinstance(model.model.embed_tokens.weight, DTensor)
     others = [p for name, p in model.named_parameters() if not name.startswith("model.embed_tokens")]
     assert all(isinstance(p, DTensor) for p in others)
+    before = {name: full(p) for name, p in model.named_parameters()}
     train_steps(model)  # plain and sharded parameters train side by side (gradient clipping and AdamW included)
+    changed = {name for name, p in model.named_parameters() if not torch.equal(full(p), before[name])}
+    assert changed == set(before)
+    assert not isinstance(model.model.embed_tokens.weight, DTensor)
 
 
 def test_frozen_parameters_do_not_change_and_are_not_optimised(gloo):

@@ -4,11 +4,9 @@ reshard_after_forward), and measurably fewer activation bytes kept for backward 
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
-from conftest import process_group, read_metrics, run_cli, sharded_model, token_batch
+from conftest import process_group, read_metrics, run_cli, set_args, sharded_model, token_batch
 from torch.distributed.tensor import DTensor
 
 from fsdp2kit.config.schema import JobConfig
@@ -122,8 +120,7 @@ def test_two_fsdp_ranks_train_the_same_with_and_without_tiles(tmp_path):
             "strategy_args.strategy_config.reshard_after_forward": True,
         }
         settings |= {f"strategy_args.strategy_config.{key}": value for key, value in strategy.items()}
-        overrides = [arg for key, value in settings.items() for arg in ("--set", f"{key}={json.dumps(value)}")]
-        result = run_cli("train", "examples/demo.yaml", "--nproc", "2", *overrides, timeout=300)
+        result = run_cli("train", "examples/demo.yaml", "--nproc", "2", *set_args(settings), timeout=300)
         assert result.returncode == 0, result.stderr[-3000:]
         return read_metrics(tmp_path / name)
 

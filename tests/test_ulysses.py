@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import yaml
-from conftest import plain_model, read_metrics, reference_run, run_cli
+from conftest import as_overrides, plain_model, read_metrics, reference_run, run_cli, set_args
 from safetensors.torch import load_file
 
 from fsdp2kit.config.load import load_config
@@ -49,14 +49,6 @@ CONFIG = {
 }
 # An odd sequence length: k = 2 never divides it, so every batch is padded for the split.
 SMALL = {"model.config.num_hidden_layers": 2, "data.seq_len": 63}
-
-
-def as_overrides(settings: dict) -> list[str]:
-    return [f"{key}={json.dumps(value)}" for key, value in settings.items()]
-
-
-def set_args(settings: dict) -> list[str]:
-    return [arg for item in as_overrides(settings) for arg in ("--set", item)]
 
 
 @pytest.fixture(scope="module")

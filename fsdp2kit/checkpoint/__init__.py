@@ -1,1 +1,2 @@
-"""Sharded DCP checkpoints: save (sync or async), atomic commit, resume."""
+"""Sharded DCP checkpoints: reading them (dcp_io), save (sync or async) with atomic commit and resume (manager),
+conversions (convert)."""

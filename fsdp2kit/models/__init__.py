@@ -1,1 +1,2 @@
-"""Models: resolving a model source, meta-device build, seeded init or sharded safetensors load, HF export."""
+"""Models: resolving a model source, meta-device build, seeded init or sharded safetensors load, the sharded model
+of a run, HF export."""

@@ -1,1 +1,1 @@
-"""Parallelism, one concern per module: mesh, sharding plan, apply_fsdp, apply_recompute."""
+"""Parallelism, one concern per module: mesh, sharding plan, apply_fsdp, recompute, TiledMLP, Ulysses, MoE."""

@@ -1,1 +1,1 @@
-"""Training: setup of the sharded model, optimizer and schedule, metrics, the loop."""
+"""Training: the step (loss, gradients, clipping, update), optimizer and schedule, metrics, loggers, the loop."""
