@@ -107,7 +107,7 @@ def test_the_graph_sees_function_local_imports():
 
 def test_every_module_has_a_layer():
     table = layer_table()
-    assert len({layer for layer, _ in table}) >= 9
+    assert len({layer for layer, _ in table}) >= 10
     assert [name for name in modules() if unit_of(name, table) is None] == []
 
 
