@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import process_group, read_metrics, run_cli, token_batch
+from conftest import process_group, read_metrics, run_cli, sharded_model, token_batch
 from test_infer import TEXTS, make_hf_folder, reference_logprobs
 
 from fsdp2kit.config import load_config
@@ -146,17 +146,15 @@ def test_convert_a_lora_checkpoint_and_merge_an_adapter(runs, tmp_path):
 
 
 def build(overrides: list[str], base: str = "builtin:tiny-llama"):
-    from fsdp2kit.train.setup import build_sharded_model
-
     cfg = load_config(
         "examples/demo.yaml", [f"model.name_or_path={base}", "model.config.num_hidden_layers=2"] + overrides
     )
-    return cfg, lambda runtime: build_sharded_model(cfg, runtime, training=True)
+    return cfg, lambda runtime: sharded_model(cfg, runtime, training=True)
 
 
 def test_only_adapters_are_optimised_and_adamw_state_is_twice_their_bytes():
-    from fsdp2kit.train.loop import token_loss_sum
     from fsdp2kit.train.optim import build_optimizer
+    from fsdp2kit.train.step import token_loss_sum
 
     cfg, make = build(["model.lora={rank: 4, target_modules: [q_proj, v_proj]}", "model.dtype=bf16"])
     with process_group() as runtime:
@@ -223,7 +221,7 @@ def test_modules_to_save_round_trip_through_peft(tmp_path):
 def test_reentrant_recompute_still_reaches_the_adapters():
     """Frozen embeddings give recomputed layers inputs without grad; reentrant checkpointing would then drop the
     adapters' gradients, unless the embeddings' output is made to require grad (as ROLL and MindSpeed-MM do)."""
-    from fsdp2kit.train.loop import token_loss_sum
+    from fsdp2kit.train.step import token_loss_sum
 
     grads = {}
     for recompute in (False, True):
