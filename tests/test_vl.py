@@ -75,6 +75,11 @@ def test_vision_blocks_and_merger_are_groups_without_input_casting(name, project
         **dict.fromkeys(["model.language_model.layers.0", "model.language_model.layers.1"], True),
     }
     assert plan["vision_patch"] is True
+    # A deviation from ROLL and MindSpeed-MM, which leave the projectors in the root's group: said in the notes.
+    assert [note for note in plan["notes"] if note.startswith("vision projector")] == [
+        f"vision projector '{name}': its own shard group (ROLL and MindSpeed-MM leave it in the root's)"
+        for name in projectors
+    ]
 
 
 def test_mindspeed_patterns_pick_the_visual_blocks():

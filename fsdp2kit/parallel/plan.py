@@ -281,7 +281,12 @@ def build_plan(
         if not (classes or strategy.sub_modules_to_wrap or policy.min_num_params or policy.no_wrap):
             classes = _layer_classes(model)  # a VL model's list names its vision block too
             if getattr(getattr(model, "config", None), "vision_config", None) is not None:
-                selected += projector_modules(model)
+                projectors = projector_modules(model)
+                selected += projectors
+                notes += [
+                    f"vision projector '{name}': its own shard group (ROLL and MindSpeed-MM leave it in the root's)"
+                    for name in projectors
+                ]
         selected += modules_of_classes(model, classes, "strategy_config.wrap_policy.transformer_layer_cls_to_wrap")
         experts = _moe_experts(model, strategy.wrap_policy.moe_experts)
         selected += experts
