@@ -26,30 +26,11 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from fsdp2kit.checkpoint.dcp_io import METADATA_FILE, damage, read_dcp, read_metadata
+from fsdp2kit.durable import fsync_dir, fsync_file, write_durable
 from fsdp2kit.errors import RunFault, UserError
 from fsdp2kit.models.export import write_config_and_tokenizer
 
 STATE_FILE = "trainer_state.json"
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_file(path: Path) -> None:
-    with path.open("rb") as handle:
-        os.fsync(handle.fileno())
-
-
-def _write_durable(path: Path, payload: bytes) -> None:
-    with path.open("wb") as handle:
-        handle.write(payload)
-        handle.flush()
-        os.fsync(handle.fileno())
 
 
 FAULT_ENV = "FSDP2KIT_FAULT"
@@ -145,7 +126,7 @@ class CheckpointManager:
                 elif self.hf_config is not None:
                     write_config_and_tokenizer(tmp, self.hf_config, self.tokenizer_path, next(model.parameters()).dtype)
                 for file in tmp.iterdir():  # only rank 0's files exist yet; DCP syncs the shards it writes
-                    _fsync_file(file)
+                    fsync_file(file)
             dist.barrier()
             fault_point("before_save", step, self.rank)
             model_state, optim_state = get_state_dict(model, optimizer, options=self.options)
@@ -158,7 +139,7 @@ class CheckpointManager:
                 },
                 rng,
             )
-            _write_durable(tmp / f"rng_rank{self.rank}.pt", rng.getvalue())
+            write_durable(tmp / f"rng_rank{self.rank}.pt", rng.getvalue())
             if self.async_save and not blocking:
                 future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.group)
                 self.pending = (future, tmp, final, trainer_state)
@@ -207,12 +188,12 @@ class CheckpointManager:
         dist.barrier()  # every rank's shards (and rank 0's .metadata) are written and synced
         if self.rank == 0:
             fault_point("before_state", step, self.rank)
-            _write_durable(tmp / STATE_FILE, json.dumps(trainer_state, indent=2).encode())
+            write_durable(tmp / STATE_FILE, json.dumps(trainer_state, indent=2).encode())
             fault_point("before_rename", step, self.rank)
             if final.exists():
                 shutil.rmtree(final)
             os.rename(tmp, final)
-            _fsync_dir(self.root)
+            fsync_dir(self.root)
             self._prune()
         dist.barrier()
         fault_point("after_commit", step, self.rank)

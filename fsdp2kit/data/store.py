@@ -34,6 +34,7 @@ import numpy as np
 from fsdp2kit.config.schema import DataConfig
 from fsdp2kit.data.builtin import cache_root
 from fsdp2kit.data.dataset import SourceDocuments, open_source, source_files
+from fsdp2kit.durable import fsync_dir, write_durable
 from fsdp2kit.errors import UserError
 
 STORE_FORMAT = 2
@@ -148,9 +149,9 @@ def _build(cfg: DataConfig, tokenizer, path: Path) -> None:
     try:
         meta = _write_store(documents, tokenizer, tmp, cfg.num_proc)
         meta["fingerprint"] = store_fingerprint(cfg, tokenizer)
-        _write_durably(tmp / "meta.json", json.dumps(meta, indent=1).encode())
+        write_durable(tmp / "meta.json", json.dumps(meta, indent=1).encode())
         os.rename(tmp, path)  # atomic: the store appears whole or not at all
-        _fsync_dir(path.parent)
+        fsync_dir(path.parent)
     except UnicodeDecodeError:
         raise documents.undecodable() from None
     except OSError as exc:
@@ -262,21 +263,6 @@ def _encode_range(rows: tuple[int, int]) -> tuple[np.ndarray, np.ndarray, np.nda
         text_bytes = sum(len(t.encode()) for t in texts)
     lengths = np.fromiter(map(len, ids), np.int64, len(ids))
     return np.fromiter(chain.from_iterable(ids), dtype, int(lengths.sum())), lengths, prompt_lengths, text_bytes
-
-
-def _write_durably(path: Path, data: bytes) -> None:
-    with open(path, "wb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def describe(store: TokenStore) -> str:
