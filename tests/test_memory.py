@@ -3,10 +3,22 @@ predicts the per-rank peak a real run measures."""
 
 from __future__ import annotations
 
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
+
 import pytest
 from conftest import read_metrics, run_cli
 
 from fsdp2kit.memory_plan import ConfigSource, plan_report, predict
+
+
+def _in_own_process(function, *args):
+    """`function(*args)` in a fresh process, as `fsdp2kit plan` runs: tracing on fake tensors in a fake process group
+    leaves torch state behind that changes what a later in-process fake-group model load reads (test_moe's rank-1
+    loads failed after these tests ran in the same pytest process)."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(function, *args).result()
+
 
 SMALL = [
     "model.config.num_hidden_layers=2",
@@ -59,7 +71,7 @@ def _measured(tmp_path, nproc: int, overrides: list[str]) -> dict:
 def test_plan_predicts_the_measured_peak(tmp_path, model, nproc, zero, recompute):
     overrides = [*(SMALL if model == "tiny" else LLAMA_100M), *ZERO[zero]]
     overrides.append(f"model.gradient_checkpointing={str(recompute).lower()}")
-    predicted = predict(ConfigSource("examples/demo.yaml", overrides, None, None), nproc)
+    predicted = _in_own_process(predict, ConfigSource("examples/demo.yaml", overrides, None, None), nproc)
     measured = _measured(tmp_path, nproc, overrides)
 
     assert measured["peak_mem_kind"] == "cpu_live_tensors"
@@ -78,7 +90,7 @@ def test_plan_table_and_budget():
         "training.per_device_train_batch_size=1",
         "training.gradient_accumulation_steps=1",
     ]
-    report = plan_report(ConfigSource("examples/demo.yaml", tiny, None, None), 2, None)
+    report = _in_own_process(plan_report, ConfigSource("examples/demo.yaml", tiny, None, None), 2, None)
     rows = {(r["strategy"], r["recompute"], r["offload"]): r["peak_bytes"] for r in report["strategies"]}
     assert len(rows) == 8
     for recompute in (False, True):
@@ -97,7 +109,7 @@ def test_plan_table_and_budget():
     lines = [line.split(" ", 1)[1] for line in result.stdout.splitlines() if line.startswith("--set ")]
     assert "strategy_args.strategy_config.sharding_strategy=FULL_SHARD" in lines
     assert "model.gradient_checkpointing=true" in lines
-    chosen = predict(ConfigSource("examples/demo.yaml", [*tiny, *lines], None, None), 2)
+    chosen = _in_own_process(predict, ConfigSource("examples/demo.yaml", [*tiny, *lines], None, None), 2)
     assert chosen["peak_bytes"] == rows["FULL_SHARD", True, False] <= budget * 1024**3
 
 
