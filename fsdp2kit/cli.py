@@ -12,9 +12,7 @@ import tempfile
 from pathlib import Path
 
 from fsdp2kit.config.load import load_config, name_as_written
-from fsdp2kit.errors import Interrupted, RunFault, TrainingDiverged, UserError
-
-ERROR_DIR_ENV = "FSDP2KIT_ERROR_DIR"
+from fsdp2kit.errors import ERROR_DIR_ENV, Interrupted, RunFault, TrainingDiverged, UserError, report_error
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -156,16 +154,6 @@ def _print_rank_report(error_dir: Path) -> int | None:
     return report["exit_code"]
 
 
-def _report_error(message: str, exit_code: int) -> int:
-    error_dir = os.environ.get(ERROR_DIR_ENV)
-    rank = os.environ.get("RANK", "0")
-    if error_dir and Path(error_dir).is_dir():  # the launcher prints it once
-        (Path(error_dir) / f"rank{rank}.json").write_text(json.dumps({"message": message, "exit_code": exit_code}))
-    elif rank == "0" or not _under_launcher():
-        print(f"error: {message}", file=sys.stderr)
-    return exit_code
-
-
 def _run_rank(args: argparse.Namespace, cfg) -> int:
     from fsdp2kit.distributed import init_distributed, out_of_memory_message, shutdown
 
@@ -249,11 +237,11 @@ def main(argv: list[str] | None = None) -> int:
             return _launch(nproc, argv)
         return _run_rank(args, cfg)
     except UserError as exc:
-        return _report_error(name_as_written(str(exc), cfg) if cfg else str(exc), 2)
+        return report_error(name_as_written(str(exc), cfg) if cfg else str(exc), 2)
     except (TrainingDiverged, RunFault) as exc:
-        return _report_error(str(exc), 1)
+        return report_error(str(exc), 1)
     except Interrupted as exc:
-        return _report_error(str(exc), exc.exit_code)
+        return report_error(str(exc), exc.exit_code)
 
 
 if __name__ == "__main__":

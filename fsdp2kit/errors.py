@@ -4,7 +4,13 @@ diverged run (exit code 1), and the wording of an unknown key that both the nati
 from __future__ import annotations
 
 import difflib
+import json
+import os
+import sys
 from collections.abc import Callable
+from pathlib import Path
+
+ERROR_DIR_ENV = "FSDP2KIT_ERROR_DIR"  # set by the --nproc launcher: ranks write their report there, it prints one
 
 
 class UserError(Exception):
@@ -37,3 +43,15 @@ def unknown_key_message(
     if close:
         return f"{file}: unknown key '{key}' (did you mean '{spell(close[0])}'?)"
     return f"{file}: unknown key '{key}'; valid keys here: {', '.join(sorted(listed or valid))}"
+
+
+def report_error(message: str, exit_code: int) -> int:
+    """Tell the user one `error:` line: a rank under the --nproc launcher leaves it in the launcher's error folder
+    (the launcher prints the lowest rank's once); otherwise rank 0 prints it. Returns `exit_code`."""
+    error_dir = os.environ.get(ERROR_DIR_ENV)
+    rank = os.environ.get("RANK", "0")
+    if error_dir and Path(error_dir).is_dir():
+        (Path(error_dir) / f"rank{rank}.json").write_text(json.dumps({"message": message, "exit_code": exit_code}))
+    elif rank == "0" or "WORLD_SIZE" not in os.environ:
+        print(f"error: {message}", file=sys.stderr, flush=True)
+    return exit_code

@@ -404,3 +404,131 @@ def test_cuda_out_of_memory_message_names_the_size():
     )
     assert out_of_memory_message(cuda, runtime).startswith("out of memory on rank 3 (cuda:3) allocating 2.50 GiB: ")
     assert out_of_memory_message(RuntimeError("shape mismatch"), runtime) is None
+
+
+def test_corrupt_tokenizer_is_one_line_naming_the_file(tmp_path, small_run):
+    from test_infer import make_hf_folder
+
+    from fsdp2kit.data.dataset import load_tokenizer
+    from fsdp2kit.errors import UserError
+
+    folder = tmp_path / "model"
+    make_hf_folder(folder, "tiny-llama")
+    tokenizer = folder / "tokenizer.json"
+    whole = tokenizer.read_bytes()
+    tokenizer.write_bytes(whole[:3000])  # truncated
+    result = run_cli("train", DEMO, *small_run, "--set", f"model.name_or_path={folder}")
+    assert_one_line_error(result, 2, f"the tokenizer file '{tokenizer}' is damaged (not JSON: ")
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+    tokenizer.write_bytes(b"{" + bytes(range(128, 256)))  # overwritten with binary
+    with pytest.raises(UserError, match="tokenizer.json' is damaged \\(byte 0x80 at offset 1 is not UTF-8\\)"):
+        load_tokenizer(folder)
+    tokenizer.write_bytes(whole)
+    assert load_tokenizer(folder).vocab_size > 0
+
+
+def test_convert_dtype_casts_the_weights_and_says_so_in_config_json(tmp_path):
+    """HF (fp32) -> DCP in bf16 -> HF: the DCP holds bf16 tensors and every config.json names bfloat16, so
+    transformers loads the result in bf16 by default, equal to the original weights rounded to bf16."""
+    import torch
+    from test_infer import make_hf_folder
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from fsdp2kit.checkpoint.dcp_io import read_metadata
+
+    original = make_hf_folder(tmp_path / "hf", "tiny-llama")
+    result = run_cli("convert", tmp_path / "hf", tmp_path / "dcp", "--to", "dcp", "--dtype", "bf16")
+    assert result.returncode == 0, result.stderr
+    stored = read_metadata(tmp_path / "dcp", "test").state_dict_metadata
+    assert {meta.properties.dtype for meta in stored.values()} == {torch.bfloat16}
+    assert AutoConfig.from_pretrained(tmp_path / "dcp").dtype == torch.bfloat16
+    result = run_cli("convert", tmp_path / "dcp", tmp_path / "back", "--to", "hf")
+    assert result.returncode == 0, result.stderr
+    assert AutoConfig.from_pretrained(tmp_path / "back").dtype == torch.bfloat16
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "back")
+    assert {p.dtype for p in loaded.parameters()} == {torch.bfloat16}
+    for name, tensor in original.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor.to(torch.bfloat16)), name
+
+
+def test_legal_but_surprising_schedule_settings_are_one_warning_each(tmp_path, small_run):
+    """max_steps: 0 means whole epochs (the warning says how many steps); a warmup longer than the run means the
+    learning rate never reaches its peak. The run itself succeeds and takes exactly the steps announced."""
+    from conftest import read_metrics
+
+    data = tmp_path / "docs.jsonl"
+    data.write_text("".join(json.dumps({"text": f"document {i} " * 40}) + "\n" for i in range(40)))
+    overrides = [f"data.source={data}", "training.max_steps=0", "training.num_train_epochs=1"]
+    overrides += ["training.warmup_steps=50", "training.report_to=[]"]
+    result = run_cli("train", DEMO, *small_run, *[arg for item in overrides for arg in ("--set", item)])
+    assert result.returncode == 0, result.stderr
+    warnings = [line for line in result.stdout.splitlines() if line.startswith("warning: ")]
+    assert len(warnings) == 2, result.stdout
+    steps = len(read_metrics(tmp_path / "run"))
+    assert warnings[0].startswith("warning: training.max_steps = 0 does not mean no steps: the run is ")
+    assert f"epochs of {steps} steps, {steps} steps in all; give max_steps > 0 to cap it" in warnings[0]
+    assert (
+        f"gives 50 warmup steps, more than the run's {steps}: the learning rate never reaches its peak" in (warnings[1])
+    )
+
+
+def test_second_sigint_during_the_save_abandons_it_and_the_previous_checkpoint_resumes(tmp_path, small_run):
+    """The first SIGINT arrives as the step-4 checkpoint starts (the run would finish it and stop); a second one
+    arrives after its shards are written, before trainer_state.json: the save is abandoned at once."""
+    from fsdp2kit.checkpoint.manager import committed_checkpoints
+
+    args = [*small_run, "--set", "training.max_steps=6", "--set", "training.save_steps=2"]
+    args += ["--set", "strategy_args.strategy_config.async_save_ckpt=false", "--set", "training.report_to=[]"]
+    result = run_cli("train", DEMO, *args, env={"FSDP2KIT_FAULT": "before_save:4:0:SIGINT,after_shards:4:0:SIGINT"})
+    assert_one_line_error(
+        result,
+        130,
+        "SIGINT again: abandoned checkpoint step_4 while it was being written; checkpoint step_2 is complete",
+    )
+    checkpoints = tmp_path / "run" / "checkpoints"
+    assert [p.name for p in committed_checkpoints(checkpoints)] == ["step_2"]
+    assert (checkpoints / ".tmp-step_4" / ".metadata").is_file()  # its shards were written: only the name says
+    result = run_cli("train", DEMO, *args)
+    assert result.returncode == 0, result.stderr
+    assert f"resumed from {checkpoints / 'step_2'} at step 2" in result.stdout
+    assert [p.name for p in committed_checkpoints(checkpoints)] == ["step_4", "step_6"]  # save_total_limit: 2
+    assert not list(checkpoints.glob(".tmp-*"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signal_name, exit_code", [("SIGINT", 130), ("SIGTERM", 143)])
+def test_signal_to_the_nproc_launcher_reaches_the_ranks(tmp_path, small_run, signal_name, exit_code):
+    """The signal goes to the `--nproc 2` launcher only (the ranks run in their own sessions): it forwards it, the
+    ranks stop at a step boundary with the in-flight save published, one line is printed, and the run resumes."""
+    import os
+    import re
+    import signal
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    from fsdp2kit.checkpoint.manager import committed_checkpoints
+
+    args = [*small_run, "--set", "training.max_steps=8", "--set", "training.save_steps=2"]
+    args += ["--set", "training.report_to=[]"]
+    command = [sys.executable, "-m", "fsdp2kit", "train", DEMO, "--nproc", "2", *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    launcher = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert launcher.stdout is not None
+    for line in launcher.stdout:
+        if line.startswith("step 3/"):
+            launcher.send_signal(getattr(signal, signal_name))
+            break
+    _, stderr = launcher.communicate(timeout=300)
+    result = subprocess.CompletedProcess(command, launcher.returncode, "", stderr)
+    line = assert_one_line_error(result, exit_code, f"interrupted by {signal_name} after step ")
+    stopped = re.search(r"checkpoint (step_\d+) is complete and the same command resumes from it", line)
+    assert stopped is not None, line
+    checkpoints = tmp_path / "run" / "checkpoints"
+    assert committed_checkpoints(checkpoints)[-1].name == stopped.group(1)
+    if signal_name == "SIGTERM":
+        result = run_cli("train", DEMO, "--nproc", "2", *args)
+        assert result.returncode == 0, result.stderr
+        assert f"resumed from {checkpoints / stopped.group(1)} at step " in result.stdout
+        assert committed_checkpoints(checkpoints)[-1].name == "step_8"

@@ -37,17 +37,17 @@ FAULT_ENV = "FSDP2KIT_FAULT"
 
 
 def fault_point(name: str, step: int, rank: int) -> None:
-    """Crash-test hook: with `FSDP2KIT_FAULT=name:step[:rank[:SIGNAL|ENOSPC]]` the process sends itself SIGNAL
-    (default SIGKILL), or fails as a full disk would, here, on the first attempt only (not after an elastic
-    restart). The tests use it to stop a run at exact moments of a save."""
-    spec = os.environ.get(FAULT_ENV)
-    if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+    """Crash-test hook: with `FSDP2KIT_FAULT=name:step[:rank[:SIGNAL|ENOSPC]]` (several separated by commas) the
+    process sends itself SIGNAL (default SIGKILL), or fails as a full disk would, here, on the first attempt only (not
+    after an elastic restart). The tests use it to stop a run at exact moments of a save."""
+    specs = os.environ.get(FAULT_ENV)
+    if not specs or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
         return
-    parts = spec.split(":")
-    if parts[0] == name and int(parts[1]) == step and (len(parts) < 3 or parts[2] in ("*", str(rank))):
-        if len(parts) > 3 and parts[3] == "ENOSPC":  # a full disk, as a write would report it
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        os.kill(os.getpid(), getattr(signal, parts[3]) if len(parts) > 3 else signal.SIGKILL)
+    for parts in (spec.split(":") for spec in specs.split(",")):
+        if parts[0] == name and int(parts[1]) == step and (len(parts) < 3 or parts[2] in ("*", str(rank))):
+            if len(parts) > 3 and parts[3] == "ENOSPC":  # a full disk, as a write would report it
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            os.kill(os.getpid(), getattr(signal, parts[3]) if len(parts) > 3 else signal.SIGKILL)
 
 
 def read_trainer_state(path: Path) -> dict:
@@ -107,6 +107,7 @@ class CheckpointManager:
         # Async writes run collectives from a background thread: give them their own gloo group.
         self.group = dist.new_group(backend="gloo") if async_save else None
         self.pending: tuple[Any, Path, Path, dict] | None = None
+        self.writing: int | None = None  # the step whose save the main thread is in
         if rank == 0:  # folders of saves that a crash interrupted: never complete, never resumed from
             for stale in self.root.glob(".tmp-step_*"):
                 shutil.rmtree(stale, ignore_errors=True)
@@ -170,6 +171,7 @@ class CheckpointManager:
     def _writing(self, step: int) -> Iterator[None]:
         """A full disk while writing step_N is a fault, told in one sentence with what is intact; the partial folder
         is removed so that the space it held is free again."""
+        self.writing = step
         try:
             yield
         except (Exception, CheckpointException) as exc:
@@ -181,6 +183,8 @@ class CheckpointManager:
             raise RunFault(
                 f"no space left on device while writing checkpoint step_{step} in '{self.root}'; {intact}"
             ) from None
+        finally:
+            self.writing = None
 
     def _commit(self, tmp: Path, final: Path, trainer_state: dict) -> None:
         step = trainer_state["step"]
@@ -198,14 +202,25 @@ class CheckpointManager:
         dist.barrier()
         fault_point("after_commit", step, self.rank)
 
-    def interrupted_message(self, signal_name: str, step: int) -> str:
+    def _complete(self) -> str:
         complete = committed_checkpoints(self.root)
-        intact = (
+        return (
             f"checkpoint {complete[-1].name} is complete and the same command resumes from it"
             if complete
             else "no checkpoint was written yet"
         )
-        return f"interrupted by {signal_name} after step {step}: {intact}"
+
+    def interrupted_message(self, signal_name: str, step: int) -> str:
+        return f"interrupted by {signal_name} after step {step}: {self._complete()}"
+
+    def abandoned_message(self, signal_name: str) -> str:
+        """What a second signal leaves behind: the save in flight abandoned (a `.tmp-step_N` folder, never resumed
+        from, removed by the next run) and the last complete checkpoint."""
+        step = self.writing if self.writing is not None else self.pending[3]["step"] if self.pending else None
+        complete = committed_checkpoints(self.root)
+        if step is None or (complete and complete[-1].name == f"step_{step}"):
+            return f"{signal_name} again: stopped at once; {self._complete()}"
+        return f"{signal_name} again: abandoned checkpoint step_{step} while it was being written; {self._complete()}"
 
     def _prune(self) -> None:
         if self.keep is None:

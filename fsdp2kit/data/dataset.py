@@ -174,14 +174,31 @@ def load_documents(cfg: DataConfig) -> list[str] | list[PromptResponse]:
 
 def load_tokenizer(path: Path, trust_remote_code: bool = False):
     """The tokenizer of a model folder, a checkpoint or `data.tokenizer`, through transformers; a corrupt or
-    incomplete one is one sentence naming the folder."""
+    incomplete one is one sentence naming the damaged file (or the folder, when no file is plainly damaged)."""
     from transformers import AutoTokenizer
 
     try:
         return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except Exception as exc:  # tokenizers and transformers raise many types for unreadable files
+        for file in sorted(Path(path).glob("*.json")):  # a truncated or overwritten tokenizer.json, say
+            problem = _json_problem(file)
+            if problem is not None:
+                raise UserError(
+                    f"the tokenizer file '{file}' is damaged ({problem}); restore it from the model's source"
+                ) from None
         reason = str(exc).strip().splitlines()[-1][:300] if str(exc).strip() else type(exc).__name__
         raise UserError(f"data.tokenizer: the tokenizer in '{path}' cannot be loaded: {reason}") from None
+
+
+def _json_problem(file: Path) -> str | None:
+    """Why a JSON file does not parse, in a few words; None when it does."""
+    try:
+        json.loads(file.read_bytes())
+    except UnicodeDecodeError as exc:
+        return f"byte 0x{exc.object[exc.start]:02x} at offset {exc.start} is not UTF-8"
+    except json.JSONDecodeError as exc:
+        return f"not JSON: {exc.msg} at offset {exc.pos}"
+    return None
 
 
 @dataclass(frozen=True)

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from fsdp2kit.errors import report_error
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -22,16 +24,14 @@ class StopSignals:
     def __init__(self) -> None:
         self.signum = 0
         self.previous: dict[int, Any] = {}
+        # What a second signal abandons and what is intact, in words (the checkpoint manager knows, once it exists).
+        self.abandon_message: Callable[[str], str] = lambda name: (
+            f"{name} again: stopped at once; no checkpoint was being written"
+        )
 
     def _handle(self, signum: int, frame) -> None:
         if self.signum:  # the second one: do not wait for anything
-            print(
-                f"{signal.Signals(signum).name} again: abandoning the checkpoint being written; the last complete "
-                "checkpoint is intact",
-                file=sys.stderr,
-                flush=True,
-            )
-            os._exit(128 + signum)
+            os._exit(report_error(self.abandon_message(signal.Signals(signum).name), 128 + signum))
         self.signum = signum
 
     def requested(self) -> int:

@@ -101,6 +101,7 @@ def _train(cfg: JobConfig, runtime: Runtime, stop: StopSignals) -> None:
         sharded.source.tokenizer_path,
         file_config(model, cfg.model.name_or_path) if sharded.plan.adapters else None,
     )
+    stop.abandon_message = checkpoints.abandoned_message
     start_step = 0
     resume_from = checkpoints.resolve(tc.resume)
     if resume_from is not None:
