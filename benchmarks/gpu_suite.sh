@@ -9,12 +9,15 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-runs/gpu_suite}
 PY=${PYTHON:-.venv/bin/python}
+if ! $PY -c 'import sys, torch; sys.exit(not torch.cuda.is_available())'; then
+  echo "gpu_suite.sh: no CUDA device is visible to $PY; it measures only what a GPU shows (run the CPU set: make bench)" >&2
+  exit 1
+fi
 NPROC=${NPROC:-$($PY -c 'import torch; print(max(1, torch.cuda.device_count()))')}
 STEPS=${STEPS:-20}
 mkdir -p "$OUT"
 RESULTS="$OUT/results.jsonl"
 : > "$RESULTS"
-$PY -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else "gpu_suite.sh needs CUDA")'
 
 # A Llama-3-style ~1.2B model on the builtin tokenizer's vocabulary (weights are fresh: speed and memory only).
 MODEL=(
@@ -57,11 +60,8 @@ for seq in 2048 4096; do
 done
 run_case "bf16_seq2048_offload_pinned" 2048 --set strategy_args.strategy_config.offload_policy=true \
   --set strategy_args.strategy_config.pin_memory=true
-if $PY -c 'import sys; from fsdp2kit.config.schema import TrainingConfig as T; sys.exit("compile" not in T.model_fields)'
-then
-  run_case "bf16_seq2048_compile" 2048 --set training.compile=true
-  run_case "bf16_seq2048_compile_recompute" 2048 --set training.compile=true --set model.gradient_checkpointing=true
-fi
+run_case "bf16_seq2048_compile" 2048 --set training.compile=true
+run_case "bf16_seq2048_compile_recompute" 2048 --set training.compile=true --set model.gradient_checkpointing=true
 
 for bench in vs_raw_fsdp2 vs_fsdp1 vs_accelerate; do
   $PY "benchmarks/$bench.py" --world-sizes "$NPROC" --repeats 3 --steps 8 >> "$RESULTS"

@@ -30,11 +30,12 @@ from transformers import AutoModelForCausalLM
 def micro_batches_per_step(args: argparse.Namespace, rank: int, world_size: int):
     from fsdp2kit.config.schema import DataConfig
     from fsdp2kit.data.builtin import tokenizer_dir
-    from fsdp2kit.data.dataset import GlobalBatches, load_documents, load_tokenizer, tokenize_samples
+    from fsdp2kit.data.dataset import load_tokenizer
+    from fsdp2kit.data.samples import GlobalBatches, TrainingSamples
 
     data = DataConfig(source="builtin:corpus", seq_len=args.seq_len)
     tokenizer = load_tokenizer(tokenizer_dir())
-    samples = tokenize_samples(load_documents(data), tokenizer, data)
+    samples = TrainingSamples.from_config(data, tokenizer)
     batches = GlobalBatches(
         samples, args.batch, args.accumulation, world_size, rank, args.seed, True, tokenizer.pad_token_id or 0
     )

@@ -247,7 +247,10 @@ def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {key: value for key, value in batch.items() if key != "labels"}
 
 
-def input_token_count(batch: dict[str, torch.Tensor]) -> int:
-    """Tokens the model reads, padding excluded."""
+def input_token_count(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Tokens the model reads, padding excluded: a tensor on the batch's device, so counting reads nothing on the
+    host (the training step fetches it with the loss, once)."""
     mask = batch.get("attention_mask")
-    return int(mask.sum()) if mask is not None else batch["input_ids"].numel()
+    if mask is not None:
+        return mask.sum()
+    return torch.tensor(batch["input_ids"].numel(), device=batch["input_ids"].device)

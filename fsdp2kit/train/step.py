@@ -30,7 +30,7 @@ class StepResult:
 
 
 def token_loss_sum(
-    model: torch.nn.Module, batch: dict[str, torch.Tensor], aux_loss_weight: float = 0.0
+    model: torch.nn.Module, batch: dict[str, torch.Tensor], aux_loss_weight: float | torch.Tensor = 0.0
 ) -> torch.Tensor:
     """Summed next-token cross-entropy over the batch's target tokens (normalised by the caller), plus
     `aux_loss_weight` times the router's load-balancing loss where the model returns one (a mixture of experts
@@ -41,7 +41,7 @@ def token_loss_sum(
         outputs.logits.float().flatten(0, 1), batch["labels"].flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
     )
     aux_loss = getattr(outputs, "aux_loss", None)
-    if aux_loss_weight and isinstance(aux_loss, torch.Tensor):
+    if isinstance(aux_loss, torch.Tensor) and (isinstance(aux_loss_weight, torch.Tensor) or aux_loss_weight):
         loss = loss + aux_loss_weight * aux_loss.float()
     return loss
 
@@ -65,39 +65,45 @@ def train_step(
     world_size = dist.get_world_size()
     scaler = guard.scaler
     params = [p for p in model.parameters() if p.requires_grad]
-    # The loss is the mean over every target token of the global batch: normalise by their global count.
-    counts = torch.tensor(
+    # The loss is the mean over every target token of the global batch: normalise by their global count, kept on
+    # the device (reading it on the host would wait for the device before the first forward).
+    counts = torch.stack(
         [
-            sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in micro_batches),
-            sum(input_token_count(mb) for mb in micro_batches),
-        ],
-        dtype=torch.float64,
-    )
+            torch.stack([(mb["labels"] != IGNORE_INDEX).sum() for mb in micro_batches]).sum(),
+            torch.stack([input_token_count(mb) for mb in micro_batches]).sum(),
+        ]
+    ).double()
     dist.all_reduce(counts)
     # Every rank of a sequence-parallel group holds the group's whole micro-batches: count them once.
-    target_tokens, input_tokens = (counts / (sp_group.size() if sp_group is not None else 1)).tolist()
+    if sp_group is not None:
+        counts /= sp_group.size()
+    target_tokens = counts[0]
     # A mixture of experts adds router_aux_loss_coef x its load-balancing loss averaged over all micro-batches
     # of all ranks, as transformers adds it to each batch's mean loss; in units of summed token losses:
-    aux_loss_weight = aux_loss_coef * target_tokens / (len(micro_batches) * world_size)
-    loss_sum = torch.zeros((), dtype=torch.float64)
+    aux_loss_weight = (
+        (aux_loss_coef * target_tokens / (len(micro_batches) * world_size)).float() if aux_loss_coef else 0.0
+    )
+    # FSDP averages gradients over all ranks; scale so the result is the global token mean (times the fp16 loss
+    # scale, 1 otherwise). With sequence parallel each rank of a group holds a part of the group's gradient, and
+    # the average over all ranks sums those parts.
+    loss_factor = world_size * scaler.scale / target_tokens
+    loss_sum = torch.zeros((), dtype=torch.float64, device=counts.device)
     for index, batch in enumerate(micro_batches):
         if isinstance(model, FSDPModule):  # reduce-scatter once per step, not per micro-batch
             model.set_requires_gradient_sync(index == len(micro_batches) - 1)
         if sp_group is not None:
             batch = shard_batch(batch, sp_group)  # this rank's slice of the tokens
         micro_loss = token_loss_sum(model, batch, aux_loss_weight)
-        # FSDP averages gradients over all ranks; scale so the result is the global token mean (times the
-        # fp16 loss scale, 1 otherwise). With sequence parallel each rank of a group holds a part of the
-        # group's gradient, and the average over all ranks sums those parts.
-        (micro_loss * (world_size * scaler.scale / target_tokens)).backward()
-        loss_sum += micro_loss.detach().double().cpu()
+        (micro_loss * loss_factor.to(micro_loss.dtype)).backward()
+        loss_sum += micro_loss.detach()
         if on_micro_batch_done is not None:
             on_micro_batch_done()
     all_reduce_replicated_grads(params, world_size)
     dist.all_reduce(loss_sum)
-    loss = loss_sum.item() / target_tokens
     scaler.unscale_(params)
-    grad_norm = clip_grad_norm(params, max_grad_norm).item()
+    norm = clip_grad_norm(params, max_grad_norm)
+    # The step's one host read (on CUDA, one wait for the device): loss, gradient norm and token count together.
+    loss, grad_norm, input_tokens = torch.stack([loss_sum / target_tokens, norm.to(loss_sum), counts[1]]).tolist()
     lr = float(scheduler.get_last_lr()[0])
     applied = guard.step_is_finite(loss, grad_norm)
     if applied:
