@@ -1,13 +1,13 @@
 """Data at any scale: a 2-step, 2-rank training run of the demo model on jsonl corpora of about 4, 40 and 400 MB,
 each run twice — cold (no token store, no `datasets` cache) and warm (both present) — with every rank's peak RSS
 and the run's wall time; and the cold store build's tokens/s against a single-process `tokenizer(batch)` loop over
-the same texts.
+the same texts, run as a user's loop runs (the tokenizer's default thread pool) and on one thread.
 
 Prints one JSON object. Run: .venv/bin/python benchmarks/data_scaling.py [--sizes-mb 4,40,400] [--workdir DIR]
 Peak RSS per rank is each rank process's VmHWM, sampled from /proc every 0.1 s while the run lasts (processes a rank
 forks to tokenize are reported apart, as `build_workers_peak_rss_mb`). Targets (issue 11): warm peak RSS per rank
 grows by <= 100 MB from the smallest corpus to the largest; the warm largest run takes <= 10 s longer than the warm
-smallest one; the cold build is >= 1.6x the single-process loop's tokens/s with 2 cores.
+smallest one; the cold build is >= 1.6x the single-process loop's tokens/s with 2 cores (the default loop).
 """
 
 from __future__ import annotations
@@ -118,8 +118,9 @@ def train_run(source: Path, cache: Path, out: Path, hf_cache: Path) -> dict:
     }
 
 
-def single_process_loop(source: Path, hf_cache: Path) -> dict:
-    """The baseline: one process tokenizing the same texts with `tokenizer(batch)`, 1000 documents a call."""
+def single_process_loop(source: Path, hf_cache: Path, tokenizer_threads: bool) -> dict:
+    """The baseline: one process tokenizing the same texts with `tokenizer(batch)`, 1000 documents a call, with the
+    tokenizer's default thread pool (as a user's loop runs) or with TOKENIZERS_PARALLELISM=false (one core)."""
     code = f"""
 import json, os, time
 os.environ["HF_DATASETS_CACHE"] = {str(hf_cache)!r}
@@ -135,7 +136,7 @@ for start in range(0, len(texts), 1000):
 seconds = time.perf_counter() - started
 print(json.dumps({{"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}}))
 """
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "true" if tokenizer_threads else "false"}
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True)
     if result.returncode != 0:
         raise SystemExit(result.stderr[-3000:])
@@ -144,7 +145,7 @@ print(json.dumps({{"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens 
 
 def store_meta(cache: Path) -> dict:
     (meta,) = [json.loads(p.read_text()) for p in cache.glob("*/meta.json")]
-    return {k: meta[k] for k in ("documents", "tokens", "text_bytes", "build_seconds", "tokens_per_s", "processes")}
+    return {k: meta[k] for k in ("documents", "tokens", "text_bytes", "build_seconds", "tokens_per_s", "workers")}
 
 
 def main() -> None:
@@ -169,11 +170,9 @@ def main() -> None:
         entry["store"] = store_meta(cache)
         entry["warm"] = train_run(source, cache, folder / "warm", hf_cache)
         if size <= args.baseline_max_mb:
-            baseline = single_process_loop(source, hf_cache)
-            entry["single_process_loop"] = baseline
-            entry["build_speedup_vs_single_process"] = round(
-                entry["store"]["tokens_per_s"] / baseline["tokens_per_s"], 2
-            )
+            for key, threads in (("single_process_loop", True), ("single_process_loop_one_thread", False)):
+                entry[key] = single_process_loop(source, hf_cache, threads)
+                entry[f"build_speedup_vs_{key}"] = round(entry["store"]["tokens_per_s"] / entry[key]["tokens_per_s"], 2)
         results["corpora"][f"{size}MB"] = entry
         shutil.rmtree(hf_cache, ignore_errors=True)
         print(json.dumps({"progress": f"{size}MB", **entry}), file=sys.stderr, flush=True)

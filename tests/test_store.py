@@ -13,8 +13,9 @@ import time
 
 import numpy as np
 import pytest
+import tokenizers
 from conftest import REPO, read_metrics, run_cli
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, TokenizersBackend
 
 from fsdp2kit.cli import main
 from fsdp2kit.config.schema import DataConfig
@@ -60,7 +61,7 @@ def test_prepare_prints_what_it_built(tmp_path, capsys):
     assert capsys.readouterr().out.splitlines() == [first]  # the second prepare finds it
     expected = sum(len(d.encode()) for d in corpus_documents()[:40])
     assert ": 40 documents, " in first and f" tokens, {expected} bytes of text; built in " in first
-    assert first.endswith(" processes") and " tokens/s " in first
+    assert first.endswith(" threads of the Rust tokenizer") and " tokens/s " in first
 
 
 def big_corpus(tmp_path):
@@ -108,6 +109,47 @@ def test_two_processes_building_at_once_make_one_store(tmp_path):
     assert sum(out.count("token store: 30000 documents") for out, _ in outputs) == 1  # one built, one waited
     assert outputs[0][0].splitlines()[-1] == outputs[1][0].splitlines()[-1]  # and both describe the same store
     assert len([p for p in cache.iterdir() if p.is_dir()]) == 1
+
+
+def test_the_rust_tokenizer_gives_the_ids_of_a_tokenizer_call_whatever_its_file_sets(tmp_path, tokenizer):
+    """The store calls the Rust tokenizer directly (for speed): a tokenizer.json that turns on truncation and padding,
+    which `tokenizer(texts)` turns off for each call, must not change what is stored."""
+    folder = tmp_path / "tokenizer"
+    tokenizer.save_pretrained(folder)
+    rust = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
+    rust.enable_truncation(max_length=4)
+    rust.enable_padding(length=64, pad_id=0, pad_token=tokenizer.convert_ids_to_tokens(0))
+    rust.save(str(folder / "tokenizer.json"))
+    loaded = AutoTokenizer.from_pretrained(folder)
+    assert loaded.backend_tokenizer.truncation is not None  # as the file says, until the first tokenizer call
+    source = write_jsonl(tmp_path / "docs.jsonl", corpus_documents()[:30])
+    store = token_store(DataConfig(source=str(source), cache_dir=str(tmp_path / "cache")), loaded)
+    assert "threads of the Rust tokenizer" in store.meta["workers"]
+    expected = [tokenizer(d)["input_ids"] + [tokenizer.eos_token_id] for d in corpus_documents()[:30]]
+    assert [store.document(i).tolist() for i in range(30)] == expected
+
+
+class LowercasingTokenizer(TokenizersBackend):
+    """A tokenizer class that changes how text is encoded: its own call, not the Rust tokenizer, must decide."""
+
+    def _encode_plus(self, text, *args, **kwargs):
+        return super()._encode_plus([t.lower() for t in text], *args, **kwargs)
+
+
+@pytest.mark.slow
+def test_a_tokenizer_class_of_its_own_is_called_by_a_pool_of_processes(tmp_path, tokenizer):
+    folder = tmp_path / "tokenizer"
+    tokenizer.save_pretrained(folder)
+    lowercasing = LowercasingTokenizer.from_pretrained(folder)
+    documents = [d.upper() for d in corpus_documents()]
+    source = write_jsonl(tmp_path / "docs.jsonl", [documents[i % len(documents)] for i in range(6000)])
+    cfg = DataConfig(source=str(source), cache_dir=str(tmp_path / "cache"), num_proc=2)
+    store = token_store(cfg, lowercasing)
+    assert store.meta["workers"] == "2 processes"
+    for i in (0, 1, 5999):
+        text = documents[i % len(documents)]
+        assert store.document(i).tolist() == tokenizer(text.lower())["input_ids"] + [tokenizer.eos_token_id]
+        assert store.document(i).tolist() != tokenizer(text)["input_ids"] + [tokenizer.eos_token_id]
 
 
 @pytest.mark.parametrize(
