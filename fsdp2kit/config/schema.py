@@ -204,7 +204,10 @@ class DataConfig(Section):
         "default: ~/.cache/fsdp2kit/tokens, or $FSDP2KIT_CACHE/tokens",
     )
     num_proc: int | None = Field(
-        None, ge=1, description="processes tokenizing a corpus into its token store (default: every CPU core)"
+        None,
+        ge=1,
+        description="cores tokenizing a corpus into its token store: threads of a Rust tokenizer, processes for a "
+        "Python one (default: every CPU core)",
     )
     max_tokens_per_micro_batch: int | None = Field(
         None,
