@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -154,6 +155,46 @@ def set_args(settings: dict) -> list[str]:
 
 def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if line]
+
+
+def two_ranks_in_first_step(code: str, args: list[str], log_dir: Path, in_first_step) -> tuple[bool, str]:
+    """Two ranks of `python -c code *args`, launched here (no launcher to tear them down) so that `code` can take a
+    patch out of them: waits up to 180 s until `in_first_step(output)` (start-up takes 10-40 s on a busy machine) and
+    then up to 30 s for a rank to end. Returns whether both were still running (hung) and their output."""
+    from fsdp2kit.distributed import free_port
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
+    env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    logs = [log_dir / f"rank{rank}.log" for rank in range(2)]
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, *args],
+            cwd=REPO,
+            env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+            stdout=log.open("w"),
+            stderr=subprocess.STDOUT,
+        )
+        for rank, log in enumerate(logs)
+    ]
+
+    def output() -> str:
+        return "".join(log.read_text() for log in logs)
+
+    def wait_until(condition, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline and not condition():
+            time.sleep(0.5)
+
+    try:
+        wait_until(lambda: in_first_step(output()) or any(r.poll() is not None for r in ranks), 180)
+        if in_first_step(output()):
+            wait_until(lambda: any(r.poll() is not None for r in ranks), 30)
+        hung = all(r.poll() is None for r in ranks)
+    finally:
+        for rank in ranks:
+            rank.kill()
+            rank.wait()
+    return hung, output()
 
 
 @pytest.fixture

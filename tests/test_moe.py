@@ -5,20 +5,16 @@ loss, and weights in and out in both expert layouts (transformers loads the expo
 from __future__ import annotations
 
 import multiprocessing
-import os
-import subprocess
-import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 import torch
 import yaml
-from conftest import REPO, process_group, read_metrics, run_cli, sharded_model, token_batch
+from conftest import process_group, read_metrics, run_cli, sharded_model, token_batch, two_ranks_in_first_step
 
 from fsdp2kit.check import describe
 from fsdp2kit.config.schema import JobConfig
-from fsdp2kit.distributed import free_port
 from fsdp2kit.errors import UserError
 from fsdp2kit.models.export import export_hf
 from fsdp2kit.train.step import token_loss_sum
@@ -229,44 +225,9 @@ sys.exit(main(sys.argv[1:]))
 def test_without_the_patch_ranks_routing_differently_never_finish(forced_routing, tmp_path):
     """Rank 0's next collective meets rank 1's third expert all-gather. NCCL would wait there forever; gloo checks
     message sizes and aborts ("collective mismatch"). Either way the first step never finishes (patched: ~1s)."""
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "WORLD_SIZE": "2",
-        "LOCAL_WORLD_SIZE": "2",
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(free_port()),
-    }
-    logs = [tmp_path / f"rank{rank}.log" for rank in range(2)]
-    ranks = [
-        subprocess.Popen(
-            [sys.executable, "-c", WITHOUT_PATCH, "train", str(forced_routing), *settings(tmp_path, 2)],
-            cwd=REPO,
-            env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
-            stdout=log.open("w"),
-            stderr=subprocess.STDOUT,
-        )
-        for rank, log in enumerate(logs)
-    ]
-
-    def output() -> str:
-        return "".join(log.read_text() for log in logs)
-
-    def wait_until(condition, seconds: float) -> None:
-        deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline and not condition():
-            time.sleep(0.5)
-
-    try:
-        # Start-up (imports, model, data) takes 10-40s on a busy machine; the clock starts in the first step.
-        wait_until(lambda: output().count("forced routing:") == 2 or any(r.poll() is not None for r in ranks), 180)
-        assert output().count("forced routing:") == 2, output()[-3000:]
-        wait_until(lambda: any(r.poll() is not None for r in ranks), 30)
-        hung = all(r.poll() is None for r in ranks)
-    finally:
-        for rank in ranks:
-            rank.kill()
-            rank.wait()
+    args = ["train", str(forced_routing), *settings(tmp_path, 2)]
+    hung, output = two_ranks_in_first_step(WITHOUT_PATCH, args, tmp_path, lambda out: out.count("forced routing:") == 2)
+    assert output.count("forced routing:") == 2, output[-3000:]
     print(f"\nwithout the patch: {'hung for 30s in step 1' if hung else 'aborted by gloo in step 1'}")
-    assert hung or "Is there a distributed collective mismatch" in output(), output()[-3000:]
+    assert hung or "Is there a distributed collective mismatch" in output, output[-3000:]
     assert not (tmp_path / "metrics.jsonl").exists() or not read_metrics(tmp_path)

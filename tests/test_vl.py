@@ -6,23 +6,19 @@ or not, Ulysses) on data where a rank's micro-batch has no image, and the hang t
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
-from conftest import REPO, process_group, read_metrics, run_cli, sharded_model
+from conftest import REPO, process_group, read_metrics, run_cli, sharded_model, two_ranks_in_first_step
 
 from fsdp2kit.check import describe
 from fsdp2kit.checkpoint.convert import convert
 from fsdp2kit.config.load import load_config
 from fsdp2kit.config.schema import DataConfig, JobConfig, TrainingConfig
 from fsdp2kit.data.vl import VLEncoder, load_conversations
-from fsdp2kit.distributed import free_port
 from fsdp2kit.errors import UserError
 from fsdp2kit.infer.logprobs import infer, sample_logprobs
 from fsdp2kit.models.export import export_hf
@@ -335,45 +331,10 @@ def test_without_the_vision_patch_a_rank_without_images_never_finishes(training_
     lines = (dataset / "train.jsonl").read_text().splitlines()
     data = dataset / "text_first.jsonl"
     data.write_text("\n".join(lines[2:4]) + "\n")
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "WORLD_SIZE": "2",
-        "LOCAL_WORLD_SIZE": "2",
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(free_port()),
-    }
     args = ["train", str(training_config), "--set", f"data.source={data}", "--set", f"training.output_dir={tmp_path}"]
     args += ["--set", "training.max_steps=1", "--set", "model.freeze_module_prefix=[]"]
-    logs = [tmp_path / f"rank{rank}.log" for rank in range(2)]
-    ranks = [
-        subprocess.Popen(
-            [sys.executable, "-c", WITHOUT_PATCH, *args],
-            cwd=REPO,
-            env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
-            stdout=log.open("w"),
-            stderr=subprocess.STDOUT,
-        )
-        for rank, log in enumerate(logs)
-    ]
-
-    def output() -> str:
-        return "".join(log.read_text() for log in logs)
-
-    def wait_until(condition, seconds: float) -> None:
-        deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline and not condition():
-            time.sleep(0.5)
-
-    try:
-        wait_until(lambda: output().count("forward:") == 2 or any(r.poll() is not None for r in ranks), 180)
-        assert "forward: images False" in output() and "forward: images True" in output(), output()[-3000:]
-        wait_until(lambda: any(r.poll() is not None for r in ranks), 30)
-        hung = all(r.poll() is None for r in ranks)
-    finally:
-        for rank in ranks:
-            rank.kill()
-            rank.wait()
+    hung, output = two_ranks_in_first_step(WITHOUT_PATCH, args, tmp_path, lambda out: out.count("forward:") == 2)
+    assert "forward: images False" in output and "forward: images True" in output, output[-3000:]
     print(f"\nwithout the vision patch: {'hung for 30s in step 1' if hung else 'aborted by gloo in step 1'}")
-    assert hung or "Is there a distributed collective mismatch" in output(), output()[-3000:]
+    assert hung or "Is there a distributed collective mismatch" in output, output[-3000:]
     assert not (tmp_path / "metrics.jsonl").exists() or not read_metrics(tmp_path)
