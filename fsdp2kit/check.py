@@ -1,18 +1,65 @@
-"""`fsdp2kit check`: validate the config and describe the resolved plan, built on the meta device (no weights)."""
+"""`fsdp2kit check`: validate the config, check the files it names, and describe the resolved plan, built on the meta
+device (no weights)."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import yaml
 from torch.distributed.fsdp import FSDPModule
 
+from fsdp2kit.checkpoint.dcp_io import damage
 from fsdp2kit.config.schema import JobConfig
+from fsdp2kit.data.dataset import load_tokenizer, source_files
 from fsdp2kit.distributed import Runtime
 from fsdp2kit.dtypes import torch_name
+from fsdp2kit.errors import UserError
+from fsdp2kit.models.build import open_safetensors, resolve_model
 from fsdp2kit.models.sharded import build_sharded_model, count_parameters
 from fsdp2kit.parallel.fsdp import describe_groups
+from fsdp2kit.train.run_dir import output_dir_problem
+
+
+def _size(files: list[Path]) -> str:
+    total = sum(f.stat().st_size for f in files)
+    return f"{total / 2**20:.1f} MiB" if total >= 2**20 else f"{total} bytes"
+
+
+def checked_files(cfg: JobConfig) -> dict[str, str]:
+    """The files the config names, checked without reading them whole or creating anything, so that a run does not
+    fail on them after its model has loaded: the data files exist and are of one kind, the weights are whole
+    (safetensors headers against file sizes, or a checkpoint's metadata and shard sizes), the tokenizer loads, and
+    output_dir can be written. A problem is a UserError naming the key and the file; otherwise what was checked."""
+    data = source_files(cfg.data.source)
+    kinds = ", ".join(sorted({f.suffix or f.name for f in data}))
+    source = resolve_model(cfg.model, cfg.data.tokenizer)  # config.json readable; weights present or refused
+    folder = source.weights_dir
+    if folder is None:
+        weights = f"none ({cfg.model.name_or_path} starts from weights drawn with training.seed)"
+    elif source.weights_format == "dcp":
+        problem = damage(folder)
+        if problem is not None:
+            raise UserError(f"model.name_or_path: checkpoint '{folder}' is damaged: {problem}")
+        weights = f"DCP checkpoint {folder} (metadata read, every shard file as long as it says)"
+    else:
+        shards = sorted(folder.glob("*.safetensors"))
+        for shard in shards:
+            open_safetensors(shard).__exit__(None, None, None)  # safetensors checks the header against the size
+        weights = f"{len(shards)} safetensors file(s) in {folder} ({_size(shards)}, headers whole)"
+    tokenizer = load_tokenizer(source.tokenizer_path, cfg.model.trust_remote_code)
+    output_dir = Path(cfg.training.output_dir)
+    problem = output_dir_problem(output_dir)
+    if problem is not None:
+        raise UserError(problem)
+    return {
+        "data.source": f"{len(data)} file(s) of one kind ({kinds}), {_size(data)}",
+        "model weights": weights,
+        "tokenizer": f"{source.tokenizer_path} (loads, {len(tokenizer)} tokens)",
+        "training.output_dir": f"{output_dir} "
+        + ("(a writable folder)" if output_dir.is_dir() else "(can be created; not created now)"),
+    }
 
 
 def describe(cfg: JobConfig, runtime: Runtime) -> dict:
@@ -80,13 +127,16 @@ def describe(cfg: JobConfig, runtime: Runtime) -> dict:
 
 
 def print_check(cfg: JobConfig, runtime: Runtime, as_json: bool) -> None:
+    files = checked_files(cfg)  # before the plan: a missing file is found in a second, not after the model builds
     description = describe(cfg, runtime)
     if not runtime.is_main:
         return
     if as_json:
-        print(json.dumps(description), flush=True)
+        print(json.dumps({"files": files, **description}), flush=True)
         return
     print("# resolved config")
     print(yaml.safe_dump(json.loads(cfg.model_dump_json()), sort_keys=False).rstrip())
+    print("# files")
+    print(yaml.safe_dump({"files": files}, sort_keys=False, width=120).rstrip())
     print("# plan")
     print(yaml.safe_dump(description, sort_keys=False).rstrip(), flush=True)

@@ -272,11 +272,11 @@ def check_json(*args: str) -> dict:
 
 def test_roll_lora_role_gives_its_plan():
     """ROLL's qwen2.5-7B rlvr_lora_fsdp2 example as written; the model (keeping Qwen2.5's context length, as the
-    file trains on 2048 + 4096 tokens) and the devices swapped by --set."""
+    file trains on 2048 + 4096 tokens), its data (not on this machine) and the devices swapped by --set."""
     plan = check_json(
         ROLL_LORA,
         *("--set", "model.name_or_path=builtin:tiny-qwen3", "--set", "model.config.max_position_embeddings=32768"),
-        *("--set", "device_mapping=[0]"),
+        *("--set", "device_mapping=[0]", "--set", "data.source=builtin:corpus"),
     )
     lora = plan["lora"]
     assert (lora["rank"], lora["alpha"], lora["dtype"]) == (32, 32, "float32")  # autocast_adapter_dtype: fp32

@@ -1,8 +1,9 @@
 """Real config files from ROLL, MindSpeed-MM, Accelerate, TRL and Trainer users (tests/fixtures/real_configs, with
 MANIFEST.yaml naming each one's repository, path and commit), read as a user would give them: the model swapped for
-a built-in one and the devices for 2-4 ranks through --set, and checked field by field against what the source tool
-does with the file (read from its own code: ROLL's fsdp2 strategy, MindSpeed-MM's Fsdp2Config, Accelerate's FSDP
-plugin, TrainingArguments' fsdp_config) - or refused with one line naming the file and the key as written.
+a built-in one, the data for the built-in corpus and the devices for 2-4 ranks through --set, and checked field by
+field against what the source tool does with the file (read from its own code: ROLL's fsdp2 strategy, MindSpeed-MM's
+Fsdp2Config, Accelerate's FSDP plugin, TrainingArguments' fsdp_config) - or refused with one line naming the file and
+the key as written.
 
 The plans are built in this process, as `fsdp2kit check --json` builds them on each rank, under torch's fake process
 group of the file's world size; one subprocess runs the real command line on a file of each dialect."""
@@ -264,7 +265,12 @@ EXPECTED: dict[str, tuple[str, int, dict | str]] = {
 
 def user_args(name: str, model: str, ranks: int) -> tuple[str, list[str], str | None]:
     """What a user types: a ROLL file is the config itself; a strategy file goes beside a job with --fsdp-config."""
-    swaps = [f"model.name_or_path=builtin:{model}", f"device_mapping={list(range(ranks))}"]
+    # The files' models and data are not on this machine (`check` refuses a data file that is missing): built-ins.
+    swaps = [
+        f"model.name_or_path=builtin:{model}",
+        f"device_mapping={list(range(ranks))}",
+        "data.source=builtin:corpus",
+    ]
     if name.startswith("roll/") and not model.endswith("-vl"):  # the stand-in keeps the real Qwen's context length
         swaps.append(f"model.config.max_position_embeddings={REAL_CONTEXT}")
     if name.startswith("roll/"):

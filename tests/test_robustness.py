@@ -532,3 +532,75 @@ def test_signal_to_the_nproc_launcher_reaches_the_ranks(tmp_path, small_run, sig
         assert result.returncode == 0, result.stderr
         assert f"resumed from {checkpoints / stopped.group(1)} at step " in result.stdout
         assert committed_checkpoints(checkpoints)[-1].name == "step_8"
+
+
+def test_check_reports_the_files_the_config_names_and_creates_nothing(tmp_path):
+    from test_infer import make_hf_folder
+
+    model = tmp_path / "model"
+    make_hf_folder(model, "tiny-llama")
+    data = tmp_path / "docs.jsonl"
+    data.write_text(json.dumps({"text": "one document"}) + "\n")
+    output_dir = tmp_path / "not" / "yet"
+    sets = [f"model.name_or_path={model}", f"data.source={data}", f"training.output_dir={output_dir}"]
+    result = run_cli("check", DEMO, "--json", *[arg for item in sets for arg in ("--set", item)])
+    assert result.returncode == 0, result.stderr
+    files = json.loads(result.stdout.strip().splitlines()[-1])["files"]
+    assert files["data.source"].startswith("1 file(s) of one kind (.jsonl)")
+    assert files["model weights"].startswith(f"1 safetensors file(s) in {model} (")
+    assert files["tokenizer"] == f"{model} (loads, 4096 tokens)"
+    assert files["training.output_dir"] == f"{output_dir} (can be created; not created now)"
+    assert not (tmp_path / "not").exists()
+    (data.parent / "extra.txt").write_text("text\n")
+    result = run_cli("check", DEMO, "--set", f"data.source={tmp_path}/*.*", "--set", f"model.name_or_path={model}")
+    assert_one_line_error(result, 2, f"data.source: '{tmp_path}/*.*' must be *.jsonl, *.parquet or *.txt files of one")
+
+
+def _damaged_checkpoint(saved_run, tmp_path):
+    checkpoint = _copy_checkpoint(saved_run, tmp_path)
+    shard = checkpoint / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:1000])
+    return {"model.name_or_path": str(checkpoint)}
+
+
+# case: (the --set overrides made from the test's tmp_path, what the one line says)
+CHECKED_FILES = {
+    "data_missing": (lambda t: {"data.source": str(t / "gone.jsonl")}, "data.source: no such file '{t}/gone.jsonl'"),
+    "weights_truncated": (
+        lambda t: {"model.name_or_path": str(_truncated_model(t))},
+        "model weights: '{t}/model/model.safetensors' is not a readable safetensors file",
+    ),
+    "tokenizer_damaged": (
+        lambda t: {"data.tokenizer": str(_damaged_tokenizer(t))},
+        "the tokenizer file '{t}/tokenizer/tokenizer.json' is damaged",
+    ),
+    "output_dir_under_a_file": (
+        lambda t: {"training.output_dir": str(_file(t) / "run")},
+        "training.output_dir: '{t}/a_file' is a file, not a folder",
+    ),
+}
+
+
+def _damaged_tokenizer(tmp_path):
+    folder = tmp_path / "tokenizer"
+    shutil.copytree(tokenizer_dir(), folder)
+    (folder / "tokenizer.json").write_text('{"version": "1.0", "trunc')
+    return folder
+
+
+@pytest.mark.parametrize("case", [*CHECKED_FILES, "checkpoint_damaged"])
+def test_check_refuses_each_damaged_or_missing_file(saved_run, tmp_path, case):
+    from fsdp2kit.check import checked_files
+    from fsdp2kit.config import load_config
+    from fsdp2kit.errors import UserError
+
+    if case == "checkpoint_damaged":
+        overrides = _damaged_checkpoint(saved_run, tmp_path)
+        expected = f"model.name_or_path: checkpoint '{tmp_path}/step_2' is damaged: '{tmp_path}/step_2/__0_0.distcp'"
+    else:
+        make, expected = CHECKED_FILES[case]
+        overrides, expected = make(tmp_path), expected.format(t=tmp_path)
+    cfg = load_config(DEMO, [f"{key}={value}" for key, value in overrides.items()])
+    with pytest.raises(UserError) as error:
+        checked_files(cfg)
+    assert str(error.value).startswith(expected), str(error.value)

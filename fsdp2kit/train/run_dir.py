@@ -15,16 +15,26 @@ from fsdp2kit.errors import UserError
 LOCK_FILE = ".fsdp2kit.lock"
 
 
+def output_dir_problem(output_dir: Path) -> str | None:
+    """Why `output_dir` cannot hold a run, or None; creates nothing (`check` asks too): the nearest existing folder
+    on its path must be a folder this user can write to."""
+    existing = next(path for path in [output_dir, *output_dir.absolute().parents] if path.exists())
+    if not existing.is_dir():
+        return f"training.output_dir: '{existing}' is a file, not a folder; give a folder path"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"training.output_dir: '{existing}' is not writable by this user; give a folder you can write to"
+    return None
+
+
 def _writable_dir(output_dir: Path) -> str | None:
-    """Why `output_dir` cannot hold a run, or None: checked before any model is loaded."""
-    if output_dir.exists() and not output_dir.is_dir():
-        return f"training.output_dir: '{output_dir}' is a file, not a folder; give a folder path"
+    """Why `output_dir` cannot hold a run, or None, creating it: checked before any model is loaded."""
+    problem = output_dir_problem(output_dir)
+    if problem is not None:
+        return problem
     try:
         output_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         return f"training.output_dir: '{output_dir}' cannot be created: {exc.strerror}"
-    if not os.access(output_dir, os.W_OK | os.X_OK):
-        return f"training.output_dir: '{output_dir}' is not writable by this user; give a folder you can write to"
     return None
 
 
