@@ -200,13 +200,5 @@ def two_ranks_in_first_step(code: str, args: list[str], log_dir: Path, in_first_
 @pytest.fixture
 def small_run(tmp_path):
     """--set overrides for a fast run of the built-in tiny Llama: 2 layers, 64-token samples, no checkpoints."""
-    return [
-        "--set",
-        "model.config.num_hidden_layers=2",
-        "--set",
-        "data.seq_len=64",
-        "--set",
-        f"training.output_dir={tmp_path / 'run'}",
-        "--set",
-        "training.export_hf=false",
-    ]
+    settings = {"model.config.num_hidden_layers": 2, "data.seq_len": 64, "training.export_hf": False}
+    return set_args({**settings, "training.output_dir": str(tmp_path / "run")})

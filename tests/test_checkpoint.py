@@ -10,7 +10,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from conftest import REPO, read_metrics, run_cli
+from conftest import REPO, read_metrics, run_cli, set_args
 
 from fsdp2kit.checkpoint.manager import committed_checkpoints
 from fsdp2kit.distributed import free_port
@@ -20,26 +20,19 @@ pytestmark = pytest.mark.slow
 
 
 def base(run_dir, steps=12, save=6, async_save=False):
-    return [
-        "--set",
-        "model.config.num_hidden_layers=2",
-        "--set",
-        "data.seq_len=64",
-        "--set",
-        "training.export_hf=false",
-        "--set",
-        "training.per_device_train_batch_size=1",
-        "--set",
-        "training.gradient_accumulation_steps=1",
-        "--set",
-        f"training.output_dir={run_dir}",
-        "--set",
-        f"training.max_steps={steps}",
-        "--set",
-        f"training.save_steps={save}",
-        "--set",
-        f"strategy_args.strategy_config.async_save_ckpt={str(async_save).lower()}",
-    ]
+    return set_args(
+        {
+            "model.config.num_hidden_layers": 2,
+            "data.seq_len": 64,
+            "training.export_hf": False,
+            "training.per_device_train_batch_size": 1,
+            "training.gradient_accumulation_steps": 1,
+            "training.output_dir": str(run_dir),
+            "training.max_steps": steps,
+            "training.save_steps": save,
+            "strategy_args.strategy_config.async_save_ckpt": async_save,
+        }
+    )
 
 
 def losses(run_dir):

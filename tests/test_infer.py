@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import run_cli
+from conftest import run_cli, set_args
 
 from fsdp2kit.data.builtin import corpus_documents, tokenizer_dir
 from fsdp2kit.models.builtin import BUILTIN_MODELS
@@ -42,6 +42,14 @@ def reference_logprobs(model, path):
     return sums
 
 
+def infer_records(folder, data, out, nproc=1, settings: dict | None = None) -> list[dict]:
+    """`fsdp2kit infer` of the model in `folder` on `data`: its records, the summary last."""
+    given = {"model.name_or_path": str(folder), "data.source": str(data), "training.output_dir": str(out)}
+    result = run_cli("infer", "examples/demo.yaml", "--nproc", nproc, *set_args({**given, **(settings or {})}))
+    assert result.returncode == 0, result.stderr
+    return [json.loads(line) for line in (out / "infer.jsonl").read_text().splitlines()]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("builtin, shard", [("tiny-llama", None), ("tiny-qwen3", "1MB")])
 def test_infer_matches_transformers(tmp_path, builtin, shard):
@@ -53,24 +61,8 @@ def test_infer_matches_transformers(tmp_path, builtin, shard):
     expected = reference_logprobs(model, folder)
     for nproc in (1, 2):
         out = tmp_path / f"out{nproc}"
-        result = run_cli(
-            "infer",
-            "examples/demo.yaml",
-            "--nproc",
-            nproc,
-            "--set",
-            f"model.name_or_path={folder}",
-            "--set",
-            f"data.source={data}",
-            "--set",
-            f"training.output_dir={out}",
-            "--set",
-            "strategy_args.strategy_name=fsdp2_infer",
-            "--set",
-            "infer_batch_size=3",
-        )
-        assert result.returncode == 0, result.stderr
-        records = [json.loads(line) for line in (out / "infer.jsonl").read_text().splitlines()]
+        settings = {"strategy_args.strategy_name": "fsdp2_infer", "infer_batch_size": 3}
+        records = infer_records(folder, data, out, nproc, settings)
         samples, summary = records[:-1], records[-1]
         assert [r["index"] for r in samples] == list(range(len(TEXTS)))
         assert [r["sum_logprob"] for r in samples] == pytest.approx(expected, abs=1e-4)

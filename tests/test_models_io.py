@@ -6,31 +6,15 @@ import json
 
 import pytest
 import torch
-from conftest import read_metrics, run_cli
+from conftest import read_metrics, run_cli, set_args
 from safetensors.torch import load_file, save_file
-from test_infer import TEXTS, make_hf_folder, reference_logprobs
+from test_infer import TEXTS, infer_records, make_hf_folder, reference_logprobs
 
 DEMO = "examples/demo.yaml"
 
 
-def _infer(folder, data, out, nproc=1, *extra):
-    result = run_cli(
-        "infer",
-        DEMO,
-        "--nproc",
-        nproc,
-        "--set",
-        f"model.name_or_path={folder}",
-        *extra,
-        "--set",
-        f"data.source={data}",
-        "--set",
-        f"training.output_dir={out}",
-        "--set",
-        "infer_batch_size=2",
-    )
-    assert result.returncode == 0, result.stderr
-    return [json.loads(line) for line in (out / "infer.jsonl").read_text().splitlines()][:-1]
+def _infer(folder, data, out, nproc=1, settings: dict | None = None) -> list[dict]:
+    return infer_records(folder, data, out, nproc, {"infer_batch_size": 2, **(settings or {})})[:-1]
 
 
 @pytest.fixture
@@ -97,7 +81,7 @@ def test_load_modes_and_world_sizes(tmp_path, texts_file, nproc, loading):
     folder = tmp_path / "hf"
     model = make_hf_folder(folder, "tiny-qwen3", max_shard_size="1MB")
     expected = reference_logprobs(model, folder)
-    got = _infer(folder, texts_file, tmp_path / "out", nproc, "--set", f"model.weights_loading={loading}")
+    got = _infer(folder, texts_file, tmp_path / "out", nproc, {"model.weights_loading": loading})
     assert [r["sum_logprob"] for r in got] == pytest.approx(expected, abs=1e-4)
 
 
@@ -107,21 +91,16 @@ def test_weight_mistakes_exit_2_naming_the_tensor_or_file(tmp_path, texts_file):
     make_hf_folder(folder, "tiny-llama")
     weights = load_file(folder / "model.safetensors")
 
+    def infer():
+        given = {"model.name_or_path": folder, "data.source": texts_file, "training.output_dir": tmp_path / "out"}
+        return run_cli("infer", DEMO, *set_args({key: str(value) for key, value in given.items()}))
+
     def attempt(state, config_changes=None):
         save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
         if config_changes:
             config = json.loads((folder / "config.json").read_text())
             (folder / "config.json").write_text(json.dumps({**config, **config_changes}))
-        return run_cli(
-            "infer",
-            DEMO,
-            "--set",
-            f"model.name_or_path={folder}",
-            "--set",
-            f"data.source={texts_file}",
-            "--set",
-            f"training.output_dir={tmp_path / 'out'}",
-        )
+        return infer()
 
     missing = {k: v for k, v in weights.items() if k != "model.norm.weight"}
     result = attempt(missing)
@@ -148,16 +127,7 @@ def test_weight_mistakes_exit_2_naming_the_tensor_or_file(tmp_path, texts_file):
         json.dumps({"weight_map": {k: "gone.safetensors" for k in weights}})
     )
     save_file({"x": torch.zeros(1)}, folder / "other.safetensors")
-    result = run_cli(
-        "infer",
-        DEMO,
-        "--set",
-        f"model.name_or_path={folder}",
-        "--set",
-        f"data.source={texts_file}",
-        "--set",
-        f"training.output_dir={tmp_path / 'out'}",
-    )
+    result = infer()
     assert result.returncode == 2
     assert (
         result.stderr.strip()
