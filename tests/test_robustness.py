@@ -604,3 +604,36 @@ def test_check_refuses_each_damaged_or_missing_file(saved_run, tmp_path, case):
     with pytest.raises(UserError) as error:
         checked_files(cfg)
     assert str(error.value).startswith(expected), str(error.value)
+
+
+def test_a_damaged_checkpoint_read_as_a_model_names_the_damaged_file(saved_run, tmp_path):
+    """A truncated shard is named with its length, not reported as a bare EOFError or as a model mismatch."""
+    checkpoint = _damaged_checkpoint(saved_run, tmp_path)["model.name_or_path"]
+    result = run_cli("convert", checkpoint, tmp_path / "out", "--to", "hf")
+    expected = f"checkpoint '{checkpoint}' is incomplete or corrupt: '{checkpoint}/__0_0.distcp' is truncated (1000 of "
+    assert_one_line_error(result, 2, expected)
+    assert not list((tmp_path / "out").glob("*.safetensors"))
+
+
+@pytest.mark.slow
+def test_a_run_announces_each_long_phase_with_its_duration(small_run):
+    """Loading the model, the token store and torch.compile's first step each get a line before and one with the
+    time taken after, so a busy run never looks hung."""
+    import re
+
+    args = ["--set", "training.max_steps=1", "--set", "training.compile=true", "--set", "training.report_to=[]"]
+    result = run_cli("train", DEMO, *small_run, *args)
+    assert result.returncode == 0, result.stderr
+    lines = [line for line in result.stdout.splitlines() if not line.startswith("warning: ")]
+    phases = [
+        "loading the model (builtin:tiny-llama)",
+        "the token store of builtin:corpus",
+        "step 1: torch.compile of 2 modules",
+    ]
+    expected = [
+        pattern for name in phases for pattern in (re.escape(f"{name} ..."), re.escape(name) + r": done in \d+\.\ds")
+    ]
+    assert len(lines) > len(expected), result.stdout
+    for line, pattern in zip(lines[: len(expected)], expected, strict=True):
+        assert re.fullmatch(pattern, line), (pattern, line)
+    assert lines[len(expected)].startswith("step 1/1 loss ")

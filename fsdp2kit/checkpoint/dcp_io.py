@@ -148,5 +148,5 @@ def read_dcp(state: dict, folder: Path, error_prefix: str, no_dist: bool = False
             planner=SafeLoadPlanner(),
             no_dist=no_dist,
         )
-    except (Exception, CheckpointException) as exc:
-        raise UserError(f"{error_prefix}: {_reason(exc)}") from None
+    except (Exception, CheckpointException) as exc:  # a damaged file is named, rather than a bare EOFError
+        raise UserError(f"{error_prefix}: {damage(folder) or _reason(exc)}") from None

@@ -339,7 +339,7 @@ def load_dcp(model: nn.Module, folder: Path) -> None:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     state = base_state(model, get_model_state_dict(model))  # the live shards: DCP reads into them in place
-    read_dcp({"model": state}, folder, f"model weights: checkpoint '{folder}' does not fit this model")
+    read_dcp({"model": state}, folder, f"model weights: checkpoint '{folder}' cannot be loaded into this model")
 
 
 def materialise(

@@ -6,6 +6,7 @@ import json
 import shutil
 import signal
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -157,7 +158,13 @@ def _train(cfg: JobConfig, runtime: Runtime, stop: StopSignals) -> None:
                 {k: v.to(runtime.device, non_blocking=True) for k, v in mb.items()} for mb in prefetched.next()
             ]
             data_time = time.perf_counter() - started  # waiting for the prefetching thread, and the copy
-            with memory.step(micro_batches):
+            compiled = sharded.plan.compiled_modules
+            compiling = (  # torch.compile works on the first call: say so, or the run looks hung
+                phase(f"step {step + 1}: torch.compile of {len(compiled)} modules", runtime.is_main)
+                if compiled and step == start_step
+                else nullcontext()
+            )
+            with compiling, memory.step(micro_batches):
                 result = train_step(
                     model,
                     micro_batches,
