@@ -109,4 +109,15 @@ def out_of_memory_message(exc: BaseException, runtime: Runtime) -> str | None:
 
 def shutdown() -> None:
     if dist.is_initialized():
-        dist.destroy_process_group()
+        destroy_process_group()
+
+
+def destroy_process_group() -> None:
+    """Destroy the default process group and forget DTensor's cached sharding results. Those caches compare device
+    meshes without their rank, so after a process group of another rank in the same process (`plan`'s fake rank 0,
+    a test's fake rank 1) a cached result would hand new DTensors the old mesh, and with it the old rank's shard."""
+    from torch.distributed.tensor.debug import _clear_fast_path_sharding_prop_cache, _clear_python_sharding_prop_cache
+
+    dist.destroy_process_group()
+    _clear_python_sharding_prop_cache()
+    _clear_fast_path_sharding_prop_cache()

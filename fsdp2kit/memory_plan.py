@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor
 from fsdp2kit.config import load_config
 from fsdp2kit.config.schema import JobConfig
 from fsdp2kit.data.dataset import Sample, collate
-from fsdp2kit.distributed import Runtime
+from fsdp2kit.distributed import Runtime, destroy_process_group
 from fsdp2kit.errors import UserError
 from fsdp2kit.models.sharded import build_sharded_model
 from fsdp2kit.parallel.ulysses import shard_sequence
@@ -68,7 +68,7 @@ def fake_world(world_size: int) -> Iterator[Runtime]:
     try:
         yield Runtime(0, world_size, 0, torch.device("cpu"))
     finally:
-        dist.destroy_process_group()
+        destroy_process_group()
 
 
 def _synthetic_micro_batch(cfg: JobConfig) -> dict[str, torch.Tensor]:

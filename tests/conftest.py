@@ -40,7 +40,7 @@ def process_group(size: int = 1, rank: int = 0):
     (collectives do nothing) to be rank `rank` of a larger world."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from fsdp2kit.distributed import Runtime
+    from fsdp2kit.distributed import Runtime, destroy_process_group
 
     if size == 1:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -49,7 +49,7 @@ def process_group(size: int = 1, rank: int = 0):
     try:
         yield Runtime(rank, size, 0, torch.device("cpu"))
     finally:
-        dist.destroy_process_group()
+        destroy_process_group()
 
 
 def sharded_model(cfg, runtime, **kwargs):

@@ -3,22 +3,11 @@ predicts the per-rank peak a real run measures."""
 
 from __future__ import annotations
 
-import multiprocessing
-from concurrent.futures import ProcessPoolExecutor
-
 import pytest
-from conftest import read_metrics, run_cli
+from conftest import process_group, read_metrics, run_cli, sharded_model
 
+from fsdp2kit.config import load_config
 from fsdp2kit.memory_plan import ConfigSource, plan_report, predict
-
-
-def _in_own_process(function, *args):
-    """`function(*args)` in a fresh process, as `fsdp2kit plan` runs: tracing on fake tensors in a fake process group
-    leaves torch state behind that changes what a later in-process fake-group model load reads (test_moe's rank-1
-    loads failed after these tests ran in the same pytest process)."""
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(function, *args).result()
-
 
 SMALL = [
     "model.config.num_hidden_layers=2",
@@ -71,7 +60,7 @@ def _measured(tmp_path, nproc: int, overrides: list[str]) -> dict:
 def test_plan_predicts_the_measured_peak(tmp_path, model, nproc, zero, recompute):
     overrides = [*(SMALL if model == "tiny" else LLAMA_100M), *ZERO[zero]]
     overrides.append(f"model.gradient_checkpointing={str(recompute).lower()}")
-    predicted = _in_own_process(predict, ConfigSource("examples/demo.yaml", overrides, None, None), nproc)
+    predicted = predict(ConfigSource("examples/demo.yaml", overrides, None, None), nproc)
     measured = _measured(tmp_path, nproc, overrides)
 
     assert measured["peak_mem_kind"] == "cpu_live_tensors"
@@ -90,7 +79,7 @@ def test_plan_table_and_budget():
         "training.per_device_train_batch_size=1",
         "training.gradient_accumulation_steps=1",
     ]
-    report = _in_own_process(plan_report, ConfigSource("examples/demo.yaml", tiny, None, None), 2, None)
+    report = plan_report(ConfigSource("examples/demo.yaml", tiny, None, None), 2, None)
     rows = {(r["strategy"], r["recompute"], r["offload"]): r["peak_bytes"] for r in report["strategies"]}
     assert len(rows) == 8
     for recompute in (False, True):
@@ -109,7 +98,7 @@ def test_plan_table_and_budget():
     lines = [line.split(" ", 1)[1] for line in result.stdout.splitlines() if line.startswith("--set ")]
     assert "strategy_args.strategy_config.sharding_strategy=FULL_SHARD" in lines
     assert "model.gradient_checkpointing=true" in lines
-    chosen = _in_own_process(predict, ConfigSource("examples/demo.yaml", [*tiny, *lines], None, None), 2)
+    chosen = predict(ConfigSource("examples/demo.yaml", [*tiny, *lines], None, None), 2)
     assert chosen["peak_bytes"] == rows["FULL_SHARD", True, False] <= budget * 1024**3
 
 
@@ -117,3 +106,14 @@ def test_plan_refuses_a_bad_budget():
     result = run_cli("plan", "examples/demo.yaml", "--budget-gb", "0")
     assert result.returncode == 2
     assert result.stderr.strip() == "error: --budget-gb 0.0: give the memory per rank in GiB, > 0"
+
+
+def test_plan_leaves_no_rank_behind_in_this_process():
+    """`plan` traces as fake rank 0. DTensor caches sharding results under a key that compares device meshes without
+    their rank: left in place, a later process group of rank 1 in the same process (a notebook, these tests) got
+    DTensors on plan's rank-0 mesh, and so rank 0's rows of every weight."""
+    tiny = ["model.config.num_hidden_layers=2", "data.seq_len=32", "training.per_device_train_batch_size=1"]
+    plan_report(ConfigSource("examples/demo.yaml", tiny, None, None), 2, None)
+    with process_group(size=2, rank=1) as runtime:
+        model = sharded_model(load_config("examples/demo.yaml", tiny), runtime, training=False).model
+        assert {p.device_mesh.get_coordinate() for p in model.parameters()} == {(1,)}
