@@ -115,7 +115,8 @@ def shutdown() -> None:
 def destroy_process_group() -> None:
     """Destroy the default process group and forget DTensor's cached sharding results. Those caches compare device
     meshes without their rank, so after a process group of another rank in the same process (`plan`'s fake rank 0,
-    a test's fake rank 1) a cached result would hand new DTensors the old mesh, and with it the old rank's shard."""
+    a test's fake rank 1) a cached result would hand new DTensors the old mesh, and with it the old rank's shard
+    (Megatron-LM met the same after re-creating its groups: NVIDIA/Megatron-LM#7029)."""
     from torch.distributed.tensor.debug import _clear_fast_path_sharding_prop_cache, _clear_python_sharding_prop_cache
 
     dist.destroy_process_group()
