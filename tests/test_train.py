@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import read_metrics, run_cli
+from conftest import read_metrics, run_cli, set_args
 
 from fsdp2kit.config.schema import DataConfig
 from fsdp2kit.data.builtin import corpus_documents, tokenizer_dir
@@ -110,51 +110,23 @@ def test_two_rank_training_writes_metrics_checkpoints_and_hf_export(tmp_path, sm
 @pytest.mark.slow
 def test_resume_continues_the_same_loss_curve(tmp_path, small_run):
     """A run stopped after its step-3 checkpoint and resumed gives the same later losses as one that never stopped."""
-    common = [
-        *small_run,
-        "--set",
-        "training.lr_scheduler_type=constant",
-        "--set",
-        "training.save_steps=3",
-        "--set",
-        "strategy_args.strategy_config.async_save_ckpt=false",
-    ]
-    straight = run_cli(
-        "train",
-        DEMO,
-        "--nproc",
-        "2",
-        *common,
-        "--set",
-        "training.max_steps=6",
-        "--set",
-        f"training.output_dir={tmp_path / 'straight'}",
+    common = set_args(
+        {
+            "training.lr_scheduler_type": "constant",
+            "training.save_steps": 3,
+            "strategy_args.strategy_config.async_save_ckpt": False,
+        }
     )
-    assert straight.returncode == 0, straight.stderr
-    first = run_cli(
-        "train",
-        DEMO,
-        "--nproc",
-        "2",
-        *common,
-        "--set",
-        "training.max_steps=3",
-        "--set",
-        f"training.output_dir={tmp_path / 'resumed'}",
-    )
-    assert first.returncode == 0, first.stderr
-    second = run_cli(
-        "train",
-        DEMO,
-        "--nproc",
-        "2",
-        *common,
-        "--set",
-        "training.max_steps=6",
-        "--set",
-        f"training.output_dir={tmp_path / 'resumed'}",
-    )
-    assert second.returncode == 0, second.stderr
+
+    def train(steps: int, run: str):
+        settings = {"training.max_steps": steps, "training.output_dir": str(tmp_path / run)}
+        result = run_cli("train", DEMO, "--nproc", "2", *small_run, *common, *set_args(settings))
+        assert result.returncode == 0, result.stderr
+        return result
+
+    train(6, "straight")
+    train(3, "resumed")
+    second = train(6, "resumed")
     assert "resumed from" in second.stdout
     expected = [r["loss"] for r in read_metrics(tmp_path / "straight")]
     got = [r["loss"] for r in read_metrics(tmp_path / "resumed")]
