@@ -99,18 +99,18 @@ def one_round(args: argparse.Namespace, run: Path, rng: random.Random, env: dict
     drain.start()
     resumed_at, met, sent_at = 0, None, 0
     in_flight: list[str] = []
-    last_line, step_time = 0.0, 0.1  # the time between two step lines, once two are seen
+    last_line, step_time = 0.0, float("inf")  # the shortest time between two step lines: a step with no save
     for line in proc.stdout:
         if match := re.match(r"resumed from .*step_(\d+) at step", line):
             resumed_at = int(match.group(1))
         if not (match := re.match(r"step (\d+)/", line)):
             continue
         now = time.perf_counter()
-        step_time, last_line = (now - last_line if last_line else step_time), now
+        step_time, last_line = (min(step_time, now - last_line) if last_line else step_time), now
         if int(match.group(1)) < target:
             continue
         if aim == "step":
-            time.sleep(rng.uniform(0.05, 0.8) * step_time)
+            time.sleep(rng.uniform(0.05, 0.8) * (step_time if step_time < float("inf") else 0.1))
         elif wait_for_save(run, target, proc):
             time.sleep(rng.uniform(0.0, args.save_delay))
         in_flight, alive = saves_in_flight(run), proc.poll() is None
