@@ -204,10 +204,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "convert":
             from fsdp2kit.checkpoint.convert import convert
             from fsdp2kit.dtypes import torch_dtype
+            from fsdp2kit.train.loggers import phase
 
             adapter = Path(args.adapter) if args.adapter else None
-            convert(Path(args.src), Path(args.dst), args.to, torch_dtype(args.dtype), adapter)
-            print(f"converted {args.src} -> {args.dst} ({args.to})")
+            with phase(f"converting {args.src} -> {args.dst} ({args.to})", is_main=True):
+                convert(Path(args.src), Path(args.dst), args.to, torch_dtype(args.dtype), adapter)
             return 0
         if args.command == "report":
             from fsdp2kit.report import write_report

@@ -439,6 +439,9 @@ def test_convert_dtype_casts_the_weights_and_says_so_in_config_json(tmp_path):
     original = make_hf_folder(tmp_path / "hf", "tiny-llama")
     result = run_cli("convert", tmp_path / "hf", tmp_path / "dcp", "--to", "dcp", "--dtype", "bf16")
     assert result.returncode == 0, result.stderr
+    announced = f"converting {tmp_path / 'hf'} -> {tmp_path / 'dcp'} (dcp)"
+    assert result.stdout.splitlines()[0] == f"{announced} ..."
+    assert result.stdout.splitlines()[1].startswith(f"{announced}: done in ")
     stored = read_metadata(tmp_path / "dcp", "test").state_dict_metadata
     assert {meta.properties.dtype for meta in stored.values()} == {torch.bfloat16}
     assert AutoConfig.from_pretrained(tmp_path / "dcp").dtype == torch.bfloat16
@@ -616,12 +619,13 @@ def test_a_damaged_checkpoint_read_as_a_model_names_the_damaged_file(saved_run, 
 
 
 @pytest.mark.slow
-def test_a_run_announces_each_long_phase_with_its_duration(small_run):
-    """Loading the model, the token store and torch.compile's first step each get a line before and one with the
-    time taken after, so a busy run never looks hung."""
+def test_a_run_announces_each_long_phase_with_its_duration(tmp_path, small_run):
+    """Loading the model, the token store, torch.compile's first step and the HF export each get a line before and
+    one with the time taken after, so a busy run never looks hung."""
     import re
 
     args = ["--set", "training.max_steps=1", "--set", "training.compile=true", "--set", "training.report_to=[]"]
+    args += ["--set", "training.export_hf=true"]
     result = run_cli("train", DEMO, *small_run, *args)
     assert result.returncode == 0, result.stderr
     lines = [line for line in result.stdout.splitlines() if not line.startswith("warning: ")]
@@ -637,3 +641,7 @@ def test_a_run_announces_each_long_phase_with_its_duration(small_run):
     for line, pattern in zip(lines[: len(expected)], expected, strict=True):
         assert re.fullmatch(pattern, line), (pattern, line)
     assert lines[len(expected)].startswith("step 1/1 loss ")
+    export = f"writing the HF folder {tmp_path / 'run' / 'hf'}"
+    assert lines[-3] == f"{export} ..."
+    assert re.fullmatch(re.escape(export) + r": done in \d+\.\ds", lines[-2]), lines[-2]
+    assert lines[-1] == f"done: 1 steps; outputs in {tmp_path / 'run'}"

@@ -217,7 +217,8 @@ def _train(cfg: JobConfig, runtime: Runtime, stop: StopSignals) -> None:
     if sharded.plan.adapters and tc.export_hf:
         export_adapter(model, output_dir / "adapter", cfg.model.name_or_path, runtime.is_main)
     if (tc.export_hf and not sharded.plan.adapters) or tc.export_merged:  # LoRA: the adapters merged in
-        export_hf(model, output_dir / "hf", sharded.source.tokenizer_path, cfg.model.dtype, runtime.is_main)
+        with phase(f"writing the HF folder {output_dir / 'hf'}", runtime.is_main):
+            export_hf(model, output_dir / "hf", sharded.source.tokenizer_path, cfg.model.dtype, runtime.is_main)
     if runtime.is_main:
         print(f"done: {total_steps} steps; outputs in {output_dir}", flush=True)
 
