@@ -16,6 +16,8 @@ import torch
 import yaml
 from conftest import as_overrides, plain_model, read_metrics, reference_run, run_cli, set_args
 from safetensors.torch import load_file
+from test_numerics import CONFIG as NUMERICS_CONFIG
+from test_numerics import GLOBAL_BATCH, STEPS, TOLERANCE
 
 from fsdp2kit.config.load import load_config
 from fsdp2kit.config.schema import StrategyConfig
@@ -26,27 +28,9 @@ from fsdp2kit.labels import IGNORE_INDEX
 from fsdp2kit.parallel.mesh import mesh_layout
 from fsdp2kit.parallel.ulysses import shard_sequence
 
-STEPS = 8
-GLOBAL_BATCH = 4
-TOLERANCE = 1e-5  # relative, per step
-
-CONFIG = {
-    "model": {"name_or_path": "builtin:tiny-llama", "dtype": "fp32"},
-    "data": {"source": "builtin:corpus"},
-    "training": {
-        "learning_rate": 3.0e-3,
-        "weight_decay": 0.01,
-        "warmup_steps": 4,
-        "lr_scheduler_type": "cosine",
-        "max_steps": STEPS,
-        "max_grad_norm": 1.0,
-        "seed": 7,
-        "per_device_train_batch_size": 1,
-        "save_steps": 0,
-        "export_hf": False,
-        "report_to": [],
-    },
-}
+# The numerics tests' model, data and schedule, with no checkpoints, export or loggers.
+TRAINING = {**NUMERICS_CONFIG["training"], "save_steps": 0, "export_hf": False, "report_to": []}
+CONFIG = {**NUMERICS_CONFIG, "training": TRAINING}
 # An odd sequence length: k = 2 never divides it, so every batch is padded for the split.
 SMALL = {"model.config.num_hidden_layers": 2, "data.seq_len": 63}
 
