@@ -52,6 +52,28 @@ def test_store_is_reused_and_replaced_when_its_inputs_change(tmp_path, tokenizer
     assert store_path(cfg, tokenizer) != store.path
 
 
+@pytest.mark.parametrize(
+    "damage, reason",
+    [
+        (lambda store: os.truncate(store / "tokens.bin", 1000), "tokens.bin is 1000 bytes where meta.json says "),
+        (lambda store: (store / "offsets.bin").unlink(), "offsets.bin is missing where meta.json says "),
+        (lambda store: (store / "meta.json").write_text('{"tokens": 12'), "meta.json is unreadable: "),
+        (lambda store: (store / "meta.json").unlink(), "meta.json is missing"),
+    ],
+)
+def test_a_store_damaged_after_its_commit_is_built_again(tmp_path, tokenizer, capsys, damage, reason):
+    source = write_jsonl(tmp_path / "docs.jsonl", corpus_documents()[:30])
+    cfg = DataConfig(source=str(source), cache_dir=str(tmp_path / "cache"))
+    whole = token_store(cfg, tokenizer)
+    expected = [whole.document(i).tolist() for i in range(whole.num_documents)]
+    damage(whole.path)
+    capsys.readouterr()
+    store = token_store(cfg, tokenizer)
+    assert f"token store {whole.path} is damaged ({reason}" in capsys.readouterr().out
+    assert [store.document(i).tolist() for i in range(store.num_documents)] == expected
+    assert [p.name for p in (tmp_path / "cache").iterdir() if not p.name.endswith(".lock")] == [whole.path.name]
+
+
 def test_prepare_prints_what_it_built(tmp_path, capsys):
     source = write_jsonl(tmp_path / "docs.jsonl", corpus_documents()[:40])
     args = ["prepare", "examples/demo.yaml", "--set", f"data.source={source}", "--set", f"data.cache_dir={tmp_path}"]

@@ -117,17 +117,46 @@ def open_store(path: Path) -> TokenStore:
 
 
 def token_store(cfg: DataConfig, tokenizer) -> TokenStore:
-    """The store of this data config and tokenizer, built now (once, whoever asks first) if it is absent."""
+    """The store of this data config and tokenizer, built now (once, whoever asks first) if it is absent or was
+    damaged after it was committed (a file truncated or removed: a full disk, a copy cut short, a hand)."""
     path = store_path(cfg, tokenizer)
-    if not (path / "meta.json").is_file():
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise UserError(f"data.cache_dir: cannot create '{path.parent}': {exc.strerror}") from None
-        with _exclusive(path.parent / f"{path.name}.lock"):
-            if not (path / "meta.json").is_file():  # another process may have committed it while we waited
-                _build(cfg, tokenizer, path)
+    if path.exists() and _damage(path) is None:
+        return open_store(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"data.cache_dir: cannot create '{path.parent}': {exc.strerror}") from None
+    with _exclusive(path.parent / f"{path.name}.lock"):
+        if path.exists() and (damage := _damage(path)) is not None:  # still damaged now that we hold the lock
+            print(f"token store {path} is damaged ({damage}); building it again", flush=True)
+            aside = path.with_name(f"{path.name}.damaged-{socket.gethostname()}-{os.getpid()}")
+            os.rename(path, aside)  # readers that mapped the old files keep them until they close
+            shutil.rmtree(aside, ignore_errors=True)
+        if not path.exists():  # another process may have committed it while we waited
+            _build(cfg, tokenizer, path)
     return open_store(path)
+
+
+def _damage(path: Path) -> str | None:
+    """What makes a committed store differ from what its meta.json describes, or None when it is whole."""
+    try:
+        meta = json.loads((path / "meta.json").read_text())
+        sizes = {
+            "tokens.bin": meta["tokens"] * np.dtype(meta["dtype"]).itemsize,
+            "offsets.bin": 8 * meta["documents"] + 8,
+        }
+        if meta["sft"]:
+            sizes["prompt_lengths.bin"] = 4 * meta["documents"]
+    except FileNotFoundError:
+        return "meta.json is missing"
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return f"meta.json is unreadable: {exc}"
+    for name, size in sizes.items():
+        file = path / name
+        found = file.stat().st_size if file.is_file() else None
+        if found != size:
+            return f"{name} is {'missing' if found is None else f'{found} bytes'} where meta.json says {size} bytes"
+    return None
 
 
 @contextmanager
