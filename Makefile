@@ -27,11 +27,13 @@ lint: install
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
-# The CPU benchmarks, each printing one JSON object (docs/PERFORMANCE.md); benchmarks/gpu_suite.sh is the GPU set.
+# The CPU benchmarks, each printing one JSON object, saved in docs/bench/ and drawn into docs/img/ (docs/PERFORMANCE.md);
+# benchmarks/gpu_suite.sh is the GPU set.
 bench: install
 	$(BIN)/python -m pip install --quiet -e '.[bench]'
 	for b in memory_scaling vs_raw_fsdp2 vs_fsdp1 vs_accelerate mallopt_cost checkpoint_stall load_export_memory; do \
-		OMP_NUM_THREADS=1 $(BIN)/python benchmarks/$$b.py || exit 1; done
+		OMP_NUM_THREADS=1 $(BIN)/python benchmarks/$$b.py > docs/bench/$$b.json || exit 1; cat docs/bench/$$b.json; done
+	$(BIN)/python benchmarks/plots.py
 
 clean:
 	rm -rf runs .pytest_cache
