@@ -83,7 +83,7 @@ def speed_ratios(results: dict[str, dict], out: Path) -> None:
             labels.append(f"{reference}\n{world_size} rank{'s' if world_size != '1' else ''}{mode}")
             ratios.append(row["ratio_tokens_per_s"])
     bars = axes.bar(range(len(ratios)), ratios)
-    axes.bar_label(bars, fmt="%.2f")
+    axes.bar_label(bars, fmt="%.3f")
     axes.axhline(1.0, color="k", linewidth=0.8)
     axes.axhline(0.97, color="r", linestyle="--", linewidth=0.8, label="goal vs raw loop: 0.97")
     axes.set_xticks(range(len(labels)), labels, fontsize=7)
