@@ -21,6 +21,7 @@ from fsdp2kit.cli import main
 from fsdp2kit.config.schema import DataConfig
 from fsdp2kit.data.builtin import corpus_documents, tokenizer_dir
 from fsdp2kit.data.store import store_path, token_store
+from fsdp2kit.errors import UserError
 
 TINY = ["--set", "model.config.num_hidden_layers=1", "--set", "data.seq_len=32", "--set", "training.export_hf=false"]
 TINY += ["--set", "model.allow_random_init=true"]  # infer scores the random built-in model: what matters is the data
@@ -72,6 +73,17 @@ def test_a_store_damaged_after_its_commit_is_built_again(tmp_path, tokenizer, ca
     assert f"token store {whole.path} is damaged ({reason}" in capsys.readouterr().out
     assert [store.document(i).tolist() for i in range(store.num_documents)] == expected
     assert [p.name for p in (tmp_path / "cache").iterdir() if not p.name.endswith(".lock")] == [whole.path.name]
+
+
+def test_a_cache_dir_it_cannot_write_is_one_sentence(tmp_path, tokenizer):
+    source = write_jsonl(tmp_path / "docs.jsonl", corpus_documents()[:30])
+    cfg = DataConfig(source=str(source), cache_dir=str(tmp_path / "cache"))
+    lock = store_path(cfg, tokenizer).with_suffix(".lock")
+    lock.mkdir(parents=True)  # as unwritable as a read-only mount, to a root test
+    with pytest.raises(
+        UserError, match=r"^data.cache_dir: cannot write '.*\.lock' \(Is a directory\); give a writable"
+    ):
+        token_store(cfg, tokenizer)
 
 
 def test_prepare_prints_what_it_built(tmp_path, capsys):

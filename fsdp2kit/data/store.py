@@ -163,7 +163,13 @@ def _damage(path: Path) -> str | None:
 def _exclusive(lock_path: Path):
     """One holder at a time across processes (and nodes, where the filesystem supports flock); the kernel
     releases it when its holder dies, so a killed builder never blocks the next."""
-    with open(lock_path, "a") as lock:
+    try:
+        lock = open(lock_path, "a")
+    except OSError as exc:
+        raise UserError(
+            f"data.cache_dir: cannot write '{lock_path}' ({exc.strerror}); give a writable data.cache_dir"
+        ) from None
+    with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             yield
