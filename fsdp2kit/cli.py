@@ -220,9 +220,12 @@ def main(argv: list[str] | None = None) -> int:
             from fsdp2kit.data.dataset import load_tokenizer
             from fsdp2kit.data.store import describe, token_store
             from fsdp2kit.models.build import resolve_model
+            from fsdp2kit.train.loggers import phase
 
             tokenizer = load_tokenizer(resolve_model(cfg.model, cfg.data.tokenizer).tokenizer_path)
-            print(f"token store {describe(token_store(cfg.data, tokenizer))}")
+            with phase(f"the token store of {cfg.data.source}", is_main=True):
+                store = token_store(cfg.data, tokenizer)
+            print(f"token store {describe(store)}")
             return 0
         nproc = args.nproc
         if nproc is None and cfg.device_mapping and not _under_launcher():

@@ -90,9 +90,16 @@ def test_prepare_prints_what_it_built(tmp_path, capsys):
     source = write_jsonl(tmp_path / "docs.jsonl", corpus_documents()[:40])
     args = ["prepare", "examples/demo.yaml", "--set", f"data.source={source}", "--set", f"data.cache_dir={tmp_path}"]
     assert main(args) == 0
-    first = capsys.readouterr().out.splitlines()[-1]
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == f"the token store of {source} ..." and lines[1].startswith("token store: 40 documents, ")
+    first = lines[-1]
     assert main(args) == 0
-    assert capsys.readouterr().out.splitlines() == [first]  # the second prepare finds it
+    lines = capsys.readouterr().out.splitlines()  # the second prepare finds it: no build line
+    assert [line.split(": done in ")[0] for line in lines] == [
+        f"the token store of {source} ...",
+        f"the token store of {source}",
+        first,
+    ]
     expected = sum(len(d.encode()) for d in corpus_documents()[:40])
     assert ": 40 documents, " in first and f" tokens, {expected} bytes of text; built in " in first
     assert first.endswith(" threads of the Rust tokenizer") and " tokens/s " in first
