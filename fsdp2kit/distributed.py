@@ -43,10 +43,13 @@ def return_large_frees_to_os(threshold_bytes: int = 4 << 20) -> None:
         pass
 
 
+_ONE_PROCESS_WORLD: dict[str, str] = {}  # what init_distributed put in the environment for a run without a launcher
+
+
 def init_distributed(device_mapping: list[int] | None) -> Runtime:
     """NCCL on CUDA (gloo kept for CPU tensors), gloo on CPU. Without a launcher, a world of one."""
     if "RANK" not in os.environ:
-        os.environ.update(
+        _ONE_PROCESS_WORLD.update(
             RANK="0",
             WORLD_SIZE="1",
             LOCAL_RANK="0",
@@ -54,6 +57,7 @@ def init_distributed(device_mapping: list[int] | None) -> Runtime:
             MASTER_ADDR="127.0.0.1",
             MASTER_PORT=str(free_port()),
         )
+        os.environ.update(_ONE_PROCESS_WORLD)
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if device_mapping is not None and len(device_mapping) != world_size:
@@ -108,8 +112,13 @@ def out_of_memory_message(exc: BaseException, runtime: Runtime) -> str | None:
 
 
 def shutdown() -> None:
+    """End the process group, and take back the world of one set up for it: left in the environment, it would make
+    the next run in this process (a notebook) or a launcher started from it think it is rank 0 of a launched job."""
     if dist.is_initialized():
         destroy_process_group()
+    for name in _ONE_PROCESS_WORLD:
+        os.environ.pop(name, None)
+    _ONE_PROCESS_WORLD.clear()
 
 
 def destroy_process_group() -> None:

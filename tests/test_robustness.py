@@ -498,6 +498,20 @@ def test_second_sigint_during_the_save_abandons_it_and_the_previous_checkpoint_r
     assert not list(checkpoints.glob(".tmp-*"))
 
 
+def test_a_run_in_this_process_leaves_no_launcher_environment(small_run):
+    """A run without a launcher sets up a world of one in the environment; left there, the next `--nproc 2` started
+    from this process (a notebook, this test suite) took itself for rank 0 of a launched job and failed to bind the
+    old run's port."""
+    import os
+
+    from fsdp2kit.cli import main
+
+    world = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    before = {name: os.environ.get(name) for name in world}
+    assert main(["train", DEMO, *small_run, "--set", "training.max_steps=1", "--set", "training.save_steps=0"]) == 0
+    assert {name: os.environ.get(name) for name in world} == before
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("signal_name, exit_code", [("SIGINT", 130), ("SIGTERM", 143)])
 def test_signal_to_the_nproc_launcher_reaches_the_ranks(tmp_path, small_run, signal_name, exit_code):
