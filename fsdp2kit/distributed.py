@@ -43,13 +43,13 @@ def return_large_frees_to_os(threshold_bytes: int = 4 << 20) -> None:
         pass
 
 
-_ONE_PROCESS_WORLD: dict[str, str] = {}  # what init_distributed put in the environment for a run without a launcher
+_ENVIRONMENT_BEFORE: dict[str, str | None] = {}  # what init_distributed replaced to run without a launcher
 
 
 def init_distributed(device_mapping: list[int] | None) -> Runtime:
     """NCCL on CUDA (gloo kept for CPU tensors), gloo on CPU. Without a launcher, a world of one."""
     if "RANK" not in os.environ:
-        _ONE_PROCESS_WORLD.update(
+        world = dict(
             RANK="0",
             WORLD_SIZE="1",
             LOCAL_RANK="0",
@@ -57,7 +57,8 @@ def init_distributed(device_mapping: list[int] | None) -> Runtime:
             MASTER_ADDR="127.0.0.1",
             MASTER_PORT=str(free_port()),
         )
-        os.environ.update(_ONE_PROCESS_WORLD)
+        _ENVIRONMENT_BEFORE.update({name: os.environ.get(name) for name in world})
+        os.environ.update(world)
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if device_mapping is not None and len(device_mapping) != world_size:
@@ -112,13 +113,16 @@ def out_of_memory_message(exc: BaseException, runtime: Runtime) -> str | None:
 
 
 def shutdown() -> None:
-    """End the process group, and take back the world of one set up for it: left in the environment, it would make
-    the next run in this process (a notebook) or a launcher started from it think it is rank 0 of a launched job."""
+    """End the process group, and put back the environment the world of one replaced: left there, it would make the
+    next run in this process (a notebook) or a launcher started from it think it is rank 0 of a launched job."""
     if dist.is_initialized():
         destroy_process_group()
-    for name in _ONE_PROCESS_WORLD:
-        os.environ.pop(name, None)
-    _ONE_PROCESS_WORLD.clear()
+    for name, value in _ENVIRONMENT_BEFORE.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    _ENVIRONMENT_BEFORE.clear()
 
 
 def destroy_process_group() -> None:

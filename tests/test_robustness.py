@@ -498,7 +498,7 @@ def test_second_sigint_during_the_save_abandons_it_and_the_previous_checkpoint_r
     assert not list(checkpoints.glob(".tmp-*"))
 
 
-def test_a_run_in_this_process_leaves_no_launcher_environment(small_run):
+def test_a_run_in_this_process_leaves_no_launcher_environment(small_run, monkeypatch):
     """A run without a launcher sets up a world of one in the environment; left there, the next `--nproc 2` started
     from this process (a notebook, this test suite) took itself for rank 0 of a launched job and failed to bind the
     old run's port."""
@@ -507,6 +507,7 @@ def test_a_run_in_this_process_leaves_no_launcher_environment(small_run):
     from fsdp2kit.cli import main
 
     world = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    monkeypatch.setenv("MASTER_ADDR", "localhost")  # a user's own setting comes back as it was
     before = {name: os.environ.get(name) for name in world}
     assert main(["train", DEMO, *small_run, "--set", "training.max_steps=1", "--set", "training.save_steps=0"]) == 0
     assert {name: os.environ.get(name) for name in world} == before
