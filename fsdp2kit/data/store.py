@@ -254,7 +254,7 @@ def _write_store(documents: SourceDocuments, tokenizer, folder: Path, num_proc: 
 
 def _encoded_ranges(documents, tokenizer, dtype, ranges, num_proc) -> tuple[Iterator[tuple], str]:
     """Each row range encoded, in order, and who encodes them. A Rust ("fast") tokenizer encodes in this process
-    with its own thread pool over every core: measured 2.1x a `tokenizer(batch)` loop on 2 cores, where a pool of
+    with its own thread pool over every core: measured 1.7x a `tokenizer(batch)` loop on 2 cores, where a pool of
     spawned processes reached 0.9x (each worker spends seconds importing before its first range, and the Python
     wrapper's attention masks and offsets cost as much again). A Python tokenizer gets freshly spawned processes
     that each receive the table (memory-mapped Arrow, pickled by reference) and the tokenizer once; spawned, not
