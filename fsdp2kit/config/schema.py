@@ -279,6 +279,11 @@ class TrainingConfig(Section):
     profile_steps: list[int] | None = Field(
         None, description="[first, last] steps (1-based) to trace with torch.profiler into output_dir/profile/"
     )
+    loss_chunk_tokens: Annotated[int, Field(ge=0)] | Literal["auto"] = Field(
+        "auto",
+        description="compute the LM head and the loss (and log-probs) over chunks of this many tokens, so that no "
+        "[batch, seq, vocab] float32 tensor exists; auto: 1024 above a 32k vocabulary, else off; 0: off",
+    )
 
     ALIASES: ClassVar[dict[str, str]] = {"resume_from_checkpoint": "resume"}
 
