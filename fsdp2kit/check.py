@@ -3,7 +3,6 @@ device (no weights)."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 
@@ -100,7 +99,6 @@ def describe(cfg: JobConfig, runtime: Runtime) -> dict:
         if plan.tiled_mlp_modules
         else None,
         "expert_patch": plan.expert_patch,
-        "vision_patch": plan.vision_patch,
         "frozen_modules": cfg.model.freeze_module_prefix,
         "trainable_parameters": trainable,
         "frozen_parameters": frozen,
@@ -119,8 +117,9 @@ def describe(cfg: JobConfig, runtime: Runtime) -> dict:
         "use_reentrant": plan.use_reentrant,
         "ulysses_size": cfg.model.ulysses_size,
         "custom_plan": plan.custom,
-        # LoRA: the adapters by shard group, their trainable count and the bytes they and their AdamW state take.
-        "lora": dataclasses.asdict(plan.adapters) if plan.adapters else None,
+        # The model's kind (vision_patch: the tower runs on every forward) and, for LoRA, the adapters by shard
+        # group, their trainable count and the bytes they and their AdamW state take.
+        **sharded.variant.describe(),
         "notes": plan.notes,
         "config_notes": cfg.notes,
     }

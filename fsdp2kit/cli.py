@@ -162,7 +162,7 @@ def _run_rank(args: argparse.Namespace, cfg) -> int:
         if args.command == "train":
             if cfg.strategy_args.strategy_name != "fsdp2_train":
                 raise UserError("strategy_args.strategy_name is fsdp2_infer; use `fsdp2kit infer` or set fsdp2_train")
-            from fsdp2kit.train.loop import train
+            from fsdp2kit.trainer import train
 
             train(cfg, runtime)
         elif args.command == "infer":

@@ -29,7 +29,6 @@ from fsdp2kit.data.dataset import Sample, collate
 from fsdp2kit.distributed import Runtime, destroy_process_group
 from fsdp2kit.errors import UserError
 from fsdp2kit.models.sharded import build_sharded_model
-from fsdp2kit.parallel.ulysses import shard_sequence
 from fsdp2kit.train.memory import tracker_peak
 from fsdp2kit.train.optim import build_optimizer
 from fsdp2kit.train.step import token_loss_sum
@@ -138,7 +137,7 @@ def _trace(cfg: JobConfig, world_size: int) -> dict[str, object]:
                     for index, batch in enumerate(micro_batches):
                         cast(FSDPModule, model).set_requires_gradient_sync(index == accumulation - 1)
                         if sharded.sp_group is not None:
-                            batch = shard_sequence(batch, sharded.sp_group)
+                            batch = sharded.variant.shard_batch(batch, sharded.sp_group)
                         token_loss_sum(model, batch).backward()
                         tracker.reset_mod_stats()
                     for param, local in pairs:

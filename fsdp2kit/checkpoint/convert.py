@@ -20,10 +20,10 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from fsdp2kit.checkpoint.dcp_io import METADATA_FILE, read_dcp, read_metadata
 from fsdp2kit.errors import UserError
-from fsdp2kit.models.build import auto_model_class, open_safetensors, tied_weight_names
+from fsdp2kit.models.build import open_safetensors, tied_weight_names
 from fsdp2kit.models.export import TOKENIZER_FILES, SafetensorsWriter, copy_present_files
 from fsdp2kit.models.lora import ADAPTER_CONFIG_FILE
-from fsdp2kit.models.vl import checkpoint_renamings, model_name, stored_name
+from fsdp2kit.models.vl import auto_model_class, checkpoint_renamings, model_name, stored_name
 
 MODEL_PREFIX = "model."
 MODEL_FILES = ("config.json", "generation_config.json", *TOKENIZER_FILES)  # copied verbatim, so round trips are exact

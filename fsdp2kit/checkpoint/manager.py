@@ -113,12 +113,20 @@ class CheckpointManager:
                 shutil.rmtree(stale, ignore_errors=True)
 
     def save(
-        self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, trainer_state: dict, blocking: bool = False
+        self,
+        step: int,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        trainer_state: dict,
+        blocking: bool = False,
+        final: Path | None = None,
     ) -> None:
+        """Checkpoint `step` as checkpoints/step_N, or as the folder `final` (the Strategy API's save_checkpoint)."""
         self.wait()
+        final = final if final is not None else self.root / f"step_{step}"
         with self._writing(step):
             trainer_state = {**trainer_state, "world_size": dist.get_world_size()}  # which ranks' RNG files it holds
-            tmp, final = self.root / f".tmp-step_{step}", self.root / f"step_{step}"
+            tmp = final.with_name(f".tmp-{final.name}")
             if self.rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
                 tmp.mkdir(parents=True)
@@ -197,7 +205,7 @@ class CheckpointManager:
             if final.exists():
                 shutil.rmtree(final)
             os.rename(tmp, final)
-            fsync_dir(self.root)
+            fsync_dir(final.parent)
             self._prune()
         dist.barrier()
         fault_point("after_commit", step, self.rank)

@@ -15,35 +15,24 @@ import torch
 import torch.distributed as dist
 
 from fsdp2kit.config.schema import JobConfig
-from fsdp2kit.data.dataset import collate, load_tokenizer, model_inputs
+from fsdp2kit.data.dataset import collate
 from fsdp2kit.data.store import token_store
 from fsdp2kit.data.vl import VLEncoder, VLSample, load_conversations
 from fsdp2kit.distributed import Runtime
 from fsdp2kit.errors import UserError
 from fsdp2kit.labels import IGNORE_INDEX
-from fsdp2kit.models.sharded import build_sharded_model
-from fsdp2kit.parallel.ulysses import shard_sequence
-from fsdp2kit.parallel.vision import shard_vision_batch
+from fsdp2kit.strategy import Strategy
 from fsdp2kit.train.loggers import phase
 
 
 @torch.no_grad()
-def sample_logprobs(
-    model: torch.nn.Module, batch: dict[str, torch.Tensor], sp_group: dist.ProcessGroup | None = None
-) -> tuple[list[float], list[int]]:
-    """Per sample: the sum of log p(token_i | tokens_<i) over its target tokens (i >= 1; a conversation's assistant
-    turns), and the number of those terms. With sequence
-    parallel the batch holds this rank's slice of the tokens, and the sums over the group's slices are added up."""
-    logits = model(**model_inputs(batch), use_cache=False).logits.float()  # one pass: a KV cache is wasted memory
-    logprobs = torch.log_softmax(logits, dim=-1)
-    targets = batch["labels"]
-    mask = targets != IGNORE_INDEX
-    picked = logprobs.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1) * mask
-    sums, counts = picked.sum(dim=1).double(), mask.sum(dim=1)
-    if sp_group is not None:
-        dist.all_reduce(sums, group=sp_group)
-        dist.all_reduce(counts, group=sp_group)
-    return sums.cpu().tolist(), counts.cpu().tolist()
+def sample_logprobs(strategy: Strategy, batch: dict[str, torch.Tensor]) -> tuple[list[float], list[int]]:
+    """Per sample of a shifted batch: the sum of log p(token_i | tokens_<i) over its target tokens (i >= 1; a
+    conversation's assistant turns), and the number of those terms (`Strategy.token_logprobs`, in chunks; under
+    sequence parallel gathered over the group)."""
+    log_probs, _ = strategy.token_logprobs(batch)
+    counts = (batch["labels"] != IGNORE_INDEX).sum(dim=1)
+    return log_probs.double().sum(dim=1).cpu().tolist(), counts.cpu().tolist()
 
 
 def infer(cfg: JobConfig, runtime: Runtime) -> None:
@@ -53,17 +42,9 @@ def infer(cfg: JobConfig, runtime: Runtime) -> None:
             "weights; give a model folder or checkpoint, or set model.allow_random_init: true"
         )
     with phase(f"loading the model ({cfg.model.name_or_path})", runtime.is_main):
-        sharded = build_sharded_model(
-            cfg.model,
-            cfg.strategy_args.strategy_config,
-            cfg.data,
-            runtime,
-            training=False,
-            seed=cfg.training.seed,
-        )
-    model = sharded.model
-    tokenizer = load_tokenizer(sharded.source.tokenizer_path, cfg.model.trust_remote_code)
-    vision = sharded.plan.vision_patch
+        strategy = Strategy(cfg, runtime, training=False)
+    sharded, tokenizer = strategy.sharded, strategy.tokenizer
+    vision = sharded.variant.vision
     layout = sharded.layout
     first, step = layout.data_parallel_rank(runtime.rank), layout.data_parallel_size
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -99,9 +80,7 @@ def infer(cfg: JobConfig, runtime: Runtime) -> None:
     for r in range(int(rounds)):
         chunk = scored[r * size : (r + 1) * size]
         batch = {k: v.to(runtime.device) for k, v in batch_of(chunk).items()}
-        if sharded.sp_group is not None:
-            batch = (shard_vision_batch if vision else shard_sequence)(batch, sharded.sp_group)
-        sums, counts = sample_logprobs(model, batch, sharded.sp_group)
+        sums, counts = sample_logprobs(strategy, batch)
         if not chunk:
             continue  # the dummy batch: its forward joined the collectives, its results are no sample's
         results += [_record(index, total, count) for index, total, count in zip(chunk, sums, counts, strict=True)]

@@ -21,9 +21,9 @@ from fsdp2kit.config.schema import ModelConfig
 from fsdp2kit.dtypes import torch_dtype
 from fsdp2kit.errors import UserError
 from fsdp2kit.models.builtin import BUILTIN_MODELS
-from fsdp2kit.models.lora import base_renamer, base_state, has_adapters, initialise_adapters, load_adapter
+from fsdp2kit.models.lora import base_renamer, base_state
 from fsdp2kit.models.shards import copy_to_shard, module_seed
-from fsdp2kit.models.vl import builtin_processor_dir, checkpoint_renamings, is_vision_language, model_name
+from fsdp2kit.models.vl import auto_model_class, builtin_tokenizer_dir, checkpoint_renamings, model_name
 from fsdp2kit.parallel.moe import expert_views_from_other_layout
 
 if TYPE_CHECKING:
@@ -58,8 +58,6 @@ def _hf_config(load: Callable[..., PretrainedConfig], where: str, overrides: dic
 def resolve_model(cfg: ModelConfig, tokenizer: str | None = None) -> ModelSource:
     from transformers import AutoConfig
 
-    from fsdp2kit.data.builtin import tokenizer_dir
-
     name = cfg.name_or_path
     if name.startswith("builtin:"):
         key = name.split(":", 1)[1]
@@ -70,9 +68,7 @@ def resolve_model(cfg: ModelConfig, tokenizer: str | None = None) -> ModelSource
             )
         settings = {**BUILTIN_MODELS[key], **cfg.config}  # model.config may even pick another architecture
         hf_config = _hf_config(partial(AutoConfig.for_model, settings.pop("model_type")), "model.config", settings)
-        weights_dir, weights_format, default_tokenizer = None, None, tokenizer_dir()
-        if is_vision_language(hf_config):  # the tokenizer with the vision tokens and an image processor
-            default_tokenizer = builtin_processor_dir(hf_config.model_type, hf_config.vision_config.patch_size)
+        weights_dir, weights_format, default_tokenizer = None, None, builtin_tokenizer_dir(hf_config)
     else:
         folder = Path(name)
         if not (folder / "config.json").is_file():
@@ -161,13 +157,6 @@ def load_model_class(spec: str, hf_config: PretrainedConfig) -> type[PreTrainedM
             f"config is a {type(hf_config).__name__}"
         )
     return model_class
-
-
-def auto_model_class(hf_config) -> Any:
-    """transformers' Auto class for this config: image-text-to-text for a vision-language model, else causal LM."""
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
-
-    return AutoModelForImageTextToText if is_vision_language(hf_config) else AutoModelForCausalLM
 
 
 def build_meta_model(source: ModelSource, cfg: ModelConfig) -> PreTrainedModel:
@@ -343,15 +332,9 @@ def load_dcp(model: nn.Module, folder: Path) -> None:
 
 
 def materialise(
-    model: PreTrainedModel,
-    source: ModelSource,
-    device: torch.device,
-    seed: int,
-    loading: str = "sliced",
-    adapter: str | None = None,
+    model: PreTrainedModel, source: ModelSource, device: torch.device, seed: int, loading: str = "sliced"
 ) -> None:
-    """Allocate each rank's shards on `device`, then initialise them (fresh) or read them (pretrained); LoRA
-    adapters are initialised by peft's rules, or read from the PEFT adapter folder `adapter`."""
+    """Allocate each rank's shards on `device`, then initialise them (fresh) or read them (pretrained)."""
     model.to_empty(device=device)
     if source.weights_dir is None:
         initialise_weights(model, seed)
@@ -361,7 +344,3 @@ def materialise(
             load_dcp(model, source.weights_dir)
         else:
             load_safetensors(model, source.weights_dir, loading)
-    if has_adapters(model):
-        initialise_adapters(model, seed)
-        if adapter:
-            load_adapter(model, Path(adapter))

@@ -9,7 +9,7 @@ import copy
 import json
 import os
 import shutil
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -97,6 +97,23 @@ def write_config_and_tokenizer(out_dir: Path, hf_config, tokenizer_path: Path | 
 
 
 @torch.no_grad()
+def hf_tensors(
+    model: nn.Module, dtype: torch.dtype | None = None, device: torch.device | str | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the model whole, under the names of the family's HF folders (`save_pretrained`'s): a LoRA
+    model's with its adapters merged into the base weights, a tied output weight once, under its source. A
+    collective: all ranks iterate it to the end, each tensor all-gathered in turn."""
+    state = merged_state(model)
+    tied = tied_weight_names(model)
+    renamings = getattr(model, "checkpoint_renamings", [])
+    for name in state:
+        if name in tied:
+            continue
+        full = merged_full_tensor(*state[name]).detach()
+        yield stored_name(name, renamings), full.to(device=device or full.device, dtype=dtype or full.dtype)
+
+
+@torch.no_grad()
 def export_hf(
     model: nn.Module,
     out_dir: Path,
@@ -109,16 +126,10 @@ def export_hf(
     rank 0 (`is_main`) keeps the gathered tensors, on CPU, until their shard file is written; it also writes the
     config and tokenizer. Tensors are stored under the names of the family's HF folders (`save_pretrained`'s), a
     LoRA model's with its adapters merged into the base weights, a tied output weight once, under its source."""
-    state = merged_state(model)
-    tied = tied_weight_names(model)
-    renamings = getattr(model, "checkpoint_renamings", [])
     writer = SafetensorsWriter(out_dir, max_shard_bytes) if is_main else None
-    for name in state:
-        if name in tied:
-            continue
-        full = merged_full_tensor(*state[name])  # all ranks join this all-gather
+    for name, full in hf_tensors(model, torch_dtype(dtype), device="cpu"):  # all ranks join each all-gather
         if writer is not None:
-            writer.add(stored_name(name, renamings), full.detach().to("cpu", torch_dtype(dtype)))
+            writer.add(name, full)
     if writer is not None:
         writer.close()
         write_config_and_tokenizer(out_dir, model.config, tokenizer_path, torch_dtype(dtype))

@@ -129,6 +129,21 @@ def builtin_processor_dir(model_type: str, patch_size: int) -> Path:
     return path
 
 
+def builtin_tokenizer_dir(hf_config: Any) -> Path:
+    """A built-in model's tokenizer: the corpus's, or for a vision-language model one with the vision tokens and an
+    image processor."""
+    if is_vision_language(hf_config):
+        return builtin_processor_dir(hf_config.model_type, hf_config.vision_config.patch_size)
+    return tokenizer_dir()
+
+
+def auto_model_class(hf_config: Any) -> Any:
+    """transformers' Auto class for this config: image-text-to-text for a vision-language model, else causal LM."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText if is_vision_language(hf_config) else AutoModelForCausalLM
+
+
 def checkpoint_renamings(model: Any) -> list:
     """A VL family's renamings from its HF folders' tensor names to the model's (transformers' own table; empty for
     families stored as they are built, and for text models, whose names we keep). Needs the unsharded model:

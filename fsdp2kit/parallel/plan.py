@@ -13,8 +13,9 @@ import torch.nn as nn
 
 from fsdp2kit.config.schema import ModelConfig, StrategyConfig
 from fsdp2kit.errors import UserError
-from fsdp2kit.parallel.moe import expert_class_choices, is_moe_block, separately_wrapped_experts
-from fsdp2kit.parallel.vision import projector_modules, translate_vl_path
+from fsdp2kit.parallel.module_paths import modules_of_classes
+from fsdp2kit.parallel.moe import expert_modules, needs_expert_patch, reentrant_allowed, without_moe_blocks
+from fsdp2kit.parallel.vision import default_projector_groups, translate_vl_path, uncast_modules
 
 _SEGMENT_RANGE = re.compile(r"\{(\d+)-(\d+)\}")
 _SEGMENT_LIST = re.compile(r"\{(\d+(?:\s*,\s*\d+)*)\}")
@@ -57,18 +58,6 @@ def match_modules(model: nn.Module, patterns: list[str], key: str, notes: list[s
             )
         matched.update(hits)
     return [n for n in names if n in matched]
-
-
-def modules_of_classes(model: nn.Module, class_names: list[str], key: str) -> list[str]:
-    found: list[str] = []
-    for class_name in class_names:
-        hits = [n for n, m in model.named_modules() if n and type(m).__name__ == class_name]
-        if not hits:
-            present = sorted({type(m).__name__ for m in model.modules()})
-            raise UserError(f"{key}: class '{class_name}' matches no module of the model; its classes are {present}")
-        found.extend(hits)
-    order = [n for n, _ in model.named_modules()]
-    return sorted(set(found), key=order.index)
 
 
 def _is_ancestor(parent: str, child: str) -> bool:
@@ -114,8 +103,6 @@ class ShardingPlan:
     backward_prefetch: int
     use_reentrant: bool
     custom: bool = False  # the model's own `_fully_shard` decides the groups
-    vision_patch: bool = False  # every forward runs the vision tower, on a dummy image if need be (parallel/vision.py)
-    adapters: AdapterPlan | None = None  # filled by fsdp2kit.models.lora.plan_adapters
     notes: list[str] = field(default_factory=list)
 
 
@@ -184,13 +171,7 @@ def _tiled_mlps(model: nn.Module, groups: list[tuple[str, ...]], notes: list[str
     mlps = [
         f"{layer}.mlp" for layer in layers if isinstance(getattr(model.get_submodule(layer), "mlp", None), nn.Module)
     ]
-    moe_blocks = [name for name in mlps if is_moe_block(model.get_submodule(name))]
-    if moe_blocks:
-        notes.append(
-            f"apply_tiled_mlp: {len(moe_blocks)} mixture-of-experts blocks are not tiled (router outputs "
-            "feed the auxiliary loss)"
-        )
-    tiled = [name for name in mlps if name not in moe_blocks]
+    tiled = without_moe_blocks(model, mlps, notes)
     if not tiled:
         raise UserError(
             "strategy_config.apply_tiled_mlp: the model's decoder layers have no dense `mlp` module to tile"
@@ -204,42 +185,6 @@ def _tiled_mlps(model: nn.Module, groups: list[tuple[str, ...]], notes: list[str
                 f"'{inside}'; shard the MLP as a whole or turn apply_tiled_mlp off"
             )
     return tiled
-
-
-def _moe_experts(model: nn.Module, class_names: list[str]) -> list[str]:
-    present = {type(m).__name__ for m in model.modules()}
-    unknown = [name for name in class_names if name not in present]
-    if unknown and (choices := expert_class_choices(model)):
-        raise UserError(
-            f"strategy_config.wrap_policy.moe_experts: class '{unknown[0]}' matches no module of the model; "
-            f"for its experts name {choices}"
-        )
-    return modules_of_classes(model, class_names, "strategy_config.wrap_policy.moe_experts")
-
-
-def _expert_patch(model: nn.Module, experts: list[str], requested: bool, notes: list[str]) -> bool:
-    """Experts sharded one by one need the patch: without it the job hangs as soon as ranks route differently."""
-    single = separately_wrapped_experts(model, experts)
-    if single and not requested:
-        raise UserError(
-            f"strategy_config.apply_expert_patch: wrap_policy.moe_experts shards every expert on its own "
-            f"('{single[0]}', ...), and ranks whose tokens go to different experts would wait for each "
-            "other's all-gathers forever; set apply_expert_patch: true (every rank runs every expert) or "
-            "name the fused experts class instead"
-        )
-    if requested and not single:
-        notes.append(
-            "apply_expert_patch changes nothing: no expert is sharded on its own "
-            "(wrap_policy.moe_experts names no per-expert class)"
-        )
-    return requested and bool(single)
-
-
-def _recomputes_router_loss(model: nn.Module, recompute: list[str]) -> bool:
-    """Whether a recomputed module holds an MoE block whose router logits feed the model's auxiliary loss."""
-    return bool(getattr(getattr(model, "config", None), "output_router_logits", False)) and any(
-        is_moe_block(module) for name in recompute for module in model.get_submodule(name).modules()
-    )
 
 
 def effective_reshard(strategy: StrategyConfig) -> bool | int:
@@ -280,15 +225,9 @@ def build_plan(
         policy = strategy.wrap_policy
         if not (classes or strategy.sub_modules_to_wrap or policy.min_num_params or policy.no_wrap):
             classes = _layer_classes(model)  # a VL model's list names its vision block too
-            if getattr(getattr(model, "config", None), "vision_config", None) is not None:
-                projectors = projector_modules(model)
-                selected += projectors
-                notes += [
-                    f"vision projector '{name}': its own shard group (ROLL and MindSpeed-MM leave it in the root's)"
-                    for name in projectors
-                ]
+            selected += default_projector_groups(model, notes)
         selected += modules_of_classes(model, classes, "strategy_config.wrap_policy.transformer_layer_cls_to_wrap")
-        experts = _moe_experts(model, strategy.wrap_policy.moe_experts)
+        experts = expert_modules(model, strategy.wrap_policy.moe_experts)
         selected += experts
         if strategy.wrap_policy.min_num_params:
             selected += _size_based(model, strategy.wrap_policy.min_num_params, set(selected))
@@ -322,7 +261,7 @@ def build_plan(
         else:
             groups += [(n,) for n in extra]
         groups.sort(key=lambda g: order.index(g[0]))
-    expert_patch = _expert_patch(model, experts, strategy.apply_expert_patch, notes)
+    expert_patch = needs_expert_patch(model, experts, strategy.apply_expert_patch, notes)
     if strategy.num_to_backward_prefetch == 0:
         notes.append("num_to_backward_prefetch 0 acts as 1: FSDP2 always prefetches the previous group in backward")
 
@@ -332,13 +271,7 @@ def build_plan(
             set(recompute) | set(modules_of_classes(model, _layer_classes(model), "model.gradient_checkpointing")),
             key=order.index,
         )
-    use_reentrant = strategy.use_reentrant
-    if use_reentrant and _recomputes_router_loss(model, recompute):
-        use_reentrant = False
-        notes.append(
-            "use_reentrant: false: reentrant checkpointing runs the first forward without autograd, so the "
-            "router logits of recomputed MoE blocks would give the auxiliary loss no gradient"
-        )
+    use_reentrant = reentrant_allowed(model, recompute, strategy.use_reentrant, notes)
 
     # Parameters the model itself marks frozen: with LoRA, peft leaves only the adapters trainable.
     frozen: list[str] = [n for n, p in model.named_parameters() if not p.requires_grad]
@@ -369,13 +302,12 @@ def build_plan(
         reduce_dtype=strategy.reduce_dtype or param_dtype,
         output_dtype=strategy.output_dtype,
         cast_forward_inputs=strategy.cast_forward_inputs,
-        no_cast_modules=[n for g in groups for n in g if re.search(r"vision|visual", n)],
+        no_cast_modules=uncast_modules(groups),
         offload=strategy.offload_policy,
         pin_memory=strategy.pin_memory,
         forward_prefetch=strategy.num_to_forward_prefetch,
         backward_prefetch=strategy.num_to_backward_prefetch,
         use_reentrant=use_reentrant,
         custom=custom,
-        vision_patch=getattr(getattr(model, "config", None), "vision_config", None) is not None,
         notes=notes,
     )

@@ -86,7 +86,7 @@ def _chunked(
         entropies.append(ent)
     if request.entropy:
         request.entropies = torch.cat(entropies).reshape(batch, length)
-    return torch.cat(log_probs).reshape(batch, length)
+    return torch.cat(log_probs).reshape(batch, length).clone()  # its own storage: FSDP hooks a view badly
 
 
 @contextmanager

@@ -38,6 +38,24 @@ def projector_modules(model: nn.Module) -> list[str]:
     return [n for n in names if not any(n.startswith(outer + ".") for outer in names)]
 
 
+def default_projector_groups(model: nn.Module, notes: list[str]) -> list[str]:
+    """With the default shard groups, a VL model's projectors get their own (ROLL and MindSpeed-MM leave them in the
+    root's); none for a text model."""
+    if getattr(getattr(model, "config", None), "vision_config", None) is None:
+        return []
+    projectors = projector_modules(model)
+    notes += [
+        f"vision projector '{name}': its own shard group (ROLL and MindSpeed-MM leave it in the root's)"
+        for name in projectors
+    ]
+    return projectors
+
+
+def uncast_modules(groups: list[tuple[str, ...]]) -> list[str]:
+    """Shard groups of a vision encoder: their inputs keep their precision (pixel values are not cast)."""
+    return [name for group in groups for name in group if re.search(r"vision|visual", name)]
+
+
 # Other stacks' names for a VL model's two halves, read as transformers' module paths: ROLL's `vision_model`, LLaVA's
 # `vision_tower`, MindSpeed-MM's `image_encoder`/`text_decoder` (its own Qwen2.5-VL) and `language_model.model`
 # (InternVL) or `language_model` (Mistral3), all relative to the model that holds the tower.
