@@ -90,7 +90,7 @@ class CheckpointManager:
         keep: int | None,
         hf_config=None,
         tokenizer_path: Path | None = None,
-        adapter_config=None,
+        saved_config: Any = None,
     ):
         self.root = output_dir / "checkpoints"
         # Each checkpoint carries the model's config and tokenizer, so it is a model source by itself
@@ -99,8 +99,8 @@ class CheckpointManager:
         # read again from its source at resume.
         self.hf_config = hf_config
         self.tokenizer_path = tokenizer_path
-        self.adapter_config = adapter_config
-        self.options = StateDictOptions(ignore_frozen_params=adapter_config is not None)
+        self.saved_config = saved_config  # written with save_pretrained instead of the HF config (LoRA's peft config)
+        self.options = StateDictOptions(ignore_frozen_params=saved_config is not None)
         self.rank = rank
         self.keep = keep
         self.async_save = async_save
@@ -130,8 +130,8 @@ class CheckpointManager:
             if self.rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
                 tmp.mkdir(parents=True)
-                if self.adapter_config is not None:
-                    self.adapter_config.save_pretrained(str(tmp))
+                if self.saved_config is not None:
+                    self.saved_config.save_pretrained(str(tmp))
                 elif self.hf_config is not None:
                     write_config_and_tokenizer(tmp, self.hf_config, self.tokenizer_path, next(model.parameters()).dtype)
                 for file in tmp.iterdir():  # only rank 0's files exist yet; DCP syncs the shards it writes

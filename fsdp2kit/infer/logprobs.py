@@ -10,14 +10,10 @@ import json
 import math
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from fsdp2kit.config.schema import JobConfig
-from fsdp2kit.data.dataset import collate
-from fsdp2kit.data.store import token_store
-from fsdp2kit.data.vl import VLEncoder, VLSample, load_conversations
 from fsdp2kit.distributed import Runtime
 from fsdp2kit.errors import UserError
 from fsdp2kit.labels import IGNORE_INDEX
@@ -44,42 +40,19 @@ def infer(cfg: JobConfig, runtime: Runtime) -> None:
     with phase(f"loading the model ({cfg.model.name_or_path})", runtime.is_main):
         strategy = Strategy(cfg, runtime, training=False)
     sharded, tokenizer = strategy.sharded, strategy.tokenizer
-    vision = sharded.variant.vision
     layout = sharded.layout
     first, step = layout.data_parallel_rank(runtime.rank), layout.data_parallel_size
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    dummy = [pad_id, pad_id]  # a rank out of samples joins each round's collectives with this
-    results: list[dict] = []
-    if vision:  # conversations, encoded (images read) batch by batch; scored on their assistant turns
-        encoder = VLEncoder.load(sharded.source.tokenizer_path, sharded.source.hf_config, cfg.data.seq_len)
-        conversations = load_conversations(cfg.data)
-        scored = list(range(first, len(conversations), step))
-
-        def batch_of(chunk: list[int]) -> dict[str, torch.Tensor]:
-            samples = [encoder.encode(conversations[i]) for i in chunk]
-            return encoder.collate(samples or [VLSample(torch.tensor(dummy), torch.zeros(2) > 0)], pad_id)
-
-    else:
-        # As the model's users tokenise: default special tokens, no EOS (the store appends one for training), no
-        # packing, truncated at data.seq_len (a prompt/response record is the prompt's ids followed by the
-        # response's). A document of fewer than 2 tokens has no term: recorded as such, never sent to the model.
-        with phase(f"the token store of {cfg.data.source}", runtime.is_main):
-            store = token_store(cfg.data, tokenizer)
-        lengths = np.minimum(np.diff(store.offsets) - int(store.eos_appended), cfg.data.seq_len)
-        mine = np.arange(first, store.num_documents, step)
-        results = [_record(int(i), 0.0, 0) for i in mine[lengths[mine] < 2]]
-        scored = mine[lengths[mine] >= 2].tolist()
-
-        def batch_of(chunk: list[int]) -> dict[str, torch.Tensor]:
-            documents = [torch.from_numpy(store.document(i)[: lengths[i]].astype(np.int64)) for i in chunk]
-            return collate(documents or [torch.tensor(dummy)], pad_id)
-
+    with phase(f"the data of {cfg.data.source}", runtime.is_main):
+        source = sharded.variant.scoring_source(cfg.data, tokenizer, sharded.source, pad_id)
+    without_terms, scored = source.indices(first, step)
+    results: list[dict] = [_record(i, 0.0, 0) for i in without_terms]
     size = cfg.infer_batch_size
     rounds = torch.tensor(math.ceil(len(scored) / size))
     dist.all_reduce(rounds, op=dist.ReduceOp.MAX)
     for r in range(int(rounds)):
         chunk = scored[r * size : (r + 1) * size]
-        batch = {k: v.to(runtime.device) for k, v in batch_of(chunk).items()}
+        batch = {k: v.to(runtime.device) for k, v in source.batch_of(chunk).items()}
         sums, counts = sample_logprobs(strategy, batch)
         if not chunk:
             continue  # the dummy batch: its forward joined the collectives, its results are no sample's

@@ -18,6 +18,7 @@ from torch.distributed import ProcessGroup
 
 from fsdp2kit.config.schema import DataConfig, LoraConfig, ModelConfig, StrategyConfig, TrainingConfig
 from fsdp2kit.data.samples import GlobalBatches, TrainingSamples
+from fsdp2kit.data.scoring import ConversationScoring, DocumentScoring, ScoringSource
 from fsdp2kit.data.vl import VLEncoder, VLGlobalBatches, load_conversations
 from fsdp2kit.dtypes import torch_dtype
 from fsdp2kit.models.build import ModelSource
@@ -167,6 +168,13 @@ class ModelVariant:
             encoder = VLEncoder.load(source.tokenizer_path, source.hf_config, data.seq_len)
             return VLGlobalBatches(load_conversations(data), *order, encoder=encoder)
         return GlobalBatches(TrainingSamples.from_config(data, tokenizer), *order)
+
+    def scoring_source(self, data: DataConfig, tokenizer: Any, source: ModelSource, pad_id: int) -> ScoringSource:
+        """What `infer` scores: documents from the token store, or a VL model's conversations."""
+        if self.vision:
+            encoder = VLEncoder.load(source.tokenizer_path, source.hf_config, data.seq_len)
+            return ConversationScoring.open(data, encoder, pad_id)
+        return DocumentScoring.open(data, tokenizer, pad_id)
 
     # ---- checkpoints and exports ------------------------------------------------------------------------------
 
