@@ -65,7 +65,7 @@ def build_sharded_model(
     master_dtype = variant.master_dtype(training, model_cfg.dtype)
     model = build_meta_model(source, model_cfg.model_copy(update={"dtype": master_dtype}))
     if sp_group is not None:
-        apply_ulysses(model, sp_group)
+        apply_ulysses(model, sp_group, variant.attention_config)
     variant.patch_meta(model, sp_group)
     plan = build_plan(model, strategy, model_cfg, compile_layers=training and compile_layers)
     variant.after_plan(model, plan)

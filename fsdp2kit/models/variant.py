@@ -118,6 +118,11 @@ class ModelVariant:
     parts: list[VariantPart] = field(default_factory=list)
 
     @property
+    def attention_config(self) -> str | None:
+        """The sub-config whose attention runs over the token sequence (Ulysses): a VL model's language model."""
+        return "text_config" if self.vision else None
+
+    @property
     def name(self) -> str:
         kinds = ["vision-language" if self.vision else "text"] + [type(p).__name__[:-4].lower() for p in self.parts]
         return "+".join(kinds)

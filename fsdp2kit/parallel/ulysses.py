@@ -34,8 +34,9 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 
-def apply_ulysses(model: PreTrainedModel, group: ProcessGroup) -> None:
-    """Switch the model's attention to the Ulysses wrapper around its configured implementation (sdpa or eager)."""
+def apply_ulysses(model: PreTrainedModel, group: ProcessGroup, sub_config: str | None = None) -> None:
+    """Switch the model's attention (or its `sub_config` part's) to the Ulysses wrapper around its configured
+    implementation (sdpa or eager)."""
     from transformers import AttentionInterface
 
     size = group.size()
@@ -51,8 +52,9 @@ def apply_ulysses(model: PreTrainedModel, group: ProcessGroup) -> None:
     name = f"ulysses_{inner}"
     # One SP group per process, so one registration per inner implementation serves every model of the process.
     AttentionInterface.register(name, _ulysses_attention(inner, group))
-    # A vision-language model's tower runs unsplit (parallel/vision.py): only its language model is switched.
-    model.set_attn_implementation({"text_config": name} if getattr(model.config, "vision_config", None) else name)
+    # `sub_config` names the part of the model that attends over the sequence (a VL model's language model: its tower
+    # runs unsplit, parallel/vision.py); None switches the whole model.
+    model.set_attn_implementation({sub_config: name} if sub_config else name)
 
 
 def shard_sequence(batch: dict[str, torch.Tensor], group: ProcessGroup) -> dict[str, torch.Tensor]:
