@@ -131,6 +131,19 @@ def reference_run(cfg, steps: int) -> ReferenceRun:
     return run
 
 
+@torch.no_grad()
+def logit_logprobs(model, batch: dict[str, torch.Tensor]) -> tuple[list[float], list[int]]:
+    """A reference independent of fsdp2kit's chunked head: per sample of a shifted batch, the sum of the log-softmax
+    of the model's logits at the target tokens, and their count."""
+    from fsdp2kit.labels import IGNORE_INDEX
+
+    inputs = {key: value for key, value in batch.items() if key != "labels"}
+    logprobs = torch.log_softmax(model(**inputs, use_cache=False).logits.float(), dim=-1)
+    mask = batch["labels"] != IGNORE_INDEX
+    picked = logprobs.gather(-1, batch["labels"].clamp(min=0).unsqueeze(-1)).squeeze(-1) * mask
+    return picked.sum(dim=1).double().tolist(), mask.sum(dim=1).tolist()
+
+
 def token_batch(rows: int, length: int) -> dict[str, torch.Tensor]:
     """A training batch of seeded random tokens of the built-in vocabulary, every position a target."""
     from fsdp2kit.data.builtin import VOCAB_SIZE

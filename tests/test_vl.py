@@ -12,7 +12,15 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import REPO, process_group, read_metrics, run_cli, sharded_model, two_ranks_in_first_step
+from conftest import (
+    REPO,
+    logit_logprobs,
+    process_group,
+    read_metrics,
+    run_cli,
+    sharded_model,
+    two_ranks_in_first_step,
+)
 
 from fsdp2kit.check import describe
 from fsdp2kit.checkpoint.convert import convert
@@ -20,11 +28,11 @@ from fsdp2kit.config.load import load_config
 from fsdp2kit.config.schema import DataConfig, JobConfig, TrainingConfig
 from fsdp2kit.data.vl import VLEncoder, load_conversations
 from fsdp2kit.errors import UserError
-from fsdp2kit.infer.logprobs import infer, sample_logprobs
+from fsdp2kit.infer.logprobs import infer
 from fsdp2kit.models.export import export_hf
-from fsdp2kit.train.loop import train
 from fsdp2kit.train.optim import build_optimizer
 from fsdp2kit.train.step import token_loss_sum
+from fsdp2kit.trainer import train
 
 sys.path.insert(0, str(REPO / "examples"))
 from make_vl_dataset import main as make_dataset  # noqa: E402
@@ -195,7 +203,7 @@ def hf_logprobs(folder: Path, batches: list[dict]) -> list[float]:
     from transformers import AutoModelForImageTextToText
 
     model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
-    return [s for batch in batches for s in sample_logprobs(model, batch)[0]]
+    return [s for batch in batches for s in logit_logprobs(model, batch)[0]]
 
 
 @pytest.mark.parametrize("name", [QWEN25, QWEN3])
@@ -206,7 +214,7 @@ def test_export_has_the_hf_names_and_transformers_gives_the_same_logprobs(name, 
         sharded = sharded_model(job(name), runtime, training=False)
         encoder, conversations = encoder_and_conversations(sharded, dataset / "train.jsonl")
         batches = [encoder.collate([encoder.encode(c)], 2) for c in conversations[:3]]  # image, image, text
-        ours = [s for batch in batches for s in sample_logprobs(sharded.model, batch)[0]]
+        ours = [s for batch in batches for s in logit_logprobs(sharded.model, batch)[0]]
         export_hf(sharded.model, tmp_path / "hf", sharded.source.tokenizer_path, "fp32", is_main=True)
     with safe_open(tmp_path / "hf" / "model.safetensors", "pt") as handle:
         names = set(handle.keys())
@@ -221,7 +229,7 @@ def test_export_has_the_hf_names_and_transformers_gives_the_same_logprobs(name, 
     torch.testing.assert_close(hf_logprobs(tmp_path / "hf", batches), ours, rtol=1e-4, atol=1e-4)
     with process_group() as runtime:  # and back in: sliced loading reads the renamed tensors
         reloaded = sharded_model(job(str(tmp_path / "hf")), runtime, training=False).model
-        again = [s for batch in batches for s in sample_logprobs(reloaded, batch)[0]]
+        again = [s for batch in batches for s in logit_logprobs(reloaded, batch)[0]]
     assert again == pytest.approx(ours, rel=1e-6)
 
 
