@@ -35,8 +35,9 @@ from fsdp2kit.train.step import MicroBatchLoss, StepResult, TokenCrossEntropy, t
 Batch = dict[str, torch.Tensor]
 LossFn = Callable[[torch.Tensor, Batch], tuple[torch.Tensor, torch.Tensor]]
 
-# forward_step always works in chunks: its point is log-probs without the [B, T, vocab] float32 tensor.
-FORWARD_CHUNK_TOKENS = 1024
+# forward_step always works in chunks (of 256 tokens unless training.loss_chunk_tokens says otherwise): its point
+# is log-probs and entropies without the [B, T, vocab] float32 tensor and its temporaries.
+FORWARD_CHUNK_TOKENS = 256
 
 
 class Strategy:
