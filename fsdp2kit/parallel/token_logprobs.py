@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn as nn
@@ -49,7 +50,7 @@ def _token_forward(head: nn.Module, original: Forward) -> Forward:
         request: TokenRequest | None = getattr(head, _REQUEST, None)
         if request is None:
             return original(hidden)
-        return _chunked(hidden, head.weight, getattr(head, "bias", None), request)
+        return _chunked(hidden, cast(torch.Tensor, head.weight), getattr(head, "bias", None), request)
 
     return forward
 
