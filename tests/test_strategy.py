@@ -4,6 +4,7 @@ below one [B, T, vocab] float32 tensor; full_weights equals the HF export; offlo
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -254,3 +255,18 @@ def test_mistakes_are_one_sentence(model_dir, tmp_path):
         assert s.forward_step(batch)["log_probs"].shape == (2, 16)
         with pytest.raises(UserError, match="fsdp2_infer"):
             s.train_step([batch])
+
+
+@pytest.mark.slow
+def test_the_grpo_example_learns(tmp_path):
+    """examples/rl_grpo.py at 2 ranks: the rewarded token's share of the completions rises clearly."""
+    command = [sys.executable, str(REPO / "examples" / "rl_grpo.py"), "--nproc", "2", "--steps", "15"]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
+    result = subprocess.run(
+        command + ["--output-dir", str(tmp_path)], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 16))
+    first, last = (sum(r["reward"] for r in part) / 5 for part in (records[:5], records[-5:]))
+    assert last > first + 0.3, (first, last)
