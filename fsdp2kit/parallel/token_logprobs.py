@@ -3,20 +3,20 @@
 
 The head's forward is replaced in place (`replace_forward`), so it runs inside the model's forward where FSDP has
 its weight gathered, and its hooks, names and checkpoints are unchanged. While a `TokenRequest` is set on the head,
-the head returns the log-probabilities of the requested target tokens instead of logits; each chunk is recomputed
-in backward (activation checkpointing), so backward holds one chunk's logits at a time too."""
+the head returns the log-probabilities of the requested target tokens instead of logits; each chunk's logits are
+recomputed in backward and turned into their own gradient in place, so backward holds one chunk's logits at a time
+too. Entropies are computed without autograd (`forward_step`)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 from fsdp2kit.labels import IGNORE_INDEX
 from fsdp2kit.parallel.forward_patch import Forward, replace_forward
@@ -55,17 +55,44 @@ def _token_forward(head: nn.Module, original: Forward) -> Forward:
     return forward
 
 
-def _chunk(
-    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor, entropy: bool
+class _ChunkLogProbs(torch.autograd.Function):
+    """log p(target) of one chunk of tokens. Backward recomputes the chunk's logits once and turns them into their
+    gradient in place (softmax, scaled, minus the target's one-hot), so it holds one [chunk, vocab] float32 tensor
+    where autograd's log-softmax and gather would hold four or five."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor
+    ) -> torch.Tensor:
+        logits = F.linear(hidden, weight, bias).float()
+        normaliser = torch.logsumexp(logits, dim=-1)
+        picked = logits.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+        ctx.save_for_backward(hidden, weight, bias, targets, normaliser)
+        return (picked - normaliser).masked_fill(targets == IGNORE_INDEX, 0.0)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        hidden, weight, bias, targets, normaliser = ctx.saved_tensors
+        grad = grad.float().masked_fill(targets == IGNORE_INDEX, 0.0)
+        grad_logits = F.linear(hidden, weight, bias).float()
+        grad_logits.sub_(normaliser.unsqueeze(-1)).exp_().mul_(-grad.unsqueeze(-1))  # -grad x softmax
+        grad_logits.scatter_add_(-1, targets.clamp(min=0).unsqueeze(-1), grad.unsqueeze(-1))  # + grad x one-hot
+        grad_logits = grad_logits.to(hidden.dtype)
+        grad_bias = grad_logits.sum(0) if bias is not None and ctx.needs_input_grad[2] else None
+        grad_weight = grad_logits.t() @ hidden if ctx.needs_input_grad[1] else None
+        return grad_logits @ weight, grad_weight, grad_bias, None
+
+
+def _chunk_entropy(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs and entropies of one chunk, without autograd (forward_step)."""
     logits = F.linear(hidden, weight, bias).float()
     normaliser = torch.logsumexp(logits, dim=-1)
     picked = logits.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
     log_probs = (picked - normaliser).masked_fill(targets == IGNORE_INDEX, 0.0)
-    if not entropy:
-        return log_probs, log_probs.new_zeros(())
-    probs = torch.softmax(logits, dim=-1)
-    return log_probs, normaliser - (probs * logits).sum(-1)
+    expected_logit = (torch.softmax(logits, dim=-1) * logits).sum(-1)
+    return log_probs, normaliser - expected_logit
 
 
 def _chunked(
@@ -74,17 +101,17 @@ def _chunked(
     """Log-probs [B, T] float32 of `request.targets`, chunk by chunk over the flattened tokens."""
     batch, length = hidden.shape[:2]
     flat_hidden, flat_targets = hidden.reshape(batch * length, -1), request.targets.reshape(-1)
-    step = request.chunk_tokens or flat_targets.numel()
+    step = max(1, request.chunk_tokens or flat_targets.numel())
     log_probs, entropies = [], []
-    for start in range(0, flat_targets.numel(), max(1, step)):
-        part = slice(start, start + step)
-        args = (flat_hidden[part], weight, bias, flat_targets[part], request.entropy)
-        if torch.is_grad_enabled():  # backward recomputes each chunk's logits instead of keeping them all
-            lp, ent = checkpoint(_chunk, *args, use_reentrant=False)
+    for start in range(0, flat_targets.numel(), step):
+        args = (flat_hidden[start : start + step], weight, bias, flat_targets[start : start + step])
+        if request.entropy:
+            with torch.no_grad():
+                lp, entropy = _chunk_entropy(*args)
+            entropies.append(entropy)
         else:
-            lp, ent = _chunk(*args)
+            lp = _ChunkLogProbs.apply(*args)
         log_probs.append(lp)
-        entropies.append(ent)
     if request.entropy:
         request.entropies = torch.cat(entropies).reshape(batch, length)
     return torch.cat(log_probs).reshape(batch, length).clone()  # its own storage: FSDP hooks a view badly
