@@ -78,6 +78,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     convert.add_argument(
         "--adapter",
+        type=Path,
         default=None,
         help="a PEFT adapter folder to merge into the HF model SRC (--to hf): the merged HF folder goes to DST",
     )
@@ -206,9 +207,8 @@ def main(argv: list[str] | None = None) -> int:
             from fsdp2kit.dtypes import torch_dtype
             from fsdp2kit.train.loggers import phase
 
-            adapter = Path(args.adapter) if args.adapter else None
             with phase(f"converting {args.src} -> {args.dst} ({args.to})", is_main=True):
-                convert(Path(args.src), Path(args.dst), args.to, torch_dtype(args.dtype), adapter)
+                convert(Path(args.src), Path(args.dst), args.to, torch_dtype(args.dtype), args.adapter)
             return 0
         if args.command == "report":
             from fsdp2kit.report import write_report

@@ -184,7 +184,7 @@ class Trainer:
         if self.start_step < self.total_steps:  # a run resumed at its end has nothing new to save
             self._save(self.total_steps, blocking=True)
         strategy, variant = self.strategy, self.strategy.sharded.variant
-        variant.export_adapter(
+        variant.export_parts(
             strategy.model, self.output_dir, self.cfg.model.name_or_path, self.tc, self.runtime.is_main
         )
         if variant.exports_hf(self.tc):  # LoRA with export_merged: the adapters merged in

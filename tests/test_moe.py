@@ -206,8 +206,8 @@ def test_with_the_patch_ranks_routing_differently_train_like_one_rank(forced_rou
 # The run of a config with the expert patch step skipped.
 WITHOUT_PATCH = """
 import sys
-import fsdp2kit.models.sharded as sharded
-sharded.apply_expert_patch = lambda model: None
+import fsdp2kit.models.variant as variant
+variant.apply_expert_patch = lambda model: None
 from fsdp2kit.cli import main
 sys.exit(main(sys.argv[1:]))
 """

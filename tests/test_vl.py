@@ -318,9 +318,9 @@ def test_two_ranks_train_like_one_with_text_only_micro_batches(training_config, 
 # A run with the vision patch left out, its ranks launched here so that the patch can be removed in them.
 WITHOUT_PATCH = """
 import sys
-import fsdp2kit.models.sharded as sharded
+import fsdp2kit.models.variant as variant
 import fsdp2kit.train.step as step
-sharded.apply_vision_patch = lambda model: None
+variant.apply_vision_patch = lambda model: None
 forward = step.token_loss_sum
 def announced(model, batch, *args):
     print(f"forward: images {'pixel_values' in batch}", flush=True)

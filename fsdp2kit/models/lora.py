@@ -13,18 +13,23 @@ and the adapter is written with the keys `peft.PeftModel.from_pretrained` reads.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.distributed import ProcessGroup
 from torch.distributed.tensor import DTensor
 
-from fsdp2kit.config.schema import LoraConfig
+from fsdp2kit.config.schema import LoraConfig, TrainingConfig
+from fsdp2kit.dtypes import torch_dtype
 from fsdp2kit.errors import UserError
 from fsdp2kit.models.shards import copy_to_shard, module_seed
+from fsdp2kit.models.variant_part import VariantPart
 from fsdp2kit.parallel.plan import AdapterPlan, ShardingPlan, match_modules
 
 ADAPTER = "default"  # peft's adapter name; files written by peft leave it out of their keys
@@ -356,3 +361,38 @@ def plan_adapters(model: nn.Module, plan: ShardingPlan, cfg: LoraConfig) -> Adap
         optimizer_state_bytes=2 * param_bytes,
         input_grad_hooks=sorted(set(hooks), key=order.__getitem__),
     )
+
+
+@dataclass
+class LoraPart(VariantPart):
+    """model.lora: adapters injected on the meta model, planned with their layers' shard groups, initialised by
+    peft's rules (or read from `adapter`), saved alone in checkpoints with their peft config, exported as a PEFT
+    adapter folder."""
+
+    cfg: LoraConfig
+    adapters: AdapterPlan | None = None
+    keeps_base_dtype = True
+    replaces_hf_export = True
+
+    def patch_meta(self, model: nn.Module, sp_group: ProcessGroup | None) -> None:
+        inject_lora(model, self.cfg, torch_dtype(self.cfg.dtype))
+
+    def after_plan(self, model: nn.Module, plan: ShardingPlan) -> None:
+        self.adapters = plan_adapters(model, plan, self.cfg)
+        add_input_grad_hooks(model, self.adapters.input_grad_hooks)
+
+    def materialise(self, model: nn.Module, seed: int) -> None:
+        if has_adapters(model):
+            initialise_adapters(model, seed)
+        if self.cfg.adapter:
+            load_adapter(model, Path(self.cfg.adapter))
+
+    def checkpoint_config(self, model: nn.Module, name_or_path: str) -> Any:
+        return file_config(model, name_or_path)
+
+    def export(self, model: nn.Module, output_dir: Path, name_or_path: str, tc: TrainingConfig, is_main: bool) -> None:
+        if tc.export_hf:
+            export_adapter(model, output_dir / "adapter", name_or_path, is_main)
+
+    def describe(self) -> dict[str, Any]:
+        return {"lora": dataclasses.asdict(self.adapters) if self.adapters else None}

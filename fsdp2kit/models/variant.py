@@ -1,10 +1,11 @@
-"""What kind of model a run has — text or vision-language, full or LoRA, dense or mixture-of-experts — decided
-once, here (`pick_variant`), and the one object that does everything that differs between them. The generic code
-(the sharded-model builder, the Strategy, the commands, the checkpoints) asks a `ModelVariant`; it never branches
-on the kind of model itself.
+"""What kind of model a run has — text or vision-language, full or LoRA, dense or with experts sharded one by one —
+decided once, here (`pick_variant`), and the one object that does everything that differs between them. The generic
+code (the sharded-model builder, the Strategy, the commands, the checkpoints) asks a `ModelVariant`; it never
+branches on the kind of model itself.
 
-A variant is a modality (how batches are made and cut for sequence parallel) and the parts that apply (LoRA,
-experts, the vision tower); every part hook is a no-op unless a part changes it."""
+A variant is a modality (how batches are made, cut for sequence parallel and scored) and the parts that apply
+(`VariantPart`s: LoRA in models/lora.py, experts and the vision tower here); every part hook is a no-op unless the
+part changes it."""
 
 from __future__ import annotations
 
@@ -16,22 +17,13 @@ import torch
 import torch.nn as nn
 from torch.distributed import ProcessGroup
 
-from fsdp2kit.config.schema import DataConfig, LoraConfig, ModelConfig, StrategyConfig, TrainingConfig
+from fsdp2kit.config.schema import DataConfig, ModelConfig, StrategyConfig, TrainingConfig
 from fsdp2kit.data.samples import GlobalBatches, TrainingSamples
 from fsdp2kit.data.scoring import ConversationScoring, DocumentScoring, ScoringSource
 from fsdp2kit.data.vl import VLEncoder, VLGlobalBatches, load_conversations
-from fsdp2kit.dtypes import torch_dtype
 from fsdp2kit.models.build import ModelSource
-from fsdp2kit.models.lora import (
-    add_input_grad_hooks,
-    export_adapter,
-    file_config,
-    has_adapters,
-    initialise_adapters,
-    inject_lora,
-    load_adapter,
-    plan_adapters,
-)
+from fsdp2kit.models.lora import LoraPart
+from fsdp2kit.models.variant_part import VariantPart
 from fsdp2kit.models.vl import is_vision_language
 from fsdp2kit.parallel.moe import apply_expert_patch, split_experts
 from fsdp2kit.parallel.plan import AdapterPlan, ShardingPlan
@@ -41,55 +33,50 @@ from fsdp2kit.parallel.vision import apply_vision_patch, apply_vision_ulysses, s
 Batch = dict[str, torch.Tensor]
 
 
-class VariantPart:
-    """One facet of a model (LoRA, experts, the vision tower): hooks at each stage of the build, no-ops here."""
+class TextModality:
+    """Token sequences: documents from the token store, each rank's slice of the tokens under sequence parallel."""
 
-    keeps_base_dtype = False  # a frozen base trains in model.dtype, not fp32 master weights
+    name = "text"
+    attention_config: str | None = None  # Ulysses switches the whole model's attention
 
-    def patch_meta(self, model: nn.Module, sp_group: ProcessGroup | None) -> None:
-        """Change the meta-device model before the plan is made."""
+    def shard_batch(self, batch: Batch, group: ProcessGroup) -> Batch:
+        return shard_sequence(batch, group)
 
-    def after_plan(self, model: nn.Module, plan: ShardingPlan) -> None:
-        """Read or extend the plan before the patches and fully_shard."""
+    def global_batches(
+        self, data: DataConfig, tokenizer: Any, source: ModelSource, order: tuple[Any, ...]
+    ) -> GlobalBatches:
+        return GlobalBatches(TrainingSamples.from_config(data, tokenizer), *order)  # tokenized once, memory-mapped
 
-    def patch_sharded(self, model: nn.Module, plan: ShardingPlan) -> None:
-        """Change how modules run, after recompute and before fully_shard."""
-
-    def materialise(self, model: nn.Module, seed: int) -> None:
-        """Initialise or load this part's own weights once the base's are in place."""
-
-    def describe(self) -> dict[str, Any]:
-        """This part's lines in `check --json`."""
-        return {}
+    def scoring_source(self, data: DataConfig, tokenizer: Any, source: ModelSource, pad_id: int) -> ScoringSource:
+        return DocumentScoring.open(data, tokenizer, pad_id)
 
 
-@dataclass
-class LoraPart(VariantPart):
-    cfg: LoraConfig
-    adapters: AdapterPlan | None = None
-    keeps_base_dtype = True
+class VisionModality(TextModality):
+    """Image and text conversations, encoded (images read) as their micro-batches are built; under sequence parallel
+    the whole sequence enters (the tower and the mrope positions need it) and the language model slices it."""
 
-    def patch_meta(self, model: nn.Module, sp_group: ProcessGroup | None) -> None:
-        inject_lora(model, self.cfg, torch_dtype(self.cfg.dtype))
+    name = "vision-language"
+    attention_config = "text_config"  # the tower runs unsplit: only the language model's attention is switched
 
-    def after_plan(self, model: nn.Module, plan: ShardingPlan) -> None:
-        self.adapters = plan_adapters(model, plan, self.cfg)
-        add_input_grad_hooks(model, self.adapters.input_grad_hooks)
+    def shard_batch(self, batch: Batch, group: ProcessGroup) -> Batch:
+        return shard_vision_batch(batch, group)
 
-    def materialise(self, model: nn.Module, seed: int) -> None:
-        if has_adapters(model):
-            initialise_adapters(model, seed)
-        if self.cfg.adapter:
-            load_adapter(model, Path(self.cfg.adapter))
+    def global_batches(
+        self, data: DataConfig, tokenizer: Any, source: ModelSource, order: tuple[Any, ...]
+    ) -> GlobalBatches:
+        encoder = VLEncoder.load(source.tokenizer_path, source.hf_config, data.seq_len)
+        return VLGlobalBatches(load_conversations(data), *order, encoder=encoder)
 
-    def describe(self) -> dict[str, Any]:
-        import dataclasses
-
-        return {"lora": dataclasses.asdict(self.adapters) if self.adapters else None}
+    def scoring_source(self, data: DataConfig, tokenizer: Any, source: ModelSource, pad_id: int) -> ScoringSource:
+        encoder = VLEncoder.load(source.tokenizer_path, source.hf_config, data.seq_len)
+        return ConversationScoring.open(data, encoder, pad_id)
 
 
 @dataclass
 class ExpertsPart(VariantPart):
+    """wrap_policy.moe_experts: fused experts split into one module per expert; with apply_expert_patch every rank
+    runs every expert, so that their all-gathers pair up (parallel/moe.py)."""
+
     moe_experts: list[str]
 
     def patch_meta(self, model: nn.Module, sp_group: ProcessGroup | None) -> None:
@@ -100,8 +87,10 @@ class ExpertsPart(VariantPart):
             apply_expert_patch(model)
 
 
-@dataclass
 class VisionPart(VariantPart):
+    """The tower runs on every forward (on a dummy image when a micro-batch has none), so that every rank joins its
+    shard groups' collectives; under Ulysses it runs after the merge (parallel/vision.py)."""
+
     def patch_meta(self, model: nn.Module, sp_group: ProcessGroup | None) -> None:
         if sp_group is not None:
             apply_vision_ulysses(model, sp_group)
@@ -109,23 +98,29 @@ class VisionPart(VariantPart):
     def patch_sharded(self, model: nn.Module, plan: ShardingPlan) -> None:
         apply_vision_patch(model)
 
+    def describe(self) -> dict[str, Any]:
+        return {"vision_patch": True}
+
 
 @dataclass
 class ModelVariant:
     """The model's kind, and everything that differs with it."""
 
-    vision: bool
+    modality: TextModality
     parts: list[VariantPart] = field(default_factory=list)
 
     @property
-    def attention_config(self) -> str | None:
-        """The sub-config whose attention runs over the token sequence (Ulysses): a VL model's language model."""
-        return "text_config" if self.vision else None
+    def name(self) -> str:
+        return "+".join([self.modality.name] + [type(p).__name__.removesuffix("Part").lower() for p in self.parts])
 
     @property
-    def name(self) -> str:
-        kinds = ["vision-language" if self.vision else "text"] + [type(p).__name__[:-4].lower() for p in self.parts]
-        return "+".join(kinds)
+    def attention_config(self) -> str | None:
+        """The sub-config whose attention runs over the token sequence (Ulysses); None: the whole model's."""
+        return self.modality.attention_config
+
+    @property
+    def adapter_plan(self) -> AdapterPlan | None:
+        return next(filter(None, (p.adapters for p in self.parts)), None)
 
     def master_dtype(self, training: bool, model_dtype: str) -> str:
         """fp32 master weights when the whole model trains; a frozen base (LoRA) stays in model.dtype."""
@@ -148,56 +143,45 @@ class ModelVariant:
             part.materialise(model, seed)
 
     def describe(self) -> dict[str, Any]:
-        described: dict[str, Any] = {"variant": self.name, "vision_patch": self.vision, "lora": None}
+        described: dict[str, Any] = {"variant": self.name, "vision_patch": False, "lora": None}
         for part in self.parts:
             described.update(part.describe())
         return described
 
-    @property
-    def lora(self) -> LoraPart | None:
-        return next((p for p in self.parts if isinstance(p, LoraPart)), None)
-
     # ---- batches ----------------------------------------------------------------------------------------------
 
     def shard_batch(self, batch: Batch, group: ProcessGroup) -> Batch:
-        """This rank's part of a micro-batch under sequence parallel: a VL model reads the whole sequence (the tower
-        and the mrope positions need it) and slices after the merge; a text model reads its slice of the tokens."""
-        return shard_vision_batch(batch, group) if self.vision else shard_sequence(batch, group)
+        """This rank's part of a micro-batch under sequence parallel."""
+        return self.modality.shard_batch(batch, group)
 
     def global_batches(
         self, data: DataConfig, tokenizer: Any, source: ModelSource, order: tuple[Any, ...]
     ) -> GlobalBatches:
-        """The run's batches, the same at any world size: documents from the token store (built once, memory-mapped),
-        or a VL model's conversations, encoded (images read) as their micro-batches are built."""
-        if self.vision:
-            encoder = VLEncoder.load(source.tokenizer_path, source.hf_config, data.seq_len)
-            return VLGlobalBatches(load_conversations(data), *order, encoder=encoder)
-        return GlobalBatches(TrainingSamples.from_config(data, tokenizer), *order)
+        """The run's batches, the same at any world size."""
+        return self.modality.global_batches(data, tokenizer, source, order)
 
     def scoring_source(self, data: DataConfig, tokenizer: Any, source: ModelSource, pad_id: int) -> ScoringSource:
-        """What `infer` scores: documents from the token store, or a VL model's conversations."""
-        if self.vision:
-            encoder = VLEncoder.load(source.tokenizer_path, source.hf_config, data.seq_len)
-            return ConversationScoring.open(data, encoder, pad_id)
-        return DocumentScoring.open(data, tokenizer, pad_id)
+        """What `infer` scores, sample by sample."""
+        return self.modality.scoring_source(data, tokenizer, source, pad_id)
 
     # ---- checkpoints and exports ------------------------------------------------------------------------------
 
     def checkpoint_config(self, model: nn.Module, name_or_path: str) -> Any:
         """What a checkpoint holds besides its tensors: a LoRA run saves only what trains, with its peft config;
         None: the whole model, with its HF config."""
-        return file_config(model, name_or_path) if self.lora is not None else None
+        configs = (part.checkpoint_config(model, name_or_path) for part in self.parts)
+        return next((config for config in configs if config is not None), None)
 
-    def export_adapter(
+    def export_parts(
         self, model: nn.Module, output_dir: Path, name_or_path: str, tc: TrainingConfig, is_main: bool
     ) -> None:
-        """A LoRA run's end-of-run export: the PEFT adapter folder output_dir/adapter (with export_hf)."""
-        if self.lora is not None and tc.export_hf:
-            export_adapter(model, output_dir / "adapter", name_or_path, is_main)
+        """The parts' own end-of-run exports (LoRA: the PEFT adapter folder, with export_hf)."""
+        for part in self.parts:
+            part.export(model, output_dir, name_or_path, tc, is_main)
 
     def exports_hf(self, tc: TrainingConfig) -> bool:
         """Whether the run ends with an HF folder: export_hf of a full model, or export_merged (LoRA merged in)."""
-        return (tc.export_hf and self.lora is None) or tc.export_merged
+        return (tc.export_hf and not any(p.replaces_hf_export for p in self.parts)) or tc.export_merged
 
 
 def pick_variant(hf_config: Any, model_cfg: ModelConfig, strategy: StrategyConfig) -> ModelVariant:
@@ -211,4 +195,4 @@ def pick_variant(hf_config: Any, model_cfg: ModelConfig, strategy: StrategyConfi
         parts.append(VisionPart())
     if model_cfg.lora_enabled and model_cfg.lora is not None:  # adapters go onto the split experts too
         parts.append(LoraPart(model_cfg.lora))
-    return ModelVariant(vision, parts)
+    return ModelVariant(VisionModality() if vision else TextModality(), parts)
