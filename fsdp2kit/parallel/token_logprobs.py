@@ -32,6 +32,7 @@ class TokenRequest:
     chunk_tokens: int  # tokens per chunk; 0 = all at once
     entropy: bool = False
     entropies: torch.Tensor | None = None  # [B, T] float32, filled when `entropy`
+    summed: bool = False  # return the summed cross-entropy -sum(log p) instead (the training loss)
 
 
 def head_name(model: nn.Module) -> str:
@@ -83,6 +84,55 @@ class _ChunkLogProbs(torch.autograd.Function):
         return grad_logits @ weight, grad_weight, grad_bias, None
 
 
+class _ChunkedCrossEntropy(torch.autograd.Function):
+    """-sum(log p(target)) over all tokens, chunk by chunk, with its gradients computed in the same pass: the gradient
+    of a sum reaches every token with the same factor, so backward only scales them. The head's matmuls run as often
+    as without chunking (no recompute), and one [chunk, vocab] float32 tensor lives at a time."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        targets: torch.Tensor,
+        chunk: int,
+    ) -> torch.Tensor:
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        grad_hidden = torch.empty_like(hidden)
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32)
+        grad_bias = torch.zeros_like(bias, dtype=torch.float32) if bias is not None else None
+        for start in range(0, targets.numel(), chunk):
+            part, part_targets = hidden[start : start + chunk], targets[start : start + chunk]
+            keep = (part_targets != IGNORE_INDEX).unsqueeze(-1)
+            logits = F.linear(part, weight, bias).float()
+            normaliser = torch.logsumexp(logits, dim=-1, keepdim=True)
+            index = part_targets.clamp(min=0).unsqueeze(-1)
+            total += ((normaliser - logits.gather(-1, index)) * keep).sum()
+            grad = logits.sub_(normaliser).exp_().scatter_add_(-1, index, -torch.ones_like(normaliser))
+            grad = grad.mul_(keep).to(hidden.dtype)  # softmax - one-hot, on the targets only
+            grad_hidden[start : start + chunk] = grad @ weight
+            grad_weight += (grad.t() @ part).float()
+            if grad_bias is not None:
+                grad_bias += grad.sum(0).float()
+        ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
+        ctx.dtypes = (weight.dtype, bias.dtype if bias is not None else None)
+        return total
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
+        weight_dtype, bias_dtype = ctx.dtypes
+        scaled_bias = (grad_bias * grad).to(bias_dtype) if grad_bias is not None else None
+        return (
+            grad_hidden * grad.to(grad_hidden.dtype),
+            (grad_weight * grad).to(weight_dtype),
+            scaled_bias,
+            None,
+            None,
+        )
+
+
 def _chunk_entropy(
     hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,10 +148,12 @@ def _chunk_entropy(
 def _chunked(
     hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, request: TokenRequest
 ) -> torch.Tensor:
-    """Log-probs [B, T] float32 of `request.targets`, chunk by chunk over the flattened tokens."""
+    """Log-probs [B, T] float32 of `request.targets` (or their negated sum), chunk by chunk over the tokens."""
     batch, length = hidden.shape[:2]
     flat_hidden, flat_targets = hidden.reshape(batch * length, -1), request.targets.reshape(-1)
     step = max(1, request.chunk_tokens or flat_targets.numel())
+    if request.summed:
+        return _ChunkedCrossEntropy.apply(flat_hidden, weight, bias, flat_targets, step)
     log_probs, entropies = [], []
     for start in range(0, flat_targets.numel(), step):
         args = (flat_hidden[start : start + step], weight, bias, flat_targets[start : start + step])

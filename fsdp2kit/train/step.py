@@ -83,9 +83,9 @@ class TokenCrossEntropy:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         if not self.chunk_tokens:
             return token_loss_sum(model, batch, aux_loss_weight), None
-        with token_request(model, TokenRequest(batch["labels"], self.chunk_tokens)):
+        with token_request(model, TokenRequest(batch["labels"], self.chunk_tokens, summed=True)):
             outputs = model(**model_inputs(batch), use_cache=False)
-        return with_aux_loss(-outputs.logits.sum(), outputs, aux_loss_weight), None
+        return with_aux_loss(outputs.logits, outputs, aux_loss_weight), None
 
 
 @dataclass
