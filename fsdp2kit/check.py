@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import yaml
 from torch.distributed.fsdp import FSDPModule
@@ -18,6 +19,7 @@ from fsdp2kit.errors import UserError
 from fsdp2kit.models.build import open_safetensors, resolve_model
 from fsdp2kit.models.sharded import build_sharded_model, count_parameters
 from fsdp2kit.parallel.fsdp import describe_groups
+from fsdp2kit.parallel.plan import ShardingPlan
 from fsdp2kit.train.run_dir import output_dir_problem
 
 
@@ -92,6 +94,24 @@ def describe(cfg: JobConfig, runtime: Runtime) -> dict:
         # Read back from the live modules, so this is what fully_shard did, not what we meant it to do.
         "sharded_modules": [name for name, module in model.named_modules() if isinstance(module, FSDPModule)],
         "groups": describe_groups(model),
+        **_plan_fields(plan),
+        "frozen_modules": cfg.model.freeze_module_prefix,
+        "trainable_parameters": trainable,
+        "frozen_parameters": frozen,
+        "master_dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+        "ulysses_size": cfg.model.ulysses_size,
+        "custom_plan": plan.custom,
+        # The model's kind (vision_patch: the tower runs on every forward) and, for LoRA, the adapters by shard
+        # group, their trainable count and the bytes they and their AdamW state take.
+        **sharded.variant.describe(),
+        "notes": plan.notes,
+        "config_notes": cfg.notes,
+    }
+
+
+def _plan_fields(plan: ShardingPlan) -> dict[str, Any]:
+    """What the plan decided besides the groups: recompute, compile, TiledMLP, precision, reshard, offload, prefetch."""
+    return {
         "ignored_modules": plan.ignored_modules,
         "recompute_modules": plan.recompute_modules,
         "compiled_modules": plan.compiled_modules,
@@ -99,10 +119,6 @@ def describe(cfg: JobConfig, runtime: Runtime) -> dict:
         if plan.tiled_mlp_modules
         else None,
         "expert_patch": plan.expert_patch,
-        "frozen_modules": cfg.model.freeze_module_prefix,
-        "trainable_parameters": trainable,
-        "frozen_parameters": frozen,
-        "master_dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
         "mixed_precision": {
             "param_dtype": torch_name(plan.param_dtype),
             "reduce_dtype": torch_name(plan.reduce_dtype),
@@ -115,13 +131,6 @@ def describe(cfg: JobConfig, runtime: Runtime) -> dict:
         "pin_memory": plan.pin_memory,
         "prefetch": {"forward": plan.forward_prefetch, "backward": plan.backward_prefetch},
         "use_reentrant": plan.use_reentrant,
-        "ulysses_size": cfg.model.ulysses_size,
-        "custom_plan": plan.custom,
-        # The model's kind (vision_patch: the tower runs on every forward) and, for LoRA, the adapters by shard
-        # group, their trainable count and the bytes they and their AdamW state take.
-        **sharded.variant.describe(),
-        "notes": plan.notes,
-        "config_notes": cfg.notes,
     }
 
 

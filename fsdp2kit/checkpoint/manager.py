@@ -16,7 +16,7 @@ import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -29,6 +29,9 @@ from fsdp2kit.checkpoint.dcp_io import METADATA_FILE, damage, read_dcp, read_met
 from fsdp2kit.durable import fsync_dir, fsync_file, write_durable
 from fsdp2kit.errors import RunFault, UserError
 from fsdp2kit.models.export import write_config_and_tokenizer
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 STATE_FILE = "trainer_state.json"
 
@@ -88,10 +91,10 @@ class CheckpointManager:
         rank: int,
         async_save: bool,
         keep: int | None,
-        hf_config=None,
+        hf_config: PretrainedConfig | None = None,
         tokenizer_path: Path | None = None,
         saved_config: Any = None,
-    ):
+    ) -> None:
         self.root = output_dir / "checkpoints"
         # Each checkpoint carries the model's config and tokenizer, so it is a model source by itself
         # (`model.name_or_path: .../step_N`, `fsdp2kit convert`). A LoRA run's checkpoint holds only what trains

@@ -9,13 +9,16 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
 from fsdp2kit.config.schema import DataConfig
 from fsdp2kit.errors import UserError
 from fsdp2kit.labels import IGNORE_INDEX
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 _FILE_KINDS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text"}
 
@@ -74,7 +77,7 @@ def _first_bad_line(files: list[Path], kind: str) -> str | None:
     return None
 
 
-def _read_table(source: str | list[str], files: list[Path]):
+def _read_table(source: str | list[str], files: list[Path]) -> Any:
     """A local HF dataset folder or *.jsonl / *.parquet / *.txt files (a glob or a list), as a `datasets.Dataset`
     (memory-mapped Arrow), and which of those it was ('disk', 'json', 'parquet' or 'text')."""
     import datasets
@@ -172,7 +175,7 @@ def load_documents(cfg: DataConfig) -> list[str] | list[PromptResponse]:
     return documents.read(0, len(documents))
 
 
-def load_tokenizer(path: Path, trust_remote_code: bool = False):
+def load_tokenizer(path: Path, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
     """The tokenizer of a model folder, a checkpoint or `data.tokenizer`, through transformers; a corrupt or
     incomplete one is one sentence naming the damaged file (or the folder, when no file is plainly damaged)."""
     from transformers import AutoTokenizer

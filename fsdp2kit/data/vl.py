@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -27,6 +27,9 @@ from fsdp2kit.config.schema import DataConfig
 from fsdp2kit.data.samples import GlobalBatches
 from fsdp2kit.errors import UserError
 from fsdp2kit.labels import IGNORE_INDEX
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 _SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 IMAGE_PLACEHOLDER = "<image>"
@@ -160,7 +163,7 @@ def _read_conversations(source: Path) -> list[Conversation]:
     return conversations
 
 
-def _read_image(path: Path, where: str):
+def _read_image(path: Path, where: str) -> Any:
     from PIL import Image, UnidentifiedImageError
 
     try:
@@ -182,7 +185,7 @@ class VLEncoder:
     _templates: dict = field(default_factory=dict)
 
     @classmethod
-    def load(cls, path: Path, hf_config, seq_len: int) -> VLEncoder:
+    def load(cls, path: Path, hf_config: PretrainedConfig, seq_len: int) -> VLEncoder:
         from transformers import AutoImageProcessor, AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(path)

@@ -95,7 +95,7 @@ def resolve_model(cfg: ModelConfig, tokenizer: str | None = None) -> ModelSource
     return ModelSource(hf_config, tokenizer_path, weights_dir, weights_format)
 
 
-def check_sequence_length(hf_config, seq_len: int) -> None:
+def check_sequence_length(hf_config: PretrainedConfig, seq_len: int) -> None:
     """Positions past the model's table are not an error in most attention code: they are silently garbage."""
     limit = getattr(hf_config, "max_position_embeddings", None)
     if isinstance(limit, int) and seq_len > limit:
@@ -222,7 +222,7 @@ def tied_weight_names(model: nn.Module) -> set[str]:
     return set(getattr(model, "_tied_weights_keys", None) or {})
 
 
-def open_safetensors(file: Path):
+def open_safetensors(file: Path) -> Any:
     """A safetensors file opened (headers read, tensors memory-mapped); close it with `__exit__`. A truncated or
     damaged file is one sentence naming it: safetensors checks that the header covers the whole file."""
     from safetensors import SafetensorError, safe_open
@@ -257,7 +257,7 @@ def _safetensors_views(model: nn.Module, folder: Path, handles: dict[Path, Any])
     tied = tied_weight_names(model)
     state = base_state(model)  # LoRA: the base model's tensors under their own names
 
-    def stored_view(name: str):
+    def stored_view(name: str) -> Any:
         file = locations[name]
         if not file.is_file():
             raise UserError(f"model weights: file '{file}' named by the index does not exist")

@@ -11,6 +11,7 @@ import os
 import shutil
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn as nn
@@ -19,6 +20,9 @@ from fsdp2kit.dtypes import torch_dtype
 from fsdp2kit.models.build import tied_weight_names
 from fsdp2kit.models.lora import merged_full_tensor, merged_state
 from fsdp2kit.models.vl import stored_name
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 MAX_SHARD_BYTES = 2 * 1024**3
 TOKENIZER_FILES = (
@@ -88,7 +92,9 @@ def copy_present_files(src: Path, dst: Path, names: Iterable[str]) -> None:
             shutil.copy(src / name, dst / name)
 
 
-def write_config_and_tokenizer(out_dir: Path, hf_config, tokenizer_path: Path | None, dtype: torch.dtype) -> None:
+def write_config_and_tokenizer(
+    out_dir: Path, hf_config: PretrainedConfig, tokenizer_path: Path | None, dtype: torch.dtype
+) -> None:
     hf_config = copy.deepcopy(hf_config)
     hf_config.dtype = dtype
     hf_config.save_pretrained(out_dir)
@@ -132,4 +138,4 @@ def export_hf(
             writer.add(name, full)
     if writer is not None:
         writer.close()
-        write_config_and_tokenizer(out_dir, model.config, tokenizer_path, torch_dtype(dtype))
+        write_config_and_tokenizer(out_dir, cast(PretrainedConfig, model.config), tokenizer_path, torch_dtype(dtype))

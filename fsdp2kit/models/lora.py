@@ -18,7 +18,7 @@ import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn as nn
@@ -32,6 +32,9 @@ from fsdp2kit.models.shards import copy_to_shard, module_seed
 from fsdp2kit.models.variant_part import VariantPart
 from fsdp2kit.parallel.plan import AdapterPlan, ShardingPlan, match_modules
 
+if TYPE_CHECKING:
+    from peft import PeftConfig
+
 ADAPTER = "default"  # peft's adapter name; files written by peft leave it out of their keys
 PEFT_MODEL_PREFIX = "base_model.model."  # a PeftModel's path to the model it wraps: the prefix of the file's keys
 ADAPTER_CONFIG_FILE = "adapter_config.json"
@@ -39,7 +42,7 @@ ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
 _SET_BY_ADAPTER = ("rank", "alpha", "target_modules", "modules_to_save")
 
 
-def read_adapter_config(folder: Path, key: str = "model.lora.adapter", weights: bool = True):
+def read_adapter_config(folder: Path, key: str = "model.lora.adapter", weights: bool = True) -> PeftConfig:
     """The `peft.LoraConfig` of a PEFT adapter folder (or of a LoRA checkpoint: `weights=False`), local files only."""
     from peft import LoraConfig as PeftLoraConfig
 
@@ -64,12 +67,12 @@ def _resolve_targets(model: nn.Module, names: list[str], key: str) -> list[str]:
     return [n for n in names if "{" not in n] + resolved
 
 
-def peft_config(cfg: LoraConfig, model: nn.Module):
+def peft_config(cfg: LoraConfig, model: nn.Module) -> Any:
     """The `peft.LoraConfig` for `model.lora`: an existing adapter's own, or one built from the section."""
     from peft import LoraConfig as PeftLoraConfig
 
     if cfg.adapter:
-        config = read_adapter_config(Path(cfg.adapter))
+        config: Any = read_adapter_config(Path(cfg.adapter))  # a peft LoraConfig
         for key in _SET_BY_ADAPTER:
             if key in cfg.model_fields_set:
                 raise UserError(
@@ -105,7 +108,7 @@ def inject_lora(model: nn.Module, cfg: LoraConfig, dtype: torch.dtype | None) ->
             module.to(dtype)
 
 
-def inject_peft(model: nn.Module, config) -> None:
+def inject_peft(model: nn.Module, config: PeftConfig) -> None:
     """peft's injection, its refusals as one sentence."""
     from peft import inject_adapter_in_model
 
@@ -275,7 +278,7 @@ def export_adapter(model: nn.Module, out_dir: Path, base_name_or_path: str, is_m
         write_adapter_folder(out_dir, file_config(model, base_name_or_path), tensors)
 
 
-def file_config(model: nn.Module, base_name_or_path: str):
+def file_config(model: nn.Module, base_name_or_path: str) -> PeftConfig:
     """The adapter's peft config as written to files: it names its base model, as peft's own save does."""
     config = copy.deepcopy(adapter_settings(model))
     config.base_model_name_or_path = base_name_or_path
@@ -283,7 +286,7 @@ def file_config(model: nn.Module, base_name_or_path: str):
     return config
 
 
-def write_adapter_folder(out_dir: Path, config, tensors: dict[str, torch.Tensor]) -> None:
+def write_adapter_folder(out_dir: Path, config: PeftConfig, tensors: dict[str, torch.Tensor]) -> None:
     from safetensors.torch import save_file
 
     out_dir.mkdir(parents=True, exist_ok=True)

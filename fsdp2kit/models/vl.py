@@ -89,7 +89,7 @@ BUILTIN_VL_MODELS: dict[str, dict[str, Any]] = {
 }
 
 
-def is_vision_language(hf_config) -> bool:
+def is_vision_language(hf_config: Any) -> bool:
     """A config transformers builds as an image-text-to-text model, with a vision tower."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import importlib
 import re
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -112,7 +114,7 @@ def separately_wrapped_experts(model: nn.Module, names: list[str]) -> list[str]:
 # fused or split. These read one layout as the other, lazily, with the slice interface of safetensors.
 
 
-def _full_index(index, ndim: int) -> tuple[slice, ...]:
+def _full_index(index: Any, ndim: int) -> tuple[slice, ...]:
     index = index if isinstance(index, tuple) else (index,)
     return tuple(index) + (slice(None),) * (ndim - len(index))
 
@@ -127,7 +129,7 @@ class _FusedFromExperts:
         first = [view.get_shape() for view in self.per_expert[0]]
         return [len(self.per_expert), sum(shape[0] for shape in first), first[0][1]]
 
-    def __getitem__(self, index) -> torch.Tensor:
+    def __getitem__(self, index: Any) -> torch.Tensor:
         experts, rows, cols = _full_index(index, 3)
         return torch.stack(
             [
@@ -140,19 +142,21 @@ class _FusedFromExperts:
 class _ExpertOfFused:
     """One expert's [rows, cols] weight inside a fused [experts, rows, cols] tensor, from row `first_row` on."""
 
-    def __init__(self, fused, expert: int, first_row: int, rows: int):
+    def __init__(self, fused: Any, expert: int, first_row: int, rows: int) -> None:
         self.fused, self.expert, self.first_row, self.rows = fused, expert, first_row, rows
 
     def get_shape(self) -> list[int]:
         return [self.rows, self.fused.get_shape()[2]]
 
-    def __getitem__(self, index) -> torch.Tensor:
+    def __getitem__(self, index: Any) -> torch.Tensor:
         rows, cols = _full_index(index, 2)
         start, stop, _ = rows.indices(self.rows)
         return self.fused[self.expert : self.expert + 1, self.first_row + start : self.first_row + stop, cols][0]
 
 
-def expert_views_from_other_layout(model: nn.Module, missing: list[str], stored: set[str], view) -> dict[str, tuple]:
+def expert_views_from_other_layout(
+    model: nn.Module, missing: list[str], stored: set[str], view: Callable[[str], Any]
+) -> dict[str, tuple]:
     """For each expert weight in `missing` (model tensors the files lack under that name), a view that reads it from
     the other layout's tensors in `stored`, and the names it reads. `view(name)` opens one stored tensor."""
     found: dict[str, tuple] = {}

@@ -99,7 +99,7 @@ def _dummy_image(inner: Any) -> tuple[torch.Tensor, torch.Tensor]:
     return pixels, grid
 
 
-def _zero_sum(value) -> torch.Tensor | None:
+def _zero_sum(value: Any) -> torch.Tensor | None:
     """0 x the sum of every floating tensor in a (nested) model output: joins them to the graph, changes nothing."""
     if isinstance(value, torch.Tensor):
         return value.float().sum() * 0 if value.is_floating_point() else None
@@ -117,12 +117,12 @@ def apply_vision_patch(model: nn.Module) -> None:
     inner = vision_tower_owner(model)
     pending: list[torch.Tensor | None] = []
 
-    def before(module, args, kwargs):
+    def before(module: Any, args: tuple, kwargs: dict[str, Any]) -> None:
         if kwargs.get("pixel_values") is None and not kwargs.get("past_key_values"):
             pixels, grid = _dummy_image(module)
             pending.append(_zero_sum(module.get_image_features(pixels, grid)))
 
-    def after(module, args, kwargs, output):
+    def after(module: nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> Any:
         zero = pending.pop() if pending else None
         if zero is not None:
             output.last_hidden_state = output.last_hidden_state + zero.to(output.last_hidden_state.dtype)
@@ -140,7 +140,7 @@ def apply_vision_ulysses(model: nn.Module, group: ProcessGroup) -> None:
     language_model = vision_tower_owner(model).language_model
     size, rank = group.size(), group.rank()
 
-    def split(module, args, kwargs):
+    def split(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
         embeds = kwargs["inputs_embeds"]
         length = embeds.shape[1]
         local = slice(rank * length // size, (rank + 1) * length // size)

@@ -188,6 +188,6 @@ class RunLoggers:
     def __enter__(self) -> RunLoggers:
         return self
 
-    def __exit__(self, *exc_info) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         for log in self.logs:
             log.close()

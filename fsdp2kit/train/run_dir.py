@@ -83,5 +83,5 @@ class OutputDirLock:
     def __enter__(self) -> OutputDirLock:
         return self
 
-    def __exit__(self, *exc_info) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.release()
