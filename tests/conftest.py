@@ -144,7 +144,7 @@ def logit_logprobs(model, batch: dict[str, torch.Tensor]) -> tuple[list[float], 
     return picked.sum(dim=1).double().tolist(), mask.sum(dim=1).tolist()
 
 
-def token_batch(rows: int, length: int) -> dict[str, torch.Tensor]:
+def token_batch(rows: int = 2, length: int = 16) -> dict[str, torch.Tensor]:
     """A training batch of seeded random tokens of the built-in vocabulary, every position a target."""
     from fsdp2kit.data.builtin import VOCAB_SIZE
 
@@ -210,8 +210,47 @@ def two_ranks_in_first_step(code: str, args: list[str], log_dir: Path, in_first_
     return hung, output()
 
 
+# A fast run of the built-in tiny Llama: 2 layers, 64-token samples, no HF export.
+SMALL_RUN = {"model.config.num_hidden_layers": 2, "data.seq_len": 64, "training.export_hf": False}
+
+
 @pytest.fixture
 def small_run(tmp_path):
-    """--set overrides for a fast run of the built-in tiny Llama: 2 layers, 64-token samples, no checkpoints."""
-    settings = {"model.config.num_hidden_layers": 2, "data.seq_len": 64, "training.export_hf": False}
-    return set_args({**settings, "training.output_dir": str(tmp_path / "run")})
+    """--set overrides for SMALL_RUN into tmp_path/run (no checkpoints but the last)."""
+    return set_args({**SMALL_RUN, "training.output_dir": str(tmp_path / "run")})
+
+
+def make_hf_folder(path: Path, builtin: str, max_shard_size: str | None = None, layers: int = 2, **config):
+    """A seeded HF model folder of a built-in architecture (`config` overrides its settings), with the built-in
+    tokenizer: what a user's downloaded model looks like, without a download. Returns the model."""
+    import shutil
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from fsdp2kit.data.builtin import tokenizer_dir
+    from fsdp2kit.models.builtin import BUILTIN_MODELS
+
+    settings = dict(BUILTIN_MODELS[builtin], num_hidden_layers=layers, **config)
+    hf_config = AutoConfig.for_model(settings.pop("model_type"), **settings)
+    torch.manual_seed(3)
+    model = AutoModelForCausalLM.from_config(hf_config)
+    model.save_pretrained(path, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
+    for file in tokenizer_dir().iterdir():
+        shutil.copy(file, path / file.name)
+    return model
+
+
+def cli_without_patch(patch: str, announce_forwards: bool = False) -> str:
+    """Code for `python -c` running the command line with `fsdp2kit.models.variant.<patch>` made a no-op (and each
+    training forward announced as `forward: images True|False`): a run that shows what the patch prevents."""
+    lines = ["import sys", "import fsdp2kit.models.variant as variant", f"variant.{patch} = lambda model: None"]
+    if announce_forwards:
+        lines += [
+            "import fsdp2kit.train.step as step",
+            "forward = step.token_loss_sum",
+            "def announced(model, batch, *args):",
+            "    print(f\"forward: images {'pixel_values' in batch}\", flush=True)",
+            "    return forward(model, batch, *args)",
+            "step.token_loss_sum = announced",
+        ]
+    return "\n".join([*lines, "from fsdp2kit.cli import main", "sys.exit(main(sys.argv[1:]))", ""])

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import process_group, read_metrics, run_cli, sharded_model, token_batch
-from test_infer import TEXTS, make_hf_folder, reference_logprobs
+from conftest import make_hf_folder, process_group, read_metrics, run_cli, sharded_model, token_batch
+from test_infer import TEXTS, reference_logprobs
 
 from fsdp2kit.config import load_config
 from fsdp2kit.errors import UserError

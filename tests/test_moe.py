@@ -9,7 +9,15 @@ import time
 import pytest
 import torch
 import yaml
-from conftest import process_group, read_metrics, run_cli, sharded_model, token_batch, two_ranks_in_first_step
+from conftest import (
+    cli_without_patch,
+    process_group,
+    read_metrics,
+    run_cli,
+    sharded_model,
+    token_batch,
+    two_ranks_in_first_step,
+)
 
 from fsdp2kit.check import describe
 from fsdp2kit.config.schema import JobConfig
@@ -204,13 +212,7 @@ def test_with_the_patch_ranks_routing_differently_train_like_one_rank(forced_rou
 
 
 # The run of a config with the expert patch step skipped.
-WITHOUT_PATCH = """
-import sys
-import fsdp2kit.models.variant as variant
-variant.apply_expert_patch = lambda model: None
-from fsdp2kit.cli import main
-sys.exit(main(sys.argv[1:]))
-"""
+WITHOUT_PATCH = cli_without_patch("apply_expert_patch")
 
 
 @pytest.mark.slow

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO
+from conftest import REPO, make_hf_folder
 from safetensors.torch import load_file
 from strategy_case import LEARNING_RATE, VOCAB, global_micro_batches, policy_loss, strategy_config
 from strategy_worker import run as run_worker
@@ -27,24 +27,9 @@ STEPS, GLOBAL_MICRO_BATCHES = 3, 2
 
 
 def tiny_llama(folder: Path, vocab: int = VOCAB, layers: int = 2) -> Path:
-    """A small Llama saved as an HF folder with the built-in tokenizer."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    from fsdp2kit.data.builtin import tokenizer_dir
-
-    config = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(folder)
-    AutoTokenizer.from_pretrained(tokenizer_dir()).save_pretrained(folder)
+    """A small Llama (hidden 64) saved as an HF folder with the built-in tokenizer."""
+    small = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2}
+    make_hf_folder(folder, "tiny-llama", layers=layers, vocab_size=vocab, **small)
     return folder
 
 

@@ -14,6 +14,7 @@ import torch
 import yaml
 from conftest import (
     REPO,
+    cli_without_patch,
     logit_logprobs,
     process_group,
     read_metrics,
@@ -316,19 +317,7 @@ def test_two_ranks_train_like_one_with_text_only_micro_batches(training_config, 
 
 
 # A run with the vision patch left out, its ranks launched here so that the patch can be removed in them.
-WITHOUT_PATCH = """
-import sys
-import fsdp2kit.models.variant as variant
-import fsdp2kit.train.step as step
-variant.apply_vision_patch = lambda model: None
-forward = step.token_loss_sum
-def announced(model, batch, *args):
-    print(f"forward: images {'pixel_values' in batch}", flush=True)
-    return forward(model, batch, *args)
-step.token_loss_sum = announced
-from fsdp2kit.cli import main
-sys.exit(main(sys.argv[1:]))
-"""
+WITHOUT_PATCH = cli_without_patch("apply_vision_patch", announce_forwards=True)
 
 
 @pytest.mark.slow

@@ -138,4 +138,4 @@ def export_hf(
             writer.add(name, full)
     if writer is not None:
         writer.close()
-        write_config_and_tokenizer(out_dir, cast(PretrainedConfig, model.config), tokenizer_path, torch_dtype(dtype))
+        write_config_and_tokenizer(out_dir, cast("PretrainedConfig", model.config), tokenizer_path, torch_dtype(dtype))
