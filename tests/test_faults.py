@@ -1,0 +1,66 @@
+"""The second adversarial pass (issue: never silently wrong, never a traceback): each input is built here, and each
+ends in a correct result or exit code 2 with one sentence naming the file, key or line."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+from conftest import run_cli
+
+BILLION_LAUGHS = "a: &a [lol, lol, lol, lol, lol, lol, lol, lol, lol]\n" + "".join(
+    f"{name}: &{name} [{', '.join([f'*{previous}'] * 9)}]\n"
+    for previous, name in zip("abcdefgh", "bcdefghi", strict=True)
+)
+
+
+def one_line_error(result, *fragments: str) -> str:
+    assert result.returncode == 2, result.stdout + result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    ("text", "fragments"),
+    [
+        (
+            "training:\n  learning_rate: 1e-3\nmodel:\n  dtype: fp32\ntraining:\n  max_steps: 3\n",
+            ["key 'training' is written twice (lines 1 and 5)"],
+        ),
+        (
+            "training:\n  learning_rate: 1e-3\n  seed: 1\n  learning_rate: 1e-4\n",
+            ["key 'learning_rate' is written twice (lines 2 and 4)"],
+        ),
+        (BILLION_LAUGHS, ["aliases expand to more than 1,000,000 values"]),
+        ("a: &a [*a]\n", ["an anchor refers to itself"]),
+        ("a: " + "[" * 20000 + "]" * 20000 + "\n", ["nested more than 100 levels deep"]),
+    ],
+    ids=["section twice", "key twice", "alias bomb", "recursive anchor", "deep nesting"],
+)
+def test_yaml_that_is_ambiguous_or_unbounded_is_one_line(tmp_path: Path, text: str, fragments: list[str]):
+    config = tmp_path / "config.yaml"
+    config.write_text(text)
+    started = time.monotonic()
+    result = run_cli("check", config, timeout=60)
+    assert time.monotonic() - started < 20
+    one_line_error(result, f"config file '{config}'", *fragments)
+
+
+def test_a_set_value_with_a_key_twice_is_refused(tmp_path: Path):
+    result = run_cli(
+        "check", "examples/demo.yaml", "--set", "model.config={num_hidden_layers: 1, num_hidden_layers: 2}"
+    )
+    one_line_error(result, "--set 'model.config=", "key 'num_hidden_layers' is written twice")
+
+
+def test_merge_keys_are_not_duplicates(tmp_path: Path):
+    """`<<: *base` then a key of the base: YAML's override, not a key written twice."""
+    from fsdp2kit.config.yaml_io import read_yaml
+
+    config = tmp_path / "merge.yaml"
+    config.write_text("base: &base {seed: 1, max_steps: 2}\ntraining:\n  <<: *base\n  seed: 3\n")
+    assert read_yaml(config)["training"] == {"seed": 3, "max_steps": 2}
