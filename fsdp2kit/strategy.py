@@ -30,6 +30,7 @@ from fsdp2kit.models.sharded import ShardedModel, build_sharded_model
 from fsdp2kit.parallel.token_logprobs import TokenRequest, chunk_tokens, install_token_head, token_request
 from fsdp2kit.train.grads import LossScaler, NonFiniteGuard
 from fsdp2kit.train.optim import build_optimizer, build_scheduler
+from fsdp2kit.train.resume import apply_settings, changed_optimizer_keys, check_trainer_state, optimizer_settings
 from fsdp2kit.train.step import MicroBatchLoss, StepResult, TokenCrossEntropy, train_step, with_aux_loss
 
 Batch = dict[str, torch.Tensor]
@@ -223,8 +224,21 @@ class Strategy:
         """Model, optimizer, schedule, loss scale and RNG from a checkpoint of any world size; returns its trainer
         state (its `step`)."""
         folder = Path(path)
-        state = self._checkpoints(folder.parent, async_save=False).load(folder, self.model, self._trainer_optimizer())
+        return self.load_from(self._checkpoints(folder.parent, async_save=False), folder)
+
+    def load_from(self, manager: CheckpointManager, path: Path) -> dict[str, Any]:
+        """A checkpoint's state, continued with this run's optimizer settings (learning rate, betas, eps, weight
+        decay: the moments and the schedule's step come from the checkpoint), each change said in one line."""
+        optimizer = self._trainer_optimizer()
+        settings = optimizer_settings(optimizer)
+        state = manager.load(path, self.model, optimizer)
+        check_trainer_state(state, path)
         self.restore(state)
+        if self.scheduler is not None:
+            apply_settings(optimizer, self.scheduler, settings)
+        changes = changed_optimizer_keys(state.get("config", {}), self.cfg.saved_dict())
+        if changes and self.runtime.is_main:
+            print(f"resuming with this run's optimizer settings: {', '.join(changes)}", flush=True)
         return state
 
     def export_hf(self, path: str | Path) -> None:

@@ -83,7 +83,7 @@ class Trainer:
         resume_from = self.checkpoints.resolve(self.tc.resume)
         if resume_from is None:
             return None
-        state = self.checkpoints.load(resume_from, self.strategy.model, self.strategy.optimizer)  # type: ignore[arg-type]
+        state = self.strategy.load_from(self.checkpoints, resume_from)
         check_unchanged(resume_from, state.get("config", {}), self.cfg.saved_dict(), self.tc.resume_allow_changes)
         step, global_batch = state["step"], self.batches.global_batch_size
         if state["consumed_samples"] != step * global_batch:
@@ -93,7 +93,6 @@ class Trainer:
                 "per_device_train_batch_size x gradient_accumulation_steps x data-parallel ranks the same to "
                 "continue the same run"
             )
-        self.strategy.restore(state)
         if self.runtime.is_main:
             print(f"resumed from {resume_from} at step {step}", flush=True)
         if step > self.total_steps:

@@ -3,11 +3,14 @@ ends in a correct result or exit code 2 with one sentence naming the file, key o
 
 from __future__ import annotations
 
+import json
+import shutil
+import subprocess
 import time
 from pathlib import Path
 
 import pytest
-from conftest import run_cli
+from conftest import SMALL_RUN, read_metrics, run_cli, set_args
 
 BILLION_LAUGHS = "a: &a [lol, lol, lol, lol, lol, lol, lol, lol, lol]\n" + "".join(
     f"{name}: &{name} [{', '.join([f'*{previous}'] * 9)}]\n"
@@ -64,3 +67,45 @@ def test_merge_keys_are_not_duplicates(tmp_path: Path):
     config = tmp_path / "merge.yaml"
     config.write_text("base: &base {seed: 1, max_steps: 2}\ntraining:\n  <<: *base\n  seed: 3\n")
     assert read_yaml(config)["training"] == {"seed": 3, "max_steps": 2}
+
+
+def train_run(out: Path, *settings: str) -> subprocess.CompletedProcess:
+    base = {**SMALL_RUN, "training.max_steps": 4, "training.save_steps": 2, "training.output_dir": str(out)}
+    return run_cli("train", "examples/demo.yaml", *set_args(base), *(a for s in settings for a in ("--set", s)))
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("faults") / "run"
+    result = train_run(out, "training.learning_rate=1e-3")
+    assert result.returncode == 0, result.stderr
+    return out
+
+
+def test_a_resume_trains_at_the_learning_rate_it_is_given(trained: Path, tmp_path: Path):
+    """The checkpoint's optimizer state holds the old learning rate and the scheduler its old peak: both give way to
+    this run's, said in one line; steps 3-4 run at the lr a fresh run at 2e-3 has there."""
+    step_2 = trained / "checkpoints" / "step_2"
+    resumed = train_run(tmp_path / "resumed", "training.learning_rate=2e-3", f"training.resume={step_2}")
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resuming with this run's optimizer settings: training.learning_rate 0.001 -> 0.002" in resumed.stdout
+    fresh = train_run(tmp_path / "fresh", "training.learning_rate=2e-3", "training.save_steps=0")
+    assert fresh.returncode == 0, fresh.stderr
+    expected = [r["lr"] for r in read_metrics(tmp_path / "fresh")][2:]
+    assert [r["lr"] for r in read_metrics(tmp_path / "resumed")] == expected
+
+
+def test_a_crafted_trainer_state_sets_no_learning_rate(trained: Path, tmp_path: Path):
+    checkpoint = tmp_path / "step_2"
+    shutil.copytree(trained / "checkpoints" / "step_2", checkpoint)
+    state_file = checkpoint / "trainer_state.json"
+    state = json.loads(state_file.read_text())
+    state["scheduler"]["base_lrs"] = [1e9] * len(state["scheduler"]["base_lrs"])
+    state_file.write_text(json.dumps(state))
+    resumed = train_run(tmp_path / "resumed", "training.learning_rate=1e-3", f"training.resume={checkpoint}")
+    assert resumed.returncode == 0, resumed.stderr
+    assert [r["lr"] for r in read_metrics(tmp_path / "resumed")] == [r["lr"] for r in read_metrics(trained)][2:]
+    state["scheduler"] = "damaged"
+    state_file.write_text(json.dumps(state))
+    damaged = train_run(tmp_path / "again", f"training.resume={checkpoint}")
+    one_line_error(damaged, "trainer_state.json' is damaged: its scheduler state")
