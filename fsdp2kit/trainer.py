@@ -180,6 +180,7 @@ class Trainer:
 
     def _finish(self) -> None:
         """A blocking save of the last step, then the exports."""
+        self.strategy.guard.stop_if_nothing_trained(self.total_steps - self.start_step)
         if self.start_step < self.total_steps:  # a run resumed at its end has nothing new to save
             self._save(self.total_steps, blocking=True)
         strategy, variant = self.strategy, self.strategy.sharded.variant

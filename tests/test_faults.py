@@ -109,3 +109,27 @@ def test_a_crafted_trainer_state_sets_no_learning_rate(trained: Path, tmp_path: 
     state_file.write_text(json.dumps(state))
     damaged = train_run(tmp_path / "again", f"training.resume={checkpoint}")
     one_line_error(damaged, "trainer_state.json' is damaged: its scheduler state")
+
+
+def test_nan_weights_stop_the_run_instead_of_exporting_them(tmp_path: Path):
+    import torch
+    from conftest import make_hf_folder
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "model"
+    make_hf_folder(folder, "tiny-llama")
+    weights = load_file(folder / "model.safetensors")
+    weights["model.norm.weight"][0] = float("nan")
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    result = train_run(
+        tmp_path / "run", f"model.name_or_path={folder}", "training.max_steps=3", "training.export_hf=true"
+    )
+    assert result.returncode == 1, result.stderr
+    assert "every one of this run's 3 steps had a non-finite loss" in result.stderr.splitlines()[-1]
+    assert not (tmp_path / "run" / "hf").exists()
+    assert torch.isnan(weights["model.norm.weight"][0])
+
+
+def test_an_absurd_lora_scaling_is_refused():
+    result = run_cli("check", "examples/demo.yaml", "--set", "model.lora={rank: 8, alpha: 1000000000000000000000000000000}")
+    one_line_error(result, "model.lora", "scales every adapter update by")

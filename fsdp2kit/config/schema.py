@@ -82,6 +82,9 @@ def _module_names(value: Any) -> Any:
     return _pattern_list(value)
 
 
+MAX_LORA_SCALING = 1000
+
+
 class LoraConfig(Section):
     """LoRA through peft (`model.lora`). The aliases are ROLL's model_args keys and MindSpeed-MM's LoRA keys
     (`training.lora` of its FSDP2 back-end and `lora_args`), so their blocks can be pasted as they are written."""
@@ -131,6 +134,18 @@ class LoraConfig(Section):
     @property
     def scale_alpha(self) -> int:
         return self.alpha if self.alpha is not None else 2 * self.rank
+
+    @model_validator(mode="after")
+    def _sane_scaling(self) -> LoraConfig:
+        """alpha / rank multiplies every adapter update: published recipes use 0.5-64 (rsLoRA's alpha/sqrt(rank)
+        stays below too); past 1000 the first update swamps the base model and every step trains at ln(vocab)."""
+        if self.scale_alpha / self.rank > MAX_LORA_SCALING:
+            raise ValueError(
+                f"alpha {self.scale_alpha} over rank {self.rank} scales every adapter update by "
+                f"{self.scale_alpha / self.rank:g}, which destroys the base model's output; give alpha at most "
+                f"{MAX_LORA_SCALING} x rank (usual: 1-2 x rank)"
+            )
+        return self
 
 
 class ModelConfig(Section):
