@@ -16,7 +16,7 @@ from fsdp2kit.data.dataset import load_tokenizer, source_files
 from fsdp2kit.distributed import Runtime
 from fsdp2kit.dtypes import torch_name
 from fsdp2kit.errors import UserError
-from fsdp2kit.models.build import open_safetensors, resolve_model
+from fsdp2kit.models.build import open_safetensors, resolve_model, safetensors_index
 from fsdp2kit.models.sharded import build_sharded_model, count_parameters
 from fsdp2kit.parallel.fsdp import describe_groups
 from fsdp2kit.parallel.plan import ShardingPlan
@@ -45,8 +45,10 @@ def checked_files(cfg: JobConfig) -> dict[str, str]:
             raise UserError(f"model.name_or_path: checkpoint '{folder}' is damaged: {problem}")
         weights = f"DCP checkpoint {folder} (metadata read, every shard file as long as it says)"
     else:
-        shards = sorted(folder.glob("*.safetensors"))
+        shards = sorted(set(safetensors_index(folder).values()))  # a damaged index, a tensor in two files: refused
         for shard in shards:
+            if not shard.is_file():
+                raise UserError(f"model weights: '{shard}' is named by the index but does not exist")
             open_safetensors(shard).__exit__(None, None, None)  # safetensors checks the header against the size
         weights = f"{len(shards)} safetensors file(s) in {folder} ({_size(shards)}, headers whole)"
     tokenizer = load_tokenizer(source.tokenizer_path, cfg.model.trust_remote_code)

@@ -13,6 +13,7 @@ from typing import Any
 
 from fsdp2kit.checkpoint.manager import CheckpointManager, fault_point
 from fsdp2kit.config.schema import JobConfig
+from fsdp2kit.data.dataset import source_files
 from fsdp2kit.data.samples import GlobalBatches, Prefetcher
 from fsdp2kit.distributed import Runtime
 from fsdp2kit.errors import Interrupted, UserError
@@ -25,15 +26,26 @@ from fsdp2kit.train.metrics import device_peak_flops, flops_per_token
 from fsdp2kit.train.optim import schedule_warnings
 from fsdp2kit.train.profiling import StepProfiler
 from fsdp2kit.train.resume import check_unchanged
-from fsdp2kit.train.run_dir import OutputDirLock
+from fsdp2kit.train.run_dir import OutputDirLock, refuse_inputs_in_outputs
 from fsdp2kit.train.step import StepResult
 
 
 def train(cfg: JobConfig, runtime: Runtime) -> None:
     """The run, holding output_dir's lock from before the model loads until the last file is written; SIGINT and
     SIGTERM stop it at the next step boundary."""
+    refuse_inputs_in_outputs(Path(cfg.training.output_dir), run_inputs(cfg))
     with OutputDirLock(Path(cfg.training.output_dir), runtime.is_main), StopSignals() as stop:
         Trainer(cfg, runtime, stop).run()
+
+
+def run_inputs(cfg: JobConfig) -> dict[str, Path]:
+    """The files and folders a run reads, by the key that names them."""
+    inputs = {f"data.source ({path.name})": path for path in source_files(cfg.data.source)}
+    if not cfg.model.name_or_path.startswith("builtin:"):
+        inputs["model.name_or_path"] = Path(cfg.model.name_or_path)
+    if cfg.data.tokenizer:
+        inputs["data.tokenizer"] = Path(cfg.data.tokenizer)
+    return inputs
 
 
 class Trainer:

@@ -131,5 +131,44 @@ def test_nan_weights_stop_the_run_instead_of_exporting_them(tmp_path: Path):
 
 
 def test_an_absurd_lora_scaling_is_refused():
-    result = run_cli("check", "examples/demo.yaml", "--set", "model.lora={rank: 8, alpha: 1000000000000000000000000000000}")
+    huge = "model.lora={rank: 8, alpha: 1000000000000000000000000000000}"
+    result = run_cli("check", "examples/demo.yaml", "--set", huge)
     one_line_error(result, "model.lora", "scales every adapter update by")
+
+
+def test_resume_never_refuses_a_folder_with_another_runs_checkpoints(trained: Path):
+    """Its saves would mix with the old ones and save_total_limit would delete the new run's, keeping the old
+    run's newer step for the next `resume: auto`."""
+    again = train_run(trained, "training.resume=never", "training.save_total_limit=1")
+    one_line_error(again, "training.resume: never", "holds another run's checkpoints (step_2, step_4)")
+    assert sorted(p.name for p in (trained / "checkpoints").iterdir()) == ["step_2", "step_4"]
+
+
+def test_an_output_dir_that_is_the_model_folder_is_refused(tmp_path: Path):
+    from conftest import make_hf_folder
+
+    folder = tmp_path / "model"
+    make_hf_folder(folder, "tiny-llama")
+    before = (folder / "config.json").read_text()
+    result = train_run(folder, f"model.name_or_path={folder}")
+    one_line_error(result, f"model.name_or_path: '{folder}' is training.output_dir")
+    assert (folder / "config.json").read_text() == before
+
+
+@pytest.mark.parametrize("check", [False, True], ids=["train", "check"])
+def test_safetensors_a_tensor_in_two_files_or_a_damaged_index_is_one_line(tmp_path: Path, check: bool):
+    from conftest import make_hf_folder
+
+    folder = tmp_path / "model"
+    make_hf_folder(folder, "tiny-llama")
+    shutil.copy(folder / "model.safetensors", folder / "model_backup.safetensors")
+
+    def run() -> subprocess.CompletedProcess:
+        if check:
+            return run_cli("check", "examples/demo.yaml", "--set", f"model.name_or_path={folder}")
+        return train_run(tmp_path / "run", f"model.name_or_path={folder}", "training.max_steps=1")
+
+    one_line_error(run(), "model.safetensors' and '", "model_backup.safetensors' both hold")
+    (folder / "model_backup.safetensors").unlink()
+    (folder / "model.safetensors.index.json").write_text('{"weight_map": ')
+    one_line_error(run(), "model.safetensors.index.json' is damaged")

@@ -244,6 +244,12 @@ class CheckpointManager:
         """`auto`: the newest complete checkpoint whose files are whole (None if there is none; a damaged newer one
         is skipped, saying so); `never`; or an explicit folder."""
         if resume == "never":
+            earlier = [p.name for p in committed_checkpoints(self.root)]
+            if earlier:  # this run's saves would mix with them, and keep-last-K would delete this run's
+                raise UserError(
+                    f"training.resume: never, but '{self.root}' holds another run's checkpoints "
+                    f"({', '.join(earlier[-3:])}); move them away or give another training.output_dir"
+                )
             return None
         if resume == "auto":
             damaged: list[tuple[Path, str]] = []

@@ -235,23 +235,46 @@ def open_safetensors(file: Path) -> Any:
         ) from None
 
 
-def _safetensors_index(folder: Path) -> dict[str, Path]:
+def safetensors_index(folder: Path) -> dict[str, Path]:
+    """Which file holds each tensor: the index's word where there is one (a damaged index is one sentence), else the
+    files' headers, where a tensor in two files (a `model_backup.safetensors` left beside `model.safetensors`) is
+    refused: which copy a loader takes would be an accident of file order."""
     index_file = folder / "model.safetensors.index.json"
     if index_file.is_file():
-        weight_map = json.loads(index_file.read_text())["weight_map"]
-        return {name: folder / file for name, file in weight_map.items()}
+        return _read_index(index_file)
     names: dict[str, Path] = {}
     for file in sorted(folder.glob("*.safetensors")):
         with open_safetensors(file) as handle:
-            names.update({key: file for key in handle.keys()})
+            for key in handle.keys():
+                if key in names:
+                    raise UserError(
+                        f"model weights: '{names[key]}' and '{file}' both hold '{key}' and no "
+                        "model.safetensors.index.json says which to use; remove the stale file"
+                    )
+                names[key] = file
     return names
+
+
+def _read_index(index_file: Path) -> dict[str, Path]:
+    try:
+        weight_map = json.loads(index_file.read_text())["weight_map"]
+        if not (isinstance(weight_map, dict) and all(isinstance(v, str) for v in weight_map.values())):
+            raise TypeError("weight_map is not a mapping of tensor names to file names")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as exc:
+        reason = f"no {exc}" if isinstance(exc, KeyError) else str(exc).splitlines()[0]
+        raise UserError(f"model weights: '{index_file}' is damaged ({reason}); restore it or remove it") from None
+    folder = index_file.parent
+    outside = sorted({f for f in weight_map.values() if Path(f).name != f})
+    if outside:
+        raise UserError(f"model weights: '{index_file}' names '{outside[0]}', which is not a file of {folder}")
+    return {name: folder / file for name, file in weight_map.items()}
 
 
 @torch.no_grad()
 def _safetensors_views(model: nn.Module, folder: Path, handles: dict[Path, Any]) -> dict[str, tuple[torch.Tensor, Any]]:
     """Each state-dict tensor with its lazy view in the files (headers only), checked against the model."""
     renamings = getattr(model, "checkpoint_renamings", [])
-    index = _safetensors_index(folder)
+    index = safetensors_index(folder)
     stored = {model_name(key, renamings): key for key in index}  # model name -> name in the files
     locations = {name: index[key] for name, key in stored.items()}
     tied = tied_weight_names(model)
