@@ -172,3 +172,30 @@ def test_safetensors_a_tensor_in_two_files_or_a_damaged_index_is_one_line(tmp_pa
     (folder / "model_backup.safetensors").unlink()
     (folder / "model.safetensors.index.json").write_text('{"weight_map": ')
     one_line_error(run(), "model.safetensors.index.json' is damaged")
+
+
+def test_a_config_json_field_of_the_wrong_type_is_one_line(tmp_path: Path):
+    from conftest import make_hf_folder
+
+    folder = tmp_path / "model"
+    make_hf_folder(folder, "tiny-llama")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "hidden_size": "64"}))
+    result = run_cli("check", "examples/demo.yaml", "--set", f"model.name_or_path={folder}")
+    one_line_error(result, "config.json' is not a valid transformers config", "'hidden_size' expected int")
+
+
+def test_a_seed_past_64_bits_is_one_line():
+    result = run_cli("check", "examples/demo.yaml", "--set", "training.seed=100000000000000000000000000")
+    one_line_error(result, "'training.seed'", "less than 9223372036854775808")
+
+
+def test_convert_into_an_existing_file_and_report_without_losses_are_one_line(trained: Path, tmp_path: Path):
+    existing = tmp_path / "weights.pt"
+    existing.write_text("mine")
+    result = run_cli("convert", trained / "checkpoints" / "step_4", existing, "--to", "torch")
+    one_line_error(result, f"convert: '{existing}' exists and is not an empty folder")
+    assert existing.read_text() == "mine"
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
+    one_line_error(run_cli("report", tmp_path / "run"), "record 1 has no number for 'loss'")

@@ -48,8 +48,8 @@ def convert(src: Path, dst: Path, to: str, dtype: torch.dtype | None = None, ada
 def _convert(src: Path, dst: Path, to: str, dtype: torch.dtype | None, adapter: Path | None) -> None:
     if not src.is_dir():
         raise UserError(f"convert: '{src}' is not a folder")
-    if dst.exists() and any(dst.iterdir()):
-        raise UserError(f"convert: '{dst}' exists and is not empty; give a new folder")
+    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
+        raise UserError(f"convert: '{dst}' exists and is not an empty folder; give a new folder")
     conversion = lora_conversion(src, to, adapter)  # a LoRA checkpoint, or an adapter to merge
     if conversion is not None:
         conversion(dst, dtype)

@@ -248,7 +248,7 @@ class TrainingConfig(Section):
     num_train_epochs: float = Field(1.0, gt=0, description="epochs over the dataset (ignored when max_steps > 0)")
     max_steps: int = Field(-1, description="optimizer steps to run; -1 = derive from num_train_epochs")
     max_grad_norm: float = Field(1.0, ge=0, description="clip the global grad norm to this (0 = no clipping)")
-    seed: int = Field(42, description="seed of initial weights and data order")
+    seed: int = Field(42, ge=0, lt=2**63, description="seed of initial weights and data order (0 <= seed < 2**63)")
     output_dir: str = Field("runs/default", description="where metrics, checkpoints and the HF export go")
     logging_steps: int = Field(
         1, ge=1, description="print a progress line every N steps (metrics.jsonl gets every step)"

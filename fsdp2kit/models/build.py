@@ -43,6 +43,8 @@ class ModelSource:
 def _hf_config(load: Callable[..., PretrainedConfig], where: str, overrides: dict) -> PretrainedConfig:
     """A transformers config built by `load` (AutoConfig.for_model or .from_pretrained, keyword overrides) with
     `model.config` overrides (so derived fields such as layer_types follow); `where` names it in errors."""
+    from huggingface_hub.errors import StrictDataclassError
+
     try:
         base = load()
         if not overrides:
@@ -51,8 +53,10 @@ def _hf_config(load: Callable[..., PretrainedConfig], where: str, overrides: dic
             if not hasattr(base, key):
                 raise UserError(f"model.config.{key}: the {type(base).__name__} has no such setting")
         return load(**overrides)
-    except (ValueError, TypeError, OSError, KeyError) as exc:
-        raise UserError(f"{where} is not a valid transformers config: {str(exc).strip().splitlines()[-1]}") from None
+    except (ValueError, TypeError, OSError, KeyError, StrictDataclassError) as exc:
+        # transformers' configs check their fields' types (huggingface_hub's strict dataclasses): `"hidden_size": "64"`
+        reason = str(exc).strip().splitlines()[-1].strip()
+        raise UserError(f"{where} is not a valid transformers config: {reason}") from None
 
 
 def resolve_model(cfg: ModelConfig, tokenizer: str | None = None) -> ModelSource:
