@@ -199,3 +199,18 @@ def test_convert_into_an_existing_file_and_report_without_losses_are_one_line(tr
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
     one_line_error(run_cli("report", tmp_path / "run"), "record 1 has no number for 'loss'")
+
+
+def test_a_checkpoint_of_a_larger_model_is_refused_as_a_model_and_in_convert(trained: Path, tmp_path: Path):
+    """A DCP checkpoint (2 layers) read as the weights of a 1-layer model: DCP would load what the model asks for and
+    drop the second layer silently."""
+    step = trained / "checkpoints" / "step_4"
+    smaller = train_run(tmp_path / "run", f"model.name_or_path={step}", "model.config={num_hidden_layers: 1}")
+    one_line_error(smaller, "cannot be loaded into this model", "model tensors this model lacks")
+    hf = tmp_path / "hf"
+    assert run_cli("convert", step, hf, "--to", "hf").returncode == 0
+    config = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 1}))
+    converted = run_cli("convert", hf, tmp_path / "dcp", "--to", "dcp")
+    one_line_error(converted, "convert --to dcp:", "which its config.json's model lacks")
+    assert not (tmp_path / "dcp").exists()

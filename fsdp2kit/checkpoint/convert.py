@@ -23,7 +23,7 @@ from fsdp2kit.checkpoint.dcp_io import (
 )
 from fsdp2kit.checkpoint.lora_convert import lora_conversion
 from fsdp2kit.errors import UserError
-from fsdp2kit.models.build import open_safetensors, tied_weight_names
+from fsdp2kit.models.build import open_safetensors, safetensors_index, tied_weight_names
 from fsdp2kit.models.export import TOKENIZER_FILES, SafetensorsWriter, copy_present_files
 from fsdp2kit.models.vl import auto_model_class, checkpoint_renamings, model_name, stored_name
 
@@ -97,17 +97,41 @@ def _record_dtype(dst: Path, dtype: torch.dtype | None) -> None:
 
 
 def _hf_to_dcp(src: Path, dst: Path, dtype: torch.dtype | None) -> None:
-    files = sorted(src.glob("*.safetensors"))
-    if not (src / "config.json").is_file() or not files:
+    if not (src / "config.json").is_file() or not any(src.glob("*.safetensors")):
         raise UserError(f"convert --to dcp: '{src}' is not an HF model folder (config.json + *.safetensors)")
-    renamings = checkpoint_renamings(_meta_model(src))  # DCP holds the model's own names
+    model = _meta_model(src)
+    renamings = checkpoint_renamings(model)  # DCP holds the model's own names
+    index = safetensors_index(src)  # the index decides; a tensor in two files is refused
     state: dict[str, torch.Tensor] = {}
-    for file in files:  # safetensors memory-maps: pages are read as DCP writes them
-        with open_safetensors(file) as handle:
-            state.update({model_name(key, renamings): handle.get_tensor(key) for key in handle.keys()})
-    if dtype is not None:
-        state = {key: tensor.to(dtype) for key, tensor in state.items()}
-    dst.mkdir(parents=True, exist_ok=True)
-    dcp.save({"model": state}, checkpoint_id=str(dst), no_dist=True)
+    handles = {file: open_safetensors(file) for file in sorted(set(index.values()))}
+    try:  # safetensors memory-maps: pages are read as DCP writes them
+        for key, file in index.items():
+            state[model_name(key, renamings)] = handles[file].get_tensor(key)
+        _check_against_config(src, state, model)
+        if dtype is not None:
+            state = {key: tensor.to(dtype) for key, tensor in state.items()}
+        dst.mkdir(parents=True, exist_ok=True)
+        dcp.save({"model": state}, checkpoint_id=str(dst), no_dist=True)
+    finally:
+        for handle in handles.values():
+            handle.__exit__(None, None, None)
     copy_present_files(src, dst, MODEL_FILES)
     _record_dtype(dst, dtype)
+
+
+def _check_against_config(src: Path, state: dict[str, torch.Tensor], model: torch.nn.Module) -> None:
+    """The files' tensors are the config's model's: none extra, none missing (a tied head aside), every shape."""
+    expected = {name: tensor.shape for name, tensor in model.state_dict().items()}
+    tied = tied_weight_names(model)
+    extra = sorted(set(state) - set(expected))
+    missing = sorted(set(expected) - set(state) - set(tied))
+    wrong = sorted(name for name in set(state) & set(expected) if state[name].shape != expected[name])
+    if extra or missing or wrong:
+        problem = (
+            f"holds '{extra[0]}', which its config.json's model lacks"
+            if extra
+            else f"lacks '{missing[0]}'"
+            if missing
+            else f"holds '{wrong[0]}' as {tuple(state[wrong[0]].shape)}, not {tuple(expected[wrong[0]])}"
+        )
+        raise UserError(f"convert --to dcp: '{src}' {problem}; its weights and config.json do not match")

@@ -185,3 +185,16 @@ def read_dcp_model(
             read_dcp({"model": group}, src, f"convert: checkpoint '{src}' is incomplete or corrupt", no_dist=True)
             yield from group.items()
             group, size = {}, 0
+
+
+def refuse_extra_model_tensors(path: Path, model_keys: set[str] | dict[str, Any], cannot_load: str) -> None:
+    """DCP loads the tensors a state dict asks for and ignores the rest: a checkpoint of a larger model (more layers,
+    another head) would load into this one truncated, without a word. Refused, naming the first extra tensor."""
+    stored = read_metadata(path, cannot_load).state_dict_metadata
+    extra = sorted(key[len(MODEL_PREFIX) :] for key in stored if key.startswith(MODEL_PREFIX))
+    extra = [key for key in extra if key not in model_keys]
+    if extra:
+        raise UserError(
+            f"{cannot_load}: it holds {len(extra)} model tensors this model lacks (first '{extra[0]}'), so it was "
+            "saved from another model; give the same model and model.config"
+        )

@@ -25,7 +25,7 @@ import torch.nn as nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from fsdp2kit.checkpoint.dcp_io import METADATA_FILE, damage, read_dcp, read_metadata
+from fsdp2kit.checkpoint.dcp_io import METADATA_FILE, damage, read_dcp, refuse_extra_model_tensors
 from fsdp2kit.durable import fsync_dir, fsync_file, write_durable
 from fsdp2kit.errors import RunFault, UserError
 from fsdp2kit.models.export import write_config_and_tokenizer
@@ -283,13 +283,7 @@ class CheckpointManager:
         trainer_state = read_trainer_state(path)
         model_state, optim_state = get_state_dict(model, optimizer, options=self.options)
         cannot_load = f"training.resume: checkpoint '{path}' cannot be loaded into this model"
-        stored = read_metadata(path, cannot_load).state_dict_metadata
-        extra = sorted(key for key in stored if key.startswith("model.") and key[6:] not in model_state)
-        if extra:
-            raise UserError(
-                f"{cannot_load}: it holds {len(extra)} model tensors this model lacks (first '{extra[0][6:]}'), "
-                "so it was saved from another model; give the same model and model.config, or training.resume: never"
-            )
+        refuse_extra_model_tensors(path, model_state, cannot_load)
         state: dict[str, Any] = {"model": model_state, "optim": optim_state}
         read_dcp(state, path, cannot_load)
         # A LoRA checkpoint sets only the trainable tensors (DCP has already refused any it lacks); the frozen base

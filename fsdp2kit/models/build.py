@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from fsdp2kit.checkpoint.dcp_io import METADATA_FILE, read_dcp
+from fsdp2kit.checkpoint.dcp_io import METADATA_FILE, read_dcp, refuse_extra_model_tensors
 from fsdp2kit.config.schema import ModelConfig
 from fsdp2kit.dtypes import torch_dtype
 from fsdp2kit.errors import UserError
@@ -355,7 +355,9 @@ def load_dcp(model: nn.Module, folder: Path) -> None:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     state = base_state(model, get_model_state_dict(model))  # the live shards: DCP reads into them in place
-    read_dcp({"model": state}, folder, f"model weights: checkpoint '{folder}' cannot be loaded into this model")
+    cannot_load = f"model weights: checkpoint '{folder}' cannot be loaded into this model"
+    refuse_extra_model_tensors(folder, state, cannot_load)
+    read_dcp({"model": state}, folder, cannot_load)
 
 
 def materialise(
