@@ -25,7 +25,7 @@ from fsdp2kit.train.memory import StepMemory
 from fsdp2kit.train.metrics import device_peak_flops, flops_per_token
 from fsdp2kit.train.optim import schedule_warnings
 from fsdp2kit.train.profiling import StepProfiler
-from fsdp2kit.train.resume import check_unchanged
+from fsdp2kit.train.resume import check_data_unchanged, check_unchanged, data_files
 from fsdp2kit.train.run_dir import OutputDirLock, refuse_inputs_in_outputs
 from fsdp2kit.train.step import StepResult
 
@@ -58,6 +58,7 @@ class Trainer:
         with phase(f"loading the model ({cfg.model.name_or_path})", runtime.is_main):
             self.strategy = Strategy(cfg, runtime)
         self.batches = self._global_batches()
+        self.data_files = data_files(cfg.data)  # recorded in each checkpoint: a resume refuses edited data
         steps_per_epoch = self.batches.steps_per_epoch
         self.total_steps = (
             self.tc.max_steps if self.tc.max_steps > 0 else max(1, int(self.tc.num_train_epochs * steps_per_epoch))
@@ -97,6 +98,7 @@ class Trainer:
             return None
         state = self.strategy.load_from(self.checkpoints, resume_from)
         check_unchanged(resume_from, state.get("config", {}), self.cfg.saved_dict(), self.tc.resume_allow_changes)
+        check_data_unchanged(resume_from, state, self.cfg.data, self.tc.resume_allow_changes)
         step, global_batch = state["step"], self.batches.global_batch_size
         if state["consumed_samples"] != step * global_batch:
             raise UserError(
@@ -187,7 +189,7 @@ class Trainer:
 
     def _save(self, step: int, blocking: bool = False) -> None:
         strategy = self.strategy
-        state = strategy.trainer_state(step * self.batches.global_batch_size)
+        state = {**strategy.trainer_state(step * self.batches.global_batch_size), "data_files": self.data_files}
         self.checkpoints.save(step, strategy.model, strategy.optimizer, state, blocking=blocking)  # type: ignore[arg-type]
 
     def _finish(self) -> None:

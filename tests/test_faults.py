@@ -214,3 +214,19 @@ def test_a_checkpoint_of_a_larger_model_is_refused_as_a_model_and_in_convert(tra
     converted = run_cli("convert", hf, tmp_path / "dcp", "--to", "dcp")
     one_line_error(converted, "convert --to dcp:", "which its config.json's model lacks")
     assert not (tmp_path / "dcp").exists()
+
+
+def test_a_data_file_edited_since_the_checkpoint_is_refused_at_resume(tmp_path: Path):
+    from fsdp2kit.data.builtin import corpus_documents
+
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in corpus_documents()[:200]))
+    out, source = tmp_path / "run", f"data.source={data}"
+    assert train_run(out, source, "training.max_steps=2").returncode == 0
+    with data.open("a") as handle:
+        handle.write(json.dumps({"text": "one more document"}) + "\n")
+    refused = train_run(out, source)
+    one_line_error(refused, f"data file '{data}' is not the one", "training.resume_allow_changes: true")
+    allowed = train_run(out, source, "training.resume_allow_changes=true")
+    assert allowed.returncode == 0, allowed.stderr
+    assert "warning: training.resume: data file" in allowed.stdout

@@ -11,6 +11,8 @@ import torch
 import torch.distributed as dist
 from torch.optim.lr_scheduler import LRScheduler
 
+from fsdp2kit.config.schema import DataConfig
+from fsdp2kit.data.dataset import source_files
 from fsdp2kit.errors import UserError
 
 _MISSING = object()
@@ -101,3 +103,29 @@ def check_trainer_state(state: dict, path: Path) -> None:
     scale, clean = (scaler.get("scale"), scaler.get("clean_steps")) if isinstance(scaler, dict) else (None, None)
     if not (isinstance(scale, int | float) and math.isfinite(scale) and scale > 0 and isinstance(clean, int)):
         raise UserError(f"{where} is damaged: its loss_scaler must hold a finite scale > 0 and a step count")
+
+
+def data_files(data: DataConfig) -> list[list[Any]]:
+    """The data source's files as a checkpoint records them: path, size and modification time (cheap to compare)."""
+    return [[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in source_files(data.source)]
+
+
+def check_data_unchanged(checkpoint: Path, saved: dict, data: DataConfig, allow_changes: bool) -> None:
+    """An edited data file changes the samples and their order: the resumed run would not continue the same curve.
+    Refused unless training.resume_allow_changes (then one warning line); checkpoints older than this record pass."""
+    recorded = saved.get("data_files")
+    if recorded is None:
+        return
+    now = {path: (size, mtime) for path, size, mtime in data_files(data)}
+    before = {path: (size, mtime) for path, size, mtime in recorded}
+    changed = sorted(set(now) ^ set(before)) or sorted(p for p in now if now[p] != before[p])
+    if not changed:
+        return
+    what = f"data file '{changed[0]}' is not the one '{checkpoint}' was trained on (added, removed or modified since)"
+    if not allow_changes:
+        raise UserError(
+            f"training.resume: {what}; the samples and their order would change. Restore it, set "
+            "training.resume_allow_changes: true to resume anyway, or training.resume: never to start afresh"
+        )
+    if dist.get_rank() == 0:
+        print(f"warning: training.resume: {what} (allowed by training.resume_allow_changes)", flush=True)
