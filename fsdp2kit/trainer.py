@@ -88,7 +88,7 @@ class Trainer:
             strategy.tokenizer.pad_token_id or 0,
             cfg.data.max_tokens_per_micro_batch,
         )
-        with phase(f"the data of {cfg.data.source}", self.runtime.is_main):
+        with phase(f"{strategy.sharded.variant.modality.data_phase} {cfg.data.source}", self.runtime.is_main):
             return strategy.sharded.variant.global_batches(cfg.data, strategy.tokenizer, strategy.sharded.source, order)
 
     def _resume(self) -> Path | None:

@@ -230,3 +230,77 @@ def test_a_data_file_edited_since_the_checkpoint_is_refused_at_resume(tmp_path: 
     allowed = train_run(out, source, "training.resume_allow_changes=true")
     assert allowed.returncode == 0, allowed.stderr
     assert "warning: training.resume: data file" in allowed.stdout
+
+
+def prepare(source: Path, cache: Path) -> subprocess.CompletedProcess:
+    return run_cli(
+        "prepare", "examples/demo.yaml", "--set", f"data.source={source}", "--set", f"data.cache_dir={cache}"
+    )
+
+
+@pytest.mark.parametrize(
+    ("line", "fragment"),
+    [
+        (b'{"text": ' + b"[" * 20000 + b"]" * 20000 + b"}\n", "line 2 nests JSON more than 200 levels deep"),
+        (
+            b'{"text": "' + b"x" * (17 << 20) + b'"}\n',
+            "line 2 is a 17.0 MiB document, more than data.max_document_bytes",
+        ),
+        (b'{"text": "caf\xe9"}\n', "line 2 is not UTF-8 text (byte 0xe9"),
+        (b'["a list", "not a record"]\n', "line 2 is not a JSON object"),
+    ],
+    ids=["20000 deep", "57 MB document", "not utf-8", "not an object"],
+)
+def test_a_crafted_data_line_is_one_line_quickly(tmp_path: Path, line: bytes, fragment: str):
+    """Before this check pyarrow's JSON reader crashed the process on the deep line (exit 139) and a 57 MB line
+    peaked at 9 GB."""
+    source = tmp_path / "data.jsonl"
+    source.write_bytes(b'{"text": "a fine first document"}\n' + line)
+    started = time.monotonic()
+    result = prepare(source, tmp_path / "cache")
+    assert time.monotonic() - started < 30
+    one_line_error(result, f"data.source: '{source}' {fragment}")
+
+
+def crafted_png(path: Path, width: int, height: int) -> Path:
+    """A PNG whose header claims width x height pixels (its data is one pixel's): what a decompression bomb looks like
+    to a reader that trusts the header."""
+    import struct
+    import zlib
+
+    from PIL import Image
+
+    Image.new("RGB", (1, 1)).save(path)
+    data = bytearray(path.read_bytes())
+    header = b"IHDR" + struct.pack(">II", width, height) + bytes(data[24:29])
+    data[12:29] = header
+    data[29:33] = struct.pack(">I", zlib.crc32(header))
+    path.write_bytes(bytes(data))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("size", "fragment"),
+    [((30000, 30000), "decompression bomb"), ((12000, 10000), "more than 100,000,000"), ((20000, 3), "200 times")],
+)
+def test_an_image_past_the_pixel_budget_is_one_line(tmp_path: Path, size: tuple[int, int], fragment: str):
+    from fsdp2kit.data.vl import _read_image
+    from fsdp2kit.errors import UserError
+
+    image = crafted_png(tmp_path / "image.png", *size)
+    started = time.monotonic()
+    with pytest.raises(UserError, match=fragment):
+        _read_image(image, "record 1 of 'data.jsonl'")
+    assert time.monotonic() - started < 10
+
+
+def test_vl_lines_that_are_not_records_are_one_line(tmp_path: Path):
+    from fsdp2kit.config.schema import DataConfig
+    from fsdp2kit.data.vl import load_conversations
+    from fsdp2kit.errors import UserError
+
+    source = tmp_path / "vl.jsonl"
+    for line, fragment in ((b"[1, 2]\n", "line 1 is not a JSON object"), (b'{"a": "\xff"}\n', "line 1 is not UTF-8")):
+        source.write_bytes(line)
+        with pytest.raises(UserError, match=fragment):
+            load_conversations(DataConfig(source=str(source), pack=False))

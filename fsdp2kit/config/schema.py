@@ -213,6 +213,12 @@ class DataConfig(Section):
     max_samples: int | None = Field(
         None, ge=1, description="use only the first N documents of the source (default: all)"
     )
+    max_document_bytes: int = Field(
+        16 << 20,
+        ge=1,
+        description="refuse a document (a line of a jsonl or text file) larger than this; reading one costs many "
+        "times its size in memory (default 16 MiB)",
+    )
     cache_dir: str | None = Field(
         None,
         description="where token stores go (the corpus tokenized once, memory-mapped by every run and rank); "

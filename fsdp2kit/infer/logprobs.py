@@ -43,7 +43,7 @@ def infer(cfg: JobConfig, runtime: Runtime) -> None:
     layout = sharded.layout
     first, step = layout.data_parallel_rank(runtime.rank), layout.data_parallel_size
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    with phase(f"the data of {cfg.data.source}", runtime.is_main):
+    with phase(f"{sharded.variant.modality.data_phase} {cfg.data.source}", runtime.is_main):
         source = sharded.variant.scoring_source(cfg.data, tokenizer, sharded.source, pad_id)
     without_terms, scored = source.indices(first, step)
     results: list[dict] = [_record(i, 0.0, 0) for i in without_terms]

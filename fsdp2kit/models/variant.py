@@ -38,6 +38,7 @@ class TextModality:
 
     name = "text"
     attention_config: str | None = None  # Ulysses switches the whole model's attention
+    data_phase = "the token store of"  # how the log announces reading the data
 
     def shard_batch(self, batch: Batch, group: ProcessGroup) -> Batch:
         return shard_sequence(batch, group)
@@ -57,6 +58,7 @@ class VisionModality(TextModality):
 
     name = "vision-language"
     attention_config = "text_config"  # the tower runs unsplit: only the language model's attention is switched
+    data_phase = "the conversations of"
 
     def shard_batch(self, batch: Batch, group: ProcessGroup) -> Batch:
         return shard_vision_batch(batch, group)
