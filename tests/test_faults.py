@@ -304,3 +304,48 @@ def test_vl_lines_that_are_not_records_are_one_line(tmp_path: Path):
         source.write_bytes(line)
         with pytest.raises(UserError, match=fragment):
             load_conversations(DataConfig(source=str(source), pack=False))
+
+
+@pytest.fixture
+def adapter(tmp_path: Path) -> tuple[Path, Path]:
+    """A tiny HF model and a PEFT LoRA adapter trained on nothing but initialised with non-zero B (so merging it
+    changes the weights)."""
+    from conftest import make_hf_folder
+    from peft import LoraConfig, get_peft_model
+
+    base = tmp_path / "base"
+    model = make_hf_folder(base, "tiny-llama")
+    peft_model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj"], init_lora_weights="gaussian"))
+    peft_model.save_pretrained(tmp_path / "adapter")
+    return base, tmp_path / "adapter"
+
+
+def test_an_adapter_whose_config_and_tensors_disagree_is_not_merged(adapter: tuple[Path, Path], tmp_path: Path):
+    base, folder = adapter
+    config_file = folder / "adapter_config.json"
+    config = json.loads(config_file.read_text())
+    config_file.write_text(json.dumps({**config, "target_modules": ["q_proj", "v_proj"]}))
+    result = run_cli("convert", base, tmp_path / "merged", "--to", "hf", "--adapter", folder)
+    one_line_error(result, "convert --adapter:", "lacks '", "its adapter_config.json and tensors disagree")
+
+
+@pytest.mark.parametrize("damage", ["rank", "truncated"])
+def test_a_damaged_adapter_is_one_line_in_check(adapter: tuple[Path, Path], damage: str):
+    base, folder = adapter
+    if damage == "rank":
+        config = json.loads((folder / "adapter_config.json").read_text())
+        (folder / "adapter_config.json").write_text(json.dumps({**config, "r": "abc"}))
+        fragment = "has r = 'abc'"
+    else:
+        weights = folder / "adapter_model.safetensors"
+        weights.write_bytes(weights.read_bytes()[:500])
+        fragment = "is not a readable safetensors file"
+    result = run_cli(
+        "check",
+        "examples/demo.yaml",
+        "--set",
+        f"model.name_or_path={base}",
+        "--set",
+        f"model.lora={{adapter: {folder}}}",
+    )
+    one_line_error(result, "model.lora.adapter", fragment)

@@ -3,8 +3,10 @@ PEFT adapter (`--adapter`) -> the merged HF folder. `lora_conversion` says which
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -62,7 +64,38 @@ def merge_adapter(src: Path, adapter: Path, dst: Path, dtype: torch.dtype | None
     read_adapter_config(adapter, "convert --adapter")
     if not (src / "config.json").is_file():
         raise UserError(f"convert --adapter: '{src}' is not an HF model folder (config.json + *.safetensors)")
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()  # the output is our phase lines and, on a mistake, one error line
     base = AutoModelForCausalLM.from_pretrained(src, dtype=dtype or "auto")
-    merged = PeftModel.from_pretrained(base, adapter).merge_and_unload()
+    try:
+        with warnings.catch_warnings():  # peft warns of adapter keys it did not find: checked below, in one line
+            warnings.simplefilter("ignore")
+            model = PeftModel.from_pretrained(base, adapter)
+    except (RuntimeError, ValueError, KeyError) as exc:  # shapes that do not fit the base
+        reason = str(exc).strip().splitlines()[-1].strip()
+        raise UserError(f"convert --adapter: '{adapter}' does not fit the model '{src}': {reason}") from None
+    _refuse_unloaded_adapter(model, adapter, src)
+    merged = model.merge_and_unload()
     merged.save_pretrained(dst)
     copy_present_files(src, dst, TOKENIZER_FILES)
+
+
+def _refuse_unloaded_adapter(model: Any, adapter: Path, src: Path) -> None:
+    """peft loads an adapter whose tensors do not match its own config with a warning and merges nothing: the
+    output would equal the base model. Every tensor the config asks for must be in the file, and nothing else."""
+    from peft import get_peft_model_state_dict
+    from safetensors import safe_open
+
+    from fsdp2kit.models.lora import ADAPTER_WEIGHTS_FILE
+
+    expected = set(get_peft_model_state_dict(model))
+    with safe_open(str(adapter / ADAPTER_WEIGHTS_FILE), framework="pt") as handle:
+        stored = set(handle.keys())
+    missing, unexpected = sorted(expected - stored), sorted(stored - expected)
+    if missing or unexpected:
+        which = f"lacks '{missing[0]}'" if missing else f"has '{unexpected[0]}', which its config has no place for"
+        raise UserError(
+            f"convert --adapter: '{adapter / ADAPTER_WEIGHTS_FILE}' {which} (on the model '{src}'); its "
+            "adapter_config.json and tensors disagree"
+        )

@@ -56,7 +56,32 @@ def read_adapter_config(folder: Path, key: str = "model.lora.adapter", weights: 
         raise UserError(f"{key}: '{folder / ADAPTER_CONFIG_FILE}' is not a LoRA config: {exc}") from None
     if config.peft_type != "LORA":
         raise UserError(f"{key}: '{folder}' holds a {config.peft_type} adapter; only LoRA is supported")
+    _check_adapter_settings(config, folder / ADAPTER_CONFIG_FILE, key)
+    if weights:
+        _check_adapter_weights(folder / ADAPTER_WEIGHTS_FILE, key)
     return config
+
+
+def _check_adapter_settings(config: Any, file: Path, key: str) -> None:
+    """peft reads `r: "abc"` without a word and fails deep in the model build: the numbers are checked here."""
+    for name, value in (("r", config.r), ("lora_alpha", config.lora_alpha)):
+        if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+            raise UserError(f"{key}: '{file}' has {name} = {value!r}; it must be a number > 0")
+    if not isinstance(config.r, int):
+        raise UserError(f"{key}: '{file}' has r = {config.r!r}; the rank must be a whole number")
+
+
+def _check_adapter_weights(file: Path, key: str) -> None:
+    """A truncated or damaged adapter_model.safetensors is one sentence (safetensors checks header against size)."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(file), framework="pt"):
+            pass
+    except (SafetensorError, OSError) as exc:
+        raise UserError(
+            f"{key}: '{file}' is not a readable safetensors file ({exc}); it is truncated or damaged"
+        ) from None
 
 
 def _resolve_targets(model: nn.Module, names: list[str], key: str) -> list[str]:
