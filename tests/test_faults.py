@@ -4,9 +4,12 @@ ends in a correct result or exit code 2 with one sentence naming the file, key o
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -349,3 +352,48 @@ def test_a_damaged_adapter_is_one_line_in_check(adapter: tuple[Path, Path], dama
         f"model.lora={{adapter: {folder}}}",
     )
     one_line_error(result, "model.lora.adapter", fragment)
+
+
+TINY = "model.config={num_hidden_layers: 1, hidden_size: 64, intermediate_size: 128, num_attention_heads: 4}"
+
+
+@contextmanager
+def small_disk(path: Path, size: str = "12m") -> Iterator[Path]:
+    """A real 12 MB filesystem (tmpfs) at `path`: disk-full errors as the kernel and torch's writers raise them."""
+    path.mkdir(parents=True)
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root; this machine's CI runs as root")
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True)
+    if mounted.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_a_full_disk_during_a_save_is_one_line_and_the_run_resumes_exactly(tmp_path: Path, async_save: bool):
+    """A 12 MB tmpfs holds one checkpoint of this model (6.8 MiB) but not two: step_4's save fails with torch's
+    'unexpected pos' (no errno); the run ends with one line, step_2 stays, and moved to a roomy disk the run resumes
+    to the same losses as an uninterrupted run."""
+    settings = [TINY, "training.max_steps=6", "training.save_total_limit=1", "training.report_to=[]"]
+    settings.append(f"strategy_args.strategy_config.async_save_ckpt={str(async_save).lower()}")
+    with small_disk(tmp_path / "disk") as disk:
+        full = train_run(disk / "run", *settings)
+        assert full.returncode == 1, full.stderr
+        line = [entry for entry in full.stderr.splitlines() if entry.strip()][-1]
+        assert line.startswith(f"error: no space left on device: checkpoint step_4 in '{disk / 'run' / 'checkpoints'}'")
+        assert line.endswith("MiB free; checkpoint step_2 is intact"), line
+        assert sorted(p.name for p in (disk / "run" / "checkpoints").iterdir()) == ["step_2"]
+        shutil.copytree(disk / "run", tmp_path / "moved")
+    resumed = train_run(tmp_path / "moved", *settings)
+    assert resumed.returncode == 0, resumed.stderr
+    straight = train_run(tmp_path / "straight", *settings)
+    assert straight.returncode == 0, straight.stderr
+    losses = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "moved")}
+    assert sorted(losses) == [1, 2, 3, 4, 5, 6]
+    assert [losses[s] for s in range(1, 7)] == pytest.approx(
+        [r["loss"] for r in read_metrics(tmp_path / "straight")], abs=1e-6
+    )

@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from fsdp2kit.checkpoint.dcp_io import METADATA_FILE, damage, read_dcp, refuse_extra_model_tensors
-from fsdp2kit.durable import fsync_dir, fsync_file, write_durable
+from fsdp2kit.durable import disk_full_message, folder_bytes, fsync_dir, fsync_file, ran_out_of_space, write_durable
 from fsdp2kit.errors import RunFault, UserError
 from fsdp2kit.models.export import write_config_and_tokenizer
 
@@ -63,17 +63,6 @@ def read_trainer_state(path: Path) -> dict:
     if not isinstance(state, dict) or not isinstance(state.get("step"), int):
         raise UserError(f"training.resume: '{state_file}' is not a trainer state (it has no step)")
     return state
-
-
-def _is_disk_full(exc: BaseException | None) -> bool:
-    """ENOSPC anywhere in an exception, its causes, or DCP's per-rank failures."""
-    if exc is None:
-        return False
-    if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
-        return True
-    if isinstance(exc, CheckpointException):
-        return any(_is_disk_full(failure[0]) for failure in exc.failures.values())
-    return _is_disk_full(exc.__cause__) or _is_disk_full(exc.__context__)
 
 
 def committed_checkpoints(root: Path) -> list[Path]:
@@ -127,9 +116,9 @@ class CheckpointManager:
         """Checkpoint `step` as checkpoints/step_N, or as the folder `final` (the Strategy API's save_checkpoint)."""
         self.wait()
         final = final if final is not None else self.root / f"step_{step}"
-        with self._writing(step):
+        tmp = final.with_name(f".tmp-{final.name}")
+        with self._writing(step, tmp):
             trainer_state = {**trainer_state, "world_size": dist.get_world_size()}  # which ranks' RNG files it holds
-            tmp = final.with_name(f".tmp-{final.name}")
             if self.rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
                 tmp.mkdir(parents=True)
@@ -174,26 +163,26 @@ class CheckpointManager:
         if self.pending is not None:
             future, tmp, final, trainer_state = self.pending
             self.pending = None
-            with self._writing(trainer_state["step"]):
+            with self._writing(trainer_state["step"], tmp):
                 future.result()
                 self._commit(tmp, final, trainer_state)
 
     @contextmanager
-    def _writing(self, step: int) -> Iterator[None]:
-        """A full disk while writing step_N is a fault, told in one sentence with what is intact; the partial folder
-        is removed so that the space it held is free again."""
+    def _writing(self, step: int, tmp: Path) -> Iterator[None]:
+        """A full disk while writing step_N is a fault, told in one sentence with the space it needs and what is
+        intact; the partial folder is removed so that the space it held is free again."""
         self.writing = step
         try:
             yield
         except (Exception, CheckpointException) as exc:
-            if not _is_disk_full(exc):
+            if not ran_out_of_space(tmp.parent, exc):
                 raise
-            shutil.rmtree(self.root / f".tmp-step_{step}", ignore_errors=True)
+            written = folder_bytes(tmp)
+            shutil.rmtree(tmp, ignore_errors=True)
             complete = committed_checkpoints(self.root)
-            intact = f"{complete[-1].name} is intact" if complete else "no earlier checkpoint was written"
-            raise RunFault(
-                f"no space left on device while writing checkpoint step_{step} in '{self.root}'; {intact}"
-            ) from None
+            intact = f"checkpoint {complete[-1].name} is intact" if complete else "no earlier checkpoint was written"
+            needed = max(written, folder_bytes(complete[-1]) if complete else 0)
+            raise RunFault(disk_full_message(tmp.parent, f"checkpoint step_{step}", needed, intact)) from None
         finally:
             self.writing = None
 
