@@ -397,3 +397,25 @@ def test_a_full_disk_during_a_save_is_one_line_and_the_run_resumes_exactly(tmp_p
     assert [losses[s] for s in range(1, 7)] == pytest.approx(
         [r["loss"] for r in read_metrics(tmp_path / "straight")], abs=1e-6
     )
+
+
+@pytest.mark.slow
+def test_a_full_disk_during_the_hf_export_or_the_token_store_is_one_line(tmp_path: Path):
+    with small_disk(tmp_path / "disk", "9m") as disk:
+        run = disk / "run"  # the final checkpoint (6.8 MiB) fits; the HF folder after it does not
+        full = train_run(run, TINY, "training.max_steps=2", "training.save_steps=0", "training.export_hf=true")
+        assert full.returncode == 1, full.stderr
+        line = [entry for entry in full.stderr.splitlines() if entry.strip()][-1]
+        assert line.startswith(f"error: no space left on device: the HF folder in '{run / 'hf'}' needs about"), line
+        assert line.endswith("the checkpoints are intact: `fsdp2kit convert CHECKPOINT DST --to hf` writes it from one")
+        assert (run / "checkpoints" / "step_2" / "trainer_state.json").is_file()
+        assert not list((run / "hf").glob(".part-*"))
+    from fsdp2kit.data.builtin import corpus_documents
+
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in corpus_documents()) * 2)
+    with small_disk(tmp_path / "cache", "1m") as cache:
+        result = prepare(data, cache)
+        assert result.returncode == 1, result.stderr
+        assert result.stderr.strip().startswith("error: no space left on device: the token store in"), result.stderr
+        assert "nothing was committed" in result.stderr

@@ -36,8 +36,8 @@ import tokenizers
 from fsdp2kit.config.schema import DataConfig
 from fsdp2kit.data.builtin import cache_root
 from fsdp2kit.data.dataset import SourceDocuments, open_source, source_files
-from fsdp2kit.durable import fsync_dir, write_durable
-from fsdp2kit.errors import UserError
+from fsdp2kit.durable import disk_full_message, folder_bytes, fsync_dir, ran_out_of_space, write_durable
+from fsdp2kit.errors import RunFault, UserError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -195,6 +195,10 @@ def _build(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, path: Path) -> N
     except UnicodeDecodeError:
         raise documents.undecodable() from None
     except OSError as exc:
+        if ran_out_of_space(tmp, exc):
+            needed = folder_bytes(tmp) + sum(f.stat().st_size for f in documents.files)  # about the text again
+            intact = "nothing was committed; set data.cache_dir to a disk with room"
+            raise RunFault(disk_full_message(tmp.parent, "the token store", needed, intact)) from None
         raise UserError(
             f"data.cache_dir: writing the token store '{tmp}' failed ({exc.strerror}); nothing was committed"
         ) from None

@@ -17,6 +17,8 @@ import torch
 import torch.nn as nn
 
 from fsdp2kit.dtypes import torch_dtype
+from fsdp2kit.durable import disk_full_message, ran_out_of_space
+from fsdp2kit.errors import RunFault
 from fsdp2kit.models.build import tied_weight_names
 from fsdp2kit.models.lora import merged_full_tensor, merged_state
 from fsdp2kit.models.vl import stored_name
@@ -133,9 +135,20 @@ def export_hf(
     config and tokenizer. Tensors are stored under the names of the family's HF folders (`save_pretrained`'s), a
     LoRA model's with its adapters merged into the base weights, a tied output weight once, under its source."""
     writer = SafetensorsWriter(out_dir, max_shard_bytes) if is_main else None
-    for name, full in hf_tensors(model, torch_dtype(dtype), device="cpu"):  # all ranks join each all-gather
+    try:
+        for name, full in hf_tensors(model, torch_dtype(dtype), device="cpu"):  # all ranks join each all-gather
+            if writer is not None:
+                writer.add(name, full)
         if writer is not None:
-            writer.add(name, full)
-    if writer is not None:
-        writer.close()
-        write_config_and_tokenizer(out_dir, cast("PretrainedConfig", model.config), tokenizer_path, torch_dtype(dtype))
+            writer.close()
+            write_config_and_tokenizer(
+                out_dir, cast("PretrainedConfig", model.config), tokenizer_path, torch_dtype(dtype)
+            )
+    except Exception as exc:
+        if writer is None or not ran_out_of_space(out_dir, exc):
+            raise
+        for partial in out_dir.glob(".part-*.safetensors"):
+            partial.unlink()
+        needed = sum(t.numel() for t in model.state_dict().values()) * torch_dtype(dtype).itemsize
+        intact = "the checkpoints are intact: `fsdp2kit convert CHECKPOINT DST --to hf` writes it from one"
+        raise RunFault(disk_full_message(out_dir, "the HF folder", needed, intact)) from None
