@@ -7,6 +7,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -125,7 +126,7 @@ def _strip_nproc(argv: list[str]) -> list[str]:
     return out
 
 
-def _launch(nproc: int, argv: list[str]) -> int:
+def _launch(nproc: int, argv: list[str], output_dir: Path) -> int:
     """Start `nproc` local ranks with torch's own elastic launcher (torch.distributed.run), quietly. A failed rank's
     one-line report is printed once. On SIGINT/SIGTERM the launcher forwards the signal to the ranks (each in its
     own session), which stop at a step boundary and report; it then re-raises the signal as SignalException."""
@@ -145,6 +146,15 @@ def _launch(nproc: int, argv: list[str]) -> int:
         try:
             run(args)
         except ChildFailedError as failure:
+            # A rank killed by a signal (the launcher's own SIGTERM to the survivors aside) is the cause: the others
+            # only lost their connection to it.
+            killed = sorted(
+                (rank, f) for rank, f in failure.failures.items() if f.exitcode < 0 and -f.exitcode != signal.SIGTERM
+            )
+            if killed:
+                rank, dead = killed[0]
+                print(f"error: rank {rank} died ({dead.signal_name()}); {_intact(output_dir)}", file=sys.stderr)
+                return 1
             code = _print_rank_report(Path(error_dir))
             if code is None:
                 ranks = ", ".join(f"rank {r} (exit code {f.exitcode})" for r, f in sorted(failure.failures.items()))
@@ -159,6 +169,15 @@ def _launch(nproc: int, argv: list[str]) -> int:
     return 0
 
 
+def _intact(output_dir: Path) -> str:
+    from fsdp2kit.checkpoint.manager import committed_checkpoints
+
+    complete = committed_checkpoints(output_dir / "checkpoints")
+    if not complete:
+        return "no checkpoint was written yet"
+    return f"checkpoint {complete[-1].name} is complete and the same command resumes from it"
+
+
 def _print_rank_report(error_dir: Path) -> int | None:
     """Print the lowest rank's one-line error report; its exit code, or None when no rank wrote one."""
     reports = sorted(error_dir.glob("rank*.json"), key=lambda p: int(p.stem[4:]))
@@ -170,9 +189,11 @@ def _print_rank_report(error_dir: Path) -> int | None:
 
 
 def _run_rank(args: argparse.Namespace, cfg: JobConfig) -> int:
-    from fsdp2kit.distributed import init_distributed, out_of_memory_message, shutdown
+    from fsdp2kit.distributed import init_distributed, lost_peer_message, out_of_memory_message, shutdown, watch_parent
 
     runtime = init_distributed(cfg.device_mapping)
+    if _under_launcher():
+        watch_parent()
     try:
         if args.command == "train":
             if cfg.strategy_args.strategy_name != "fsdp2_train":
@@ -188,8 +209,8 @@ def _run_rank(args: argparse.Namespace, cfg: JobConfig) -> int:
             from fsdp2kit.check import print_check
 
             print_check(cfg, runtime, args.json)
-    except (MemoryError, RuntimeError) as exc:  # torch.OutOfMemoryError is a RuntimeError
-        message = out_of_memory_message(exc, runtime)
+    except (MemoryError, RuntimeError) as exc:  # torch.OutOfMemoryError and gloo's errors are RuntimeErrors
+        message = out_of_memory_message(exc, runtime) or lost_peer_message(exc, runtime)
         if message is None:
             raise
         raise RunFault(message) from None
@@ -272,7 +293,7 @@ def _config_command(args: argparse.Namespace, argv: list[str], cfg: JobConfig) -
         from fsdp2kit.parallel.mesh import mesh_layout
 
         mesh_layout(nproc, cfg.strategy_args.strategy_config, cfg.model.ulysses_size)  # fail before spawning
-        return _launch(nproc, argv)
+        return _launch(nproc, argv, Path(cfg.training.output_dir))
     return _run_rank(args, cfg)
 
 

@@ -135,3 +135,34 @@ def destroy_process_group() -> None:
     dist.destroy_process_group()
     _clear_python_sharding_prop_cache()
     _clear_fast_path_sharding_prop_cache()
+
+
+# How gloo and NCCL report a peer that went away: its sockets closed by the kernel when the process died.
+_LOST_PEER = re.compile(r"Connection closed by peer|Connection reset by peer|Broken pipe|NCCL communicator was aborted")
+
+
+def lost_peer_message(exc: BaseException, runtime: Runtime) -> str | None:
+    """One sentence for a collective that failed because another rank is gone (killed, crashed); None otherwise."""
+    if not (isinstance(exc, dist.DistError | RuntimeError) and _LOST_PEER.search(str(exc))):
+        return None
+    return (
+        f"rank {runtime.rank} lost its connection to another rank of the job (it died or was killed) during a "
+        "collective; the newest complete checkpoint is intact and the same command resumes from it"
+    )
+
+
+def watch_parent(interval_s: float = 1.0) -> None:
+    """A rank whose launcher died (SIGKILL of `fsdp2kit train --nproc`, of torchrun's agent) sends itself SIGTERM:
+    it stops at the next step boundary and releases output_dir's lock, instead of training on, orphaned."""
+    import signal
+    import threading
+    import time
+
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(interval_s)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="fsdp2kit-parent-watch", daemon=True).start()

@@ -6,14 +6,16 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from conftest import SMALL_RUN, read_metrics, run_cli, set_args
+from conftest import REPO, SMALL_RUN, read_metrics, run_cli, set_args
 
 BILLION_LAUGHS = "a: &a [lol, lol, lol, lol, lol, lol, lol, lol, lol]\n" + "".join(
     f"{name}: &{name} [{', '.join([f'*{previous}'] * 9)}]\n"
@@ -419,3 +421,71 @@ def test_a_full_disk_during_the_hf_export_or_the_token_store_is_one_line(tmp_pat
         assert result.returncode == 1, result.stderr
         assert result.stderr.strip().startswith("error: no space left on device: the token store in"), result.stderr
         assert "nothing was committed" in result.stderr
+
+
+def launch(out: Path, *settings: str) -> subprocess.Popen:
+    """`fsdp2kit train --nproc 2`, its output read line by line as the run reports it."""
+    base = {**SMALL_RUN, "training.max_steps": 400, "training.save_steps": 3, "training.output_dir": str(out)}
+    command = [sys.executable, "-m", "fsdp2kit", "train", "examples/demo.yaml", "--nproc", "2", *set_args(base)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    return subprocess.Popen(
+        command + [a for s in settings for a in ("--set", s)],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def wait_for_line(process: subprocess.Popen, prefix: str) -> None:
+    """Read the run's output until a line starts with `prefix` (what the run reports, not a guessed delay)."""
+    assert process.stdout is not None
+    for line in process.stdout:
+        if line.startswith(prefix):
+            return
+    raise AssertionError(f"the run ended before printing '{prefix}': {process.stderr.read() if process.stderr else ''}")
+
+
+def rank_pids(launcher: int) -> list[int]:
+    children = subprocess.run(["pgrep", "-P", str(launcher)], capture_output=True, text=True).stdout.split()
+    return sorted(int(pid) for pid in children)
+
+
+@pytest.mark.slow
+def test_a_killed_rank_ends_the_job_in_one_line_naming_it_and_the_intact_checkpoint(tmp_path: Path):
+    job = launch(tmp_path / "run")
+    wait_for_line(job, "checkpoint step_3:")
+    wait_for_line(job, "step 5/")
+    ranks = rank_pids(job.pid)
+    assert len(ranks) == 2, ranks
+    started = time.monotonic()
+    os.kill(ranks[1], signal.SIGKILL)
+    _, stderr = job.communicate(timeout=60)
+    assert time.monotonic() - started < 30
+    assert job.returncode == 1
+    lines = [line for line in stderr.splitlines() if line.strip() and "Warning" not in line]
+    assert not any("Traceback" in line for line in lines), stderr
+    assert lines[-1].startswith("error: rank ") and " died (SIGKILL); checkpoint step_" in lines[-1], stderr
+    assert lines[-1].endswith("is complete and the same command resumes from it")
+
+
+@pytest.mark.slow
+def test_a_killed_launcher_takes_its_ranks_with_it(tmp_path: Path):
+    job = launch(tmp_path / "run")
+    wait_for_line(job, "step 2/")
+    ranks = rank_pids(job.pid)
+    assert len(ranks) == 2, ranks
+    started = time.monotonic()
+    job.kill()
+    job.wait()
+    while any(Path(f"/proc/{pid}").exists() for pid in ranks) and time.monotonic() - started < 60:
+        time.sleep(0.2)
+    assert not any(Path(f"/proc/{pid}").exists() for pid in ranks), "the ranks outlived their launcher"
+    assert time.monotonic() - started < 30
+    import fcntl
+
+    with (tmp_path / "run" / ".fsdp2kit.lock").open("a") as lock:  # released: a new run could take it
+        fcntl.lockf(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
