@@ -7,7 +7,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -170,14 +169,20 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if line]
 
 
-def two_ranks_in_first_step(code: str, args: list[str], log_dir: Path, in_first_step) -> tuple[bool, str]:
+# A collective that no other rank joins fails after this long: long enough that a slow machine never trips it
+# (a healthy collective of these tiny models waits milliseconds), short enough for a test.
+HANG_TIMEOUT_S = 20
+
+
+def two_ranks_hang(code: str, args: list[str], log_dir: Path) -> tuple[bool, str]:
     """Two ranks of `python -c code *args`, launched here (no launcher to tear them down) so that `code` can take a
-    patch out of them: waits up to 180 s until `in_first_step(output)` (start-up takes 10-40 s on a busy machine) and
-    then up to 30 s for a rank to end. Returns whether both were still running (hung) and their output."""
-    from fsdp2kit.distributed import free_port
+    patch out of them, with a collective timeout of HANG_TIMEOUT_S. Waits for both to end and returns whether a rank
+    reported a collective that timed out (a hang: the other rank never joined it) and their output. gloo may instead
+    abort at once on mismatched sizes, which the output says too."""
+    from fsdp2kit.distributed import COLLECTIVE_TIMEOUT_ENV, free_port
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
-    env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), COLLECTIVE_TIMEOUT_ENV: str(HANG_TIMEOUT_S)}
     logs = [log_dir / f"rank{rank}.log" for rank in range(2)]
     ranks = [
         subprocess.Popen(
@@ -189,25 +194,15 @@ def two_ranks_in_first_step(code: str, args: list[str], log_dir: Path, in_first_
         )
         for rank, log in enumerate(logs)
     ]
-
-    def output() -> str:
-        return "".join(log.read_text() for log in logs)
-
-    def wait_until(condition, seconds: float) -> None:
-        deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline and not condition():
-            time.sleep(0.5)
-
     try:
-        wait_until(lambda: in_first_step(output()) or any(r.poll() is not None for r in ranks), 180)
-        if in_first_step(output()):
-            wait_until(lambda: any(r.poll() is not None for r in ranks), 30)
-        hung = all(r.poll() is None for r in ranks)
+        for rank in ranks:
+            rank.wait(timeout=600)  # a safety net only: the collective timeout ends a hung rank long before
     finally:
         for rank in ranks:
             rank.kill()
             rank.wait()
-    return hung, output()
+    output = "".join(log.read_text() for log in logs)
+    return "timed out in a collective that another rank did not join" in output, output
 
 
 # A fast run of the built-in tiny Llama: 2 layers, 64-token samples, no HF export.
