@@ -48,10 +48,15 @@ def check_unchanged(checkpoint: Path, saved: dict, current: dict, allow_changes:
         return
     key, old, new = change
     what = f"'{checkpoint}' was trained with {key} = {old!r}, this run has {new!r}"
+    _refuse_or_warn(what, "the run would not continue the same loss curve. Set", allow_changes)
+
+
+def _refuse_or_warn(what: str, consequence: str, allow_changes: bool) -> None:
+    """A change at resume: one error line, or with training.resume_allow_changes one warning line."""
     if not allow_changes:
         raise UserError(
-            f"training.resume: {what}; the run would not continue the same loss curve. Set "
-            "training.resume_allow_changes: true to resume anyway, or training.resume: never to start afresh"
+            f"training.resume: {what}; {consequence} training.resume_allow_changes: true to resume anyway, or "
+            "training.resume: never to start afresh"
         )
     if dist.get_rank() == 0:
         print(f"warning: training.resume: {what} (allowed by training.resume_allow_changes)", flush=True)
@@ -122,10 +127,4 @@ def check_data_unchanged(checkpoint: Path, saved: dict, data: DataConfig, allow_
     if not changed:
         return
     what = f"data file '{changed[0]}' is not the one '{checkpoint}' was trained on (added, removed or modified since)"
-    if not allow_changes:
-        raise UserError(
-            f"training.resume: {what}; the samples and their order would change. Restore it, set "
-            "training.resume_allow_changes: true to resume anyway, or training.resume: never to start afresh"
-        )
-    if dist.get_rank() == 0:
-        print(f"warning: training.resume: {what} (allowed by training.resume_allow_changes)", flush=True)
+    _refuse_or_warn(what, "the samples and their order would change. Restore it, set", allow_changes)
