@@ -20,9 +20,9 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tiny_llama(tmp_path_factory.mktemp("chunked") / "model", vocab=VOCAB, layers=1)
 
 
-def config(model_dir: Path, chunk: int | str) -> dict:
+def config(model_dir: Path, chunk: int | str, attention: str = "sdpa") -> dict:
     return {
-        "model": {"name_or_path": str(model_dir)},
+        "model": {"name_or_path": str(model_dir), "attn_implementation": attention},
         "training": {
             "learning_rate": 1e-3,
             "max_steps": 2,
@@ -43,10 +43,10 @@ def test_auto_chunks_only_large_vocabularies():
     assert chunk_tokens("auto", 32000) == 0 and chunk_tokens("auto", 151936) == 1024 and chunk_tokens(64, 100) == 64
 
 
-def step_with_gradients(model_dir: Path, chunk: int) -> tuple[dict, dict[str, torch.Tensor]]:
+def step_with_gradients(model_dir: Path, chunk: int, attention: str = "sdpa") -> tuple[dict, dict[str, torch.Tensor]]:
     """One step's result and the gradients the optimizer was given."""
     grads: dict[str, torch.Tensor] = {}
-    with strategy(config(model_dir, chunk)) as s:
+    with strategy(config(model_dir, chunk, attention)) as s:
         names = {id(p): n for n, p in s.model.named_parameters()}
 
         def keep_grads(optimizer: torch.optim.Optimizer, *_: object) -> None:
@@ -78,3 +78,50 @@ def test_a_chunked_step_peaks_at_a_fraction_of_the_unchunked_one(model_dir):
     (whole, whole_loss), (chunked, chunked_loss) = step_peak(model_dir, 0), step_peak(model_dir, 128)
     assert chunked_loss == pytest.approx(whole_loss, abs=1e-6)
     assert chunked <= 0.5 * whole, f"chunked {chunked / 2**20:.0f} MiB vs whole {whole / 2**20:.0f} MiB"
+
+
+@pytest.fixture(scope="module")
+def softcapped_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Gemma-2 whose logits are soft-capped hard (cap 0.5), so a chunked head that ignored the cap would
+    be far off."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from fsdp2kit.data.builtin import tokenizer_dir
+
+    folder = tmp_path_factory.mktemp("softcap") / "model"
+    config = AutoConfig.for_model(
+        "gemma2",
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        final_logit_softcapping=0.5,
+    )
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(tokenizer_dir()).save_pretrained(folder)
+    return folder
+
+
+def test_soft_capped_logits_are_capped_in_the_chunks(softcapped_dir):
+    """Gemma's final_logit_softcapping: chunked loss, gradients and forward_step log-probs equal the model's own."""
+    from transformers import AutoModelForCausalLM
+
+    (whole, whole_grads), (chunked, chunked_grads) = (step_with_gradients(softcapped_dir, c, "eager") for c in (0, 48))
+    assert chunked["loss"] == pytest.approx(whole["loss"], abs=1e-6)
+    for name, grad in whole_grads.items():  # float32 rounding of the cap's slope: 1e-6 of each tensor's scale
+        scale = float(grad.abs().max())
+        torch.testing.assert_close(chunked_grads[name], grad, rtol=0, atol=1e-5 * scale, msg=name)
+    ids = batch(2, 40)["input_ids"]
+    with strategy(config(softcapped_dir, 16, "eager")) as s:
+        got = s.forward_step({"input_ids": ids})["log_probs"]
+    model = AutoModelForCausalLM.from_pretrained(
+        softcapped_dir, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[:, :-1].float()
+    expected = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)

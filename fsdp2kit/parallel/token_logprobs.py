@@ -22,6 +22,7 @@ from fsdp2kit.labels import IGNORE_INDEX
 from fsdp2kit.parallel.forward_patch import Forward, replace_forward
 
 _REQUEST = "_fsdp2kit_token_request"
+_SOFTCAP = "_fsdp2kit_logit_softcap"
 
 
 @dataclass
@@ -42,8 +43,11 @@ def head_name(model: nn.Module) -> str:
 
 
 def install_token_head(model: nn.Module) -> None:
-    """Let the LM head answer `TokenRequest`s; without one it computes logits as before."""
-    replace_forward(model, [head_name(model)], _token_forward)
+    """Let the LM head answer `TokenRequest`s; without one it computes logits as before. A model that soft-caps its
+    logits after the head (Gemma's final_logit_softcapping) gets the same cap in the chunks."""
+    name = head_name(model)
+    setattr(model.get_submodule(name), _SOFTCAP, getattr(_softcap_config(model), "final_logit_softcapping", None))
+    replace_forward(model, [name], _token_forward)
 
 
 def _token_forward(head: nn.Module, original: Forward) -> Forward:
@@ -51,9 +55,22 @@ def _token_forward(head: nn.Module, original: Forward) -> Forward:
         request: TokenRequest | None = getattr(head, _REQUEST, None)
         if request is None:
             return original(hidden)
-        return _chunked(hidden, cast(torch.Tensor, head.weight), getattr(head, "bias", None), request)
+        weight, bias = cast(torch.Tensor, head.weight), getattr(head, "bias", None)
+        return _chunked(hidden, weight, bias, request, getattr(head, _SOFTCAP, None))
 
     return forward
+
+
+def _logits(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, softcap: float | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A chunk's float32 logits, soft-capped as the model caps them (Gemma's final_logit_softcapping: cap x
+    tanh(z / cap)), and the cap's derivative (None without one), which their gradient is multiplied by."""
+    logits = F.linear(hidden, weight, bias).float()
+    if not softcap:
+        return logits, None
+    squashed = torch.tanh(logits / softcap)
+    return squashed * softcap, 1 - squashed.square()
 
 
 class _ChunkLogProbs(torch.autograd.Function):
@@ -63,25 +80,33 @@ class _ChunkLogProbs(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        targets: torch.Tensor,
+        softcap: float | None,
     ) -> torch.Tensor:
-        logits = F.linear(hidden, weight, bias).float()
+        logits, _ = _logits(hidden, weight, bias, softcap)
         normaliser = torch.logsumexp(logits, dim=-1)
         picked = logits.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
         ctx.save_for_backward(hidden, weight, bias, targets, normaliser)
+        ctx.softcap = softcap
         return (picked - normaliser).masked_fill(targets == IGNORE_INDEX, 0.0)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         hidden, weight, bias, targets, normaliser = ctx.saved_tensors
         grad = grad.float().masked_fill(targets == IGNORE_INDEX, 0.0)
-        grad_logits = F.linear(hidden, weight, bias).float()
+        grad_logits, slope = _logits(hidden, weight, bias, ctx.softcap)
         grad_logits.sub_(normaliser.unsqueeze(-1)).exp_().mul_(-grad.unsqueeze(-1))  # -grad x softmax
         grad_logits.scatter_add_(-1, targets.clamp(min=0).unsqueeze(-1), grad.unsqueeze(-1))  # + grad x one-hot
+        if slope is not None:
+            grad_logits.mul_(slope)
         grad_logits = grad_logits.to(hidden.dtype)
         grad_bias = grad_logits.sum(0) if bias is not None and ctx.needs_input_grad[2] else None
         grad_weight = grad_logits.t() @ hidden if ctx.needs_input_grad[1] else None
-        return grad_logits @ weight, grad_weight, grad_bias, None
+        return grad_logits @ weight, grad_weight, grad_bias, None, None
 
 
 class _ChunkedCrossEntropy(torch.autograd.Function):
@@ -97,6 +122,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         bias: torch.Tensor | None,
         targets: torch.Tensor,
         chunk: int,
+        softcap: float | None,
     ) -> torch.Tensor:
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_hidden = torch.empty_like(hidden)
@@ -105,12 +131,12 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         for start in range(0, targets.numel(), chunk):
             part, part_targets = hidden[start : start + chunk], targets[start : start + chunk]
             keep = (part_targets != IGNORE_INDEX).unsqueeze(-1)
-            logits = F.linear(part, weight, bias).float()
+            logits, slope = _logits(part, weight, bias, softcap)
             normaliser = torch.logsumexp(logits, dim=-1, keepdim=True)
             index = part_targets.clamp(min=0).unsqueeze(-1)
             total += ((normaliser - logits.gather(-1, index)) * keep).sum()
             grad = logits.sub_(normaliser).exp_().scatter_add_(-1, index, -torch.ones_like(normaliser))
-            grad = grad.mul_(keep).to(hidden.dtype)  # softmax - one-hot, on the targets only
+            grad = grad.mul_(keep if slope is None else keep * slope).to(hidden.dtype)  # softmax - one-hot
             grad_hidden[start : start + chunk] = grad @ weight
             grad_weight += (grad.t() @ part).float()
             if grad_bias is not None:
@@ -130,14 +156,15 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             scaled_bias,
             None,
             None,
+            None,
         )
 
 
 def _chunk_entropy(
-    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor, softcap: float | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs and entropies of one chunk, without autograd (forward_step)."""
-    logits = F.linear(hidden, weight, bias).float()
+    logits, _ = _logits(hidden, weight, bias, softcap)
     normaliser = torch.logsumexp(logits, dim=-1)
     picked = logits.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
     log_probs = (picked - normaliser).masked_fill(targets == IGNORE_INDEX, 0.0)
@@ -146,17 +173,17 @@ def _chunk_entropy(
 
 
 def _chunked(
-    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, request: TokenRequest
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, request: TokenRequest, softcap: float | None
 ) -> torch.Tensor:
     """Log-probs [B, T] float32 of `request.targets` (or their negated sum), chunk by chunk over the tokens."""
     batch, length = hidden.shape[:2]
     flat_hidden, flat_targets = hidden.reshape(batch * length, -1), request.targets.reshape(-1)
     step = max(1, request.chunk_tokens or flat_targets.numel())
     if request.summed:
-        return _ChunkedCrossEntropy.apply(flat_hidden, weight, bias, flat_targets, step)
+        return _ChunkedCrossEntropy.apply(flat_hidden, weight, bias, flat_targets, step, softcap)
     log_probs, entropies = [], []
     for start in range(0, flat_targets.numel(), step):
-        args = (flat_hidden[start : start + step], weight, bias, flat_targets[start : start + step])
+        args = (flat_hidden[start : start + step], weight, bias, flat_targets[start : start + step], softcap)
         if request.entropy:
             with torch.no_grad():
                 lp, entropy = _chunk_entropy(*args)
@@ -171,13 +198,26 @@ def _chunked(
 
 @contextmanager
 def token_request(model: nn.Module, request: TokenRequest) -> Iterator[TokenRequest]:
-    """Within the block, the model's forward returns `request`'s log-probs as its `logits`."""
+    """Within the block, the model's forward returns `request`'s log-probs as its `logits`. A soft-capping model's
+    own cap after the head is switched off meanwhile: the chunks apply it, and it must not squash their result."""
     head = model.get_output_embeddings()  # type: ignore[operator]
+    capping = _softcap_config(model)
+    cap = getattr(capping, "final_logit_softcapping", None)
     setattr(head, _REQUEST, request)
+    if cap is not None:
+        capping.final_logit_softcapping = None
     try:
         yield request
     finally:
         setattr(head, _REQUEST, None)
+        if cap is not None:
+            capping.final_logit_softcapping = cap
+
+
+def _softcap_config(model: nn.Module) -> Any:
+    """The config a model reads final_logit_softcapping from (a VL model's text config)."""
+    config = getattr(model, "config", None)
+    return getattr(config, "text_config", None) or config
 
 
 def chunk_tokens(setting: int | str, vocab_size: int) -> int:
