@@ -16,7 +16,7 @@ from fsdp2kit.data.dataset import load_tokenizer, source_files
 from fsdp2kit.distributed import Runtime
 from fsdp2kit.dtypes import torch_name
 from fsdp2kit.errors import UserError
-from fsdp2kit.models.build import open_safetensors, resolve_model
+from fsdp2kit.models.build import attention_kernel, open_safetensors, resolve_model
 from fsdp2kit.models.sharded import build_sharded_model, count_parameters
 from fsdp2kit.parallel.fsdp import describe_groups
 from fsdp2kit.train.run_dir import output_dir_problem
@@ -76,6 +76,7 @@ def describe(cfg: JobConfig, runtime: Runtime) -> dict:
     )
     model, plan = sharded.model, sharded.plan
     trainable, frozen = count_parameters(model)
+    attention, attention_note = attention_kernel(cfg.model.attn_implementation)
     return {
         "world_size": runtime.world_size,
         "mesh": {"shape": list(sharded.layout.shape), "dim_names": list(sharded.layout.dim_names)},
@@ -121,7 +122,8 @@ def describe(cfg: JobConfig, runtime: Runtime) -> dict:
         "custom_plan": plan.custom,
         # LoRA: the adapters by shard group, their trainable count and the bytes they and their AdamW state take.
         "lora": dataclasses.asdict(plan.adapters) if plan.adapters else None,
-        "notes": plan.notes,
+        "attn_implementation": attention,
+        "notes": plan.notes + ([attention_note] if attention_note else []),
         "config_notes": cfg.notes,
     }
 
