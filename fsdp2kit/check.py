@@ -3,9 +3,9 @@ device (no weights)."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
+from typing import Any
 
 import yaml
 from torch.distributed.fsdp import FSDPModule
@@ -16,9 +16,10 @@ from fsdp2kit.data.dataset import load_tokenizer, source_files
 from fsdp2kit.distributed import Runtime
 from fsdp2kit.dtypes import torch_name
 from fsdp2kit.errors import UserError
-from fsdp2kit.models.build import attention_kernel, open_safetensors, resolve_model
+from fsdp2kit.models.build import attention_kernel, open_safetensors, resolve_model, safetensors_index
 from fsdp2kit.models.sharded import build_sharded_model, count_parameters
 from fsdp2kit.parallel.fsdp import describe_groups
+from fsdp2kit.parallel.plan import ShardingPlan
 from fsdp2kit.train.run_dir import output_dir_problem
 
 
@@ -44,8 +45,10 @@ def checked_files(cfg: JobConfig) -> dict[str, str]:
             raise UserError(f"model.name_or_path: checkpoint '{folder}' is damaged: {problem}")
         weights = f"DCP checkpoint {folder} (metadata read, every shard file as long as it says)"
     else:
-        shards = sorted(folder.glob("*.safetensors"))
+        shards = sorted(set(safetensors_index(folder).values()))  # a damaged index, a tensor in two files: refused
         for shard in shards:
+            if not shard.is_file():
+                raise UserError(f"model weights: '{shard}' is named by the index but does not exist")
             open_safetensors(shard).__exit__(None, None, None)  # safetensors checks the header against the size
         weights = f"{len(shards)} safetensors file(s) in {folder} ({_size(shards)}, headers whole)"
     tokenizer = load_tokenizer(source.tokenizer_path, cfg.model.trust_remote_code)
@@ -94,6 +97,25 @@ def describe(cfg: JobConfig, runtime: Runtime) -> dict:
         # Read back from the live modules, so this is what fully_shard did, not what we meant it to do.
         "sharded_modules": [name for name, module in model.named_modules() if isinstance(module, FSDPModule)],
         "groups": describe_groups(model),
+        **_plan_fields(plan),
+        "frozen_modules": cfg.model.freeze_module_prefix,
+        "trainable_parameters": trainable,
+        "frozen_parameters": frozen,
+        "master_dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+        "ulysses_size": cfg.model.ulysses_size,
+        "custom_plan": plan.custom,
+        # The model's kind (vision_patch: the tower runs on every forward) and, for LoRA, the adapters by shard
+        # group, their trainable count and the bytes they and their AdamW state take.
+        **sharded.variant.describe(),
+        "attn_implementation": attention,
+        "notes": plan.notes + ([attention_note] if attention_note else []),
+        "config_notes": cfg.notes,
+    }
+
+
+def _plan_fields(plan: ShardingPlan) -> dict[str, Any]:
+    """What the plan decided besides the groups: recompute, compile, TiledMLP, precision, reshard, offload, prefetch."""
+    return {
         "ignored_modules": plan.ignored_modules,
         "recompute_modules": plan.recompute_modules,
         "compiled_modules": plan.compiled_modules,
@@ -101,11 +123,6 @@ def describe(cfg: JobConfig, runtime: Runtime) -> dict:
         if plan.tiled_mlp_modules
         else None,
         "expert_patch": plan.expert_patch,
-        "vision_patch": plan.vision_patch,
-        "frozen_modules": cfg.model.freeze_module_prefix,
-        "trainable_parameters": trainable,
-        "frozen_parameters": frozen,
-        "master_dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
         "mixed_precision": {
             "param_dtype": torch_name(plan.param_dtype),
             "reduce_dtype": torch_name(plan.reduce_dtype),
@@ -118,13 +135,6 @@ def describe(cfg: JobConfig, runtime: Runtime) -> dict:
         "pin_memory": plan.pin_memory,
         "prefetch": {"forward": plan.forward_prefetch, "backward": plan.backward_prefetch},
         "use_reentrant": plan.use_reentrant,
-        "ulysses_size": cfg.model.ulysses_size,
-        "custom_plan": plan.custom,
-        # LoRA: the adapters by shard group, their trainable count and the bytes they and their AdamW state take.
-        "lora": dataclasses.asdict(plan.adapters) if plan.adapters else None,
-        "attn_implementation": attention,
-        "notes": plan.notes + ([attention_note] if attention_note else []),
-        "config_notes": cfg.notes,
     }
 
 

@@ -7,12 +7,26 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from fsdp2kit.config.load import load_config, name_as_written
 from fsdp2kit.errors import ERROR_DIR_ENV, Interrupted, RunFault, TrainingDiverged, UserError, report_error
+
+if TYPE_CHECKING:
+    from fsdp2kit.config.schema import JobConfig
+
+
+_CONFIG_COMMANDS = (
+    ("train", "train a model"),
+    ("infer", "fsdp2_infer: forward-only per-sample log-probs and perplexity"),
+    ("check", "validate the config and print the sharding plan"),
+    ("plan", "predict per-rank peak memory (traced on fake tensors) and a table by strategy"),
+    ("prepare", "tokenize the config's data once into the token store every later run and rank memory-maps"),
+)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -20,67 +34,9 @@ def _parser() -> argparse.ArgumentParser:
         prog="fsdp2kit", description="Train and serve transformer models with PyTorch FSDP2."
     )
     commands = parser.add_subparsers(dest="command", required=True)
-    for name, help_text in (
-        ("train", "train a model"),
-        ("infer", "fsdp2_infer: forward-only per-sample log-probs and perplexity"),
-        ("check", "validate the config and print the sharding plan"),
-        ("plan", "predict per-rank peak memory (traced on fake tensors) and a table by strategy"),
-        ("prepare", "tokenize the config's data once into the token store every later run and rank memory-maps"),
-    ):
-        sub = commands.add_parser(name, help=help_text)
-        sub.add_argument("config", help="YAML config (native, or a ROLL file with roles)")
-        if name != "prepare":  # one process: the store's build uses every core itself
-            sub.add_argument(
-                "--nproc",
-                type=int,
-                default=None,
-                help="plan: the world size to plan for (nothing is launched); else launch this many local ranks",
-            )
-        sub.add_argument(
-            "--set",
-            dest="overrides",
-            action="append",
-            default=[],
-            metavar="KEY.PATH=VALUE",
-            help="override a config key (value parsed as YAML); repeatable",
-        )
-        sub.add_argument(
-            "--role",
-            default=None,
-            help="the role of a ROLL config to use (default: its first fsdp2_train/fsdp2_infer role)",
-        )
-        sub.add_argument(
-            "--fsdp-config",
-            "--fsdp2-config-path",
-            "--fsdp2-config",
-            dest="fsdp_config",
-            default=None,
-            help="a MindSpeed-MM fsdp2_config.yaml or an Accelerate config replacing strategy_config",
-        )
-        if name in ("check", "plan"):
-            sub.add_argument("--json", action="store_true", help="print one JSON object")
-        if name == "plan":
-            sub.add_argument(
-                "--budget-gb",
-                type=float,
-                default=None,
-                help="also print, as --set lines, the fastest configuration whose per-rank peak fits X GiB",
-            )
-    convert = commands.add_parser("convert", help="convert a checkpoint: DCP -> HF/torch, HF -> DCP")
-    convert.add_argument("src", help="a DCP checkpoint folder (checkpoints/step_N) or an HF model folder")
-    convert.add_argument("dst", help="a new folder")
-    convert.add_argument("--to", required=True, choices=["hf", "torch", "dcp"], help="target format")
-    convert.add_argument(
-        "--dtype",
-        choices=["bf16", "fp16", "fp32"],
-        default=None,
-        help="cast the weights (default: keep the stored dtype)",
-    )
-    convert.add_argument(
-        "--adapter",
-        default=None,
-        help="a PEFT adapter folder to merge into the HF model SRC (--to hf): the merged HF folder goes to DST",
-    )
+    for name, help_text in _CONFIG_COMMANDS:
+        _add_config_command(commands.add_parser(name, help=help_text), name)
+    _add_convert(commands.add_parser("convert", help="convert a checkpoint: DCP -> HF/torch, HF -> DCP"))
     report = commands.add_parser(
         "report", help="plot runs' metrics (loss, lr, grad norm, tokens/s, memory) and summarise them"
     )
@@ -92,6 +48,66 @@ def _parser() -> argparse.ArgumentParser:
         "several are overlaid, and the plots go to the first one's report/ folder",
     )
     return parser
+
+
+def _add_config_command(sub: argparse.ArgumentParser, name: str) -> None:
+    """The arguments of the commands that read a config: train, infer, check, plan, prepare."""
+    sub.add_argument("config", help="YAML config (native, or a ROLL file with roles)")
+    if name != "prepare":  # one process: the store's build uses every core itself
+        sub.add_argument(
+            "--nproc",
+            type=int,
+            default=None,
+            help="plan: the world size to plan for (nothing is launched); else launch this many local ranks",
+        )
+    sub.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY.PATH=VALUE",
+        help="override a config key (value parsed as YAML); repeatable",
+    )
+    sub.add_argument(
+        "--role",
+        default=None,
+        help="the role of a ROLL config to use (default: its first fsdp2_train/fsdp2_infer role)",
+    )
+    sub.add_argument(
+        "--fsdp-config",
+        "--fsdp2-config-path",
+        "--fsdp2-config",
+        dest="fsdp_config",
+        default=None,
+        help="a MindSpeed-MM fsdp2_config.yaml or an Accelerate config replacing strategy_config",
+    )
+    if name in ("check", "plan"):
+        sub.add_argument("--json", action="store_true", help="print one JSON object")
+    if name == "plan":
+        sub.add_argument(
+            "--budget-gb",
+            type=float,
+            default=None,
+            help="also print, as --set lines, the fastest configuration whose per-rank peak fits X GiB",
+        )
+
+
+def _add_convert(convert: argparse.ArgumentParser) -> None:
+    convert.add_argument("src", help="a DCP checkpoint folder (checkpoints/step_N) or an HF model folder")
+    convert.add_argument("dst", help="a new folder")
+    convert.add_argument("--to", required=True, choices=["hf", "torch", "dcp"], help="target format")
+    convert.add_argument(
+        "--dtype",
+        choices=["bf16", "fp16", "fp32"],
+        default=None,
+        help="cast the weights (default: keep the stored dtype)",
+    )
+    convert.add_argument(
+        "--adapter",
+        type=Path,
+        default=None,
+        help="a PEFT adapter folder to merge into the HF model SRC (--to hf): the merged HF folder goes to DST",
+    )
 
 
 def _under_launcher() -> bool:
@@ -110,7 +126,7 @@ def _strip_nproc(argv: list[str]) -> list[str]:
     return out
 
 
-def _launch(nproc: int, argv: list[str]) -> int:
+def _launch(nproc: int, argv: list[str], output_dir: Path) -> int:
     """Start `nproc` local ranks with torch's own elastic launcher (torch.distributed.run), quietly. A failed rank's
     one-line report is printed once. On SIGINT/SIGTERM the launcher forwards the signal to the ranks (each in its
     own session), which stop at a step boundary and report; it then re-raises the signal as SignalException."""
@@ -130,6 +146,15 @@ def _launch(nproc: int, argv: list[str]) -> int:
         try:
             run(args)
         except ChildFailedError as failure:
+            # A rank killed by a signal (the launcher's own SIGTERM to the survivors aside) is the cause: the others
+            # only lost their connection to it.
+            killed = sorted(
+                (rank, f) for rank, f in failure.failures.items() if f.exitcode < 0 and -f.exitcode != signal.SIGTERM
+            )
+            if killed:
+                rank, dead = killed[0]
+                print(f"error: rank {rank} died ({dead.signal_name()}); {_intact(output_dir)}", file=sys.stderr)
+                return 1
             code = _print_rank_report(Path(error_dir))
             if code is None:
                 ranks = ", ".join(f"rank {r} (exit code {f.exitcode})" for r, f in sorted(failure.failures.items()))
@@ -144,6 +169,15 @@ def _launch(nproc: int, argv: list[str]) -> int:
     return 0
 
 
+def _intact(output_dir: Path) -> str:
+    from fsdp2kit.checkpoint.manager import committed_checkpoints
+
+    complete = committed_checkpoints(output_dir / "checkpoints")
+    if not complete:
+        return "no checkpoint was written yet"
+    return f"checkpoint {complete[-1].name} is complete and the same command resumes from it"
+
+
 def _print_rank_report(error_dir: Path) -> int | None:
     """Print the lowest rank's one-line error report; its exit code, or None when no rank wrote one."""
     reports = sorted(error_dir.glob("rank*.json"), key=lambda p: int(p.stem[4:]))
@@ -154,15 +188,17 @@ def _print_rank_report(error_dir: Path) -> int | None:
     return report["exit_code"]
 
 
-def _run_rank(args: argparse.Namespace, cfg) -> int:
-    from fsdp2kit.distributed import init_distributed, out_of_memory_message, shutdown
+def _run_rank(args: argparse.Namespace, cfg: JobConfig) -> int:
+    from fsdp2kit.distributed import init_distributed, lost_peer_message, out_of_memory_message, shutdown, watch_parent
 
     runtime = init_distributed(cfg.device_mapping)
+    if _under_launcher():
+        watch_parent()
     try:
         if args.command == "train":
             if cfg.strategy_args.strategy_name != "fsdp2_train":
                 raise UserError("strategy_args.strategy_name is fsdp2_infer; use `fsdp2kit infer` or set fsdp2_train")
-            from fsdp2kit.train.loop import train
+            from fsdp2kit.trainer import train
 
             train(cfg, runtime)
         elif args.command == "infer":
@@ -173,8 +209,8 @@ def _run_rank(args: argparse.Namespace, cfg) -> int:
             from fsdp2kit.check import print_check
 
             print_check(cfg, runtime, args.json)
-    except (MemoryError, RuntimeError) as exc:  # torch.OutOfMemoryError is a RuntimeError
-        message = out_of_memory_message(exc, runtime)
+    except (MemoryError, RuntimeError) as exc:  # torch.OutOfMemoryError and gloo's errors are RuntimeErrors
+        message = out_of_memory_message(exc, runtime) or lost_peer_message(exc, runtime)
         if message is None:
             raise
         raise RunFault(message) from None
@@ -201,51 +237,64 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     cfg = None
     try:
-        if args.command == "convert":
-            from fsdp2kit.checkpoint.convert import convert
-            from fsdp2kit.dtypes import torch_dtype
-            from fsdp2kit.train.loggers import phase
-
-            adapter = Path(args.adapter) if args.adapter else None
-            with phase(f"converting {args.src} -> {args.dst} ({args.to})", is_main=True):
-                convert(Path(args.src), Path(args.dst), args.to, torch_dtype(args.dtype), adapter)
-            return 0
-        if args.command == "report":
-            from fsdp2kit.report import write_report
-
-            print(write_report([Path(d) for d in args.run_dirs]))
-            return 0
+        if args.command in ("convert", "report"):
+            return _file_command(args)
         cfg = load_config(args.config, args.overrides, role=args.role, strategy_file=args.fsdp_config)
         if args.command == "prepare":
-            from fsdp2kit.data.dataset import load_tokenizer
-            from fsdp2kit.data.store import describe, token_store
-            from fsdp2kit.models.build import resolve_model
-            from fsdp2kit.train.loggers import phase
-
-            tokenizer = load_tokenizer(resolve_model(cfg.model, cfg.data.tokenizer).tokenizer_path)
-            with phase(f"the token store of {cfg.data.source}", is_main=True):
-                store = token_store(cfg.data, tokenizer)
-            print(f"token store {describe(store)}")
-            return 0
-        nproc = args.nproc
-        if nproc is None and cfg.device_mapping and not _under_launcher():
-            nproc = len(cfg.device_mapping)
-        if nproc is not None and nproc < 1:
-            raise UserError(f"--nproc {nproc}: give a number of ranks >= 1")
-        if args.command == "plan":
-            return _plan(args, nproc or int(os.environ.get("WORLD_SIZE", "1")))
-        if nproc and nproc > 1 and not _under_launcher():
-            from fsdp2kit.parallel.mesh import mesh_layout
-
-            mesh_layout(nproc, cfg.strategy_args.strategy_config, cfg.model.ulysses_size)  # fail before spawning
-            return _launch(nproc, argv)
-        return _run_rank(args, cfg)
+            return _prepare(cfg)
+        return _config_command(args, argv, cfg)
     except UserError as exc:
         return report_error(name_as_written(str(exc), cfg) if cfg else str(exc), 2)
     except (TrainingDiverged, RunFault) as exc:
         return report_error(str(exc), 1)
     except Interrupted as exc:
         return report_error(str(exc), exc.exit_code)
+
+
+def _file_command(args: argparse.Namespace) -> int:
+    """`convert` and `report`: they read files, not a config."""
+    if args.command == "report":
+        from fsdp2kit.report import write_report
+
+        print(write_report([Path(d) for d in args.run_dirs]))
+        return 0
+    from fsdp2kit.checkpoint.convert import convert
+    from fsdp2kit.dtypes import torch_dtype
+    from fsdp2kit.train.loggers import phase
+
+    with phase(f"converting {args.src} -> {args.dst} ({args.to})", is_main=True):
+        convert(Path(args.src), Path(args.dst), args.to, torch_dtype(args.dtype), args.adapter)
+    return 0
+
+
+def _prepare(cfg: JobConfig) -> int:
+    from fsdp2kit.data.dataset import load_tokenizer
+    from fsdp2kit.data.store import describe, token_store
+    from fsdp2kit.models.build import resolve_model
+    from fsdp2kit.train.loggers import phase
+
+    tokenizer = load_tokenizer(resolve_model(cfg.model, cfg.data.tokenizer).tokenizer_path)
+    with phase(f"the token store of {cfg.data.source}", is_main=True):
+        store = token_store(cfg.data, tokenizer)
+    print(f"token store {describe(store)}")
+    return 0
+
+
+def _config_command(args: argparse.Namespace, argv: list[str], cfg: JobConfig) -> int:
+    """train, infer, check and plan: planned for --nproc ranks, launched as that many, or run in this process."""
+    nproc = args.nproc
+    if nproc is None and cfg.device_mapping and not _under_launcher():
+        nproc = len(cfg.device_mapping)
+    if nproc is not None and nproc < 1:
+        raise UserError(f"--nproc {nproc}: give a number of ranks >= 1")
+    if args.command == "plan":
+        return _plan(args, nproc or int(os.environ.get("WORLD_SIZE", "1")))
+    if nproc and nproc > 1 and not _under_launcher():
+        from fsdp2kit.parallel.mesh import mesh_layout
+
+        mesh_layout(nproc, cfg.strategy_args.strategy_config, cfg.model.ulysses_size)  # fail before spawning
+        return _launch(nproc, argv, Path(cfg.training.output_dir))
+    return _run_rank(args, cfg)
 
 
 if __name__ == "__main__":

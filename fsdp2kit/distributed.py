@@ -6,6 +6,7 @@ import os
 import re
 import socket
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -46,6 +47,25 @@ def return_large_frees_to_os(threshold_bytes: int = 4 << 20) -> None:
 _ENVIRONMENT_BEFORE: dict[str, str | None] = {}  # what init_distributed replaced to run without a launcher
 
 
+COLLECTIVE_TIMEOUT_ENV = "FSDP2KIT_COLLECTIVE_TIMEOUT_S"
+
+
+def collective_timeout() -> timedelta | None:
+    """How long a collective may wait for the other ranks before it fails (FSDP2KIT_COLLECTIVE_TIMEOUT_S; default
+    torch's, 30 minutes for gloo): a rank stuck in a collective that no other rank will join is then reported
+    instead of waiting out the job."""
+    value = os.environ.get(COLLECTIVE_TIMEOUT_ENV)
+    if value is None:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if seconds <= 0:
+        raise UserError(f"{COLLECTIVE_TIMEOUT_ENV}={value!r}: give a number of seconds > 0")
+    return timedelta(seconds=seconds)
+
+
 def init_distributed(device_mapping: list[int] | None) -> Runtime:
     """NCCL on CUDA (gloo kept for CPU tensors), gloo on CPU. Without a launcher, a world of one."""
     if "RANK" not in os.environ:
@@ -80,7 +100,11 @@ def init_distributed(device_mapping: list[int] | None) -> Runtime:
         store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size))
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         dist.init_process_group(
-            backend, store=dist.PrefixStore(f"fsdp2kit/attempt_{attempt}", store), rank=rank, world_size=world_size
+            backend,
+            store=dist.PrefixStore(f"fsdp2kit/attempt_{attempt}", store),
+            rank=rank,
+            world_size=world_size,
+            timeout=collective_timeout(),
         )
     return Runtime(rank, world_size, local_rank, device)
 
@@ -135,3 +159,41 @@ def destroy_process_group() -> None:
     dist.destroy_process_group()
     _clear_python_sharding_prop_cache()
     _clear_fast_path_sharding_prop_cache()
+
+
+# How gloo and NCCL report a peer that went away (its sockets closed by the kernel when the process died), and a
+# collective that no other rank joined in time.
+_LOST_PEER = re.compile(r"Connection closed by peer|Connection reset by peer|Broken pipe|NCCL communicator was aborted")
+_TIMED_OUT = re.compile(r"Timed out waiting|timed out|Watchdog caught collective operation timeout")
+
+
+def lost_peer_message(exc: BaseException, runtime: Runtime) -> str | None:
+    """One sentence for a collective that failed because another rank is gone (killed, crashed) or never joined it
+    within the collective timeout; None for any other error."""
+    if not isinstance(exc, dist.DistError | RuntimeError):
+        return None
+    text = str(exc)
+    if _LOST_PEER.search(text):
+        what = "lost its connection to another rank of the job (it died or was killed) during a collective"
+    elif _TIMED_OUT.search(text):
+        what = f"timed out in a collective that another rank did not join ({COLLECTIVE_TIMEOUT_ENV})"
+    else:
+        return None
+    return f"rank {runtime.rank} {what}; the newest complete checkpoint is intact and the same command resumes from it"
+
+
+def watch_parent(interval_s: float = 1.0) -> None:
+    """A rank whose launcher died (SIGKILL of `fsdp2kit train --nproc`, of torchrun's agent) sends itself SIGTERM:
+    it stops at the next step boundary and releases output_dir's lock, instead of training on, orphaned."""
+    import signal
+    import threading
+    import time
+
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(interval_s)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="fsdp2kit-parent-watch", daemon=True).start()

@@ -3,7 +3,9 @@ renamed files and their directory are on disk."""
 
 from __future__ import annotations
 
+import errno
 import os
+import shutil
 from pathlib import Path
 
 
@@ -27,3 +29,45 @@ def write_durable(path: Path, payload: bytes) -> None:
         handle.write(payload)
         handle.flush()
         os.fsync(handle.fileno())
+
+
+# A write that fails with less than this left on its filesystem ran out of space, whatever it raised.
+LOW_SPACE_BYTES = 1 << 20
+
+
+def free_bytes(path: Path) -> int:
+    """Bytes available to this user on the filesystem that holds `path` (or its nearest existing parent)."""
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    return shutil.disk_usage(existing).free
+
+
+def _enospc_in(exc: BaseException | None, depth: int = 0) -> bool:
+    if exc is None or depth > 20:
+        return False
+    if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+        return True
+    failures = getattr(exc, "failures", None)  # DCP's CheckpointException: each rank's exception
+    if isinstance(failures, dict) and any(_enospc_in(f[0], depth + 1) for f in failures.values()):
+        return True
+    return _enospc_in(exc.__cause__, depth + 1) or _enospc_in(exc.__context__, depth + 1)
+
+
+def ran_out_of_space(path: Path, exc: BaseException | None) -> bool:
+    """Whether a failed write under `path` ran out of space, told by what the disk says: ENOSPC anywhere in the
+    exception, or a filesystem now (before the partial output is removed) under LOW_SPACE_BYTES free — torch's zip
+    writer reports a full disk as 'unexpected pos', without an errno."""
+    return _enospc_in(exc) or free_bytes(path) < LOW_SPACE_BYTES
+
+
+def folder_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.is_dir() else 0
+
+
+def disk_full_message(path: Path, what: str, needed_bytes: int, intact: str) -> str:
+    """One sentence: what could not be written where, the space it needs and has, and what is intact."""
+    return (
+        f"no space left on device: {what} in '{path}' needs about {needed_bytes / 2**20:.1f} MiB and its disk has "
+        f"{free_bytes(path) / 2**20:.1f} MiB free; {intact}"
+    )

@@ -29,10 +29,10 @@ from fsdp2kit.data.dataset import Sample, collate
 from fsdp2kit.distributed import Runtime, destroy_process_group
 from fsdp2kit.errors import UserError
 from fsdp2kit.models.sharded import build_sharded_model
-from fsdp2kit.parallel.ulysses import shard_sequence
+from fsdp2kit.parallel.token_logprobs import chunk_tokens, install_token_head
 from fsdp2kit.train.memory import tracker_peak
 from fsdp2kit.train.optim import build_optimizer
-from fsdp2kit.train.step import token_loss_sum
+from fsdp2kit.train.step import TokenCrossEntropy
 
 GIB = 1024**3
 _STRATEGY = "strategy_args.strategy_config"
@@ -126,6 +126,9 @@ def _trace(cfg: JobConfig, world_size: int) -> dict[str, object]:
             materialize=False,
         )
         model = sharded.model
+        install_token_head(model)  # the training loss as the run computes it: chunked above a 32k vocabulary
+        vocab = model.get_output_embeddings().weight.shape[0]  # type: ignore[operator]
+        loss = TokenCrossEntropy(chunk_tokens(cfg.training.loss_chunk_tokens, vocab))
         accumulation = cfg.training.gradient_accumulation_steps
         with FakeTensorMode(allow_non_fake_inputs=True):
             model.to_empty(device="cpu")
@@ -138,8 +141,8 @@ def _trace(cfg: JobConfig, world_size: int) -> dict[str, object]:
                     for index, batch in enumerate(micro_batches):
                         cast(FSDPModule, model).set_requires_gradient_sync(index == accumulation - 1)
                         if sharded.sp_group is not None:
-                            batch = shard_sequence(batch, sharded.sp_group)
-                        token_loss_sum(model, batch).backward()
+                            batch = sharded.variant.shard_batch(batch, sharded.sp_group)
+                        loss(model, index, batch, 0.0)[0].backward()
                         tracker.reset_mod_stats()
                     for param, local in pairs:
                         local.grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad

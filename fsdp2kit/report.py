@@ -10,6 +10,7 @@ from fsdp2kit.errors import UserError
 from fsdp2kit.train.loggers import read_records
 
 GIB = 1024**3
+REQUIRED_FIELDS = ("step", "loss", "tokens_per_s", "peak_mem_bytes")  # what the summary reads from every record
 # file name: (metrics.jsonl field, y-axis label, scale)
 PLOTS = {
     "loss": ("loss", "loss", 1),
@@ -32,6 +33,13 @@ def read_run(run_dir: Path) -> list[dict]:
         raise UserError(f"report: {exc}") from None
     if not records:
         raise UserError(f"report: '{metrics}' has no steps yet")
+    for number, record in enumerate(records, 1):
+        missing = [key for key in REQUIRED_FIELDS if not isinstance(record.get(key), int | float)]
+        if missing:
+            raise UserError(
+                f"report: '{metrics}' record {number} has no number for '{missing[0]}'; it was not written by "
+                f"fsdp2kit train (each step's record holds {', '.join(REQUIRED_FIELDS)})"
+            )
     return records
 
 

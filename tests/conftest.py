@@ -7,7 +7,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -131,7 +130,20 @@ def reference_run(cfg, steps: int) -> ReferenceRun:
     return run
 
 
-def token_batch(rows: int, length: int) -> dict[str, torch.Tensor]:
+@torch.no_grad()
+def logit_logprobs(model, batch: dict[str, torch.Tensor]) -> tuple[list[float], list[int]]:
+    """A reference independent of fsdp2kit's chunked head: per sample of a shifted batch, the sum of the log-softmax
+    of the model's logits at the target tokens, and their count."""
+    from fsdp2kit.labels import IGNORE_INDEX
+
+    inputs = {key: value for key, value in batch.items() if key != "labels"}
+    logprobs = torch.log_softmax(model(**inputs, use_cache=False).logits.float(), dim=-1)
+    mask = batch["labels"] != IGNORE_INDEX
+    picked = logprobs.gather(-1, batch["labels"].clamp(min=0).unsqueeze(-1)).squeeze(-1) * mask
+    return picked.sum(dim=1).double().tolist(), mask.sum(dim=1).tolist()
+
+
+def token_batch(rows: int = 2, length: int = 16) -> dict[str, torch.Tensor]:
     """A training batch of seeded random tokens of the built-in vocabulary, every position a target."""
     from fsdp2kit.data.builtin import VOCAB_SIZE
 
@@ -157,14 +169,20 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if line]
 
 
-def two_ranks_in_first_step(code: str, args: list[str], log_dir: Path, in_first_step) -> tuple[bool, str]:
+# A collective that no other rank joins fails after this long: long enough that a slow machine never trips it
+# (a healthy collective of these tiny models waits milliseconds), short enough for a test.
+HANG_TIMEOUT_S = 20
+
+
+def two_ranks_hang(code: str, args: list[str], log_dir: Path) -> tuple[bool, str]:
     """Two ranks of `python -c code *args`, launched here (no launcher to tear them down) so that `code` can take a
-    patch out of them: waits up to 180 s until `in_first_step(output)` (start-up takes 10-40 s on a busy machine) and
-    then up to 30 s for a rank to end. Returns whether both were still running (hung) and their output."""
-    from fsdp2kit.distributed import free_port
+    patch out of them, with a collective timeout of HANG_TIMEOUT_S. Waits for both to end and returns whether a rank
+    reported a collective that timed out (a hang: the other rank never joined it) and their output. gloo may instead
+    abort at once on mismatched sizes, which the output says too."""
+    from fsdp2kit.distributed import COLLECTIVE_TIMEOUT_ENV, free_port
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
-    env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), COLLECTIVE_TIMEOUT_ENV: str(HANG_TIMEOUT_S)}
     logs = [log_dir / f"rank{rank}.log" for rank in range(2)]
     ranks = [
         subprocess.Popen(
@@ -176,29 +194,58 @@ def two_ranks_in_first_step(code: str, args: list[str], log_dir: Path, in_first_
         )
         for rank, log in enumerate(logs)
     ]
-
-    def output() -> str:
-        return "".join(log.read_text() for log in logs)
-
-    def wait_until(condition, seconds: float) -> None:
-        deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline and not condition():
-            time.sleep(0.5)
-
     try:
-        wait_until(lambda: in_first_step(output()) or any(r.poll() is not None for r in ranks), 180)
-        if in_first_step(output()):
-            wait_until(lambda: any(r.poll() is not None for r in ranks), 30)
-        hung = all(r.poll() is None for r in ranks)
+        for rank in ranks:
+            rank.wait(timeout=600)  # a safety net only: the collective timeout ends a hung rank long before
     finally:
         for rank in ranks:
             rank.kill()
             rank.wait()
-    return hung, output()
+    output = "".join(log.read_text() for log in logs)
+    return "timed out in a collective that another rank did not join" in output, output
+
+
+# A fast run of the built-in tiny Llama: 2 layers, 64-token samples, no HF export.
+SMALL_RUN = {"model.config.num_hidden_layers": 2, "data.seq_len": 64, "training.export_hf": False}
 
 
 @pytest.fixture
 def small_run(tmp_path):
-    """--set overrides for a fast run of the built-in tiny Llama: 2 layers, 64-token samples, no checkpoints."""
-    settings = {"model.config.num_hidden_layers": 2, "data.seq_len": 64, "training.export_hf": False}
-    return set_args({**settings, "training.output_dir": str(tmp_path / "run")})
+    """--set overrides for SMALL_RUN into tmp_path/run (no checkpoints but the last)."""
+    return set_args({**SMALL_RUN, "training.output_dir": str(tmp_path / "run")})
+
+
+def make_hf_folder(path: Path, builtin: str, max_shard_size: str | None = None, layers: int = 2, **config):
+    """A seeded HF model folder of a built-in architecture (`config` overrides its settings), with the built-in
+    tokenizer: what a user's downloaded model looks like, without a download. Returns the model."""
+    import shutil
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from fsdp2kit.data.builtin import tokenizer_dir
+    from fsdp2kit.models.builtin import BUILTIN_MODELS
+
+    settings = dict(BUILTIN_MODELS[builtin], num_hidden_layers=layers, **config)
+    hf_config = AutoConfig.for_model(settings.pop("model_type"), **settings)
+    torch.manual_seed(3)
+    model = AutoModelForCausalLM.from_config(hf_config)
+    model.save_pretrained(path, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
+    for file in tokenizer_dir().iterdir():
+        shutil.copy(file, path / file.name)
+    return model
+
+
+def cli_without_patch(patch: str, announce_forwards: bool = False) -> str:
+    """Code for `python -c` running the command line with `fsdp2kit.models.variant.<patch>` made a no-op (and each
+    training forward announced as `forward: images True|False`): a run that shows what the patch prevents."""
+    lines = ["import sys", "import fsdp2kit.models.variant as variant", f"variant.{patch} = lambda model: None"]
+    if announce_forwards:
+        lines += [
+            "import fsdp2kit.train.step as step",
+            "forward = step.token_loss_sum",
+            "def announced(model, batch, *args):",
+            "    print(f\"forward: images {'pixel_values' in batch}\", flush=True)",
+            "    return forward(model, batch, *args)",
+            "step.token_loss_sum = announced",
+        ]
+    return "\n".join([*lines, "from fsdp2kit.cli import main", "sys.exit(main(sys.argv[1:]))", ""])

@@ -10,7 +10,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from conftest import REPO, read_metrics, run_cli, set_args
+from conftest import REPO, SMALL_RUN, read_metrics, run_cli, set_args
 
 from fsdp2kit.checkpoint.manager import committed_checkpoints
 from fsdp2kit.distributed import free_port
@@ -22,9 +22,7 @@ pytestmark = pytest.mark.slow
 def base(run_dir, steps=12, save=6, async_save=False):
     return set_args(
         {
-            "model.config.num_hidden_layers": 2,
-            "data.seq_len": 64,
-            "training.export_hf": False,
+            **SMALL_RUN,
             "training.per_device_train_batch_size": 1,
             "training.gradient_accumulation_steps": 1,
             "training.output_dir": str(run_dir),

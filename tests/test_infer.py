@@ -4,29 +4,14 @@ at 1 and 2 ranks, for untied (Llama) and tied (Qwen3) embeddings."""
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 import torch
-from conftest import run_cli, set_args
+from conftest import make_hf_folder, run_cli, set_args
 
-from fsdp2kit.data.builtin import corpus_documents, tokenizer_dir
-from fsdp2kit.models.builtin import BUILTIN_MODELS
+from fsdp2kit.data.builtin import corpus_documents
 
 TEXTS = [d[:400] for d in corpus_documents()[100:107]]
-
-
-def make_hf_folder(path, builtin: str, max_shard_size: str | None = None, layers: int = 2):
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    settings = dict(BUILTIN_MODELS[builtin], num_hidden_layers=layers)
-    config = AutoConfig.for_model(settings.pop("model_type"), **settings)
-    torch.manual_seed(3)
-    model = AutoModelForCausalLM.from_config(config)
-    model.save_pretrained(path, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
-    for file in tokenizer_dir().iterdir():
-        shutil.copy(file, path / file.name)
-    return model
 
 
 def reference_logprobs(model, path):

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import process_group, read_metrics, run_cli, sharded_model, token_batch
-from test_infer import TEXTS, make_hf_folder, reference_logprobs
+from conftest import make_hf_folder, process_group, read_metrics, run_cli, sharded_model, token_batch
+from test_infer import TEXTS, reference_logprobs
 
 from fsdp2kit.config import load_config
 from fsdp2kit.errors import UserError
@@ -159,7 +159,7 @@ def test_only_adapters_are_optimised_and_adamw_state_is_twice_their_bytes():
     cfg, make = build(["model.lora={rank: 4, target_modules: [q_proj, v_proj]}", "model.dtype=bf16"])
     with process_group() as runtime:
         sharded = make(runtime)
-        model, adapters = sharded.model, sharded.plan.adapters
+        model, adapters = sharded.model, sharded.variant.adapter_plan
         optimizer = build_optimizer(model, cfg.training)
         optimised = {id(p) for group in optimizer.param_groups for p in group["params"]}
         names = [n for n, p in model.named_parameters() if id(p) in optimised]
@@ -201,7 +201,7 @@ def test_modules_to_save_round_trip_through_peft(tmp_path):
     with process_group() as runtime:
         sharded = make(runtime)
         model = sharded.model
-        assert sharded.plan.adapters.modules[-1] == "lm_head"
+        assert sharded.variant.adapter_plan.modules[-1] == "lm_head"
         head = model.get_submodule("lm_head")
         trained, original = head.modules_to_save["default"].weight, head.original_module.weight
         assert trained.requires_grad and not original.requires_grad
@@ -229,7 +229,7 @@ def test_reentrant_recompute_still_reaches_the_adapters():
         with process_group() as runtime:
             sharded = make(runtime)
             if recompute:
-                assert sharded.plan.adapters.input_grad_hooks == ["model.embed_tokens"]
+                assert sharded.variant.adapter_plan.input_grad_hooks == ["model.embed_tokens"]
             token_loss_sum(sharded.model, token_batch(2, 16)).backward()
             grads[recompute] = {
                 n: p.grad.full_tensor().clone() for n, p in sharded.model.named_parameters() if p.requires_grad

@@ -6,9 +6,9 @@ import json
 
 import pytest
 import torch
-from conftest import read_metrics, run_cli, set_args
+from conftest import make_hf_folder, read_metrics, run_cli, set_args
 from safetensors.torch import load_file, save_file
-from test_infer import TEXTS, infer_records, make_hf_folder, reference_logprobs
+from test_infer import TEXTS, infer_records, reference_logprobs
 
 DEMO = "examples/demo.yaml"
 

@@ -9,7 +9,16 @@ import time
 import pytest
 import torch
 import yaml
-from conftest import process_group, read_metrics, run_cli, sharded_model, token_batch, two_ranks_in_first_step
+from conftest import (
+    HANG_TIMEOUT_S,
+    cli_without_patch,
+    process_group,
+    read_metrics,
+    run_cli,
+    sharded_model,
+    token_batch,
+    two_ranks_hang,
+)
 
 from fsdp2kit.check import describe
 from fsdp2kit.config.schema import JobConfig
@@ -204,13 +213,7 @@ def test_with_the_patch_ranks_routing_differently_train_like_one_rank(forced_rou
 
 
 # The run of a config with the expert patch step skipped.
-WITHOUT_PATCH = """
-import sys
-import fsdp2kit.models.sharded as sharded
-sharded.apply_expert_patch = lambda model: None
-from fsdp2kit.cli import main
-sys.exit(main(sys.argv[1:]))
-"""
+WITHOUT_PATCH = cli_without_patch("apply_expert_patch")
 
 
 @pytest.mark.slow
@@ -218,8 +221,9 @@ def test_without_the_patch_ranks_routing_differently_never_finish(forced_routing
     """Rank 0's next collective meets rank 1's third expert all-gather. NCCL would wait there forever; gloo checks
     message sizes and aborts ("collective mismatch"). Either way the first step never finishes (patched: ~1s)."""
     args = ["train", str(forced_routing), *settings(tmp_path, 2)]
-    hung, output = two_ranks_in_first_step(WITHOUT_PATCH, args, tmp_path, lambda out: out.count("forced routing:") == 2)
+    hung, output = two_ranks_hang(WITHOUT_PATCH, args, tmp_path)
+    outcome = f"hung in step 1 (a collective timed out after {HANG_TIMEOUT_S}s)" if hung else "aborted by gloo"
     assert output.count("forced routing:") == 2, output[-3000:]
-    print(f"\nwithout the patch: {'hung for 30s in step 1' if hung else 'aborted by gloo in step 1'}")
+    print(f"\nwithout the patch: {outcome}")
     assert hung or "Is there a distributed collective mismatch" in output, output[-3000:]
     assert not (tmp_path / "metrics.jsonl").exists() or not read_metrics(tmp_path)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import yaml
-from conftest import as_overrides, read_metrics, reference_run, run_cli, set_args
+from conftest import SMALL_RUN, as_overrides, read_metrics, reference_run, run_cli, set_args
 
 from fsdp2kit.config.load import load_config
 
@@ -27,7 +27,7 @@ CONFIG = {
         "per_device_train_batch_size": 1,
     },
 }
-SMALL = {"model.config.num_hidden_layers": 2, "data.seq_len": 64, "training.save_steps": 0, "training.export_hf": False}
+SMALL = {**SMALL_RUN, "training.save_steps": 0}
 
 # name: (ranks, overrides). per_device_train_batch_size (1) x gradient_accumulation_steps x ranks = GLOBAL_BATCH.
 STRATEGY = "strategy_args.strategy_config."

@@ -12,14 +12,13 @@ import os
 import pytest
 import torch
 import torch.nn as nn
-from conftest import REPO, process_group, sharded_model
+from conftest import REPO, process_group, sharded_model, token_batch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from fsdp2kit.check import describe
 from fsdp2kit.cli import main
 from fsdp2kit.config.schema import JobConfig, ModelConfig, StrategyConfig, TrainingConfig
-from fsdp2kit.data.builtin import VOCAB_SIZE
 from fsdp2kit.distributed import Runtime
 from fsdp2kit.parallel.fsdp import apply_fsdp
 from fsdp2kit.parallel.plan import build_plan
@@ -58,22 +57,13 @@ def sharded(runtime: Runtime, strategy: dict | None = None, **model) -> nn.Modul
     return sharded_model(job(strategy, **model), runtime, training=True).model
 
 
-def random_batch(rows: int = 2, length: int = 16) -> dict[str, torch.Tensor]:
-    tokens = torch.randint(0, VOCAB_SIZE, (rows, length + 1), generator=torch.Generator().manual_seed(0))
-    return {
-        "input_ids": tokens[:, :-1],
-        "attention_mask": torch.ones(rows, length, dtype=torch.long),
-        "labels": tokens[:, 1:],
-    }
-
-
 def train_steps(model: nn.Module, steps: int = 2) -> torch.optim.Optimizer:
     """A few training steps (`train_step`: clipping, AdamW, the schedule) on random tokens; every one applied."""
     cfg = TrainingConfig(learning_rate=1e-2)
     optimizer = build_optimizer(model, cfg)
     scheduler = build_scheduler(optimizer, cfg, steps)
     guard = NonFiniteGuard(cfg.max_nonfinite_steps, LossScaler(False, cfg.fp16_initial_scale))
-    batch = random_batch()
+    batch = token_batch()
     for _ in range(steps):
         assert train_step(model, [batch], optimizer, scheduler, guard, cfg.max_grad_norm).applied
     return optimizer
@@ -170,7 +160,7 @@ def test_param_and_output_dtype_in_the_forward(gloo, strategy, compute, logits):
     model = sharded(gloo, strategy)
     seen = []
     model.model.layers[0].mlp.register_forward_hook(lambda module, args, out: seen.append(module.up_proj.weight.dtype))
-    output = model(input_ids=random_batch()["input_ids"], use_cache=False)
+    output = model(input_ids=token_batch()["input_ids"], use_cache=False)
     assert seen == [compute]
     assert output.logits.dtype == logits
     assert model.model.layers[0].mlp.up_proj.weight.dtype == torch.float32  # the sharded master weights
@@ -242,7 +232,7 @@ def test_reshard_and_sharding_strategy(monkeypatch, strategy, mesh, reshard):
 @pytest.mark.parametrize("reshard", [True, False])
 def test_reshard_after_forward_frees_the_gathered_weights(gloo, reshard):
     model = sharded(gloo, {"reshard_after_forward": reshard})
-    model(input_ids=random_batch()["input_ids"], use_cache=False)
+    model(input_ids=token_batch()["input_ids"], use_cache=False)
     layer_weight = model.model.layers[0].mlp.up_proj.weight
     assert isinstance(layer_weight, DTensor) == reshard  # resharded: back to this rank's shard
     assert not isinstance(model.model.embed_tokens.weight, DTensor)  # the root stays gathered for backward
@@ -356,7 +346,7 @@ def gradients_and_mlp_calls(model: nn.Module) -> tuple[dict[str, torch.Tensor], 
     """Gradients of one backward, how often layer 0's MLP ran, and the autograd node types of the loss."""
     calls = []
     model.model.layers[0].mlp.register_forward_pre_hook(lambda *_: calls.append(1))
-    loss = token_loss_sum(model, random_batch())
+    loss = token_loss_sum(model, token_batch())
     nodes = autograd_node_names(loss)
     loss.backward()
     return {name: full(p.grad) for name, p in model.named_parameters()}, len(calls), nodes

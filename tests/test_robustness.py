@@ -240,7 +240,7 @@ def _binary_yaml(tmp_path):
 
 
 def _truncated_model(tmp_path):
-    from test_infer import make_hf_folder
+    from conftest import make_hf_folder
 
     folder = tmp_path / "model"
     make_hf_folder(folder, "tiny-llama")
@@ -407,7 +407,7 @@ def test_cuda_out_of_memory_message_names_the_size():
 
 
 def test_corrupt_tokenizer_is_one_line_naming_the_file(tmp_path, small_run):
-    from test_infer import make_hf_folder
+    from conftest import make_hf_folder
 
     from fsdp2kit.data.dataset import load_tokenizer
     from fsdp2kit.errors import UserError
@@ -431,7 +431,7 @@ def test_convert_dtype_casts_the_weights_and_says_so_in_config_json(tmp_path):
     """HF (fp32) -> DCP in bf16 -> HF: the DCP holds bf16 tensors and every config.json names bfloat16, so
     transformers loads the result in bf16 by default, equal to the original weights rounded to bf16."""
     import torch
-    from test_infer import make_hf_folder
+    from conftest import make_hf_folder
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from fsdp2kit.checkpoint.dcp_io import read_metadata
@@ -553,7 +553,7 @@ def test_signal_to_the_nproc_launcher_reaches_the_ranks(tmp_path, small_run, sig
 
 
 def test_check_reports_the_files_the_config_names_and_creates_nothing(tmp_path):
-    from test_infer import make_hf_folder
+    from conftest import make_hf_folder
 
     model = tmp_path / "model"
     make_hf_folder(model, "tiny-llama")

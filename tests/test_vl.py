@@ -12,7 +12,17 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import REPO, process_group, read_metrics, run_cli, sharded_model, two_ranks_in_first_step
+from conftest import (
+    HANG_TIMEOUT_S,
+    REPO,
+    cli_without_patch,
+    logit_logprobs,
+    process_group,
+    read_metrics,
+    run_cli,
+    sharded_model,
+    two_ranks_hang,
+)
 
 from fsdp2kit.check import describe
 from fsdp2kit.checkpoint.convert import convert
@@ -20,11 +30,11 @@ from fsdp2kit.config.load import load_config
 from fsdp2kit.config.schema import DataConfig, JobConfig, TrainingConfig
 from fsdp2kit.data.vl import VLEncoder, load_conversations
 from fsdp2kit.errors import UserError
-from fsdp2kit.infer.logprobs import infer, sample_logprobs
+from fsdp2kit.infer.logprobs import infer
 from fsdp2kit.models.export import export_hf
-from fsdp2kit.train.loop import train
 from fsdp2kit.train.optim import build_optimizer
 from fsdp2kit.train.step import token_loss_sum
+from fsdp2kit.trainer import train
 
 sys.path.insert(0, str(REPO / "examples"))
 from make_vl_dataset import main as make_dataset  # noqa: E402
@@ -195,7 +205,7 @@ def hf_logprobs(folder: Path, batches: list[dict]) -> list[float]:
     from transformers import AutoModelForImageTextToText
 
     model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
-    return [s for batch in batches for s in sample_logprobs(model, batch)[0]]
+    return [s for batch in batches for s in logit_logprobs(model, batch)[0]]
 
 
 @pytest.mark.parametrize("name", [QWEN25, QWEN3])
@@ -206,7 +216,7 @@ def test_export_has_the_hf_names_and_transformers_gives_the_same_logprobs(name, 
         sharded = sharded_model(job(name), runtime, training=False)
         encoder, conversations = encoder_and_conversations(sharded, dataset / "train.jsonl")
         batches = [encoder.collate([encoder.encode(c)], 2) for c in conversations[:3]]  # image, image, text
-        ours = [s for batch in batches for s in sample_logprobs(sharded.model, batch)[0]]
+        ours = [s for batch in batches for s in logit_logprobs(sharded.model, batch)[0]]
         export_hf(sharded.model, tmp_path / "hf", sharded.source.tokenizer_path, "fp32", is_main=True)
     with safe_open(tmp_path / "hf" / "model.safetensors", "pt") as handle:
         names = set(handle.keys())
@@ -221,7 +231,7 @@ def test_export_has_the_hf_names_and_transformers_gives_the_same_logprobs(name, 
     torch.testing.assert_close(hf_logprobs(tmp_path / "hf", batches), ours, rtol=1e-4, atol=1e-4)
     with process_group() as runtime:  # and back in: sliced loading reads the renamed tensors
         reloaded = sharded_model(job(str(tmp_path / "hf")), runtime, training=False).model
-        again = [s for batch in batches for s in sample_logprobs(reloaded, batch)[0]]
+        again = [s for batch in batches for s in logit_logprobs(reloaded, batch)[0]]
     assert again == pytest.approx(ours, rel=1e-6)
 
 
@@ -308,19 +318,7 @@ def test_two_ranks_train_like_one_with_text_only_micro_batches(training_config, 
 
 
 # A run with the vision patch left out, its ranks launched here so that the patch can be removed in them.
-WITHOUT_PATCH = """
-import sys
-import fsdp2kit.models.sharded as sharded
-import fsdp2kit.train.step as step
-sharded.apply_vision_patch = lambda model: None
-forward = step.token_loss_sum
-def announced(model, batch, *args):
-    print(f"forward: images {'pixel_values' in batch}", flush=True)
-    return forward(model, batch, *args)
-step.token_loss_sum = announced
-from fsdp2kit.cli import main
-sys.exit(main(sys.argv[1:]))
-"""
+WITHOUT_PATCH = cli_without_patch("apply_vision_patch", announce_forwards=True)
 
 
 @pytest.mark.slow
@@ -333,8 +331,9 @@ def test_without_the_vision_patch_a_rank_without_images_never_finishes(training_
     data.write_text("\n".join(lines[2:4]) + "\n")
     args = ["train", str(training_config), "--set", f"data.source={data}", "--set", f"training.output_dir={tmp_path}"]
     args += ["--set", "training.max_steps=1", "--set", "model.freeze_module_prefix=[]"]
-    hung, output = two_ranks_in_first_step(WITHOUT_PATCH, args, tmp_path, lambda out: out.count("forward:") == 2)
+    hung, output = two_ranks_hang(WITHOUT_PATCH, args, tmp_path)
+    outcome = f"hung in step 1 (a collective timed out after {HANG_TIMEOUT_S}s)" if hung else "aborted by gloo"
     assert "forward: images False" in output and "forward: images True" in output, output[-3000:]
-    print(f"\nwithout the vision patch: {'hung for 30s in step 1' if hung else 'aborted by gloo in step 1'}")
+    print(f"\nwithout the vision patch: {outcome}")
     assert hung or "Is there a distributed collective mismatch" in output, output[-3000:]
     assert not (tmp_path / "metrics.jsonl").exists() or not read_metrics(tmp_path)

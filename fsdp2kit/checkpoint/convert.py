@@ -11,36 +11,23 @@ from __future__ import annotations
 
 import json
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from fsdp2kit.checkpoint.dcp_io import METADATA_FILE, read_dcp, read_metadata
+from fsdp2kit.checkpoint.dcp_io import (
+    is_dcp,
+    model_tensors,
+    read_dcp_model,
+)
+from fsdp2kit.checkpoint.lora_convert import lora_conversion
 from fsdp2kit.errors import UserError
-from fsdp2kit.models.build import auto_model_class, open_safetensors, tied_weight_names
+from fsdp2kit.models.build import open_safetensors, safetensors_index, tied_weight_names
 from fsdp2kit.models.export import TOKENIZER_FILES, SafetensorsWriter, copy_present_files
-from fsdp2kit.models.lora import ADAPTER_CONFIG_FILE
-from fsdp2kit.models.vl import checkpoint_renamings, model_name, stored_name
+from fsdp2kit.models.vl import auto_model_class, checkpoint_renamings, model_name, stored_name
 
-MODEL_PREFIX = "model."
 MODEL_FILES = ("config.json", "generation_config.json", *TOKENIZER_FILES)  # copied verbatim, so round trips are exact
-LOAD_GROUP_BYTES = 1024**3
-
-
-def _is_dcp(path: Path) -> bool:
-    return (path / METADATA_FILE).is_file()
-
-
-def _model_tensors(src: Path) -> dict[str, TensorStorageMetadata]:
-    metadata = read_metadata(src, "convert")
-    return {
-        key[len(MODEL_PREFIX) :]: meta
-        for key, meta in metadata.state_dict_metadata.items()
-        if key.startswith(MODEL_PREFIX) and isinstance(meta, TensorStorageMetadata)
-    }
 
 
 def _meta_model(src: Path) -> torch.nn.Module:
@@ -52,22 +39,6 @@ def _meta_model(src: Path) -> torch.nn.Module:
         return auto_model_class(config).from_config(config, trust_remote_code=False)
 
 
-def read_dcp_model(
-    src: Path, names: list[str], tensors: dict[str, TensorStorageMetadata]
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Full tensors from a sharded checkpoint, loaded in groups of about LOAD_GROUP_BYTES."""
-    group: dict[str, torch.Tensor] = {}
-    size = 0
-    for i, name in enumerate(names):
-        meta = tensors[name]
-        group[name] = torch.empty(meta.size, dtype=meta.properties.dtype)
-        size += group[name].numel() * group[name].element_size()
-        if size >= LOAD_GROUP_BYTES or i == len(names) - 1:
-            read_dcp({"model": group}, src, f"convert: checkpoint '{src}' is incomplete or corrupt", no_dist=True)
-            yield from group.items()
-            group, size = {}, 0
-
-
 def convert(src: Path, dst: Path, to: str, dtype: torch.dtype | None = None, adapter: Path | None = None) -> None:
     with warnings.catch_warnings():  # DCP warns that it runs without a process group: that is the intent here
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -77,28 +48,20 @@ def convert(src: Path, dst: Path, to: str, dtype: torch.dtype | None = None, ada
 def _convert(src: Path, dst: Path, to: str, dtype: torch.dtype | None, adapter: Path | None) -> None:
     if not src.is_dir():
         raise UserError(f"convert: '{src}' is not a folder")
-    if dst.exists() and any(dst.iterdir()):
-        raise UserError(f"convert: '{dst}' exists and is not empty; give a new folder")
-    if adapter is not None:
-        if to != "hf" or _is_dcp(src):
-            raise UserError(
-                "convert --adapter: merges a PEFT adapter into an HF model folder; give --to hf and an HF SRC"
-            )
-        _merge_adapter(src, adapter, dst, dtype)
+    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
+        raise UserError(f"convert: '{dst}' exists and is not an empty folder; give a new folder")
+    conversion = lora_conversion(src, to, adapter)  # a LoRA checkpoint, or an adapter to merge
+    if conversion is not None:
+        conversion(dst, dtype)
         return
     if to == "dcp":
         _hf_to_dcp(src, dst, dtype)
         return
-    if _is_dcp(src) and (src / ADAPTER_CONFIG_FILE).is_file():
-        if to != "hf":
-            raise UserError(f"convert --to {to}: '{src}' is a LoRA checkpoint (adapters only); convert it --to hf")
-        _adapter_checkpoint_to_peft(src, dst, dtype)
-        return
-    if not _is_dcp(src):
+    if not is_dcp(src):
         raise UserError(f"convert --to {to}: '{src}' is not a DCP checkpoint (it has no .metadata)")
     if not (src / "config.json").is_file():
         raise UserError(f"convert: '{src}' has no config.json; it was not written by fsdp2kit")
-    tensors = _model_tensors(src)
+    tensors = model_tensors(src)
     model = _meta_model(src)
     tied = tied_weight_names(model)
     names = [n for n in tensors if n not in tied]
@@ -134,54 +97,41 @@ def _record_dtype(dst: Path, dtype: torch.dtype | None) -> None:
 
 
 def _hf_to_dcp(src: Path, dst: Path, dtype: torch.dtype | None) -> None:
-    files = sorted(src.glob("*.safetensors"))
-    if not (src / "config.json").is_file() or not files:
+    if not (src / "config.json").is_file() or not any(src.glob("*.safetensors")):
         raise UserError(f"convert --to dcp: '{src}' is not an HF model folder (config.json + *.safetensors)")
-    renamings = checkpoint_renamings(_meta_model(src))  # DCP holds the model's own names
+    model = _meta_model(src)
+    renamings = checkpoint_renamings(model)  # DCP holds the model's own names
+    index = safetensors_index(src)  # the index decides; a tensor in two files is refused
     state: dict[str, torch.Tensor] = {}
-    for file in files:  # safetensors memory-maps: pages are read as DCP writes them
-        with open_safetensors(file) as handle:
-            state.update({model_name(key, renamings): handle.get_tensor(key) for key in handle.keys()})
-    if dtype is not None:
-        state = {key: tensor.to(dtype) for key, tensor in state.items()}
-    dst.mkdir(parents=True, exist_ok=True)
-    dcp.save({"model": state}, checkpoint_id=str(dst), no_dist=True)
+    handles = {file: open_safetensors(file) for file in sorted(set(index.values()))}
+    try:  # safetensors memory-maps: pages are read as DCP writes them
+        for key, file in index.items():
+            state[model_name(key, renamings)] = handles[file].get_tensor(key)
+        _check_against_config(src, state, model)
+        if dtype is not None:
+            state = {key: tensor.to(dtype) for key, tensor in state.items()}
+        dst.mkdir(parents=True, exist_ok=True)
+        dcp.save({"model": state}, checkpoint_id=str(dst), no_dist=True)
+    finally:
+        for handle in handles.values():
+            handle.__exit__(None, None, None)
     copy_present_files(src, dst, MODEL_FILES)
     _record_dtype(dst, dtype)
 
 
-def _adapter_checkpoint_to_peft(src: Path, dst: Path, dtype: torch.dtype | None) -> None:
-    """The adapters of a LoRA checkpoint in PEFT's layout. peft names the keys: it gets the base model (from the
-    adapter config) built on the meta device with the adapters injected, which costs no memory."""
-    from fsdp2kit.config.schema import ModelConfig
-    from fsdp2kit.models.build import build_meta_model, resolve_model
-    from fsdp2kit.models.lora import inject_peft, peft_keys, read_adapter_config, write_adapter_folder
-
-    config = read_adapter_config(src, "convert", weights=False)
-    base = ModelConfig.model_validate({"name_or_path": config.base_model_name_or_path or ""})
-    model = build_meta_model(resolve_model(base), base)
-    inject_peft(model, config)
-    file_keys = peft_keys(model)
-    tensors = _model_tensors(src)
-    unknown = sorted(set(tensors) - set(file_keys))
-    if unknown:
-        raise UserError(f"convert: '{src}' holds '{unknown[0]}', which is no adapter of '{base.name_or_path}'")
-    cast = (lambda t: t.to(dtype)) if dtype is not None else (lambda t: t)
-    weights = {file_keys[name]: cast(tensor) for name, tensor in read_dcp_model(src, list(tensors), tensors)}
-    write_adapter_folder(dst, config, weights)
-
-
-def _merge_adapter(src: Path, adapter: Path, dst: Path, dtype: torch.dtype | None) -> None:
-    """peft's own merge, in one process: the base model is held once in CPU memory."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    from fsdp2kit.models.lora import read_adapter_config
-
-    read_adapter_config(adapter, "convert --adapter")
-    if not (src / "config.json").is_file():
-        raise UserError(f"convert --adapter: '{src}' is not an HF model folder (config.json + *.safetensors)")
-    base = AutoModelForCausalLM.from_pretrained(src, dtype=dtype or "auto")
-    merged = PeftModel.from_pretrained(base, adapter).merge_and_unload()
-    merged.save_pretrained(dst)
-    copy_present_files(src, dst, TOKENIZER_FILES)
+def _check_against_config(src: Path, state: dict[str, torch.Tensor], model: torch.nn.Module) -> None:
+    """The files' tensors are the config's model's: none extra, none missing (a tied head aside), every shape."""
+    expected = {name: tensor.shape for name, tensor in model.state_dict().items()}
+    tied = tied_weight_names(model)
+    extra = sorted(set(state) - set(expected))
+    missing = sorted(set(expected) - set(state) - set(tied))
+    wrong = sorted(name for name in set(state) & set(expected) if state[name].shape != expected[name])
+    if extra or missing or wrong:
+        problem = (
+            f"holds '{extra[0]}', which its config.json's model lacks"
+            if extra
+            else f"lacks '{missing[0]}'"
+            if missing
+            else f"holds '{wrong[0]}' as {tuple(state[wrong[0]].shape)}, not {tuple(expected[wrong[0]])}"
+        )
+        raise UserError(f"convert --to dcp: '{src}' {problem}; its weights and config.json do not match")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import pickle
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -150,3 +151,50 @@ def read_dcp(state: dict, folder: Path, error_prefix: str, no_dist: bool = False
         )
     except (Exception, CheckpointException) as exc:  # a damaged file is named, rather than a bare EOFError
         raise UserError(f"{error_prefix}: {damage(folder) or _reason(exc)}") from None
+
+
+MODEL_PREFIX = "model."
+LOAD_GROUP_BYTES = 1024**3
+
+
+def is_dcp(path: Path) -> bool:
+    return (path / METADATA_FILE).is_file()
+
+
+def model_tensors(src: Path) -> dict[str, dcp_metadata.TensorStorageMetadata]:
+    """The model tensors a checkpoint holds, by name, with their sizes and dtypes (read from .metadata only)."""
+    metadata = read_metadata(src, "convert")
+    return {
+        key[len(MODEL_PREFIX) :]: meta
+        for key, meta in metadata.state_dict_metadata.items()
+        if key.startswith(MODEL_PREFIX) and isinstance(meta, dcp_metadata.TensorStorageMetadata)
+    }
+
+
+def read_dcp_model(
+    src: Path, names: list[str], tensors: dict[str, dcp_metadata.TensorStorageMetadata]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Full tensors from a sharded checkpoint, loaded in groups of about LOAD_GROUP_BYTES."""
+    group: dict[str, torch.Tensor] = {}
+    size = 0
+    for i, name in enumerate(names):
+        meta = tensors[name]
+        group[name] = torch.empty(meta.size, dtype=meta.properties.dtype)
+        size += group[name].numel() * group[name].element_size()
+        if size >= LOAD_GROUP_BYTES or i == len(names) - 1:
+            read_dcp({"model": group}, src, f"convert: checkpoint '{src}' is incomplete or corrupt", no_dist=True)
+            yield from group.items()
+            group, size = {}, 0
+
+
+def refuse_extra_model_tensors(path: Path, model_keys: set[str] | dict[str, Any], cannot_load: str) -> None:
+    """DCP loads the tensors a state dict asks for and ignores the rest: a checkpoint of a larger model (more layers,
+    another head) would load into this one truncated, without a word. Refused, naming the first extra tensor."""
+    stored = read_metadata(path, cannot_load).state_dict_metadata
+    extra = sorted(key[len(MODEL_PREFIX) :] for key in stored if key.startswith(MODEL_PREFIX))
+    extra = [key for key in extra if key not in model_keys]
+    if extra:
+        raise UserError(
+            f"{cannot_load}: it holds {len(extra)} model tensors this model lacks (first '{extra[0]}'), so it was "
+            "saved from another model; give the same model and model.config"
+        )

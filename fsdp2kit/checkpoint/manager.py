@@ -16,7 +16,7 @@ import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -25,10 +25,13 @@ import torch.nn as nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from fsdp2kit.checkpoint.dcp_io import METADATA_FILE, damage, read_dcp, read_metadata
-from fsdp2kit.durable import fsync_dir, fsync_file, write_durable
+from fsdp2kit.checkpoint.dcp_io import METADATA_FILE, damage, read_dcp, refuse_extra_model_tensors
+from fsdp2kit.durable import disk_full_message, folder_bytes, fsync_dir, fsync_file, ran_out_of_space, write_durable
 from fsdp2kit.errors import RunFault, UserError
 from fsdp2kit.models.export import write_config_and_tokenizer
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 STATE_FILE = "trainer_state.json"
 
@@ -62,17 +65,6 @@ def read_trainer_state(path: Path) -> dict:
     return state
 
 
-def _is_disk_full(exc: BaseException | None) -> bool:
-    """ENOSPC anywhere in an exception, its causes, or DCP's per-rank failures."""
-    if exc is None:
-        return False
-    if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
-        return True
-    if isinstance(exc, CheckpointException):
-        return any(_is_disk_full(failure[0]) for failure in exc.failures.values())
-    return _is_disk_full(exc.__cause__) or _is_disk_full(exc.__context__)
-
-
 def committed_checkpoints(root: Path) -> list[Path]:
     """Complete checkpoints under `root`, oldest first."""
     if not root.is_dir():
@@ -88,10 +80,10 @@ class CheckpointManager:
         rank: int,
         async_save: bool,
         keep: int | None,
-        hf_config=None,
+        hf_config: PretrainedConfig | None = None,
         tokenizer_path: Path | None = None,
-        adapter_config=None,
-    ):
+        saved_config: Any = None,
+    ) -> None:
         self.root = output_dir / "checkpoints"
         # Each checkpoint carries the model's config and tokenizer, so it is a model source by itself
         # (`model.name_or_path: .../step_N`, `fsdp2kit convert`). A LoRA run's checkpoint holds only what trains
@@ -99,8 +91,8 @@ class CheckpointManager:
         # read again from its source at resume.
         self.hf_config = hf_config
         self.tokenizer_path = tokenizer_path
-        self.adapter_config = adapter_config
-        self.options = StateDictOptions(ignore_frozen_params=adapter_config is not None)
+        self.saved_config = saved_config  # written with save_pretrained instead of the HF config (LoRA's peft config)
+        self.options = StateDictOptions(ignore_frozen_params=saved_config is not None)
         self.rank = rank
         self.keep = keep
         self.async_save = async_save
@@ -113,17 +105,25 @@ class CheckpointManager:
                 shutil.rmtree(stale, ignore_errors=True)
 
     def save(
-        self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, trainer_state: dict, blocking: bool = False
+        self,
+        step: int,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        trainer_state: dict,
+        blocking: bool = False,
+        final: Path | None = None,
     ) -> None:
+        """Checkpoint `step` as checkpoints/step_N, or as the folder `final` (the Strategy API's save_checkpoint)."""
         self.wait()
-        with self._writing(step):
+        final = final if final is not None else self.root / f"step_{step}"
+        tmp = final.with_name(f".tmp-{final.name}")
+        with self._writing(step, tmp):
             trainer_state = {**trainer_state, "world_size": dist.get_world_size()}  # which ranks' RNG files it holds
-            tmp, final = self.root / f".tmp-step_{step}", self.root / f"step_{step}"
             if self.rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
                 tmp.mkdir(parents=True)
-                if self.adapter_config is not None:
-                    self.adapter_config.save_pretrained(str(tmp))
+                if self.saved_config is not None:
+                    self.saved_config.save_pretrained(str(tmp))
                 elif self.hf_config is not None:
                     write_config_and_tokenizer(tmp, self.hf_config, self.tokenizer_path, next(model.parameters()).dtype)
                 for file in tmp.iterdir():  # only rank 0's files exist yet; DCP syncs the shards it writes
@@ -163,26 +163,26 @@ class CheckpointManager:
         if self.pending is not None:
             future, tmp, final, trainer_state = self.pending
             self.pending = None
-            with self._writing(trainer_state["step"]):
+            with self._writing(trainer_state["step"], tmp):
                 future.result()
                 self._commit(tmp, final, trainer_state)
 
     @contextmanager
-    def _writing(self, step: int) -> Iterator[None]:
-        """A full disk while writing step_N is a fault, told in one sentence with what is intact; the partial folder
-        is removed so that the space it held is free again."""
+    def _writing(self, step: int, tmp: Path) -> Iterator[None]:
+        """A full disk while writing step_N is a fault, told in one sentence with the space it needs and what is
+        intact; the partial folder is removed so that the space it held is free again."""
         self.writing = step
         try:
             yield
         except (Exception, CheckpointException) as exc:
-            if not _is_disk_full(exc):
+            if not ran_out_of_space(tmp.parent, exc):
                 raise
-            shutil.rmtree(self.root / f".tmp-step_{step}", ignore_errors=True)
+            written = folder_bytes(tmp)
+            shutil.rmtree(tmp, ignore_errors=True)
             complete = committed_checkpoints(self.root)
-            intact = f"{complete[-1].name} is intact" if complete else "no earlier checkpoint was written"
-            raise RunFault(
-                f"no space left on device while writing checkpoint step_{step} in '{self.root}'; {intact}"
-            ) from None
+            intact = f"checkpoint {complete[-1].name} is intact" if complete else "no earlier checkpoint was written"
+            needed = max(written, folder_bytes(complete[-1]) if complete else 0)
+            raise RunFault(disk_full_message(tmp.parent, f"checkpoint step_{step}", needed, intact)) from None
         finally:
             self.writing = None
 
@@ -197,7 +197,7 @@ class CheckpointManager:
             if final.exists():
                 shutil.rmtree(final)
             os.rename(tmp, final)
-            fsync_dir(self.root)
+            fsync_dir(final.parent)
             self._prune()
         dist.barrier()
         fault_point("after_commit", step, self.rank)
@@ -233,6 +233,12 @@ class CheckpointManager:
         """`auto`: the newest complete checkpoint whose files are whole (None if there is none; a damaged newer one
         is skipped, saying so); `never`; or an explicit folder."""
         if resume == "never":
+            earlier = [p.name for p in committed_checkpoints(self.root)]
+            if earlier:  # this run's saves would mix with them, and keep-last-K would delete this run's
+                raise UserError(
+                    f"training.resume: never, but '{self.root}' holds another run's checkpoints "
+                    f"({', '.join(earlier[-3:])}); move them away or give another training.output_dir"
+                )
             return None
         if resume == "auto":
             damaged: list[tuple[Path, str]] = []
@@ -266,13 +272,7 @@ class CheckpointManager:
         trainer_state = read_trainer_state(path)
         model_state, optim_state = get_state_dict(model, optimizer, options=self.options)
         cannot_load = f"training.resume: checkpoint '{path}' cannot be loaded into this model"
-        stored = read_metadata(path, cannot_load).state_dict_metadata
-        extra = sorted(key for key in stored if key.startswith("model.") and key[6:] not in model_state)
-        if extra:
-            raise UserError(
-                f"{cannot_load}: it holds {len(extra)} model tensors this model lacks (first '{extra[0][6:]}'), "
-                "so it was saved from another model; give the same model and model.config, or training.resume: never"
-            )
+        refuse_extra_model_tensors(path, model_state, cannot_load)
         state: dict[str, Any] = {"model": model_state, "optim": optim_state}
         read_dcp(state, path, cannot_load)
         # A LoRA checkpoint sets only the trainable tensors (DCP has already refused any it lacks); the frozen base

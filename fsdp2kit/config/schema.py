@@ -93,6 +93,9 @@ def _module_names(value: Any) -> Any:
     return _pattern_list(value)
 
 
+MAX_LORA_SCALING = 1000
+
+
 class LoraConfig(Section):
     """LoRA through peft (`model.lora`). The aliases are ROLL's model_args keys and MindSpeed-MM's LoRA keys
     (`training.lora` of its FSDP2 back-end and `lora_args`), so their blocks can be pasted as they are written."""
@@ -142,6 +145,18 @@ class LoraConfig(Section):
     @property
     def scale_alpha(self) -> int:
         return self.alpha if self.alpha is not None else 2 * self.rank
+
+    @model_validator(mode="after")
+    def _sane_scaling(self) -> LoraConfig:
+        """alpha / rank multiplies every adapter update: published recipes use 0.5-64 (rsLoRA's alpha/sqrt(rank)
+        stays below too); past 1000 the first update swamps the base model and every step trains at ln(vocab)."""
+        if self.scale_alpha / self.rank > MAX_LORA_SCALING:
+            raise ValueError(
+                f"alpha {self.scale_alpha} over rank {self.rank} scales every adapter update by "
+                f"{self.scale_alpha / self.rank:g}, which destroys the base model's output; give alpha at most "
+                f"{MAX_LORA_SCALING} x rank (usual: 1-2 x rank)"
+            )
+        return self
 
 
 class ModelConfig(Section):
@@ -213,6 +228,12 @@ class DataConfig(Section):
     max_samples: int | None = Field(
         None, ge=1, description="use only the first N documents of the source (default: all)"
     )
+    max_document_bytes: int = Field(
+        16 << 20,
+        ge=1,
+        description="refuse a document (a line of a jsonl or text file) larger than this; reading one costs many "
+        "times its size in memory (default 16 MiB)",
+    )
     cache_dir: str | None = Field(
         None,
         description="where token stores go (the corpus tokenized once, memory-mapped by every run and rank); "
@@ -248,7 +269,7 @@ class TrainingConfig(Section):
     num_train_epochs: float = Field(1.0, gt=0, description="epochs over the dataset (ignored when max_steps > 0)")
     max_steps: int = Field(-1, description="optimizer steps to run; -1 = derive from num_train_epochs")
     max_grad_norm: float = Field(1.0, ge=0, description="clip the global grad norm to this (0 = no clipping)")
-    seed: int = Field(42, description="seed of initial weights and data order")
+    seed: int = Field(42, ge=0, lt=2**63, description="seed of initial weights and data order (0 <= seed < 2**63)")
     output_dir: str = Field("runs/default", description="where metrics, checkpoints and the HF export go")
     logging_steps: int = Field(
         1, ge=1, description="print a progress line every N steps (metrics.jsonl gets every step)"
@@ -293,6 +314,11 @@ class TrainingConfig(Section):
     )
     profile_steps: list[int] | None = Field(
         None, description="[first, last] steps (1-based) to trace with torch.profiler into output_dir/profile/"
+    )
+    loss_chunk_tokens: Annotated[int, Field(ge=0)] | Literal["auto"] = Field(
+        "auto",
+        description="compute the LM head and the loss (and log-probs) over chunks of this many tokens, so that no "
+        "[batch, seq, vocab] float32 tensor exists; auto: 1024 above a 32k vocabulary, else off; 0: off",
     )
 
     ALIASES: ClassVar[dict[str, str]] = {"resume_from_checkpoint": "resume"}

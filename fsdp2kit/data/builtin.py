@@ -8,6 +8,7 @@ import fcntl
 import os
 import sys
 import sysconfig
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -29,7 +30,7 @@ def cache_dir() -> Path:
 
 
 @contextmanager
-def _locked(name: str):
+def _locked(name: str) -> Iterator[None]:
     """Ranks of one machine build a cached artefact once; the others wait for it."""
     with open(cache_dir() / f"{name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)

@@ -9,13 +9,16 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
 from fsdp2kit.config.schema import DataConfig
 from fsdp2kit.errors import UserError
 from fsdp2kit.labels import IGNORE_INDEX
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 _FILE_KINDS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text"}
 
@@ -54,27 +57,63 @@ def source_files(source: str | list[str]) -> list[Path]:
     return [Path(f) for f in files]
 
 
-def _first_bad_line(files: list[Path], kind: str) -> str | None:
-    """Where a json/text file that `datasets` could not read goes wrong: 'FILE' line N and why (first found)."""
+# Real records nest a few levels (chat messages with tool calls: ~10); a crafted 20,000-deep value makes parsers
+# recurse past the stack (pyarrow's JSON reader crashes the process).
+MAX_JSON_DEPTH = 200
+
+
+def json_depth_exceeds(line: bytes, limit: int = MAX_JSON_DEPTH) -> bool:
+    """Whether a JSON text nests deeper than `limit`. Counting brackets is cheap and settles almost every line; only a
+    line with that many brackets is walked, skipping strings."""
+    if line.count(b"[") + line.count(b"{") <= limit:
+        return False
+    depth, in_string, escaped = 0, False, False
+    for byte in line:
+        if in_string:
+            escaped, in_string = (not escaped and byte == 0x5C), in_string and (escaped or byte != 0x22)
+        elif byte == 0x22:
+            in_string = True
+        elif byte in (0x5B, 0x7B):
+            depth += 1
+            if depth > limit:
+                return True
+        elif byte in (0x5D, 0x7D):
+            depth -= 1
+    return False
+
+
+def line_problem(raw: bytes, kind: str, max_bytes: int) -> str | None:
+    """Why one line of a jsonl/text source cannot be a document (too large, not UTF-8, too deep, not a JSON
+    object), or None; checked before any parser sees it."""
+    if len(raw) > max_bytes:
+        return f"is a {len(raw) / 2**20:.1f} MiB document, more than data.max_document_bytes ({max_bytes} bytes)"
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return f"is not UTF-8 text (byte {raw[exc.start]:#04x} at column {exc.start + 1})"
+    if kind != "json" or not raw.strip():
+        return None
+    if json_depth_exceeds(raw):
+        return f"nests JSON more than {MAX_JSON_DEPTH} levels deep"
+    try:
+        record = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        return f"is not valid JSON ({exc.msg} at column {exc.colno})"
+    return None if isinstance(record, dict) else "is not a JSON object"
+
+
+def _first_bad_line(files: list[Path], kind: str, max_bytes: int = 1 << 62) -> str | None:
+    """The first line of jsonl/text files that cannot be a document: 'FILE' line N and why."""
     for file in files:
         with file.open("rb") as handle:
             for number, raw in enumerate(handle, start=1):
-                try:
-                    line = raw.decode("utf-8")
-                except UnicodeDecodeError as exc:
-                    byte = f"byte {raw[exc.start]:#04x} at column {exc.start + 1}"
-                    return f"'{file}' line {number} is not UTF-8 text ({byte})"
-                if kind == "json" and line.strip():
-                    try:
-                        record = json.loads(line)
-                    except json.JSONDecodeError as exc:
-                        return f"'{file}' line {number} is not valid JSON ({exc.msg} at column {exc.colno})"
-                    if not isinstance(record, dict):
-                        return f"'{file}' line {number} is not a JSON object"
+                problem = line_problem(raw, kind, max_bytes)
+                if problem is not None:
+                    return f"'{file}' line {number} {problem}"
     return None
 
 
-def _read_table(source: str | list[str], files: list[Path]):
+def _read_table(source: str | list[str], files: list[Path], max_document_bytes: int) -> Any:
     """A local HF dataset folder or *.jsonl / *.parquet / *.txt files (a glob or a list), as a `datasets.Dataset`
     (memory-mapped Arrow), and which of those it was ('disk', 'json', 'parquet' or 'text')."""
     import datasets
@@ -88,6 +127,10 @@ def _read_table(source: str | list[str], files: list[Path]):
     kind = _FILE_KINDS[files[0].suffix]
     if all(f.stat().st_size == 0 for f in files):
         raise UserError(f"data.source: '{source}' is empty (no documents)")
+    if kind in ("json", "text"):  # before Arrow reads them: a huge or deeply nested line is one sentence
+        where = _first_bad_line(files, kind, max_document_bytes)
+        if where is not None:
+            raise UserError(f"data.source: {where}")
     logger = logging.getLogger("datasets")
     level = logger.level
     logger.setLevel(logging.CRITICAL)  # it logs a traceback before raising; our one line says where instead
@@ -152,7 +195,7 @@ def open_source(cfg: DataConfig) -> SourceDocuments:
 
         table, kind = datasets.Dataset.from_dict({"text": corpus_documents()}), "text"
     else:
-        table, kind = _read_table(cfg.source, files)
+        table, kind = _read_table(cfg.source, files, cfg.max_document_bytes)
     if cfg.max_samples is not None:
         table = table.select(range(min(cfg.max_samples, len(table))))
     text_key = "text" if kind == "text" else cfg.text_key  # a text file's lines have no field names to choose from
@@ -172,7 +215,7 @@ def load_documents(cfg: DataConfig) -> list[str] | list[PromptResponse]:
     return documents.read(0, len(documents))
 
 
-def load_tokenizer(path: Path, trust_remote_code: bool = False):
+def load_tokenizer(path: Path, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
     """The tokenizer of a model folder, a checkpoint or `data.tokenizer`, through transformers; a corrupt or
     incomplete one is one sentence naming the damaged file (or the folder, when no file is plainly damaged)."""
     from transformers import AutoTokenizer

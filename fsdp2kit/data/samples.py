@@ -10,7 +10,7 @@ from __future__ import annotations
 import queue
 import threading
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
@@ -19,6 +19,9 @@ from fsdp2kit.config.schema import DataConfig
 from fsdp2kit.data.dataset import Sample, collate
 from fsdp2kit.data.store import TokenStore, token_store
 from fsdp2kit.errors import UserError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 class TrainingSamples:
@@ -60,7 +63,7 @@ class TrainingSamples:
         return targets > 0
 
     @classmethod
-    def from_config(cls, cfg: DataConfig, tokenizer) -> TrainingSamples:
+    def from_config(cls, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> TrainingSamples:
         """The samples of the config's data, from its token store (built first if absent)."""
         return cls(token_store(cfg, tokenizer), cfg.seq_len, cfg.pack, cfg.document_mask)
 
@@ -223,7 +226,7 @@ class Prefetcher:
         except BaseException as exc:  # handed to the training thread, which raises it
             self._put(exc)
 
-    def _put(self, item) -> None:
+    def _put(self, item: object) -> None:
         while not self._stop.is_set():
             try:
                 self._queue.put(item, timeout=0.1)
@@ -244,5 +247,5 @@ class Prefetcher:
     def __enter__(self) -> Prefetcher:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()

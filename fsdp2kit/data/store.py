@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from itertools import chain
 from multiprocessing import get_context
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import tokenizers
@@ -36,8 +36,11 @@ import tokenizers
 from fsdp2kit.config.schema import DataConfig
 from fsdp2kit.data.builtin import cache_root
 from fsdp2kit.data.dataset import SourceDocuments, open_source, source_files
-from fsdp2kit.durable import fsync_dir, write_durable
-from fsdp2kit.errors import UserError
+from fsdp2kit.durable import disk_full_message, folder_bytes, fsync_dir, ran_out_of_space, write_durable
+from fsdp2kit.errors import RunFault, UserError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 STORE_FORMAT = 3
 _BATCH_ROWS = 1000  # rows a tokenizer call encodes at once (a task of the pool)
@@ -72,7 +75,7 @@ def default_cache_dir() -> Path:
     return cache_root() / "tokens"
 
 
-def tokenizer_fingerprint(tokenizer) -> str:
+def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
     """A hash of what decides a tokenizer's ids: its serialised vocabulary, merges, normalisation and special-token
     handling (a fast tokenizer's JSON, else its vocabulary), and its EOS; not where it was loaded from."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
@@ -81,7 +84,7 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return hashlib.sha256((state + extra).encode()).hexdigest()
 
 
-def store_fingerprint(cfg: DataConfig, tokenizer) -> dict:
+def store_fingerprint(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> dict:
     """Everything that changes a store's tokens; seq_len, packing and shuffling do not (samples are cut at read)."""
     files = [(f.resolve(), f.stat()) for f in source_files(cfg.source)]
     return {
@@ -97,7 +100,7 @@ def store_fingerprint(cfg: DataConfig, tokenizer) -> dict:
     }
 
 
-def store_path(cfg: DataConfig, tokenizer) -> Path:
+def store_path(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> Path:
     """Where the store of this data config and tokenizer lives: `<cache_dir>/<source name>-<fingerprint>`."""
     digest = hashlib.sha256(json.dumps(store_fingerprint(cfg, tokenizer), sort_keys=True).encode()).hexdigest()
     first = cfg.source[0] if isinstance(cfg.source, list) else cfg.source
@@ -116,7 +119,7 @@ def open_store(path: Path) -> TokenStore:
     return TokenStore(path, tokens, offsets, prompts, meta["eos_appended"], meta)
 
 
-def token_store(cfg: DataConfig, tokenizer) -> TokenStore:
+def token_store(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> TokenStore:
     """The store of this data config and tokenizer, built now (once, whoever asks first) if it is absent or was
     damaged after it was committed (a file truncated or removed: a full disk, a copy cut short, a hand)."""
     path = store_path(cfg, tokenizer)
@@ -160,7 +163,7 @@ def _damage(path: Path) -> str | None:
 
 
 @contextmanager
-def _exclusive(lock_path: Path):
+def _exclusive(lock_path: Path) -> Iterator[None]:
     """One holder at a time across processes (and nodes, where the filesystem supports flock); the kernel
     releases it when its holder dies, so a killed builder never blocks the next."""
     try:
@@ -177,7 +180,7 @@ def _exclusive(lock_path: Path):
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-def _build(cfg: DataConfig, tokenizer, path: Path) -> None:
+def _build(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, path: Path) -> None:
     for stale in path.parent.glob(f"{path.name}.tmp-*"):  # left by a killed build; we hold the lock
         shutil.rmtree(stale, ignore_errors=True)
     tmp = path.with_name(f"{path.name}.tmp-{socket.gethostname()}-{os.getpid()}")
@@ -192,6 +195,10 @@ def _build(cfg: DataConfig, tokenizer, path: Path) -> None:
     except UnicodeDecodeError:
         raise documents.undecodable() from None
     except OSError as exc:
+        if ran_out_of_space(tmp, exc):
+            needed = folder_bytes(tmp) + sum(f.stat().st_size for f in documents.files)  # about the text again
+            intact = "nothing was committed; set data.cache_dir to a disk with room"
+            raise RunFault(disk_full_message(tmp.parent, "the token store", needed, intact)) from None
         raise UserError(
             f"data.cache_dir: writing the token store '{tmp}' failed ({exc.strerror}); nothing was committed"
         ) from None
@@ -204,7 +211,9 @@ def _build(cfg: DataConfig, tokenizer, path: Path) -> None:
     )
 
 
-def _write_store(documents: SourceDocuments, tokenizer, folder: Path, num_proc: int | None) -> dict:
+def _write_store(
+    documents: SourceDocuments, tokenizer: PreTrainedTokenizerBase, folder: Path, num_proc: int | None
+) -> dict:
     """Tokenize row ranges with every core (or `num_proc`), appending each range's ids to the flat files in row
     order; memory stays a few ranges' worth whatever the corpus size."""
     from tqdm.auto import tqdm
@@ -252,7 +261,13 @@ def _write_store(documents: SourceDocuments, tokenizer, folder: Path, num_proc: 
     }
 
 
-def _encoded_ranges(documents, tokenizer, dtype, ranges, num_proc) -> tuple[Iterator[tuple], str]:
+def _encoded_ranges(
+    documents: SourceDocuments,
+    tokenizer: PreTrainedTokenizerBase,
+    dtype: type[np.unsignedinteger],
+    ranges: list[tuple[int, int]],
+    num_proc: int | None,
+) -> tuple[Iterator[tuple], str]:
     """Each row range encoded, in order, and who encodes them. A Rust ("fast") tokenizer encodes in this process
     with its own thread pool over every core: measured 1.7x a `tokenizer(batch)` loop on 2 cores, where a pool of
     spawned processes reached 0.9x (each worker spends seconds importing before its first range, and the Python
@@ -272,7 +287,14 @@ def _encoded_ranges(documents, tokenizer, dtype, ranges, num_proc) -> tuple[Iter
     return _pool_encoded(documents, tokenizer, dtype, eos, ranges, processes), f"{processes} processes"
 
 
-def _pool_encoded(documents, tokenizer, dtype, eos, ranges, processes) -> Iterator[tuple]:
+def _pool_encoded(
+    documents: SourceDocuments,
+    tokenizer: PreTrainedTokenizerBase,
+    dtype: type[np.unsignedinteger],
+    eos: int | None,
+    ranges: list[tuple[int, int]],
+    processes: int,
+) -> Iterator[tuple]:
     initargs = (documents, tokenizer, dtype, eos, True)
     with ProcessPoolExecutor(
         processes, mp_context=get_context("spawn"), initializer=_start_worker, initargs=initargs
@@ -280,7 +302,7 @@ def _pool_encoded(documents, tokenizer, dtype, eos, ranges, processes) -> Iterat
         yield from pool.map(_encode_range, ranges)
 
 
-def _rust_tokenizer(tokenizer):
+def _rust_tokenizer(tokenizer: PreTrainedTokenizerBase) -> Any:
     """The tokenizer's Rust tokenizer, set as `tokenizer(texts)` sets it for each call (no truncation, no padding,
     its special-token splitting), so that it gives the same ids; None for a Python tokenizer or a class that
     changes how text is encoded."""
@@ -309,7 +331,13 @@ def _size_rust_thread_pool(threads: int) -> int:
 _worker: dict = {}
 
 
-def _start_worker(documents: SourceDocuments, tokenizer, dtype, eos: int | None, in_pool: bool = False) -> None:
+def _start_worker(
+    documents: SourceDocuments,
+    tokenizer: PreTrainedTokenizerBase,
+    dtype: type[np.unsignedinteger],
+    eos: int | None,
+    in_pool: bool = False,
+) -> None:
     """What `_encode_range` reads: set once per pool process, or in this process. `tokenizer` is a `transformers`
     tokenizer or its Rust tokenizer (see `_rust_tokenizer`)."""
     if in_pool:  # one process per core already: no tokenizer threads on top

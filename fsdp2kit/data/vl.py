@@ -17,16 +17,21 @@ it, so memory holds the records, not the pixels.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from fsdp2kit.config.schema import DataConfig
+from fsdp2kit.data.dataset import line_problem
 from fsdp2kit.data.samples import GlobalBatches
 from fsdp2kit.errors import UserError
 from fsdp2kit.labels import IGNORE_INDEX
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 _SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 IMAGE_PLACEHOLDER = "<image>"
@@ -128,20 +133,26 @@ def load_conversations(cfg: DataConfig) -> list[Conversation]:
             raise UserError(
                 f"data.source: a vision-language model trains on .jsonl files of conversations; '{source}' is not one"
             )
-        conversations += _read_conversations(source)
+        conversations += _read_conversations(source, cfg.max_document_bytes)
     return conversations[: cfg.max_samples]
 
 
-def _read_conversations(source: Path) -> list[Conversation]:
+def _records(source: Path, max_bytes: int) -> Iterator[tuple[int, dict]]:
+    """(line number, record) of a jsonl file, each line checked first: size, UTF-8, nesting, a JSON object."""
+    with source.open("rb") as handle:
+        for number, raw in enumerate(handle, 1):
+            if not raw.strip():
+                continue
+            problem = line_problem(raw, "json", max_bytes)
+            if problem is not None:
+                raise UserError(f"data.source: '{source}' line {number} {problem}")
+            yield number, json.loads(raw)
+
+
+def _read_conversations(source: Path, max_bytes: int) -> list[Conversation]:
     conversations = []
-    for number, line in enumerate(source.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
+    for number, record in _records(source, max_bytes):
         where = f"record {number} of '{source}'"
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise UserError(f"data.source: {where} is not JSON: {exc}") from None
         if isinstance(record.get("messages"), list):
             messages = _from_messages(record["messages"], source.parent, where)
         elif isinstance(record.get("conversations"), list):
@@ -160,13 +171,31 @@ def _read_conversations(source: Path) -> list[Conversation]:
     return conversations
 
 
-def _read_image(path: Path, where: str):
+# Decoding an image costs width x height x 3 bytes before the processor resizes it: past 100M pixels (a 10000 x 10000
+# photo) the decode alone is 300 MB, and Pillow refuses twice its own warning size as a decompression bomb. Vision
+# towers cut images into patches: a side 200 times the other leaves one of them under a patch.
+MAX_IMAGE_PIXELS = 100_000_000
+MAX_IMAGE_ASPECT = 200
+
+
+def _read_image(path: Path, where: str) -> Any:
     from PIL import Image, UnidentifiedImageError
 
     try:
-        with Image.open(path) as image:
+        with Image.open(path) as image:  # reads the header only
+            width, height = image.size
+            if width * height > MAX_IMAGE_PIXELS:
+                raise UserError(
+                    f"data.source: {where}: image '{path}' is {width} x {height} pixels, more than "
+                    f"{MAX_IMAGE_PIXELS:,}; downscale it"
+                )
+            if max(width, height) > MAX_IMAGE_ASPECT * min(width, height):
+                raise UserError(
+                    f"data.source: {where}: image '{path}' is {width} x {height} pixels, one side more than "
+                    f"{MAX_IMAGE_ASPECT} times the other; crop or pad it"
+                )
             return image.convert("RGB")
-    except (OSError, UnidentifiedImageError) as exc:
+    except (OSError, UnidentifiedImageError, Image.DecompressionBombError) as exc:
         raise UserError(f"data.source: {where}: image '{path}' cannot be read: {exc}") from None
 
 
@@ -182,7 +211,7 @@ class VLEncoder:
     _templates: dict = field(default_factory=dict)
 
     @classmethod
-    def load(cls, path: Path, hf_config, seq_len: int) -> VLEncoder:
+    def load(cls, path: Path, hf_config: PretrainedConfig, seq_len: int) -> VLEncoder:
         from transformers import AutoImageProcessor, AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(path)

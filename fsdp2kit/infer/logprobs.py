@@ -10,40 +10,25 @@ import json
 import math
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from fsdp2kit.config.schema import JobConfig
-from fsdp2kit.data.dataset import collate, load_tokenizer, model_inputs
-from fsdp2kit.data.store import token_store
-from fsdp2kit.data.vl import VLEncoder, VLSample, load_conversations
 from fsdp2kit.distributed import Runtime
 from fsdp2kit.errors import UserError
 from fsdp2kit.labels import IGNORE_INDEX
-from fsdp2kit.models.sharded import build_sharded_model
-from fsdp2kit.parallel.ulysses import shard_sequence
-from fsdp2kit.parallel.vision import shard_vision_batch
+from fsdp2kit.strategy import Strategy
 from fsdp2kit.train.loggers import phase
 
 
 @torch.no_grad()
-def sample_logprobs(
-    model: torch.nn.Module, batch: dict[str, torch.Tensor], sp_group: dist.ProcessGroup | None = None
-) -> tuple[list[float], list[int]]:
-    """Per sample: the sum of log p(token_i | tokens_<i) over its target tokens (i >= 1; a conversation's assistant
-    turns), and the number of those terms. With sequence
-    parallel the batch holds this rank's slice of the tokens, and the sums over the group's slices are added up."""
-    logits = model(**model_inputs(batch), use_cache=False).logits.float()  # one pass: a KV cache is wasted memory
-    logprobs = torch.log_softmax(logits, dim=-1)
-    targets = batch["labels"]
-    mask = targets != IGNORE_INDEX
-    picked = logprobs.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1) * mask
-    sums, counts = picked.sum(dim=1).double(), mask.sum(dim=1)
-    if sp_group is not None:
-        dist.all_reduce(sums, group=sp_group)
-        dist.all_reduce(counts, group=sp_group)
-    return sums.cpu().tolist(), counts.cpu().tolist()
+def sample_logprobs(strategy: Strategy, batch: dict[str, torch.Tensor]) -> tuple[list[float], list[int]]:
+    """Per sample of a shifted batch: the sum of log p(token_i | tokens_<i) over its target tokens (i >= 1; a
+    conversation's assistant turns), and the number of those terms (`Strategy.token_logprobs`, in chunks; under
+    sequence parallel gathered over the group)."""
+    log_probs, _ = strategy.token_logprobs(batch)
+    counts = (batch["labels"] != IGNORE_INDEX).sum(dim=1)
+    return log_probs.double().sum(dim=1).cpu().tolist(), counts.cpu().tolist()
 
 
 def infer(cfg: JobConfig, runtime: Runtime) -> None:
@@ -53,55 +38,22 @@ def infer(cfg: JobConfig, runtime: Runtime) -> None:
             "weights; give a model folder or checkpoint, or set model.allow_random_init: true"
         )
     with phase(f"loading the model ({cfg.model.name_or_path})", runtime.is_main):
-        sharded = build_sharded_model(
-            cfg.model,
-            cfg.strategy_args.strategy_config,
-            cfg.data,
-            runtime,
-            training=False,
-            seed=cfg.training.seed,
-        )
-    model = sharded.model
-    tokenizer = load_tokenizer(sharded.source.tokenizer_path, cfg.model.trust_remote_code)
-    vision = sharded.plan.vision_patch
+        strategy = Strategy(cfg, runtime, training=False)
+    sharded, tokenizer = strategy.sharded, strategy.tokenizer
     layout = sharded.layout
     first, step = layout.data_parallel_rank(runtime.rank), layout.data_parallel_size
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    dummy = [pad_id, pad_id]  # a rank out of samples joins each round's collectives with this
-    results: list[dict] = []
-    if vision:  # conversations, encoded (images read) batch by batch; scored on their assistant turns
-        encoder = VLEncoder.load(sharded.source.tokenizer_path, sharded.source.hf_config, cfg.data.seq_len)
-        conversations = load_conversations(cfg.data)
-        scored = list(range(first, len(conversations), step))
-
-        def batch_of(chunk: list[int]) -> dict[str, torch.Tensor]:
-            samples = [encoder.encode(conversations[i]) for i in chunk]
-            return encoder.collate(samples or [VLSample(torch.tensor(dummy), torch.zeros(2) > 0)], pad_id)
-
-    else:
-        # As the model's users tokenise: default special tokens, no EOS (the store appends one for training), no
-        # packing, truncated at data.seq_len (a prompt/response record is the prompt's ids followed by the
-        # response's). A document of fewer than 2 tokens has no term: recorded as such, never sent to the model.
-        with phase(f"the token store of {cfg.data.source}", runtime.is_main):
-            store = token_store(cfg.data, tokenizer)
-        lengths = np.minimum(np.diff(store.offsets) - int(store.eos_appended), cfg.data.seq_len)
-        mine = np.arange(first, store.num_documents, step)
-        results = [_record(int(i), 0.0, 0) for i in mine[lengths[mine] < 2]]
-        scored = mine[lengths[mine] >= 2].tolist()
-
-        def batch_of(chunk: list[int]) -> dict[str, torch.Tensor]:
-            documents = [torch.from_numpy(store.document(i)[: lengths[i]].astype(np.int64)) for i in chunk]
-            return collate(documents or [torch.tensor(dummy)], pad_id)
-
+    with phase(f"{sharded.variant.modality.data_phase} {cfg.data.source}", runtime.is_main):
+        source = sharded.variant.scoring_source(cfg.data, tokenizer, sharded.source, pad_id)
+    without_terms, scored = source.indices(first, step)
+    results: list[dict] = [_record(i, 0.0, 0) for i in without_terms]
     size = cfg.infer_batch_size
     rounds = torch.tensor(math.ceil(len(scored) / size))
     dist.all_reduce(rounds, op=dist.ReduceOp.MAX)
     for r in range(int(rounds)):
         chunk = scored[r * size : (r + 1) * size]
-        batch = {k: v.to(runtime.device) for k, v in batch_of(chunk).items()}
-        if sharded.sp_group is not None:
-            batch = (shard_vision_batch if vision else shard_sequence)(batch, sharded.sp_group)
-        sums, counts = sample_logprobs(model, batch, sharded.sp_group)
+        batch = {k: v.to(runtime.device) for k, v in source.batch_of(chunk).items()}
+        sums, counts = sample_logprobs(strategy, batch)
         if not chunk:
             continue  # the dummy batch: its forward joined the collectives, its results are no sample's
         results += [_record(index, total, count) for index, total, count in zip(chunk, sums, counts, strict=True)]

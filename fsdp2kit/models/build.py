@@ -16,14 +16,14 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from fsdp2kit.checkpoint.dcp_io import METADATA_FILE, read_dcp
+from fsdp2kit.checkpoint.dcp_io import METADATA_FILE, read_dcp, refuse_extra_model_tensors
 from fsdp2kit.config.schema import ModelConfig
 from fsdp2kit.dtypes import torch_dtype
 from fsdp2kit.errors import UserError
 from fsdp2kit.models.builtin import BUILTIN_MODELS
-from fsdp2kit.models.lora import base_renamer, base_state, has_adapters, initialise_adapters, load_adapter
+from fsdp2kit.models.lora import base_renamer, base_state
 from fsdp2kit.models.shards import copy_to_shard, module_seed
-from fsdp2kit.models.vl import builtin_processor_dir, checkpoint_renamings, is_vision_language, model_name
+from fsdp2kit.models.vl import auto_model_class, builtin_tokenizer_dir, checkpoint_renamings, model_name
 from fsdp2kit.parallel.moe import expert_views_from_other_layout
 
 if TYPE_CHECKING:
@@ -43,6 +43,8 @@ class ModelSource:
 def _hf_config(load: Callable[..., PretrainedConfig], where: str, overrides: dict) -> PretrainedConfig:
     """A transformers config built by `load` (AutoConfig.for_model or .from_pretrained, keyword overrides) with
     `model.config` overrides (so derived fields such as layer_types follow); `where` names it in errors."""
+    from huggingface_hub.errors import StrictDataclassError
+
     try:
         base = load()
         if not overrides:
@@ -51,14 +53,14 @@ def _hf_config(load: Callable[..., PretrainedConfig], where: str, overrides: dic
             if not hasattr(base, key):
                 raise UserError(f"model.config.{key}: the {type(base).__name__} has no such setting")
         return load(**overrides)
-    except (ValueError, TypeError, OSError, KeyError) as exc:
-        raise UserError(f"{where} is not a valid transformers config: {str(exc).strip().splitlines()[-1]}") from None
+    except (ValueError, TypeError, OSError, KeyError, StrictDataclassError) as exc:
+        # transformers' configs check their fields' types (huggingface_hub's strict dataclasses): `"hidden_size": "64"`
+        reason = str(exc).strip().splitlines()[-1].strip()
+        raise UserError(f"{where} is not a valid transformers config: {reason}") from None
 
 
 def resolve_model(cfg: ModelConfig, tokenizer: str | None = None) -> ModelSource:
     from transformers import AutoConfig
-
-    from fsdp2kit.data.builtin import tokenizer_dir
 
     name = cfg.name_or_path
     if name.startswith("builtin:"):
@@ -70,9 +72,7 @@ def resolve_model(cfg: ModelConfig, tokenizer: str | None = None) -> ModelSource
             )
         settings = {**BUILTIN_MODELS[key], **cfg.config}  # model.config may even pick another architecture
         hf_config = _hf_config(partial(AutoConfig.for_model, settings.pop("model_type")), "model.config", settings)
-        weights_dir, weights_format, default_tokenizer = None, None, tokenizer_dir()
-        if is_vision_language(hf_config):  # the tokenizer with the vision tokens and an image processor
-            default_tokenizer = builtin_processor_dir(hf_config.model_type, hf_config.vision_config.patch_size)
+        weights_dir, weights_format, default_tokenizer = None, None, builtin_tokenizer_dir(hf_config)
     else:
         folder = Path(name)
         if not (folder / "config.json").is_file():
@@ -99,7 +99,7 @@ def resolve_model(cfg: ModelConfig, tokenizer: str | None = None) -> ModelSource
     return ModelSource(hf_config, tokenizer_path, weights_dir, weights_format)
 
 
-def check_sequence_length(hf_config, seq_len: int) -> None:
+def check_sequence_length(hf_config: PretrainedConfig, seq_len: int) -> None:
     """Positions past the model's table are not an error in most attention code: they are silently garbage."""
     limit = getattr(hf_config, "max_position_embeddings", None)
     if isinstance(limit, int) and seq_len > limit:
@@ -161,13 +161,6 @@ def load_model_class(spec: str, hf_config: PretrainedConfig) -> type[PreTrainedM
             f"config is a {type(hf_config).__name__}"
         )
     return model_class
-
-
-def auto_model_class(hf_config) -> Any:
-    """transformers' Auto class for this config: image-text-to-text for a vision-language model, else causal LM."""
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
-
-    return AutoModelForImageTextToText if is_vision_language(hf_config) else AutoModelForCausalLM
 
 
 def attention_kernel(requested: str) -> tuple[str, str | None]:
@@ -244,7 +237,7 @@ def tied_weight_names(model: nn.Module) -> set[str]:
     return set(getattr(model, "_tied_weights_keys", None) or {})
 
 
-def open_safetensors(file: Path):
+def open_safetensors(file: Path) -> Any:
     """A safetensors file opened (headers read, tensors memory-mapped); close it with `__exit__`. A truncated or
     damaged file is one sentence naming it: safetensors checks that the header covers the whole file."""
     from safetensors import SafetensorError, safe_open
@@ -257,29 +250,52 @@ def open_safetensors(file: Path):
         ) from None
 
 
-def _safetensors_index(folder: Path) -> dict[str, Path]:
+def safetensors_index(folder: Path) -> dict[str, Path]:
+    """Which file holds each tensor: the index's word where there is one (a damaged index is one sentence), else the
+    files' headers, where a tensor in two files (a `model_backup.safetensors` left beside `model.safetensors`) is
+    refused: which copy a loader takes would be an accident of file order."""
     index_file = folder / "model.safetensors.index.json"
     if index_file.is_file():
-        weight_map = json.loads(index_file.read_text())["weight_map"]
-        return {name: folder / file for name, file in weight_map.items()}
+        return _read_index(index_file)
     names: dict[str, Path] = {}
     for file in sorted(folder.glob("*.safetensors")):
         with open_safetensors(file) as handle:
-            names.update({key: file for key in handle.keys()})
+            for key in handle.keys():
+                if key in names:
+                    raise UserError(
+                        f"model weights: '{names[key]}' and '{file}' both hold '{key}' and no "
+                        "model.safetensors.index.json says which to use; remove the stale file"
+                    )
+                names[key] = file
     return names
+
+
+def _read_index(index_file: Path) -> dict[str, Path]:
+    try:
+        weight_map = json.loads(index_file.read_text())["weight_map"]
+        if not (isinstance(weight_map, dict) and all(isinstance(v, str) for v in weight_map.values())):
+            raise TypeError("weight_map is not a mapping of tensor names to file names")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as exc:
+        reason = f"no {exc}" if isinstance(exc, KeyError) else str(exc).splitlines()[0]
+        raise UserError(f"model weights: '{index_file}' is damaged ({reason}); restore it or remove it") from None
+    folder = index_file.parent
+    outside = sorted({f for f in weight_map.values() if Path(f).name != f})
+    if outside:
+        raise UserError(f"model weights: '{index_file}' names '{outside[0]}', which is not a file of {folder}")
+    return {name: folder / file for name, file in weight_map.items()}
 
 
 @torch.no_grad()
 def _safetensors_views(model: nn.Module, folder: Path, handles: dict[Path, Any]) -> dict[str, tuple[torch.Tensor, Any]]:
     """Each state-dict tensor with its lazy view in the files (headers only), checked against the model."""
     renamings = getattr(model, "checkpoint_renamings", [])
-    index = _safetensors_index(folder)
+    index = safetensors_index(folder)
     stored = {model_name(key, renamings): key for key in index}  # model name -> name in the files
     locations = {name: index[key] for name, key in stored.items()}
     tied = tied_weight_names(model)
     state = base_state(model)  # LoRA: the base model's tensors under their own names
 
-    def stored_view(name: str):
+    def stored_view(name: str) -> Any:
         file = locations[name]
         if not file.is_file():
             raise UserError(f"model weights: file '{file}' named by the index does not exist")
@@ -350,19 +366,15 @@ def load_dcp(model: nn.Module, folder: Path) -> None:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     state = base_state(model, get_model_state_dict(model))  # the live shards: DCP reads into them in place
-    read_dcp({"model": state}, folder, f"model weights: checkpoint '{folder}' cannot be loaded into this model")
+    cannot_load = f"model weights: checkpoint '{folder}' cannot be loaded into this model"
+    refuse_extra_model_tensors(folder, state, cannot_load)
+    read_dcp({"model": state}, folder, cannot_load)
 
 
 def materialise(
-    model: PreTrainedModel,
-    source: ModelSource,
-    device: torch.device,
-    seed: int,
-    loading: str = "sliced",
-    adapter: str | None = None,
+    model: PreTrainedModel, source: ModelSource, device: torch.device, seed: int, loading: str = "sliced"
 ) -> None:
-    """Allocate each rank's shards on `device`, then initialise them (fresh) or read them (pretrained); LoRA
-    adapters are initialised by peft's rules, or read from the PEFT adapter folder `adapter`."""
+    """Allocate each rank's shards on `device`, then initialise them (fresh) or read them (pretrained)."""
     model.to_empty(device=device)
     if source.weights_dir is None:
         initialise_weights(model, seed)
@@ -372,7 +384,3 @@ def materialise(
             load_dcp(model, source.weights_dir)
         else:
             load_safetensors(model, source.weights_dir, loading)
-    if has_adapters(model):
-        initialise_adapters(model, seed)
-        if adapter:
-            load_adapter(model, Path(adapter))

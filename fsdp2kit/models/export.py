@@ -9,16 +9,22 @@ import copy
 import json
 import os
 import shutil
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn as nn
 
 from fsdp2kit.dtypes import torch_dtype
+from fsdp2kit.durable import disk_full_message, ran_out_of_space
+from fsdp2kit.errors import RunFault
 from fsdp2kit.models.build import tied_weight_names
 from fsdp2kit.models.lora import merged_full_tensor, merged_state
 from fsdp2kit.models.vl import stored_name
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 MAX_SHARD_BYTES = 2 * 1024**3
 TOKENIZER_FILES = (
@@ -88,12 +94,31 @@ def copy_present_files(src: Path, dst: Path, names: Iterable[str]) -> None:
             shutil.copy(src / name, dst / name)
 
 
-def write_config_and_tokenizer(out_dir: Path, hf_config, tokenizer_path: Path | None, dtype: torch.dtype) -> None:
+def write_config_and_tokenizer(
+    out_dir: Path, hf_config: PretrainedConfig, tokenizer_path: Path | None, dtype: torch.dtype
+) -> None:
     hf_config = copy.deepcopy(hf_config)
     hf_config.dtype = dtype
     hf_config.save_pretrained(out_dir)
     if tokenizer_path is not None:
         copy_present_files(tokenizer_path, out_dir, TOKENIZER_FILES)
+
+
+@torch.no_grad()
+def hf_tensors(
+    model: nn.Module, dtype: torch.dtype | None = None, device: torch.device | str | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the model whole, under the names of the family's HF folders (`save_pretrained`'s): a LoRA
+    model's with its adapters merged into the base weights, a tied output weight once, under its source. A
+    collective: all ranks iterate it to the end, each tensor all-gathered in turn."""
+    state = merged_state(model)
+    tied = tied_weight_names(model)
+    renamings = getattr(model, "checkpoint_renamings", [])
+    for name in state:
+        if name in tied:
+            continue
+        full = merged_full_tensor(*state[name]).detach()
+        yield stored_name(name, renamings), full.to(device=device or full.device, dtype=dtype or full.dtype)
 
 
 @torch.no_grad()
@@ -109,16 +134,21 @@ def export_hf(
     rank 0 (`is_main`) keeps the gathered tensors, on CPU, until their shard file is written; it also writes the
     config and tokenizer. Tensors are stored under the names of the family's HF folders (`save_pretrained`'s), a
     LoRA model's with its adapters merged into the base weights, a tied output weight once, under its source."""
-    state = merged_state(model)
-    tied = tied_weight_names(model)
-    renamings = getattr(model, "checkpoint_renamings", [])
     writer = SafetensorsWriter(out_dir, max_shard_bytes) if is_main else None
-    for name in state:
-        if name in tied:
-            continue
-        full = merged_full_tensor(*state[name])  # all ranks join this all-gather
+    try:
+        for name, full in hf_tensors(model, torch_dtype(dtype), device="cpu"):  # all ranks join each all-gather
+            if writer is not None:
+                writer.add(name, full)
         if writer is not None:
-            writer.add(stored_name(name, renamings), full.detach().to("cpu", torch_dtype(dtype)))
-    if writer is not None:
-        writer.close()
-        write_config_and_tokenizer(out_dir, model.config, tokenizer_path, torch_dtype(dtype))
+            writer.close()
+            write_config_and_tokenizer(
+                out_dir, cast("PretrainedConfig", model.config), tokenizer_path, torch_dtype(dtype)
+            )
+    except Exception as exc:
+        if writer is None or not ran_out_of_space(out_dir, exc):
+            raise
+        for partial in out_dir.glob(".part-*.safetensors"):
+            partial.unlink()
+        needed = sum(t.numel() for t in model.state_dict().values()) * torch_dtype(dtype).itemsize
+        intact = "the checkpoints are intact: `fsdp2kit convert CHECKPOINT DST --to hf` writes it from one"
+        raise RunFault(disk_full_message(out_dir, "the HF folder", needed, intact)) from None

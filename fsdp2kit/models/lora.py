@@ -13,19 +13,27 @@ and the adapter is written with the keys `peft.PeftModel.from_pretrained` reads.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn as nn
+from torch.distributed import ProcessGroup
 from torch.distributed.tensor import DTensor
 
-from fsdp2kit.config.schema import LoraConfig
+from fsdp2kit.config.schema import LoraConfig, TrainingConfig
+from fsdp2kit.dtypes import torch_dtype
 from fsdp2kit.errors import UserError
 from fsdp2kit.models.shards import copy_to_shard, module_seed
+from fsdp2kit.models.variant_part import VariantPart
 from fsdp2kit.parallel.plan import AdapterPlan, ShardingPlan, match_modules
+
+if TYPE_CHECKING:
+    from peft import PeftConfig
 
 ADAPTER = "default"  # peft's adapter name; files written by peft leave it out of their keys
 PEFT_MODEL_PREFIX = "base_model.model."  # a PeftModel's path to the model it wraps: the prefix of the file's keys
@@ -34,7 +42,7 @@ ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
 _SET_BY_ADAPTER = ("rank", "alpha", "target_modules", "modules_to_save")
 
 
-def read_adapter_config(folder: Path, key: str = "model.lora.adapter", weights: bool = True):
+def read_adapter_config(folder: Path, key: str = "model.lora.adapter", weights: bool = True) -> PeftConfig:
     """The `peft.LoraConfig` of a PEFT adapter folder (or of a LoRA checkpoint: `weights=False`), local files only."""
     from peft import LoraConfig as PeftLoraConfig
 
@@ -48,7 +56,32 @@ def read_adapter_config(folder: Path, key: str = "model.lora.adapter", weights: 
         raise UserError(f"{key}: '{folder / ADAPTER_CONFIG_FILE}' is not a LoRA config: {exc}") from None
     if config.peft_type != "LORA":
         raise UserError(f"{key}: '{folder}' holds a {config.peft_type} adapter; only LoRA is supported")
+    _check_adapter_settings(config, folder / ADAPTER_CONFIG_FILE, key)
+    if weights:
+        _check_adapter_weights(folder / ADAPTER_WEIGHTS_FILE, key)
     return config
+
+
+def _check_adapter_settings(config: Any, file: Path, key: str) -> None:
+    """peft reads `r: "abc"` without a word and fails deep in the model build: the numbers are checked here."""
+    for name, value in (("r", config.r), ("lora_alpha", config.lora_alpha)):
+        if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+            raise UserError(f"{key}: '{file}' has {name} = {value!r}; it must be a number > 0")
+    if not isinstance(config.r, int):
+        raise UserError(f"{key}: '{file}' has r = {config.r!r}; the rank must be a whole number")
+
+
+def _check_adapter_weights(file: Path, key: str) -> None:
+    """A truncated or damaged adapter_model.safetensors is one sentence (safetensors checks header against size)."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(file), framework="pt"):
+            pass
+    except (SafetensorError, OSError) as exc:
+        raise UserError(
+            f"{key}: '{file}' is not a readable safetensors file ({exc}); it is truncated or damaged"
+        ) from None
 
 
 def _resolve_targets(model: nn.Module, names: list[str], key: str) -> list[str]:
@@ -59,12 +92,12 @@ def _resolve_targets(model: nn.Module, names: list[str], key: str) -> list[str]:
     return [n for n in names if "{" not in n] + resolved
 
 
-def peft_config(cfg: LoraConfig, model: nn.Module):
+def peft_config(cfg: LoraConfig, model: nn.Module) -> Any:
     """The `peft.LoraConfig` for `model.lora`: an existing adapter's own, or one built from the section."""
     from peft import LoraConfig as PeftLoraConfig
 
     if cfg.adapter:
-        config = read_adapter_config(Path(cfg.adapter))
+        config: Any = read_adapter_config(Path(cfg.adapter))  # a peft LoraConfig
         for key in _SET_BY_ADAPTER:
             if key in cfg.model_fields_set:
                 raise UserError(
@@ -100,7 +133,7 @@ def inject_lora(model: nn.Module, cfg: LoraConfig, dtype: torch.dtype | None) ->
             module.to(dtype)
 
 
-def inject_peft(model: nn.Module, config) -> None:
+def inject_peft(model: nn.Module, config: PeftConfig) -> None:
     """peft's injection, its refusals as one sentence."""
     from peft import inject_adapter_in_model
 
@@ -270,7 +303,7 @@ def export_adapter(model: nn.Module, out_dir: Path, base_name_or_path: str, is_m
         write_adapter_folder(out_dir, file_config(model, base_name_or_path), tensors)
 
 
-def file_config(model: nn.Module, base_name_or_path: str):
+def file_config(model: nn.Module, base_name_or_path: str) -> PeftConfig:
     """The adapter's peft config as written to files: it names its base model, as peft's own save does."""
     config = copy.deepcopy(adapter_settings(model))
     config.base_model_name_or_path = base_name_or_path
@@ -278,7 +311,7 @@ def file_config(model: nn.Module, base_name_or_path: str):
     return config
 
 
-def write_adapter_folder(out_dir: Path, config, tensors: dict[str, torch.Tensor]) -> None:
+def write_adapter_folder(out_dir: Path, config: PeftConfig, tensors: dict[str, torch.Tensor]) -> None:
     from safetensors.torch import save_file
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -356,3 +389,38 @@ def plan_adapters(model: nn.Module, plan: ShardingPlan, cfg: LoraConfig) -> Adap
         optimizer_state_bytes=2 * param_bytes,
         input_grad_hooks=sorted(set(hooks), key=order.__getitem__),
     )
+
+
+@dataclass
+class LoraPart(VariantPart):
+    """model.lora: adapters injected on the meta model, planned with their layers' shard groups, initialised by
+    peft's rules (or read from `adapter`), saved alone in checkpoints with their peft config, exported as a PEFT
+    adapter folder."""
+
+    cfg: LoraConfig
+    adapters: AdapterPlan | None = None
+    keeps_base_dtype = True
+    replaces_hf_export = True
+
+    def patch_meta(self, model: nn.Module, sp_group: ProcessGroup | None) -> None:
+        inject_lora(model, self.cfg, torch_dtype(self.cfg.dtype))
+
+    def after_plan(self, model: nn.Module, plan: ShardingPlan) -> None:
+        self.adapters = plan_adapters(model, plan, self.cfg)
+        add_input_grad_hooks(model, self.adapters.input_grad_hooks)
+
+    def materialise(self, model: nn.Module, seed: int) -> None:
+        if has_adapters(model):
+            initialise_adapters(model, seed)
+        if self.cfg.adapter:
+            load_adapter(model, Path(self.cfg.adapter))
+
+    def checkpoint_config(self, model: nn.Module, name_or_path: str) -> Any:
+        return file_config(model, name_or_path)
+
+    def export(self, model: nn.Module, output_dir: Path, name_or_path: str, tc: TrainingConfig, is_main: bool) -> None:
+        if tc.export_hf:
+            export_adapter(model, output_dir / "adapter", name_or_path, is_main)
+
+    def describe(self) -> dict[str, Any]:
+        return {"lora": dataclasses.asdict(self.adapters) if self.adapters else None}

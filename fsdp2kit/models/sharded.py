@@ -12,7 +12,6 @@ from torch.distributed import ProcessGroup
 
 from fsdp2kit.config.schema import DataConfig, ModelConfig, StrategyConfig
 from fsdp2kit.distributed import Runtime
-from fsdp2kit.dtypes import torch_dtype
 from fsdp2kit.models.build import (
     ModelSource,
     build_meta_model,
@@ -20,17 +19,14 @@ from fsdp2kit.models.build import (
     materialise,
     resolve_model,
 )
-from fsdp2kit.models.lora import add_input_grad_hooks, inject_lora, plan_adapters
-from fsdp2kit.models.vl import is_vision_language
+from fsdp2kit.models.variant import ModelVariant, pick_variant
 from fsdp2kit.parallel.compile import compile_modules
 from fsdp2kit.parallel.fsdp import apply_fsdp
 from fsdp2kit.parallel.mesh import MeshLayout, build_mesh, mesh_layout, sequence_parallel_group
-from fsdp2kit.parallel.moe import apply_expert_patch, split_experts
 from fsdp2kit.parallel.plan import ShardingPlan, build_plan
 from fsdp2kit.parallel.recompute import apply_recompute
 from fsdp2kit.parallel.tiled_mlp import apply_tiled_mlp
 from fsdp2kit.parallel.ulysses import apply_ulysses
-from fsdp2kit.parallel.vision import apply_vision_patch, apply_vision_ulysses
 
 
 @dataclass
@@ -40,6 +36,7 @@ class ShardedModel:
     layout: MeshLayout
     source: ModelSource
     sp_group: ProcessGroup | None  # this rank's Ulysses sequence-parallel group; None without
+    variant: ModelVariant  # what kind of model it is, and what differs with that
 
 
 def build_sharded_model(
@@ -53,48 +50,39 @@ def build_sharded_model(
     compile_layers: bool = False,
     materialize: bool = True,
 ) -> ShardedModel:
-    """Meta-device model -> split experts, Ulysses attention, LoRA adapters -> plan -> freeze -> recompute,
-    TiledMLP, expert patch, vision patch -> fully_shard -> (materialise each rank's shards). Training keeps fp32
-    master weights and computes in `param_dtype` (default: model.dtype); a LoRA base is frozen, so it stays in
-    model.dtype. From `data`: the tokenizer (default: the model's own) and seq_len, which the model's positions
-    must cover; fresh weights come from `seed`; `compile_layers` (training.compile) compiles each decoder layer when
-    training."""
+    """Meta-device model -> the variant's patches (split experts, LoRA adapters, vision Ulysses), Ulysses attention
+    -> plan -> freeze -> recompute, TiledMLP, the variant's patches (expert, vision) -> fully_shard ->
+    (materialise each rank's shards). Training keeps fp32 master weights and computes in `param_dtype` (default:
+    model.dtype); a LoRA base is frozen, so it stays in model.dtype. From `data`: the tokenizer (default: the model's
+    own) and seq_len, which the model's positions must cover; fresh weights come from `seed`; `compile_layers`
+    (training.compile) compiles each decoder layer when training."""
     source = resolve_model(model_cfg, data.tokenizer)
     check_sequence_length(source.hf_config, data.seq_len)
+    variant = pick_variant(source.hf_config, model_cfg, strategy)
     layout = mesh_layout(runtime.world_size, strategy, model_cfg.ulysses_size)
     mesh = build_mesh(runtime.device.type, layout)
     sp_group = sequence_parallel_group(layout)
-    lora = model_cfg.lora if model_cfg.lora_enabled else None
-    master_dtype = "fp32" if training and lora is None else model_cfg.dtype
+    master_dtype = variant.master_dtype(training, model_cfg.dtype)
     model = build_meta_model(source, model_cfg.model_copy(update={"dtype": master_dtype}))
-    split_experts(model, strategy.wrap_policy.moe_experts)  # where moe_experts names a per-expert class
     if sp_group is not None:
-        apply_ulysses(model, sp_group)
-        if is_vision_language(source.hf_config):
-            apply_vision_ulysses(model, sp_group)
-    if lora is not None:
-        inject_lora(model, lora, torch_dtype(lora.dtype))
+        apply_ulysses(model, sp_group, variant.attention_config)
+    variant.patch_meta(model, sp_group)
     plan = build_plan(model, strategy, model_cfg, compile_layers=training and compile_layers)
-    if lora is not None:
-        plan.adapters = plan_adapters(model, plan, lora)
-        add_input_grad_hooks(model, plan.adapters.input_grad_hooks)
+    variant.after_plan(model, plan)
     frozen = set(plan.frozen_parameters)
     for name, param in model.named_parameters():
         param.requires_grad_(training and name not in frozen)
     apply_recompute(model, plan.recompute_modules, plan.use_reentrant)
     apply_tiled_mlp(model, plan.tiled_mlp_modules, plan.tiled_num_shards)
-    if plan.expert_patch:
-        apply_expert_patch(model)
+    variant.patch_sharded(model, plan)
     compile_modules(model, plan.compiled_modules)
-    if plan.vision_patch:
-        apply_vision_patch(model)
     apply_fsdp(model, mesh, plan)
     if materialize:
-        adapter = lora.adapter if lora is not None else None
-        materialise(model, source, runtime.device, seed, model_cfg.weights_loading, adapter)
+        materialise(model, source, runtime.device, seed, model_cfg.weights_loading)
+        variant.materialise(model, seed)
     if not training:
         model.eval()
-    return ShardedModel(model, plan, layout, source, sp_group)
+    return ShardedModel(model, plan, layout, source, sp_group, variant)
 
 
 def count_parameters(model: nn.Module) -> tuple[int, int]:

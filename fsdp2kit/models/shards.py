@@ -4,6 +4,7 @@ shared by base-model loading (`models.build`) and adapter loading (`models.lora`
 from __future__ import annotations
 
 import zlib
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -17,7 +18,7 @@ def local_index(param: DTensor) -> tuple[slice, ...]:
 
 
 @torch.no_grad()
-def copy_to_shard(param: torch.Tensor, full) -> None:
+def copy_to_shard(param: torch.Tensor, full: Any) -> None:
     """Copy this rank's part of `full` (a tensor, or a lazy safetensors slice that then reads only those rows) into
     `param`: a sharded DTensor, or a plain tensor that every rank holds whole (an ignored module)."""
     if not isinstance(param, DTensor):

@@ -126,7 +126,7 @@ BUILTIN_VL_MODELS.update(
 )
 
 
-def is_vision_language(hf_config) -> bool:
+def is_vision_language(hf_config: Any) -> bool:
     """A config transformers builds as an image-text-to-text model, with a vision tower."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
@@ -164,6 +164,21 @@ def builtin_processor_dir(model_type: str, patch_size: int) -> Path:
             image_processor.save_pretrained(tmp)
             tmp.replace(path)
     return path
+
+
+def builtin_tokenizer_dir(hf_config: Any) -> Path:
+    """A built-in model's tokenizer: the corpus's, or for a vision-language model one with the vision tokens and an
+    image processor."""
+    if is_vision_language(hf_config):
+        return builtin_processor_dir(hf_config.model_type, hf_config.vision_config.patch_size)
+    return tokenizer_dir()
+
+
+def auto_model_class(hf_config: Any) -> Any:
+    """transformers' Auto class for this config: image-text-to-text for a vision-language model, else causal LM."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText if is_vision_language(hf_config) else AutoModelForCausalLM
 
 
 def checkpoint_renamings(model: Any) -> list:

@@ -109,7 +109,7 @@ def describe_groups(model: nn.Module) -> list[dict]:
     names = {id(m): n for n, m in model.named_modules()}
     states = list(dict.fromkeys(m._get_fsdp_state() for m in model.modules() if isinstance(m, FSDPModule)))
 
-    def name(state) -> str:
+    def name(state: Any) -> str:
         return names[id(state._modules[0])]
 
     def dtype(value: torch.dtype) -> str:
@@ -136,7 +136,7 @@ def describe_groups(model: nn.Module) -> list[dict]:
     return groups
 
 
-def _live_reshard(state) -> bool | int | None:
+def _live_reshard(state: Any) -> bool | int | None:
     """True (reshard to the full shard group), False, or the size of the smaller group; None: no parameters."""
     if not state._fsdp_param_groups:
         return None

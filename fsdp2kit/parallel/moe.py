@@ -19,9 +19,14 @@ from __future__ import annotations
 
 import importlib
 import re
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn as nn
+
+from fsdp2kit.errors import UserError
+from fsdp2kit.parallel.module_paths import modules_of_classes
 
 # Fused experts class -> the class of one expert, as the checkpoints of the model family store it.
 SPLITTABLE_EXPERTS = {"Qwen3MoeExperts": "Qwen3MoeMLP"}
@@ -109,7 +114,7 @@ def separately_wrapped_experts(model: nn.Module, names: list[str]) -> list[str]:
 # fused or split. These read one layout as the other, lazily, with the slice interface of safetensors.
 
 
-def _full_index(index, ndim: int) -> tuple[slice, ...]:
+def _full_index(index: Any, ndim: int) -> tuple[slice, ...]:
     index = index if isinstance(index, tuple) else (index,)
     return tuple(index) + (slice(None),) * (ndim - len(index))
 
@@ -124,7 +129,7 @@ class _FusedFromExperts:
         first = [view.get_shape() for view in self.per_expert[0]]
         return [len(self.per_expert), sum(shape[0] for shape in first), first[0][1]]
 
-    def __getitem__(self, index) -> torch.Tensor:
+    def __getitem__(self, index: Any) -> torch.Tensor:
         experts, rows, cols = _full_index(index, 3)
         return torch.stack(
             [
@@ -137,19 +142,21 @@ class _FusedFromExperts:
 class _ExpertOfFused:
     """One expert's [rows, cols] weight inside a fused [experts, rows, cols] tensor, from row `first_row` on."""
 
-    def __init__(self, fused, expert: int, first_row: int, rows: int):
+    def __init__(self, fused: Any, expert: int, first_row: int, rows: int) -> None:
         self.fused, self.expert, self.first_row, self.rows = fused, expert, first_row, rows
 
     def get_shape(self) -> list[int]:
         return [self.rows, self.fused.get_shape()[2]]
 
-    def __getitem__(self, index) -> torch.Tensor:
+    def __getitem__(self, index: Any) -> torch.Tensor:
         rows, cols = _full_index(index, 2)
         start, stop, _ = rows.indices(self.rows)
         return self.fused[self.expert : self.expert + 1, self.first_row + start : self.first_row + stop, cols][0]
 
 
-def expert_views_from_other_layout(model: nn.Module, missing: list[str], stored: set[str], view) -> dict[str, tuple]:
+def expert_views_from_other_layout(
+    model: nn.Module, missing: list[str], stored: set[str], view: Callable[[str], Any]
+) -> dict[str, tuple]:
     """For each expert weight in `missing` (model tensors the files lack under that name), a view that reads it from
     the other layout's tensors in `stored`, and the names it reads. `view(name)` opens one stored tensor."""
     found: dict[str, tuple] = {}
@@ -175,3 +182,61 @@ def expert_views_from_other_layout(model: nn.Module, missing: list[str], stored:
                 first_row = rows if match["kind"] == "up_proj" else 0
                 found[name] = (_ExpertOfFused(fused, int(match["index"]), first_row, rows), [source])
     return found
+
+
+def expert_modules(model: nn.Module, class_names: list[str]) -> list[str]:
+    present = {type(m).__name__ for m in model.modules()}
+    unknown = [name for name in class_names if name not in present]
+    if unknown and (choices := expert_class_choices(model)):
+        raise UserError(
+            f"strategy_config.wrap_policy.moe_experts: class '{unknown[0]}' matches no module of the model; "
+            f"for its experts name {choices}"
+        )
+    return modules_of_classes(model, class_names, "strategy_config.wrap_policy.moe_experts")
+
+
+def needs_expert_patch(model: nn.Module, experts: list[str], requested: bool, notes: list[str]) -> bool:
+    """Experts sharded one by one need the patch: without it the job hangs as soon as ranks route differently."""
+    single = separately_wrapped_experts(model, experts)
+    if single and not requested:
+        raise UserError(
+            f"strategy_config.apply_expert_patch: wrap_policy.moe_experts shards every expert on its own "
+            f"('{single[0]}', ...), and ranks whose tokens go to different experts would wait for each "
+            "other's all-gathers forever; set apply_expert_patch: true (every rank runs every expert) or "
+            "name the fused experts class instead"
+        )
+    if requested and not single:
+        notes.append(
+            "apply_expert_patch changes nothing: no expert is sharded on its own "
+            "(wrap_policy.moe_experts names no per-expert class)"
+        )
+    return requested and bool(single)
+
+
+def reentrant_allowed(model: nn.Module, recompute: list[str], use_reentrant: bool, notes: list[str]) -> bool:
+    """Reentrant checkpointing runs the first forward without autograd: a recomputed MoE block whose router logits
+    feed the auxiliary loss needs the non-reentrant kind (noted)."""
+    feeds_aux_loss = bool(getattr(getattr(model, "config", None), "output_router_logits", False))
+    if (
+        use_reentrant
+        and feeds_aux_loss
+        and any(is_moe_block(module) for name in recompute for module in model.get_submodule(name).modules())
+    ):
+        notes.append(
+            "use_reentrant: false: reentrant checkpointing runs the first forward without autograd, so the "
+            "router logits of recomputed MoE blocks would give the auxiliary loss no gradient"
+        )
+        return False
+    return use_reentrant
+
+
+def without_moe_blocks(model: nn.Module, mlps: list[str], notes: list[str]) -> list[str]:
+    """The MLPs TiledMLP may tile: mixture-of-experts blocks are left whole (their router outputs feed the
+    auxiliary loss and must keep their autograd graph)."""
+    moe_blocks = [name for name in mlps if is_moe_block(model.get_submodule(name))]
+    if moe_blocks:
+        notes.append(
+            f"apply_tiled_mlp: {len(moe_blocks)} mixture-of-experts blocks are not tiled (router outputs "
+            "feed the auxiliary loss)"
+        )
+    return [name for name in mlps if name not in moe_blocks]

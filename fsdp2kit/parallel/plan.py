@@ -13,8 +13,9 @@ import torch.nn as nn
 
 from fsdp2kit.config.schema import ModelConfig, StrategyConfig, pattern_class
 from fsdp2kit.errors import UserError
-from fsdp2kit.parallel.moe import expert_class_choices, is_moe_block, separately_wrapped_experts
-from fsdp2kit.parallel.vision import projector_modules, translate_vl_path
+from fsdp2kit.parallel.module_paths import modules_of_classes
+from fsdp2kit.parallel.moe import expert_modules, needs_expert_patch, reentrant_allowed, without_moe_blocks
+from fsdp2kit.parallel.vision import default_projector_groups, translate_vl_path, uncast_modules
 
 _SEGMENT_RANGE = re.compile(r"\{(\d+)-(\d+)\}")
 _SEGMENT_LIST = re.compile(r"\{(\d+(?:\s*,\s*\d+)*)\}")
@@ -63,18 +64,6 @@ def match_modules(model: nn.Module, patterns: list[str], key: str, notes: list[s
     return [n for n in names if n in matched]
 
 
-def modules_of_classes(model: nn.Module, class_names: list[str], key: str) -> list[str]:
-    found: list[str] = []
-    for class_name in class_names:
-        hits = [n for n, m in model.named_modules() if n and type(m).__name__ == class_name]
-        if not hits:
-            present = sorted({type(m).__name__ for m in model.modules()})
-            raise UserError(f"{key}: class '{class_name}' matches no module of the model; its classes are {present}")
-        found.extend(hits)
-    order = [n for n, _ in model.named_modules()]
-    return sorted(set(found), key=order.index)
-
-
 def _is_ancestor(parent: str, child: str) -> bool:
     return parent == "" or child.startswith(parent + ".")
 
@@ -118,8 +107,6 @@ class ShardingPlan:
     backward_prefetch: int
     use_reentrant: bool
     custom: bool = False  # the model's own `_fully_shard` decides the groups
-    vision_patch: bool = False  # every forward runs the vision tower, on a dummy image if need be (parallel/vision.py)
-    adapters: AdapterPlan | None = None  # filled by fsdp2kit.models.lora.plan_adapters
     notes: list[str] = field(default_factory=list)
 
 
@@ -188,13 +175,7 @@ def _tiled_mlps(model: nn.Module, groups: list[tuple[str, ...]], notes: list[str
     mlps = [
         f"{layer}.mlp" for layer in layers if isinstance(getattr(model.get_submodule(layer), "mlp", None), nn.Module)
     ]
-    moe_blocks = [name for name in mlps if is_moe_block(model.get_submodule(name))]
-    if moe_blocks:
-        notes.append(
-            f"apply_tiled_mlp: {len(moe_blocks)} mixture-of-experts blocks are not tiled (router outputs "
-            "feed the auxiliary loss)"
-        )
-    tiled = [name for name in mlps if name not in moe_blocks]
+    tiled = without_moe_blocks(model, mlps, notes)
     if not tiled:
         raise UserError(
             "strategy_config.apply_tiled_mlp: the model's decoder layers have no dense `mlp` module to tile"
@@ -208,42 +189,6 @@ def _tiled_mlps(model: nn.Module, groups: list[tuple[str, ...]], notes: list[str
                 f"'{inside}'; shard the MLP as a whole or turn apply_tiled_mlp off"
             )
     return tiled
-
-
-def _moe_experts(model: nn.Module, class_names: list[str]) -> list[str]:
-    present = {type(m).__name__ for m in model.modules()}
-    unknown = [name for name in class_names if name not in present]
-    if unknown and (choices := expert_class_choices(model)):
-        raise UserError(
-            f"strategy_config.wrap_policy.moe_experts: class '{unknown[0]}' matches no module of the model; "
-            f"for its experts name {choices}"
-        )
-    return modules_of_classes(model, class_names, "strategy_config.wrap_policy.moe_experts")
-
-
-def _expert_patch(model: nn.Module, experts: list[str], requested: bool, notes: list[str]) -> bool:
-    """Experts sharded one by one need the patch: without it the job hangs as soon as ranks route differently."""
-    single = separately_wrapped_experts(model, experts)
-    if single and not requested:
-        raise UserError(
-            f"strategy_config.apply_expert_patch: wrap_policy.moe_experts shards every expert on its own "
-            f"('{single[0]}', ...), and ranks whose tokens go to different experts would wait for each "
-            "other's all-gathers forever; set apply_expert_patch: true (every rank runs every expert) or "
-            "name the fused experts class instead"
-        )
-    if requested and not single:
-        notes.append(
-            "apply_expert_patch changes nothing: no expert is sharded on its own "
-            "(wrap_policy.moe_experts names no per-expert class)"
-        )
-    return requested and bool(single)
-
-
-def _recomputes_router_loss(model: nn.Module, recompute: list[str]) -> bool:
-    """Whether a recomputed module holds an MoE block whose router logits feed the model's auxiliary loss."""
-    return bool(getattr(getattr(model, "config", None), "output_router_logits", False)) and any(
-        is_moe_block(module) for name in recompute for module in model.get_submodule(name).modules()
-    )
 
 
 def effective_reshard(strategy: StrategyConfig) -> bool | int:
@@ -265,37 +210,25 @@ def effective_reshard(strategy: StrategyConfig) -> bool | int:
     return implied
 
 
-def build_plan(
-    model: nn.Module, strategy: StrategyConfig, model_cfg: ModelConfig, compile_layers: bool = False
-) -> ShardingPlan:
-    if strategy.pin_memory and not strategy.offload_policy:
-        raise UserError("strategy_config.pin_memory: true only applies with offload_policy: true")
+def _selected_modules(model: nn.Module, strategy: StrategyConfig, notes: list[str]) -> tuple[list[str], list[str]]:
+    """The modules that get their own fully_shard, by pattern, class (default: `_no_split_modules`, and a VL
+    model's projectors), expert class and size; and among them the experts."""
+    selected = match_modules(model, strategy.sub_modules_to_wrap, "sub_modules_to_wrap", notes)
+    policy = strategy.wrap_policy
+    classes = policy.transformer_layer_cls_to_wrap
+    if not (classes or strategy.sub_modules_to_wrap or policy.min_num_params or policy.no_wrap):
+        classes = _layer_classes(model)  # a VL model's list names its vision block too
+        selected += default_projector_groups(model, notes)
+    selected += modules_of_classes(model, classes, "strategy_config.wrap_policy.transformer_layer_cls_to_wrap")
+    experts = expert_modules(model, policy.moe_experts)
+    selected += experts
+    if policy.min_num_params:
+        selected += _size_based(model, policy.min_num_params, set(selected))
+    return selected, experts
 
-    notes: list[str] = []
-    ignored = match_modules(model, strategy.ignored_modules, "ignored_modules", notes)
-    custom = callable(getattr(model, "_fully_shard", None))
-    if custom:
-        _no_selection_keys(strategy, type(model).__name__)
-    selected: list[str] = []
-    experts: list[str] = []
-    if not custom:
-        selected += match_modules(model, strategy.sub_modules_to_wrap, "sub_modules_to_wrap", notes)
-        classes = strategy.wrap_policy.transformer_layer_cls_to_wrap
-        policy = strategy.wrap_policy
-        if not (classes or strategy.sub_modules_to_wrap or policy.min_num_params or policy.no_wrap):
-            classes = _layer_classes(model)  # a VL model's list names its vision block too
-            if getattr(getattr(model, "config", None), "vision_config", None) is not None:
-                projectors = projector_modules(model)
-                selected += projectors
-                notes += [
-                    f"vision projector '{name}': its own shard group (ROLL and MindSpeed-MM leave it in the root's)"
-                    for name in projectors
-                ]
-        selected += modules_of_classes(model, classes, "strategy_config.wrap_policy.transformer_layer_cls_to_wrap")
-        experts = _moe_experts(model, strategy.wrap_policy.moe_experts)
-        selected += experts
-        if strategy.wrap_policy.min_num_params:
-            selected += _size_based(model, strategy.wrap_policy.min_num_params, set(selected))
+
+def _embedding_modules_to_wrap(model: nn.Module, strategy: StrategyConfig) -> list[str]:
+    """The input embeddings and LM head, where wrap_embeddings / wrap_lm_output give them their own group."""
     embed, head = _embedding_modules(model)
     extra: list[str] = []
     wrap_embeddings = strategy.wrap_policy.wrap_embeddings
@@ -307,58 +240,89 @@ def build_plan(
         if head is None:
             raise UserError("strategy_config.wrap_policy.wrap_lm_output: the model exposes no output embeddings")
         extra.append(head)
+    return extra
 
-    overlap = [n for n in selected + extra if any(_is_ancestor(i, n) or _is_ancestor(n, i) for i in ignored)]
+
+def _shard_groups(model: nn.Module, selected: list[str], extra: list[str], notes: list[str]) -> list[tuple[str, ...]]:
+    """One group per selected module, in forward order; tied embeddings and LM head share one."""
+    order = [n for n, _ in model.named_modules()]
+    groups: list[tuple[str, ...]] = [(n,) for n in sorted(set(selected), key=order.index)]
+    if not extra:
+        return groups
+    embed, head = _embedding_modules(model)
+    # A weight shared by the embeddings and the LM head must live in one shard group, or the tie breaks.
+    if embed is not None and head is not None and _tied(model, embed, head):
+        groups.append((embed, head))
+        notes.append(f"tied weights: '{embed}' and '{head}' share one shard group")
+    else:
+        groups += [(n,) for n in extra]
+    return sorted(groups, key=lambda g: order.index(g[0]))
+
+
+def _refuse_ignored_overlap(sharded: list[str], ignored: list[str]) -> None:
+    overlap = [n for n in sharded if any(_is_ancestor(i, n) or _is_ancestor(n, i) for i in ignored)]
     if overlap:
         raise UserError(
             f"strategy_config.ignored_modules: '{overlap[0]}' is both ignored and sharded "
             "(or contains an ignored module)"
         )
 
-    order = [n for n, _ in model.named_modules()]
-    names = sorted(set(selected), key=order.index)
-    groups: list[tuple[str, ...]] = [(n,) for n in names]
-    if extra:
-        # A weight shared by the embeddings and the LM head must live in one shard group, or the tie breaks.
-        if embed is not None and head is not None and _tied(model, embed, head):
-            groups.append((embed, head))
-            notes.append(f"tied weights: '{embed}' and '{head}' share one shard group")
-        else:
-            groups += [(n,) for n in extra]
-        groups.sort(key=lambda g: order.index(g[0]))
-    expert_patch = _expert_patch(model, experts, strategy.apply_expert_patch, notes)
-    if strategy.num_to_backward_prefetch == 0:
-        notes.append("num_to_backward_prefetch 0 acts as 1: FSDP2 always prefetches the previous group in backward")
 
+def _recompute_plan(
+    model: nn.Module, strategy: StrategyConfig, model_cfg: ModelConfig, notes: list[str]
+) -> tuple[list[str], bool]:
+    """The recomputed modules (recompute_modules, and every decoder layer with gradient_checkpointing) and whether
+    checkpointing may be reentrant."""
     recompute = match_modules(model, strategy.recompute_modules, "recompute_modules", notes)
     if model_cfg.gradient_checkpointing:
+        order = [n for n, _ in model.named_modules()]
         recompute = sorted(
             set(recompute) | set(modules_of_classes(model, _layer_classes(model), "model.gradient_checkpointing")),
             key=order.index,
         )
-    use_reentrant = strategy.use_reentrant
-    if use_reentrant and _recomputes_router_loss(model, recompute):
-        use_reentrant = False
-        notes.append(
-            "use_reentrant: false: reentrant checkpointing runs the first forward without autograd, so the "
-            "router logits of recomputed MoE blocks would give the auxiliary loss no gradient"
-        )
+    return recompute, reentrant_allowed(model, recompute, strategy.use_reentrant, notes)
 
-    # Parameters the model itself marks frozen: with LoRA, peft leaves only the adapters trainable.
+
+def _frozen_parameters(model: nn.Module, prefixes: list[str], notes: list[str]) -> list[str]:
+    """Parameters the model itself marks frozen (with LoRA, peft leaves only the adapters trainable) and those under
+    model.freeze_module_prefix, in parameter order."""
+    names = [n for n, _ in model.named_parameters()]
     frozen: list[str] = [n for n, p in model.named_parameters() if not p.requires_grad]
-    for prefix in model_cfg.freeze_module_prefix:
-        hits = [n for n, _ in model.named_parameters() if n == prefix or n.startswith(prefix.rstrip(".") + ".")]
+    for prefix in prefixes:
+        hits = [n for n in names if n == prefix or n.startswith(prefix.rstrip(".") + ".")]
         translated = None if hits else translate_vl_path(model, prefix.rstrip("."))
         if translated:  # ROLL's `freeze_module_prefix: vision_model`
-            hits = [n for n, _ in model.named_parameters() if n.startswith(translated + ".")]
+            hits = [n for n in names if n.startswith(translated + ".")]
             notes.append(f"model.freeze_module_prefix: '{prefix}' read as '{translated}'")
         if not hits:
             raise UserError(f"model.freeze_module_prefix: '{prefix}' is the prefix of no parameter")
         frozen += hits
+    return sorted(set(frozen), key=names.index)
 
+
+def build_plan(
+    model: nn.Module, strategy: StrategyConfig, model_cfg: ModelConfig, compile_layers: bool = False
+) -> ShardingPlan:
+    """The plan, concern by concern: shard groups, ignored modules, recompute, freezing, TiledMLP, precision,
+    reshard and prefetch; the notes say where it deviates from what was written."""
+    if strategy.pin_memory and not strategy.offload_policy:
+        raise UserError("strategy_config.pin_memory: true only applies with offload_policy: true")
+    notes: list[str] = []
+    ignored = match_modules(model, strategy.ignored_modules, "ignored_modules", notes)
+    custom = callable(getattr(model, "_fully_shard", None))
+    if custom:
+        _no_selection_keys(strategy, type(model).__name__)
+    selected, experts = ([], []) if custom else _selected_modules(model, strategy, notes)
+    extra = _embedding_modules_to_wrap(model, strategy)
+    _refuse_ignored_overlap(selected + extra, ignored)
+    groups = _shard_groups(model, selected, extra, notes)
+    expert_patch = needs_expert_patch(model, experts, strategy.apply_expert_patch, notes)
+    if strategy.num_to_backward_prefetch == 0:
+        notes.append("num_to_backward_prefetch 0 acts as 1: FSDP2 always prefetches the previous group in backward")
+    recompute, use_reentrant = _recompute_plan(model, strategy, model_cfg, notes)
+    frozen = _frozen_parameters(model, model_cfg.freeze_module_prefix, notes)
     tiled_mlps = _tiled_mlps(model, groups, notes) if strategy.apply_tiled_mlp else []
-    model_dtype = model_cfg.dtype
-    param_dtype = strategy.param_dtype or model_dtype
+    param_dtype = strategy.param_dtype or model_cfg.dtype
     return ShardingPlan(
         groups=groups,
         ignored_modules=ignored,
@@ -367,19 +331,18 @@ def build_plan(
         tiled_mlp_modules=tiled_mlps,
         tiled_num_shards=strategy.tiled_num_shards,
         expert_patch=expert_patch,
-        frozen_parameters=sorted(set(frozen), key=[n for n, _ in model.named_parameters()].index),
+        frozen_parameters=frozen,
         reshard_after_forward=effective_reshard(strategy),
         param_dtype=param_dtype,
         reduce_dtype=strategy.reduce_dtype or param_dtype,
         output_dtype=strategy.output_dtype,
         cast_forward_inputs=strategy.cast_forward_inputs,
-        no_cast_modules=[n for g in groups for n in g if re.search(r"vision|visual", n)],
+        no_cast_modules=uncast_modules(groups),
         offload=strategy.offload_policy,
         pin_memory=strategy.pin_memory,
         forward_prefetch=strategy.num_to_forward_prefetch,
         backward_prefetch=strategy.num_to_backward_prefetch,
         use_reentrant=use_reentrant,
         custom=custom,
-        vision_patch=getattr(getattr(model, "config", None), "vision_config", None) is not None,
         notes=notes,
     )

@@ -7,6 +7,7 @@ hook before the recomputation runs."""
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
@@ -16,7 +17,7 @@ from fsdp2kit.parallel.forward_patch import Forward, replace_forward
 
 def apply_recompute(model: nn.Module, module_names: list[str], use_reentrant: bool) -> None:
     def recompute(module: nn.Module, forward: Forward) -> Forward:
-        def recomputed(*args, **kwargs):
+        def recomputed(*args: Any, **kwargs: Any) -> Any:
             if use_reentrant:
                 # The reentrant implementation takes positional tensors only; bind the keywords.
                 return checkpoint(functools.partial(forward, **kwargs), *args, use_reentrant=True)

@@ -10,6 +10,9 @@ tiles of the forward and their recomputation in backward see the full, unsharded
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import torch.nn as nn
 
@@ -21,7 +24,14 @@ class _TiledMLP(torch.autograd.Function):
     inside the MLP is saved; the parameters are inputs only so that their gradients flow back through `backward`."""
 
     @staticmethod
-    def forward(ctx, mlp: nn.Module, mlp_forward, num_shards: int, hidden_states: torch.Tensor, *params: torch.Tensor):
+    def forward(
+        ctx: Any,
+        mlp: nn.Module,
+        mlp_forward: Callable[[torch.Tensor], torch.Tensor],
+        num_shards: int,
+        hidden_states: torch.Tensor,
+        *params: torch.Tensor,
+    ) -> torch.Tensor:
         ctx.mlp, ctx.mlp_forward, ctx.num_shards = mlp, mlp_forward, num_shards
         ctx.save_for_backward(hidden_states)
         tokens = hidden_states.reshape(-1, hidden_states.shape[-1])  # an MLP acts on each token alone
@@ -29,7 +39,7 @@ class _TiledMLP(torch.autograd.Function):
         return out.view(*hidden_states.shape[:-1], out.shape[-1])
 
     @staticmethod
-    def backward(ctx, grad_output: torch.Tensor):
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         (hidden_states,) = ctx.saved_tensors
         # The parameters the recomputation uses: under FSDP, the unsharded ones its hooks have just all-gathered
         # (the same tensors that were passed to forward).
@@ -66,7 +76,7 @@ class _TiledMLP(torch.autograd.Function):
 
 def apply_tiled_mlp(model: nn.Module, module_names: list[str], num_shards: int) -> None:
     def tile(mlp: nn.Module, forward: Forward) -> Forward:
-        def tiled(hidden_states):
+        def tiled(hidden_states: torch.Tensor) -> torch.Tensor:
             return _TiledMLP.apply(mlp, forward, num_shards, hidden_states, *mlp.parameters())
 
         return tiled

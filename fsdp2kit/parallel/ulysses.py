@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -34,8 +34,9 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 
-def apply_ulysses(model: PreTrainedModel, group: ProcessGroup) -> None:
-    """Switch the model's attention to the Ulysses wrapper around its configured implementation (sdpa or eager)."""
+def apply_ulysses(model: PreTrainedModel, group: ProcessGroup, sub_config: str | None = None) -> None:
+    """Switch the model's attention (or its `sub_config` part's) to the Ulysses wrapper around its configured
+    implementation (sdpa or eager)."""
     from transformers import AttentionInterface
 
     size = group.size()
@@ -51,8 +52,9 @@ def apply_ulysses(model: PreTrainedModel, group: ProcessGroup) -> None:
     name = f"ulysses_{inner}"
     # One SP group per process, so one registration per inner implementation serves every model of the process.
     AttentionInterface.register(name, _ulysses_attention(inner, group))
-    # A vision-language model's tower runs unsplit (parallel/vision.py): only its language model is switched.
-    model.set_attn_implementation({"text_config": name} if getattr(model.config, "vision_config", None) else name)
+    # `sub_config` names the part of the model that attends over the sequence (a VL model's language model: its tower
+    # runs unsplit, parallel/vision.py); None switches the whole model.
+    model.set_attn_implementation({sub_config: name} if sub_config else name)
 
 
 def shard_sequence(batch: dict[str, torch.Tensor], group: ProcessGroup) -> dict[str, torch.Tensor]:
@@ -95,12 +97,12 @@ class _AllToAll(torch.autograd.Function):
     """`_all_to_all` with its gradient: the reverse exchange (gather_dim scattered, scatter_dim gathered)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: ProcessGroup, scatter_dim: int, gather_dim: int) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup, scatter_dim: int, gather_dim: int) -> torch.Tensor:
         ctx.group, ctx.scatter_dim, ctx.gather_dim = group, scatter_dim, gather_dim
         return _all_to_all(x, group, scatter_dim, gather_dim)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         return _all_to_all(grad, ctx.group, ctx.gather_dim, ctx.scatter_dim), None, None, None
 
 
@@ -112,7 +114,7 @@ class _RegroupedAttention:
         self._module = module
         self.num_key_value_groups = num_key_value_groups
 
-    def __getattr__(self, name: str):
+    def __getattr__(self, name: str) -> Any:
         return getattr(self._module, name)
 
 
@@ -160,7 +162,14 @@ def _ulysses_attention(inner: str, group: ProcessGroup) -> Callable:
 
     size = group.size()
 
-    def attention(module, query, key, value, attention_mask, **kwargs):
+    def attention(
+        module: Any,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        **kwargs: Any,
+    ) -> Any:
         inner_attention = ALL_ATTENTION_FUNCTIONS["sdpa"] if inner == "sdpa" else _eager_attention(module)
         kv_repeats = math.lcm(key.shape[1], size) // key.shape[1]
         if kv_repeats > 1:  # fewer key/value heads than ranks (GQA): repeat them so that every rank gets whole ones

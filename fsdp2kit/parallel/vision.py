@@ -38,6 +38,24 @@ def projector_modules(model: nn.Module) -> list[str]:
     return [n for n in names if not any(n.startswith(outer + ".") for outer in names)]
 
 
+def default_projector_groups(model: nn.Module, notes: list[str]) -> list[str]:
+    """With the default shard groups, a VL model's projectors get their own (ROLL and MindSpeed-MM leave them in the
+    root's); none for a text model."""
+    if getattr(getattr(model, "config", None), "vision_config", None) is None:
+        return []
+    projectors = projector_modules(model)
+    notes += [
+        f"vision projector '{name}': its own shard group (ROLL and MindSpeed-MM leave it in the root's)"
+        for name in projectors
+    ]
+    return projectors
+
+
+def uncast_modules(groups: list[tuple[str, ...]]) -> list[str]:
+    """Shard groups of a vision encoder: their inputs keep their precision (pixel values are not cast)."""
+    return [name for group in groups for name in group if re.search(r"vision|visual", name)]
+
+
 # Other stacks' names for a VL model's two halves, read as transformers' module paths: ROLL's `vision_model`, LLaVA's
 # `vision_tower`, MindSpeed-MM's `image_encoder`/`text_decoder` (its own Qwen2.5-VL) and `language_model.model`
 # (InternVL) or `language_model` (Mistral3), all relative to the model that holds the tower.
@@ -81,7 +99,7 @@ def _dummy_image(inner: Any) -> tuple[torch.Tensor, torch.Tensor]:
     return pixels, grid
 
 
-def _zero_sum(value) -> torch.Tensor | None:
+def _zero_sum(value: Any) -> torch.Tensor | None:
     """0 x the sum of every floating tensor in a (nested) model output: joins them to the graph, changes nothing."""
     if isinstance(value, torch.Tensor):
         return value.float().sum() * 0 if value.is_floating_point() else None
@@ -99,12 +117,12 @@ def apply_vision_patch(model: nn.Module) -> None:
     inner = vision_tower_owner(model)
     pending: list[torch.Tensor | None] = []
 
-    def before(module, args, kwargs):
+    def before(module: Any, args: tuple, kwargs: dict[str, Any]) -> None:
         if kwargs.get("pixel_values") is None and not kwargs.get("past_key_values"):
             pixels, grid = _dummy_image(module)
             pending.append(_zero_sum(module.get_image_features(pixels, grid)))
 
-    def after(module, args, kwargs, output):
+    def after(module: nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> Any:
         zero = pending.pop() if pending else None
         if zero is not None:
             output.last_hidden_state = output.last_hidden_state + zero.to(output.last_hidden_state.dtype)
@@ -122,7 +140,7 @@ def apply_vision_ulysses(model: nn.Module, group: ProcessGroup) -> None:
     language_model = vision_tower_owner(model).language_model
     size, rank = group.size(), group.rank()
 
-    def split(module, args, kwargs):
+    def split(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
         embeds = kwargs["inputs_embeds"]
         length = embeds.shape[1]
         local = slice(rank * length // size, (rank + 1) * length // size)

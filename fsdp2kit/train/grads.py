@@ -103,6 +103,7 @@ class NonFiniteGuard:
         self.limit = limit
         self.scaler = scaler
         self.skipped_in_a_row = 0
+        self.applied = 0
 
     def step_is_finite(self, loss: float, grad_norm: float) -> bool:
         """Whether to apply this step's update; also tells the loss scaler whether the gradients overflowed."""
@@ -110,6 +111,7 @@ class NonFiniteGuard:
         self.scaler.update(overflowed)
         if math.isfinite(loss) and not overflowed:
             self.skipped_in_a_row = 0
+            self.applied += 1
             return True
         if not (math.isfinite(loss) and self.scaler.enabled):
             self.skipped_in_a_row += 1
@@ -126,4 +128,13 @@ class NonFiniteGuard:
             raise TrainingDiverged(
                 "training diverged: fp16 gradients overflow even unscaled "
                 f"(the loss scale fell below 1 at step {step}); lower training.learning_rate or compute in bf16"
+            )
+
+    def stop_if_nothing_trained(self, steps: int) -> None:
+        """A run shorter than `limit` steps whose every step was skipped must not end as done with its weights
+        unchanged (or NaN) and exported: it stops like a diverged one."""
+        if steps and not self.applied:
+            raise TrainingDiverged(
+                f"training diverged: every one of this run's {steps} steps had a non-finite loss or gradient norm "
+                "(are the model's weights finite?); nothing was saved or exported"
             )

@@ -29,7 +29,7 @@ class StopSignals:
             f"{name} again: stopped at once; no checkpoint was being written"
         )
 
-    def _handle(self, signum: int, frame) -> None:
+    def _handle(self, signum: int, frame: object) -> None:
         if self.signum:  # the second one: do not wait for anything
             os._exit(report_error(self.abandon_message(signal.Signals(signum).name), 128 + signum))
         self.signum = signum
@@ -47,6 +47,6 @@ class StopSignals:
                 self.previous[signum] = signal.signal(signum, self._handle)
         return self
 
-    def __exit__(self, *exc_info) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         for signum, handler in self.previous.items():
             signal.signal(signum, handler)

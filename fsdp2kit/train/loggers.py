@@ -14,7 +14,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from fsdp2kit.config.schema import JobConfig
-from fsdp2kit.errors import UserError
+from fsdp2kit.durable import disk_full_message, ran_out_of_space
+from fsdp2kit.errors import RunFault, UserError
 
 
 def _scalars(record: dict) -> dict[str, float]:
@@ -69,8 +70,17 @@ class JsonlLog:
             os.replace(rewritten, path)
 
     def write(self, record: dict) -> None:
-        with self.path.open("a") as handle:
-            handle.write(json.dumps(record) + "\n")
+        line = json.dumps(record) + "\n"
+        try:
+            with self.path.open("a") as handle:
+                handle.write(line)
+        except OSError as exc:
+            if not ran_out_of_space(self.path.parent, exc):
+                raise
+            intact = "the records before it are intact (a torn last line is dropped on resume), and the checkpoints"
+            raise RunFault(
+                disk_full_message(self.path.parent, f"step {record['step']}'s metrics", len(line), intact)
+            ) from None
 
     def close(self) -> None:
         pass
@@ -188,6 +198,6 @@ class RunLoggers:
     def __enter__(self) -> RunLoggers:
         return self
 
-    def __exit__(self, *exc_info) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         for log in self.logs:
             log.close()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 # Dense bf16 peak FLOP/s of common accelerators (no sparsity).
@@ -18,7 +20,7 @@ PEAK_FLOPS = {
 }
 
 
-def flops_per_token(hf_config, num_params: int, seq_len: int) -> float:
+def flops_per_token(hf_config: Any, num_params: int, seq_len: int) -> float:
     """6N for the weights (forward + backward) plus the attention score/value matmuls: 12 * layers * hidden * seq."""
     layers = getattr(hf_config, "num_hidden_layers", 0)
     hidden = getattr(hf_config, "hidden_size", 0)

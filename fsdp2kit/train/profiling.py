@@ -28,7 +28,7 @@ class StepProfiler:
     def __enter__(self) -> StepProfiler:
         return self
 
-    def __exit__(self, *exc_info) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         """Write the trace also when the run ends before the last profiled step."""
         self.stop()
 

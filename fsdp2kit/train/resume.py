@@ -3,11 +3,16 @@ or the continued loss curve silently belongs to another run."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
+from torch.optim.lr_scheduler import LRScheduler
 
+from fsdp2kit.config.schema import DataConfig
+from fsdp2kit.data.dataset import source_files
 from fsdp2kit.errors import UserError
 
 _MISSING = object()
@@ -43,10 +48,83 @@ def check_unchanged(checkpoint: Path, saved: dict, current: dict, allow_changes:
         return
     key, old, new = change
     what = f"'{checkpoint}' was trained with {key} = {old!r}, this run has {new!r}"
+    _refuse_or_warn(what, "the run would not continue the same loss curve. Set", allow_changes)
+
+
+def _refuse_or_warn(what: str, consequence: str, allow_changes: bool) -> None:
+    """A change at resume: one error line, or with training.resume_allow_changes one warning line."""
     if not allow_changes:
         raise UserError(
-            f"training.resume: {what}; the run would not continue the same loss curve. Set "
-            "training.resume_allow_changes: true to resume anyway, or training.resume: never to start afresh"
+            f"training.resume: {what}; {consequence} training.resume_allow_changes: true to resume anyway, or "
+            "training.resume: never to start afresh"
         )
     if dist.get_rank() == 0:
         print(f"warning: training.resume: {what} (allowed by training.resume_allow_changes)", flush=True)
+
+
+# What a run's optimizer takes from its config: AdamW's param-group settings, and the schedule's peak.
+OPTIMIZER_SETTINGS = ("weight_decay", "betas", "eps", "initial_lr")
+OPTIMIZER_KEYS = ("learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon")
+
+
+def optimizer_settings(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """Each param group's settings as this run's config made them, read before a checkpoint's state replaces them
+    (torch's load_state_dict restores the saved run's learning rate, betas, eps and weight decay with the moments)."""
+    return [{key: group.get(key, group["lr"]) for key in OPTIMIZER_SETTINGS} for group in optimizer.param_groups]
+
+
+def apply_settings(optimizer: torch.optim.Optimizer, scheduler: LRScheduler, settings: list[dict[str, Any]]) -> None:
+    """This run's optimizer settings over the loaded state (the moments and step counts stay), the schedule's peak
+    this run's learning rate, continued where the loaded schedule was."""
+    for group, mine in zip(optimizer.param_groups, settings, strict=True):
+        group.update(mine)
+    scheduler.base_lrs = [mine["initial_lr"] for mine in settings]
+    for group, lr in zip(optimizer.param_groups, scheduler.get_lr(), strict=True):
+        group["lr"] = lr
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]  # what get_last_lr() reports
+
+
+def changed_optimizer_keys(saved: dict, current: dict) -> list[str]:
+    """`key old -> new` for each optimizer setting the checkpoint's run had otherwise (its config.json)."""
+    changes = []
+    for key in OPTIMIZER_KEYS:
+        old, new = _at(saved, f"training.{key}"), _at(current, f"training.{key}")
+        if old is not _MISSING and old != new:
+            changes.append(f"training.{key} {old} -> {new}")
+    return changes
+
+
+def check_trainer_state(state: dict, path: Path) -> None:
+    """The values a resume uses from trainer_state.json, checked: a crafted or damaged file is one sentence, never a
+    run at a learning rate nobody chose."""
+    where = f"training.resume: '{path / 'trainer_state.json'}'"
+    step = state["step"]
+    scheduler = state.get("scheduler")
+    scheduler = scheduler if isinstance(scheduler, dict) else {}
+    position = scheduler.get("last_epoch")
+    if not (isinstance(position, int) and 0 <= position <= step and isinstance(scheduler.get("base_lrs"), list)):
+        raise UserError(f"{where} is damaged: its scheduler state is not a schedule at step {step} or before")
+    scaler = state.get("loss_scaler", {"scale": 1.0, "clean_steps": 0})
+    scale, clean = (scaler.get("scale"), scaler.get("clean_steps")) if isinstance(scaler, dict) else (None, None)
+    if not (isinstance(scale, int | float) and math.isfinite(scale) and scale > 0 and isinstance(clean, int)):
+        raise UserError(f"{where} is damaged: its loss_scaler must hold a finite scale > 0 and a step count")
+
+
+def data_files(data: DataConfig) -> list[list[Any]]:
+    """The data source's files as a checkpoint records them: path, size and modification time (cheap to compare)."""
+    return [[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in source_files(data.source)]
+
+
+def check_data_unchanged(checkpoint: Path, saved: dict, data: DataConfig, allow_changes: bool) -> None:
+    """An edited data file changes the samples and their order: the resumed run would not continue the same curve.
+    Refused unless training.resume_allow_changes (then one warning line); checkpoints older than this record pass."""
+    recorded = saved.get("data_files")
+    if recorded is None:
+        return
+    now = {path: (size, mtime) for path, size, mtime in data_files(data)}
+    before = {path: (size, mtime) for path, size, mtime in recorded}
+    changed = sorted(set(now) ^ set(before)) or sorted(p for p in now if now[p] != before[p])
+    if not changed:
+        return
+    what = f"data file '{changed[0]}' is not the one '{checkpoint}' was trained on (added, removed or modified since)"
+    _refuse_or_warn(what, "the samples and their order would change. Restore it, set", allow_changes)

@@ -83,5 +83,23 @@ class OutputDirLock:
     def __enter__(self) -> OutputDirLock:
         return self
 
-    def __exit__(self, *exc_info) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.release()
+
+
+# What a run writes (or rewrites, or prunes) in its output_dir.
+RUN_OUTPUTS = ("config.json", "config.given", "checkpoints", "hf", "adapter", "metrics.jsonl", "report")
+
+
+def refuse_inputs_in_outputs(output_dir: Path, inputs: dict[str, Path]) -> None:
+    """An input of the run (model folder, data file, tokenizer) that is output_dir itself or inside what the run
+    writes there would be overwritten (config.json) or pruned (checkpoints) while the run reads it."""
+    out = output_dir.resolve()
+    written = [out / name for name in RUN_OUTPUTS]
+    for key, path in inputs.items():
+        where = path.resolve()
+        if where == out or any(where == w or w in where.parents for w in written):
+            raise UserError(
+                f"{key}: '{path}' is training.output_dir '{output_dir}' or inside what a run writes there "
+                f"({', '.join(RUN_OUTPUTS)}); give an output_dir apart from the run's inputs"
+            )

@@ -14,6 +14,7 @@ Every step records where each native key came from (for error messages) and what
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, cast
 
@@ -91,7 +92,7 @@ def _refuse_strategy_file(raw: dict[str, Any], source: str) -> None:
             )
 
 
-def _leaves(node: dict[str, Any], prefix: str = ""):
+def _leaves(node: dict[str, Any], prefix: str = "") -> Iterator[str]:
     for key, value in node.items():
         if isinstance(value, dict):
             yield from _leaves(value, f"{prefix}{key}.")

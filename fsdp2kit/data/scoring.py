@@ -1,0 +1,71 @@
+"""What `fsdp2kit infer` scores, sample by sample: documents as the model's users tokenise them, or a VL model's
+conversations (scored on their assistant turns). Each source gives this rank's sample indices and collates a list of
+them into a shifted batch; an empty list gives a dummy batch, with which a rank out of samples still joins each
+round's collectives."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from fsdp2kit.config.schema import DataConfig
+from fsdp2kit.data.dataset import collate
+from fsdp2kit.data.store import TokenStore, token_store
+from fsdp2kit.data.vl import VLEncoder, VLSample, load_conversations
+
+
+class ScoringSource(Protocol):
+    def indices(self, first: int, step: int) -> tuple[list[int], list[int]]:
+        """(samples without a term, samples to score) among first, first + step, ..."""
+        ...
+
+    def batch_of(self, chunk: list[int]) -> dict[str, torch.Tensor]: ...
+
+
+@dataclass
+class DocumentScoring:
+    """As the model's users tokenise: default special tokens, no EOS (the store appends one for training), no
+    packing, truncated at data.seq_len (a prompt/response record is the prompt's ids followed by the response's).
+    A document of fewer than 2 tokens has no term: recorded as such, never sent to the model."""
+
+    store: TokenStore
+    lengths: np.ndarray
+    pad_id: int
+
+    @classmethod
+    def open(cls, data: DataConfig, tokenizer: Any, pad_id: int) -> DocumentScoring:
+        store = token_store(data, tokenizer)
+        lengths = np.minimum(np.diff(store.offsets) - int(store.eos_appended), data.seq_len)
+        return cls(store, lengths, pad_id)
+
+    def indices(self, first: int, step: int) -> tuple[list[int], list[int]]:
+        mine = np.arange(first, self.store.num_documents, step)
+        return mine[self.lengths[mine] < 2].tolist(), mine[self.lengths[mine] >= 2].tolist()
+
+    def batch_of(self, chunk: list[int]) -> dict[str, torch.Tensor]:
+        documents = [torch.from_numpy(self.store.document(i)[: self.lengths[i]].astype(np.int64)) for i in chunk]
+        return collate(documents or [torch.tensor([self.pad_id, self.pad_id])], self.pad_id)
+
+
+@dataclass
+class ConversationScoring:
+    """A VL model's conversations, encoded (images read) batch by batch; scored on their assistant turns."""
+
+    encoder: VLEncoder
+    conversations: list[Any]
+    pad_id: int
+
+    def indices(self, first: int, step: int) -> tuple[list[int], list[int]]:
+        return [], list(range(first, len(self.conversations), step))
+
+    def batch_of(self, chunk: list[int]) -> dict[str, torch.Tensor]:
+        samples = [self.encoder.encode(self.conversations[i]) for i in chunk]
+        dummy = VLSample(torch.tensor([self.pad_id, self.pad_id]), torch.zeros(2) > 0)
+        return self.encoder.collate(samples or [dummy], self.pad_id)
+
+    @classmethod
+    def open(cls, data: DataConfig, encoder: VLEncoder, pad_id: int) -> ConversationScoring:
+        return cls(encoder, load_conversations(data), pad_id)

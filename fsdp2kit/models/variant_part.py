@@ -1,0 +1,42 @@
+"""The hooks a facet of a model (LoRA, experts sharded one by one, the vision tower) has at each stage of the build,
+each a no-op unless the facet changes it. `models/variant.py` picks the parts; each lives beside its feature."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch.nn as nn
+from torch.distributed import ProcessGroup
+
+from fsdp2kit.config.schema import TrainingConfig
+from fsdp2kit.parallel.plan import AdapterPlan, ShardingPlan
+
+
+class VariantPart:
+    keeps_base_dtype = False  # a frozen base trains in model.dtype, not fp32 master weights
+    replaces_hf_export = False  # its own export replaces the HF folder (LoRA: the adapter folder)
+    adapters: AdapterPlan | None = None  # LoRA's adapters, for check and the memory tables
+
+    def patch_meta(self, model: nn.Module, sp_group: ProcessGroup | None) -> None:
+        """Change the meta-device model before the plan is made."""
+
+    def after_plan(self, model: nn.Module, plan: ShardingPlan) -> None:
+        """Read or extend the plan before the patches and fully_shard."""
+
+    def patch_sharded(self, model: nn.Module, plan: ShardingPlan) -> None:
+        """Change how modules run, after recompute and before fully_shard."""
+
+    def materialise(self, model: nn.Module, seed: int) -> None:
+        """Initialise or load this part's own weights once the base's are in place."""
+
+    def checkpoint_config(self, model: nn.Module, name_or_path: str) -> Any:
+        """A config each checkpoint carries instead of the HF config (and then only trainable tensors), or None."""
+        return None
+
+    def export(self, model: nn.Module, output_dir: Path, name_or_path: str, tc: TrainingConfig, is_main: bool) -> None:
+        """Its own end-of-run export."""
+
+    def describe(self) -> dict[str, Any]:
+        """This part's lines in `check --json`."""
+        return {}

@@ -1,0 +1,412 @@
+"""`fsdp2kit.Strategy`: the back-end that RL frameworks and custom loops drive from Python, as ROLL's workers drive
+their `fsdp2_train` / `fsdp2_infer` strategies. The `train` and `infer` commands are its clients: what they prove,
+the API gets.
+
+Batches given to the API follow transformers' convention (`input_ids` [B, T], `labels` unshifted, -100 = no target).
+Inside, a batch is held shifted, as the commands' data pipeline makes it: the model reads positions 0..T-2 and
+position t's target is token t+1, so the logits (or log-probs) of position t are those of `log_probs[:, t]`."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fsdp2kit.checkpoint.manager import CheckpointManager
+from fsdp2kit.config.load import load_config, validate
+from fsdp2kit.config.schema import JobConfig
+from fsdp2kit.config.yaml_io import apply_overrides
+from fsdp2kit.data.dataset import load_tokenizer, model_inputs
+from fsdp2kit.distributed import Runtime, init_distributed
+from fsdp2kit.errors import UserError
+from fsdp2kit.labels import IGNORE_INDEX
+from fsdp2kit.models.export import export_hf, hf_tensors
+from fsdp2kit.models.sharded import ShardedModel, build_sharded_model
+from fsdp2kit.parallel.token_logprobs import TokenRequest, chunk_tokens, install_token_head, token_request
+from fsdp2kit.train.grads import LossScaler, NonFiniteGuard
+from fsdp2kit.train.optim import build_optimizer, build_scheduler
+from fsdp2kit.train.resume import apply_settings, changed_optimizer_keys, check_trainer_state, optimizer_settings
+from fsdp2kit.train.step import MicroBatchLoss, StepResult, TokenCrossEntropy, train_step, with_aux_loss
+
+Batch = dict[str, torch.Tensor]
+LossFn = Callable[[torch.Tensor, Batch], tuple[torch.Tensor, torch.Tensor]]
+
+# forward_step always works in chunks (of 256 tokens unless training.loss_chunk_tokens says otherwise): its point
+# is log-probs and entropies without the [B, T, vocab] float32 tensor and its temporaries.
+FORWARD_CHUNK_TOKENS = 256
+
+
+class Strategy:
+    """One sharded model on this rank, with its optimizer, schedule and loss scaler when it trains."""
+
+    def __init__(
+        self, cfg: JobConfig, runtime: Runtime, total_steps: int | None = None, training: bool | None = None
+    ) -> None:
+        """`training` defaults to what strategy_args.strategy_name says (fsdp2_train or fsdp2_infer)."""
+        self.cfg, self.runtime = cfg, runtime
+        tc = cfg.training
+        self.training = cfg.strategy_args.strategy_name == "fsdp2_train" if training is None else training
+        torch.manual_seed(tc.seed)
+        self.sharded: ShardedModel = build_sharded_model(
+            cfg.model,
+            cfg.strategy_args.strategy_config,
+            cfg.data,
+            runtime,
+            training=self.training,
+            seed=tc.seed,
+            compile_layers=tc.compile,
+        )
+        self.model = self.sharded.model
+        install_token_head(self.model)
+        self.tokenizer = load_tokenizer(self.sharded.source.tokenizer_path, cfg.model.trust_remote_code)
+        hf_config = self.sharded.source.hf_config
+        self.chunk_tokens = chunk_tokens(tc.loss_chunk_tokens, _vocab_size(hf_config))
+        self.aux_loss_coef = float(getattr(hf_config, "router_aux_loss_coef", 0.0) or 0.0)
+        self._model_keys = set(inspect.signature(self.model.forward).parameters) - {"labels"}
+        self.optimizer = build_optimizer(self.model, tc) if self.training else None
+        plan = self.sharded.plan
+        # fp32 master weights; computing or reducing gradients in fp16 needs loss scaling.
+        self.scaler = LossScaler("fp16" in (plan.param_dtype, plan.reduce_dtype), tc.fp16_initial_scale)
+        self.guard = NonFiniteGuard(tc.max_nonfinite_steps, self.scaler)
+        self.scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
+        self.steps_done = 0
+        if self.training and total_steps is not None:
+            self.set_schedule(total_steps)
+
+    @classmethod
+    def from_config(
+        cls, config: str | Path | dict[str, Any], role: str | None = None, overrides: Sequence[str] = ()
+    ) -> Strategy:
+        """A config as `fsdp2kit train` takes it (a file of any dialect, or a dict in the native schema) and `--set`
+        strings. Joins the process group torchrun (or the caller) set up, else runs as a world of one. The schedule
+        runs over training.max_steps."""
+        if isinstance(config, dict):
+            cfg = validate(apply_overrides(dict(config), list(overrides)), "config")
+        else:
+            cfg = load_config(config, list(overrides), role=role)
+        strategy = cls(cfg, init_distributed(cfg.device_mapping))
+        if strategy.training:
+            if cfg.training.max_steps <= 0 and cfg.training.lr_scheduler_type != "constant":
+                raise UserError(
+                    "training.max_steps: the Strategy API needs it to lay out the learning-rate schedule "
+                    "(or set training.lr_scheduler_type: constant)"
+                )
+            strategy.set_schedule(max(1, cfg.training.max_steps))
+        return strategy
+
+    # ---- training ---------------------------------------------------------------------------------------------
+
+    def set_schedule(self, total_steps: int) -> None:
+        """Warmup and decay over `total_steps` optimizer steps."""
+        self.scheduler = build_scheduler(self._trainer_optimizer(), self.cfg.training, total_steps)
+
+    def train_step(self, micro_batches: Sequence[Batch], loss_fn: LossFn | None = None) -> dict[str, Any]:
+        """One optimizer step over this rank's micro-batches (gradient sync on the last only), minimising
+        sum(loss_sum) / sum(weight) over all micro-batches of all data-parallel ranks; `loss_fn(log_probs, batch)`
+        gets log_probs [B, T-1] float32 (log p(input_ids[:, t+1] | ..t)) with autograd and the batch as given.
+        Default: token-mean cross-entropy over `labels` (every next token where there are none)."""
+        if not micro_batches:
+            raise UserError("train_step: give at least one micro-batch (a dict with input_ids [B, T])")
+        batches = [self.device_batch(mb, f"micro-batch {i}") for i, mb in enumerate(micro_batches)]
+        shifted = [self._shifted(mb, loss_fn is None) for mb in batches]
+        loss: MicroBatchLoss = (
+            TokenCrossEntropy(self.chunk_tokens)
+            if loss_fn is None
+            else LogProbLoss(loss_fn, batches, self.sharded.sp_group, self.chunk_tokens)
+        )
+        result = self.step(shifted, loss)
+        return {
+            "loss": result.loss,
+            "grad_norm": result.grad_norm,
+            "lr": result.lr,
+            "tokens": int(result.input_tokens),
+            "applied": result.applied,
+        }
+
+    def step(
+        self,
+        micro_batches: list[Batch],
+        loss: MicroBatchLoss | None = None,
+        on_micro_batch_done: Callable[[], None] | None = None,
+    ) -> StepResult:
+        """One optimizer step over shifted micro-batches on this rank's device (the `train` command's batches)."""
+        optimizer = self._trainer_optimizer()
+        if self.scheduler is None:
+            raise UserError("train_step: the learning-rate schedule is not set (Strategy.set_schedule)")
+        result = train_step(
+            self.model,
+            micro_batches,
+            optimizer,
+            self.scheduler,
+            self.guard,
+            self.cfg.training.max_grad_norm,
+            self.aux_loss_coef,
+            self.sharded.sp_group,
+            self.sharded.variant.shard_batch,
+            on_micro_batch_done=on_micro_batch_done,
+            loss=loss if loss is not None else TokenCrossEntropy(self.chunk_tokens),
+        )
+        self.steps_done += 1
+        return result
+
+    # ---- forward only -----------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def forward_step(self, batch: Batch, entropy: bool = False) -> dict[str, torch.Tensor]:
+        """log_probs [B, T-1] of input_ids[:, 1:] (and their entropy [B, T-1] when asked), in chunks of tokens."""
+        api_batch = self.device_batch(batch, "batch")
+        shifted = self._shifted(api_batch, default_targets=False)
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            log_probs, entropies = self.token_logprobs(shifted, entropy)
+        finally:
+            self.model.train(was_training)
+        result = {"log_probs": log_probs}
+        if entropies is not None:
+            result["entropy"] = entropies
+        return result
+
+    def token_logprobs(self, shifted: Batch, entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Log-probs of the shifted batch's `labels` (0 where IGNORE_INDEX) for its whole sequences: under sequence
+        parallel each rank computes its slice and the slices are gathered (with autograd)."""
+        group = self.sharded.sp_group
+        local = self.sharded.variant.shard_batch(shifted, group) if group is not None else shifted
+        chunk = self.chunk_tokens or FORWARD_CHUNK_TOKENS
+        with token_request(self.model, TokenRequest(local["labels"], chunk, entropy)) as request:
+            outputs = self.model(**model_inputs(local), use_cache=False)
+        log_probs, entropies = outputs.logits, request.entropies
+        if group is not None:
+            length = shifted["labels"].shape[1]
+            log_probs = gather_sequence(log_probs, group)[:, :length]
+            entropies = gather_sequence(entropies, group)[:, :length] if entropies is not None else None
+        return log_probs, entropies
+
+    # ---- weights, states, files -------------------------------------------------------------------------------
+
+    def full_weights(self, dtype: torch.dtype | None = None, bucket_bytes: int = 512 << 20) -> Iterator[Any]:
+        """(hf_name, tensor) over the whole model in the names transformers and vLLM load (LoRA: merged), on every
+        rank, gathered a bucket of at most `bucket_bytes` at a time (one tensor larger than that is its own
+        bucket); the caller picks who sends. Every rank must iterate it to the end: each tensor is a collective."""
+        bucket: list[tuple[str, torch.Tensor]] = []
+        size = 0
+        for name, tensor in hf_tensors(self.model, dtype):
+            if bucket and size + tensor.nbytes > bucket_bytes:
+                yield from bucket
+                bucket, size = [], 0
+            bucket.append((name, tensor))
+            size += tensor.nbytes
+        yield from bucket
+
+    def offload_states(self) -> None:
+        """Parameters, gradients and optimizer state to host memory (the accelerator's memory is freed for a rollout
+        engine); on a CPU run they are there already and nothing moves."""
+        self._move_states(torch.device("cpu"))
+
+    def load_states(self) -> None:
+        """Back to this rank's device after `offload_states`."""
+        self._move_states(self.runtime.device)
+
+    def save_checkpoint(self, path: str | Path) -> None:
+        """A DCP checkpoint of model, optimizer, schedule and RNG at `path`, committed atomically (a collective)."""
+        final = Path(path)
+        manager = self._checkpoints(final.parent, async_save=False)
+        manager.save(
+            self.steps_done, self.model, self._trainer_optimizer(), self.trainer_state(), blocking=True, final=final
+        )
+
+    def load_checkpoint(self, path: str | Path) -> dict[str, Any]:
+        """Model, optimizer, schedule, loss scale and RNG from a checkpoint of any world size; returns its trainer
+        state (its `step`)."""
+        folder = Path(path)
+        return self.load_from(self._checkpoints(folder.parent, async_save=False), folder)
+
+    def load_from(self, manager: CheckpointManager, path: Path) -> dict[str, Any]:
+        """A checkpoint's state, continued with this run's optimizer settings (learning rate, betas, eps, weight
+        decay: the moments and the schedule's step come from the checkpoint), each change said in one line."""
+        optimizer = self._trainer_optimizer()
+        settings = optimizer_settings(optimizer)
+        state = manager.load(path, self.model, optimizer)
+        check_trainer_state(state, path)
+        self.restore(state)
+        if self.scheduler is not None:
+            apply_settings(optimizer, self.scheduler, settings)
+        changes = changed_optimizer_keys(state.get("config", {}), self.cfg.saved_dict())
+        if changes and self.runtime.is_main:
+            print(f"resuming with this run's optimizer settings: {', '.join(changes)}", flush=True)
+        return state
+
+    def export_hf(self, path: str | Path) -> None:
+        """The model as an HF safetensors folder (LoRA: merged), written by rank 0 (a collective)."""
+        source = self.sharded.source
+        export_hf(self.model, Path(path), source.tokenizer_path, self.cfg.model.dtype, self.runtime.is_main)
+
+    def trainer_state(self, consumed_samples: int = 0) -> dict[str, Any]:
+        """What a checkpoint holds besides tensors: the step, schedule, loss scale and config."""
+        return {
+            "step": self.steps_done,
+            "consumed_samples": consumed_samples,
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else {},
+            "loss_scaler": self.scaler.state_dict(),
+            "config": self.cfg.saved_dict(),
+        }
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """The schedule, loss scale and step count of a loaded trainer state."""
+        self.steps_done = int(state["step"])
+        if self.scheduler is not None and state.get("scheduler"):
+            self.scheduler.load_state_dict(state["scheduler"])
+        if "loss_scaler" in state:
+            self.scaler.load_state_dict(state["loss_scaler"])
+
+    def checkpoint_manager(self, output_dir: Path, keep: int | None = None) -> CheckpointManager:
+        """The `train` command's checkpoints under output_dir, async as strategy_config.async_save_ckpt says."""
+        return self._checkpoints(output_dir, self.cfg.strategy_args.strategy_config.async_save_ckpt, keep)
+
+    # ---- internals --------------------------------------------------------------------------------------------
+
+    def _trainer_optimizer(self) -> torch.optim.Optimizer:
+        if self.optimizer is None:
+            raise UserError(
+                "strategy_args.strategy_name is fsdp2_infer: this strategy has no optimizer (forward_step only); "
+                "build it with strategy_name: fsdp2_train to train"
+            )
+        return self.optimizer
+
+    def _checkpoints(self, output_dir: Path, async_save: bool, keep: int | None = None) -> CheckpointManager:
+        source = self.sharded.source
+        return CheckpointManager(
+            output_dir,
+            self.runtime.rank,
+            async_save,
+            keep,
+            source.hf_config,
+            source.tokenizer_path,
+            self.sharded.variant.checkpoint_config(self.model, self.cfg.model.name_or_path),
+        )
+
+    def _move_states(self, device: torch.device) -> None:
+        if self.runtime.device.type == "cpu":
+            return  # host memory is the device's memory: nothing to free
+        self.model.to(device)
+        if self.optimizer is not None:
+            for state in self.optimizer.state.values():
+                for key, value in state.items():
+                    if isinstance(value, torch.Tensor) and value.dim() > 0:
+                        state[key] = value.to(device, non_blocking=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        else:
+            torch.cuda.empty_cache()
+
+    def device_batch(self, batch: Batch, what: str) -> Batch:
+        """The batch on this rank's device, checked: input_ids [B, T] int64 with T >= 2, and every [B, T]-shaped
+        companion of the same shape."""
+        if not isinstance(batch, dict) or "input_ids" not in batch:
+            raise UserError(f"{what}: a dict of tensors with 'input_ids' [B, T] (int64) is needed")
+        ids = batch["input_ids"]
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.dtype != torch.long or ids.shape[1] < 2:
+            got = f"{tuple(ids.shape)} {ids.dtype}" if isinstance(ids, torch.Tensor) else type(ids).__name__
+            raise UserError(f"{what}: input_ids must be an int64 tensor [B, T] with T >= 2, not {got}")
+        for key in ("attention_mask", "labels"):
+            value = batch.get(key)
+            if value is not None and (not isinstance(value, torch.Tensor) or value.shape != ids.shape):
+                shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+                raise UserError(f"{what}: {key} must have input_ids' shape {tuple(ids.shape)}, not {shape}")
+        device = self.runtime.device
+        return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+    def _shifted(self, batch: Batch, default_targets: bool) -> Batch:
+        """The model's inputs for positions 0..T-2 and each position's target: the next token, or with
+        `default_targets` the next label (the next token where attention_mask allows, if there are no labels)."""
+        ids = batch["input_ids"]
+        shifted = {
+            key: value[:, :-1] if value.dim() >= 2 and value.shape[:2] == ids.shape else value
+            for key, value in batch.items()
+            if key in self._model_keys and isinstance(value, torch.Tensor)
+        }
+        targets = ids[:, 1:]
+        if default_targets and "labels" in batch:
+            targets = batch["labels"][:, 1:]
+        elif default_targets and "attention_mask" in batch:
+            targets = targets.masked_fill(batch["attention_mask"][:, 1:] == 0, IGNORE_INDEX)
+        shifted["labels"] = targets.contiguous()
+        return shifted
+
+
+@dataclass
+class LogProbLoss:
+    """A user's `loss_fn(log_probs, batch) -> (loss_sum, weight)` over whole sequences. Its weight must not depend on
+    the log-probs: it is read first from zeros (no forward), and the step checks it again after the real call."""
+
+    fn: LossFn
+    batches: list[Batch]  # as the user gave them, on the device
+    sp_group: dist.ProcessGroup | None
+    chunk_tokens: int
+    whole_sequence: bool = True
+
+    def weight(self, index: int, batch: Batch) -> torch.Tensor:
+        with torch.no_grad():
+            zeros = torch.zeros(batch["labels"].shape, dtype=torch.float32, device=batch["labels"].device)
+            return self._checked(zeros, index)[1].detach()
+
+    def __call__(
+        self, model: torch.nn.Module, index: int, batch: Batch, aux_loss_weight: Any
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        request = TokenRequest(batch["labels"], self.chunk_tokens or FORWARD_CHUNK_TOKENS)
+        with token_request(model, request):
+            outputs = model(**model_inputs(batch), use_cache=False)
+        log_probs = outputs.logits
+        if self.sp_group is not None:
+            log_probs = gather_sequence(log_probs, self.sp_group)
+        loss_sum, weight = self._checked(log_probs[:, : self.batches[index]["input_ids"].shape[1] - 1], index)
+        return with_aux_loss(loss_sum.float(), outputs, aux_loss_weight), weight
+
+    def _checked(self, log_probs: torch.Tensor, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        result = self.fn(log_probs, self.batches[index])
+        if not (
+            isinstance(result, tuple)
+            and len(result) == 2
+            and all(isinstance(t, torch.Tensor) and t.numel() == 1 for t in result)
+        ):
+            raise UserError(
+                "loss_fn must return (loss_sum, weight), two one-element tensors; it returned " + _describe(result)
+            )
+        return result[0].reshape(()), result[1].reshape(())
+
+
+def _describe(value: object) -> str:
+    if isinstance(value, tuple):
+        return "(" + ", ".join(_describe(v) for v in value) + ")"
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}"
+    return type(value).__name__
+
+
+def gather_sequence(local: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """The sequence-parallel group's slices [B, t] joined along the sequence, in rank order, with autograd: each
+    rank's gradient is its own slice of the incoming one (every rank computes the same loss on the whole)."""
+    return _GatherSequence.apply(local, group)
+
+
+class _GatherSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, local: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        parts = [torch.empty_like(local) for _ in range(group.size())]
+        dist.all_gather(parts, local.contiguous(), group=group)
+        ctx.rank, ctx.length = group.rank(), local.shape[1]
+        return torch.cat(parts, dim=1)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad[:, ctx.rank * ctx.length : (ctx.rank + 1) * ctx.length].contiguous(), None
+
+
+def _vocab_size(hf_config: Any) -> int:
+    text = getattr(hf_config, "text_config", None) or hf_config
+    return int(getattr(text, "vocab_size", 0) or getattr(hf_config, "vocab_size", 0) or 0)
