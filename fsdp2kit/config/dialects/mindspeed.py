@@ -101,10 +101,12 @@ RULES: dict[str, Rule] = {
 def _pin_memory(translation: Translation, data: dict[str, Any], where: Written) -> None:
     """MindSpeed-MM pins offloaded memory unless told not to; without offload, pin_memory does nothing."""
     offload, pin = data.get("offload_to_cpu") is True, data.get("pin_memory")
-    if offload:
-        translation.set(f"{STRATEGY_CONFIG}.pin_memory", pin is not False, where.child("pin_memory"))
-        if pin is None:
-            translation.note("MindSpeed-MM default pin_memory=True with offload_to_cpu (the file does not set it)")
+    if offload and pin is None:  # MindSpeed-MM's default, taken back if --set turns offload off
+        translation.imply(
+            f"{STRATEGY_CONFIG}.pin_memory", True, where.child("offload_to_cpu"), f"{STRATEGY_CONFIG}.offload_policy"
+        )
+    elif offload:
+        translation.set(f"{STRATEGY_CONFIG}.pin_memory", pin, where.child("pin_memory"))
     elif pin is not None:
         translation.ignore(where.child("pin_memory"), "used only with offload_to_cpu")
 

@@ -226,7 +226,7 @@ def _chunk_loss(translation: Translation, key: Written, values: dict[str, Any]) 
     elif values.get("enable_dynamic_chunk_loss") is True:
         translation.ignore(key.child("enable_dynamic_chunk_loss"), "fsdp2kit sizes its chunks itself (auto)")
     for name in ("chunkloss_plan", "enable_chunk_loss"):
-        if values.get(name) is not None and not (on and name == "enable_chunk_loss"):
+        if values.get(name) is not None and not on:
             translation.ignore(key.child(name), "fsdp2kit chunks the loss above a 32k vocabulary (auto)")
 
 
@@ -516,7 +516,22 @@ TRAINING: dict[str, Rule] = {
     "max_steps": unsupported("MindSpeed-MM's per-epoch step cap (for debugging); use train_iters"),
     "enable_full_determinism": unsupported("deterministic kernels are not switched on", harmless=(False,)),
     "lr_scaling_plan": unsupported("per-layer learning rates are not available"),
-    "quantization_plan": unsupported("low-precision (quantized) training is not available", harmless=({},)),
+    "quantization_plan": section(
+        {
+            "recipe_name": unsupported("low-precision (quantized) training is not available"),
+            **dict.fromkeys(
+                (
+                    "apply_modules",
+                    "ignored_modules",
+                    "quant_converters",
+                    "extra_args",
+                    "enable_fsdp_low_precision_all_gather",
+                    "fsdp_low_precision_all_gather_mode",
+                ),
+                ignored("used only with quantization_plan.recipe_name"),
+            ),
+        }
+    ),
     "load_checkpoint_path": unsupported("give the checkpoint as training.resume (fsdp2kit's own checkpoints)"),
     "save_steps": unsupported("MindSpeed-MM saves every save_interval steps; use that key"),
 }
