@@ -11,6 +11,7 @@ group of the file's world size; one subprocess runs the real command line on a f
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -545,3 +546,29 @@ def test_native_file_training_keys_field_by_field():
     notes = "\n".join(cfg.notes)
     for key in ("parallel.fsdp_plan.hook_modules", "features.enable_chunk_mbs", "model.gdn_implementation", "mtp"):
         assert key in notes, key
+
+
+@pytest.mark.slow
+def test_native_qwen35_file_trains_two_steps_on_two_ranks(tmp_path):
+    """MindSpeed-MM's Qwen3.5-4B file as written (activation offload off on this CPU), a tiny Qwen3.5 and image+text
+    conversations: 2 optimizer steps on 2 ranks, its recompute, bf16/fp32 precision and chunked loss included."""
+    sys.path.insert(0, str(REPO / "examples"))
+    from make_vl_dataset import main as make_dataset
+
+    make_dataset(tmp_path, 8, 0)
+    name = "mindspeed_mm/examples/qwen3_5/qwen3_5_4B_config.yaml"
+    settings = [
+        NO_OFFLOAD,
+        "model.name_or_path=builtin:tiny-qwen3.5",
+        f"data.source={tmp_path / 'train.jsonl'}",
+        "data.seq_len=256",
+        "training.max_steps=2",
+        f"training.output_dir={tmp_path / 'run'}",
+        "training.export_hf=false",
+        "training.report_to=[]",
+    ]
+    result = run_cli("train", CORPUS / name, "--nproc", 2, *(a for s in settings for a in ("--set", s)), timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    steps = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps] == [1, 2]
+    assert all(s["loss"] > 0 and s["grad_norm"] > 0 for s in steps)
