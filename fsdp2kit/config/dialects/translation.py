@@ -7,7 +7,7 @@ that fsdp2kit cannot honour (`unsupported`). A key with no rule is an error, so 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any, NamedTuple
 
 from fsdp2kit.errors import UserError, unknown_key_message
@@ -64,7 +64,7 @@ class Translation:
         self._implied[native_key] = (cause, self.get(cause))
         self.note(f"mapped {origin}={self.get(cause)!r} → {native_key}={value!r} as well")
 
-    def drop_implied(self, overridden: set[str]) -> None:
+    def drop_implied(self, overridden: Collection[str]) -> None:
         """Implied keys whose cause `--set` changed (and that `--set` did not set itself) go back to their default."""
         for native_key, (cause, value) in list(self._implied.items()):
             if cause in overridden and native_key not in overridden and self.get(cause) != value:
