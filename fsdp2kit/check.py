@@ -16,7 +16,7 @@ from fsdp2kit.data.dataset import load_tokenizer, source_files
 from fsdp2kit.distributed import Runtime
 from fsdp2kit.dtypes import torch_name
 from fsdp2kit.errors import UserError
-from fsdp2kit.models.build import open_safetensors, resolve_model, safetensors_index
+from fsdp2kit.models.build import attention_kernel, open_safetensors, resolve_model, safetensors_index
 from fsdp2kit.models.sharded import build_sharded_model, count_parameters
 from fsdp2kit.parallel.fsdp import describe_groups
 from fsdp2kit.parallel.plan import ShardingPlan
@@ -79,6 +79,7 @@ def describe(cfg: JobConfig, runtime: Runtime) -> dict:
     )
     model, plan = sharded.model, sharded.plan
     trainable, frozen = count_parameters(model)
+    attention, attention_note = attention_kernel(cfg.model.attn_implementation)
     return {
         "world_size": runtime.world_size,
         "mesh": {"shape": list(sharded.layout.shape), "dim_names": list(sharded.layout.dim_names)},
@@ -106,7 +107,8 @@ def describe(cfg: JobConfig, runtime: Runtime) -> dict:
         # The model's kind (vision_patch: the tower runs on every forward) and, for LoRA, the adapters by shard
         # group, their trainable count and the bytes they and their AdamW state take.
         **sharded.variant.describe(),
-        "notes": plan.notes,
+        "attn_implementation": attention,
+        "notes": plan.notes + ([attention_note] if attention_note else []),
         "config_notes": cfg.notes,
     }
 

@@ -281,7 +281,7 @@ def test_packed_positions_restart_at_each_document(tokenizer, tmp_path):
     "source, message",
     [
         ("{tmp}/missing.jsonl", "data.source: no such file '{tmp}/missing.jsonl'"),
-        ("{tmp}/folder", "data.source: '{tmp}/folder' is a folder but not a saved HF dataset (no dataset_info.json)"),
+        ("{tmp}/folder", "data.source: folder '{tmp}/folder' holds no training data files (*.jsonl, *.parquet, *.txt)"),
         ("{tmp}/*.*", "data.source: '{tmp}/*.*' must be *.jsonl, *.parquet or *.txt files of one kind"),
         (
             "{tmp}/fields.jsonl",
@@ -298,3 +298,16 @@ def test_bad_sources_are_one_sentence(tmp_path, source, message):
     with pytest.raises(UserError) as error:
         load_documents(DataConfig(source=source.format(tmp=tmp_path)))
     assert str(error.value) == message.format(tmp=tmp_path)
+
+
+def test_a_folder_of_data_files_is_read_as_load_dataset_reads_it(tmp_path):
+    """ROLL's `data/geoqa_data/`: datasets.load_dataset(folder) takes its files (not hidden ones) as the train split,
+    leaving out files named as another split."""
+    folder = tmp_path / "geoqa_data"
+    (folder / "part").mkdir(parents=True)
+    write_jsonl(folder / "a.jsonl", [{"text": "one"}])
+    write_jsonl(folder / "part" / "b.jsonl", [{"text": "two"}])
+    write_jsonl(folder / "test.jsonl", [{"text": "held out"}])
+    write_jsonl(folder / ".cache.jsonl", [{"text": "hidden"}])
+    texts = [str(d) for d in load_documents(DataConfig(source=str(folder)))]
+    assert texts == ["one", "two"]

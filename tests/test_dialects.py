@@ -252,11 +252,16 @@ def test_roll_role_sections_accept_rolls_spellings(tmp_path):
         )
     )
     assert cfg.model.freeze_module_prefix == ["model.embed_tokens", "lm_head"]
-    assert cfg.model.attn_implementation == "sdpa"
+    assert (
+        cfg.model.attn_implementation == "flash_attention_2"
+    )  # sdpa where flash-attn or CUDA is missing (check notes it)
     assert cfg.strategy_args.strategy_config.use_reentrant is False
     assert cfg.training.lr_scheduler_type == "constant"
     assert cfg.data.source == "data/train.jsonl"
-    assert "mapped actor_train.model_args.attn_implementation='fa2' → model.attn_implementation='sdpa'" in cfg.notes
+    assert (
+        "mapped actor_train.model_args.attn_implementation='fa2' → model.attn_implementation='flash_attention_2'"
+        in cfg.notes
+    )
 
 
 @pytest.mark.parametrize(
@@ -701,3 +706,41 @@ def test_warmup_ratio_is_a_share_of_the_runs_steps_rounded_up():
 
     assert warmup_steps(TrainingConfig(warmup_ratio=0.1), 25) == 3
     assert warmup_steps(TrainingConfig(warmup_ratio=0.1, warmup_steps=5), 25) == 5
+
+
+def test_class_paths_in_recompute_modules_stand_for_every_module_of_the_class(tmp_path):
+    """MindSpeed's documented form (`package.module.DecoderLayer`) in any module pattern, matched by class name."""
+    layer = "transformers.models.llama.modeling_llama.LlamaDecoderLayer"
+    path = write_yaml(tmp_path / "fsdp2_config.yaml", {"sharding_size": "auto", "recompute_modules": [layer]})
+    plan = plan_of(load_config("examples/demo.yaml", strategy_file=str(path)))
+    assert plan["recompute_modules"] == LAYERS
+    assert (
+        plan_of(load_config("examples/demo.yaml", [f"strategy_args.strategy_config.ignored_modules=[{layer}]"]))[
+            "ignored_modules"
+        ]
+        == LAYERS
+    )
+
+
+@pytest.mark.parametrize("dialect", ["roll", "mindspeed"])
+def test_set_that_changes_the_key_which_implied_another_takes_the_implication_back(tmp_path, dialect):
+    """ROLL and MindSpeed-MM pin offloaded memory: turning offload off with --set turns pinning off with it, said in
+    a note, instead of an error about the pin_memory the user never wrote."""
+    key = "strategy_args.strategy_config.offload_policy"
+    if dialect == "roll":
+        config = roll_file(tmp_path, role_changes={"strategy_args": {"strategy_config": {"offload_policy": True}}})
+        cfg = load_config(config, [f"{key}=false"])
+    else:
+        path = write_yaml(tmp_path / "fsdp2_config.yaml", {"sharding_size": "auto", "offload_to_cpu": True})
+        cfg = load_config("examples/demo.yaml", [f"{key}=false"], strategy_file=str(path))
+    strategy = cfg.strategy_args.strategy_config
+    assert (strategy.offload_policy, strategy.pin_memory) == (False, False)
+    assert f"--set {key}=False: strategy_args.strategy_config.pin_memory no longer implied (True before)" in cfg.notes
+    assert plan_of(cfg)["offload"] is False
+
+
+def test_flash_attention_2_runs_as_sdpa_on_cpu_and_check_says_so(tmp_path):
+    cfg = load_config("examples/demo.yaml", ["model.attn_implementation=flash_attention_2"])
+    plan = plan_of(cfg)
+    assert plan["attn_implementation"] == "sdpa"
+    assert "model.attn_implementation: flash_attention_2 needs CUDA; sdpa runs the same attention" in plan["notes"]

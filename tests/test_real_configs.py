@@ -11,6 +11,7 @@ group of the file's world size; one subprocess runs the real command line on a f
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ import yaml
 from conftest import REPO, process_group, run_cli
 
 from fsdp2kit.check import describe
+from fsdp2kit.config.dialects import mindspeed_native
 from fsdp2kit.config.load import load_config, name_as_written
 from fsdp2kit.errors import UserError
 
@@ -80,6 +82,69 @@ MINDSPEED_VL = {
     "recompute_modules": [],
     "prefetch": [1, 1],
     "frozen_modules": [],
+}
+# MindSpeed-MM's native trainer files (mindspeed_mm/fsdp): exactly the modules of fsdp_plan.apply_modules and the root
+# (its `mtp` head exists only with mtp_num_layers > 0), features.recompute_plan non-reentrant, bf16 compute with fp32
+# reduction and cast inputs, its prefetch counts (0 where the file is silent), model.freeze.
+TOWER = ["model.visual", "model.visual.blocks.0", "model.visual.blocks.1"]
+TEXT = ["model.language_model", "model.language_model.embed_tokens"]
+TEXT_LAYERS = ["model.language_model.layers.0", "model.language_model.layers.1"]
+NATIVE_QWEN35 = {
+    "mesh": [2],
+    "sharded_modules": ["", *TOWER, *TEXT, *TEXT_LAYERS, "lm_head"],
+    "reshard_after_forward": True,
+    "mixed_precision": ["bfloat16", "float32", None, True],
+    "offload": [False, False],
+    "recompute_modules": [*TOWER[1:], *TEXT_LAYERS],
+    "prefetch": [1, 1],
+    "frozen_modules": [],
+}
+NATIVE_QWEN35_MOE = {  # its linear-attention blocks (layer 0 only) and fused experts are groups of their own
+    **NATIVE_QWEN35,
+    "sharded_modules": [
+        "",
+        *TOWER,
+        *TEXT,
+        TEXT_LAYERS[0],
+        f"{TEXT_LAYERS[0]}.linear_attn",
+        f"{TEXT_LAYERS[0]}.mlp.experts",
+        TEXT_LAYERS[1],
+        f"{TEXT_LAYERS[1]}.mlp.experts",
+        "lm_head",
+    ],
+}
+NATIVE_QWEN3VL = {
+    **NATIVE_QWEN35,
+    "sharded_modules": [
+        "",
+        *TOWER,
+        "model.visual.merger",
+        "model.visual.deepstack_merger_list.0",
+        *TEXT,
+        *TEXT_LAYERS,
+        "lm_head",
+    ],
+    "prefetch": [0, 0],
+    "frozen_modules": ["model.visual"],
+}
+# What a user of these files on this CPU machine changes with --set (keys of the file), each refused as written.
+NO_OFFLOAD = "features.enable_activation_offload=false"
+NO_EXPERT_PARALLEL = "parallel.expert_parallel_size=1"
+NATIVE_CPU_SWAPS: dict[str, list[str]] = {
+    **{
+        f"mindspeed_mm/examples/qwen3_5/qwen3_5_{size}_config.yaml": [NO_OFFLOAD] for size in ("4B", "9B", "27B", "35B")
+    },
+    **{
+        f"mindspeed_mm/examples/qwen3_5/qwen3_5_{size}_config.yaml": [NO_OFFLOAD, NO_EXPERT_PARALLEL]
+        for size in ("122B", "397B")
+    },
+    **{
+        f"mindspeed_mm/examples/qwen3_6/qwen3_6_{size}_config.yaml": [NO_OFFLOAD, "training.load=null"]
+        for size in ("27B", "35B")
+    },
+    "mindspeed_mm/examples/qwen3vl/qwen3vl_30B_config_v1_A5.yaml": ["training.quantization_plan.recipe_name=null"],
+    "mindspeed_mm/tests/st/run_configs/finetune_qwen3_5_35B/qwen3_5_35B_config.yaml": [NO_OFFLOAD, NO_EXPERT_PARALLEL],
+    "mindspeed_mm/tests/st/run_configs/finetune_qwen3vl_30B/qwen3vl_30B_config_v1.yaml": [NO_EXPERT_PARALLEL],
 }
 OFFLOAD_CPU = (
     "'actor_train.strategy_args.strategy_config.offload_policy': CPU offload needs an accelerator (CUDA) and this "
@@ -170,11 +235,12 @@ EXPECTED: dict[str, tuple[str, int, dict | str]] = {
     ),
     "roll/tests/distributed/strategy/model_update/model_update_fsdp.yaml": ("tiny-qwen3", 2, OFFLOAD_CPU),
     # MindSpeed-MM fsdp2_config.yaml: module paths of its own model families; sharding_size must divide the world.
-    "mindspeed_mm/examples/bagel/fsdp2_config.yaml": (
+    "mindspeed_mm/examples/bagel/fsdp2_config.yaml": (  # its decoder class, named by class path, is MindSpeed-MM's own
         "tiny-qwen3",
-        4,
-        "'recompute_modules' = 'mindspeed_mm.models.omni.mllms.bagel_qwen2_mot.Qwen2MoTDecoderLayer' is a class path; "
-        "fsdp2kit reads module paths here (such as model.layers.{*})",
+        8,
+        "'sub_modules_to_wrap': class 'Qwen2MoTDecoderLayer' matches no module of the model; its classes are "
+        "['Embedding', 'Linear', 'ModuleList', 'Qwen3Attention', 'Qwen3DecoderLayer', 'Qwen3ForCausalLM', 'Qwen3MLP', "
+        "'Qwen3Model', 'Qwen3RMSNorm', 'Qwen3RotaryEmbedding', 'SiLUActivation']",
     ),
     "mindspeed_mm/examples/glm4.5v/fsdp2_config.yaml": ("tiny-qwen3-vl", 4, {**MINDSPEED_VL, "prefetch": [0, 0]}),
     "mindspeed_mm/examples/hunyuanvideo_1.5/fsdp2_config.yaml": ("tiny-qwen3", 4, NOT_DIVIDING),
@@ -216,6 +282,37 @@ EXPECTED: dict[str, tuple[str, int, dict | str]] = {
         "tiny-qwen3",
         4,
         no_match("ignored_modules", "ae", "model"),
+    ),
+    # MindSpeed-MM native trainer files (NATIVE_CPU_SWAPS: what they need changed on this CPU machine).
+    **{
+        f"mindspeed_mm/examples/{name}": ("tiny-qwen3.5", 2, NATIVE_QWEN35)
+        for name in (
+            "qwen3_5/qwen3_5_4B_config.yaml",
+            "qwen3_5/qwen3_5_9B_config.yaml",
+            "qwen3_5/qwen3_5_27B_config.yaml",
+            "qwen3_6/qwen3_6_27B_config.yaml",
+        )
+    },
+    **{
+        f"mindspeed_mm/examples/{name}": ("tiny-qwen3.5-moe", 2, NATIVE_QWEN35_MOE)
+        for name in (
+            "qwen3_5/qwen3_5_35B_config.yaml",
+            "qwen3_5/qwen3_5_122B_config.yaml",
+            "qwen3_5/qwen3_5_397B_config.yaml",
+            "qwen3_6/qwen3_6_35B_config.yaml",
+        )
+    },
+    "mindspeed_mm/tests/st/run_configs/finetune_qwen3_5_35B/qwen3_5_35B_config.yaml": (
+        "tiny-qwen3.5-moe",
+        2,
+        {**NATIVE_QWEN35_MOE, "prefetch": [0, 0]},
+    ),
+    "mindspeed_mm/examples/qwen3vl/qwen3vl_30B_config_v1.yaml": ("tiny-qwen3-vl-moe", 2, NATIVE_QWEN3VL),
+    "mindspeed_mm/examples/qwen3vl/qwen3vl_30B_config_v1_A5.yaml": ("tiny-qwen3-vl-moe", 2, NATIVE_QWEN3VL),
+    "mindspeed_mm/tests/st/run_configs/finetune_qwen3vl_30B/qwen3vl_30B_config_v1.yaml": (
+        "tiny-qwen3-vl-moe",
+        2,
+        {**NATIVE_QWEN3VL, "frozen_modules": []},
     ),
     # Accelerate and TRL `accelerate config` files.
     "accelerate/examples/config_yaml_templates/fsdp.yaml": ("tiny-llama", 2, ACCELERATE_LAYERS),
@@ -275,6 +372,8 @@ def user_args(name: str, model: str, ranks: int) -> tuple[str, list[str], str | 
         swaps.append(f"model.config.max_position_embeddings={REAL_CONTEXT}")
     if name.startswith("roll/"):
         return str(CORPUS / name), swaps, None
+    if mindspeed_native.is_native_file(yaml.safe_load((CORPUS / name).read_text())):
+        return str(CORPUS / name), swaps + NATIVE_CPU_SWAPS.get(name, []), None
     return JOB, swaps, str(CORPUS / name)
 
 
@@ -301,10 +400,10 @@ def plan_or_refusal(name: str, model: str, ranks: int) -> dict | str:
     }
 
 
-def test_the_corpus_is_the_manifest_and_holds_40_real_files():
+def test_the_corpus_is_the_manifest_and_holds_60_real_files():
     files = {str(p.relative_to(CORPUS)) for p in CORPUS.rglob("*") if p.is_file() and p.name != "MANIFEST.yaml"}
     assert files == set(MANIFEST) == set(EXPECTED)
-    assert len(files) >= 40
+    assert len(files) >= 60
     assert all(len(entry["commit"]) == 40 and entry["repo"] and entry["path"] for entry in MANIFEST.values())
 
 
@@ -393,6 +492,7 @@ def test_a_run_keeps_the_config_as_given_and_as_resolved(small_run, tmp_path):
 def test_docs_table_every_key_of_every_dialect():
     """docs/dialects.md names each key a reader knows (mapped, ignored or refused), so the table cannot fall behind."""
     from fsdp2kit.config.dialects import accelerate, mindspeed, roll
+    from fsdp2kit.config.dialects import mindspeed_native as native
 
     docs = (REPO / "docs/dialects.md").read_text()
     tables = [
@@ -405,6 +505,9 @@ def test_docs_table_every_key_of_every_dialect():
         roll.STRATEGY_CONFIG_RULES,
         roll.WRAP_POLICY_RULES,
         mindspeed.RULES,
+        *(getattr(native, table) for table in ("PARALLEL", "FSDP_PLAN", "FEATURES", "LOSS_CFG", "MODEL", "ATTR")),
+        *(getattr(native, table) for table in ("BASIC_PARAMETERS", "PREPROCESS_PARAMETERS", "DATASET_PARAM")),
+        *(getattr(native, table) for table in ("DATALOADER_PARAM", "DATA", "TRAINING", "TOOLS")),
         accelerate.ACCELERATE_CONFIG,
         accelerate.FSDP_CONFIG,
         accelerate.PARALLELISM,
@@ -412,3 +515,60 @@ def test_docs_table_every_key_of_every_dialect():
     ]
     missing = [key for table in tables for key in table if f"`{key}`" not in docs and f".{key}`" not in docs]
     assert not missing, missing
+
+
+@pytest.mark.parametrize(("name", "swap"), [(n, swap) for n, swaps in NATIVE_CPU_SWAPS.items() for swap in swaps])
+def test_native_file_as_written_is_refused_naming_the_key(name, swap):
+    """What these files ask for and fsdp2kit cannot give on this machine is one line naming the file's key."""
+    config, swaps, _ = user_args(name, EXPECTED[name][0], 2)
+    with pytest.raises(UserError) as error:
+        load_config(config, [s for s in swaps if s != swap])
+    assert str(error.value).startswith(f"{CORPUS / name}: '{swap.split('=')[0]}")
+
+
+def test_native_file_training_keys_field_by_field():
+    """Qwen3.5-35B's file: MindSpeed-MM's training, data and feature keys as its trainer reads them."""
+    name = "mindspeed_mm/examples/qwen3_5/qwen3_5_35B_config.yaml"
+    config, swaps, _ = user_args(name, "tiny-qwen3.5-moe", 2)
+    cfg = load_config(config, [*swaps, "parallel.ulysses_parallel_size=2"])
+    training, strategy = cfg.training, cfg.strategy_args.strategy_config
+    assert (training.learning_rate, training.lr_scheduler_type, training.warmup_ratio) == (1.0e-5, "cosine", 0.1)
+    assert (training.max_steps, training.max_grad_norm, training.per_device_train_batch_size) == (10000, 0.0, 4)
+    assert (training.gradient_accumulation_steps, training.seed, training.weight_decay) == (1, 42, 0)
+    assert (training.output_dir, training.save_steps, training.loss_chunk_tokens) == ("./save_path", 10000, 512)
+    assert (cfg.data.seq_len, cfg.data.pack, cfg.data.shuffle) == (16384, False, True)
+    assert (cfg.model.attn_implementation, cfg.model.init_on_meta, cfg.model.ulysses_size) == (
+        "flash_attention_2",
+        True,
+        2,
+    )
+    assert (strategy.use_reentrant, strategy.fsdp_size, strategy.fsdp_size_exact) == (False, "auto", False)
+    notes = "\n".join(cfg.notes)
+    for key in ("parallel.fsdp_plan.hook_modules", "features.enable_chunk_mbs", "model.gdn_implementation", "mtp"):
+        assert key in notes, key
+
+
+@pytest.mark.slow
+def test_native_qwen35_file_trains_two_steps_on_two_ranks(tmp_path):
+    """MindSpeed-MM's Qwen3.5-4B file as written (activation offload off on this CPU), a tiny Qwen3.5 and image+text
+    conversations: 2 optimizer steps on 2 ranks, its recompute, bf16/fp32 precision and chunked loss included."""
+    sys.path.insert(0, str(REPO / "examples"))
+    from make_vl_dataset import main as make_dataset
+
+    make_dataset(tmp_path, 8, 0)
+    name = "mindspeed_mm/examples/qwen3_5/qwen3_5_4B_config.yaml"
+    settings = [
+        NO_OFFLOAD,
+        "model.name_or_path=builtin:tiny-qwen3.5",
+        f"data.source={tmp_path / 'train.jsonl'}",
+        "data.seq_len=256",
+        "training.max_steps=2",
+        f"training.output_dir={tmp_path / 'run'}",
+        "training.export_hf=false",
+        "training.report_to=[]",
+    ]
+    result = run_cli("train", CORPUS / name, "--nproc", 2, *(a for s in settings for a in ("--set", s)), timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    steps = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps] == [1, 2]
+    assert all(s["loss"] > 0 and s["grad_norm"] > 0 for s in steps)

@@ -41,6 +41,17 @@ def _device_list(value: Any) -> Any:
     return list(parsed) if isinstance(parsed, (list, tuple)) else parsed
 
 
+# A dotted path whose last part is a class name (`package.module.DecoderLayer`), not a module path: MindSpeed's
+# documented way of naming every module of a class in sub_modules_to_wrap and recompute_modules.
+_CLASS_PATH = re.compile(r"(?:[A-Za-z_]\w*\.)+([A-Z]\w*)")
+
+
+def pattern_class(pattern: str) -> str | None:
+    """The class a module pattern names by its fully-qualified path, or None for a module path."""
+    match = _CLASS_PATH.fullmatch(pattern)
+    return match.group(1) if match else None
+
+
 DType = Annotated[Literal["bf16", "fp16", "fp32"], BeforeValidator(short_name)]
 OptionalDType = Annotated[Literal["bf16", "fp16", "fp32"] | None, BeforeValidator(short_name)]
 PatternList = Annotated[list[str], BeforeValidator(_pattern_list)]
@@ -158,7 +169,11 @@ class ModelConfig(Section):
     )
     ulysses_size: int = Field(1, ge=1, description="sequence-parallel (Ulysses) degree")
     gradient_checkpointing: bool = Field(False, description="recompute every decoder layer in backward")
-    attn_implementation: Literal["sdpa", "eager"] = Field("sdpa", description="transformers attention implementation")
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = Field(
+        "sdpa",
+        description="transformers attention implementation; flash_attention_2 runs where flash-attn is installed on "
+        "CUDA, else sdpa (the same attention; check notes it)",
+    )
     weights_loading: Literal["sliced", "rank0_broadcast"] = Field(
         "sliced", description="safetensors loading: each rank reads its own rows, or rank 0 reads and scatters"
     )
@@ -364,7 +379,11 @@ class StrategyConfig(Section):
     ignored_modules: PatternList = Field(
         default_factory=list, description="module patterns left out of FSDP (replicated)"
     )
-    recompute_modules: PatternList = Field(default_factory=list, description="module patterns recomputed in backward")
+    recompute_modules: PatternList = Field(
+        default_factory=list,
+        description="module patterns recomputed in backward; a class path (`package.module.DecoderLayer`) stands "
+        "for every module of that class",
+    )
     use_reentrant: bool = Field(True, description="reentrant activation checkpointing implementation")
     offload_policy: bool = Field(False, description="CPUOffloadPolicy: sharded params, grads and optimizer step on CPU")
     pin_memory: bool = Field(False, description="pinned host memory for offloaded tensors (only with offload)")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import glob
 import json
 import logging
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,11 +42,10 @@ def source_files(source: str | list[str]) -> list[Path]:
         raise UserError(f"data.source: unknown built-in dataset '{source}'; valid: builtin:corpus")
     if isinstance(source, list):
         files = source
+    elif _saved_dataset(source):
+        return sorted(f for f in Path(source).rglob("*") if f.is_file())
     elif Path(source).is_dir():
-        path = Path(source)
-        if not (path / "dataset_info.json").exists() and not (path / "dataset_dict.json").exists():
-            raise UserError(f"data.source: '{path}' is a folder but not a saved HF dataset (no dataset_info.json)")
-        return sorted(f for f in path.rglob("*") if f.is_file())
+        files = _folder_files(Path(source))
     else:
         files = sorted(glob.glob(source)) if any(c in source for c in "*?[") else [source]
     missing = [f for f in files if not Path(f).is_file()]
@@ -55,6 +55,30 @@ def source_files(source: str | list[str]) -> list[Path]:
     if None in kinds or len(kinds) > 1:
         raise UserError(f"data.source: '{source}' must be *.jsonl, *.parquet or *.txt files of one kind")
     return [Path(f) for f in files]
+
+
+def _saved_dataset(source: str | list[str]) -> bool:
+    """A folder written by `Dataset.save_to_disk` (read with load_from_disk), not a folder of data files."""
+    if not isinstance(source, str) or not Path(source).is_dir():
+        return False
+    return (Path(source) / "dataset_info.json").exists() or (Path(source) / "dataset_dict.json").exists()
+
+
+_SPLIT_WORDS = re.compile(r"(?:^|[-_./])(test|testing|eval|valid|validation|dev)(?:$|[-_./\d])")
+
+
+def _folder_files(folder: Path) -> list[str]:
+    """A folder of data files, as `datasets.load_dataset(folder)` reads its train split: every file not hidden
+    (no `.`/`__` part), leaving out those named as another split (test, validation, eval, dev)."""
+    files = [
+        f
+        for f in sorted(folder.rglob("*"))
+        if f.is_file() and not any(p.startswith((".", "__")) for p in f.relative_to(folder).parts)
+    ]
+    train = [str(f) for f in files if not _SPLIT_WORDS.search(str(f.relative_to(folder)).lower())]
+    if not train:
+        raise UserError(f"data.source: folder '{folder}' holds no training data files (*.jsonl, *.parquet, *.txt)")
+    return train
 
 
 # Real records nest a few levels (chat messages with tool calls: ~10); a crafted 20,000-deep value makes parsers
@@ -119,7 +143,7 @@ def _read_table(source: str | list[str], files: list[Path], max_document_bytes: 
     import datasets
 
     datasets.disable_progress_bars()  # a bar per split of a local file is noise in a training log
-    if isinstance(source, str) and Path(source).is_dir():
+    if _saved_dataset(source):
         dataset = datasets.load_from_disk(source)
         if isinstance(dataset, datasets.DatasetDict):
             dataset = dataset["train"] if "train" in dataset else next(iter(dataset.values()))

@@ -163,10 +163,21 @@ def load_model_class(spec: str, hf_config: PretrainedConfig) -> type[PreTrainedM
     return model_class
 
 
+def attention_kernel(requested: str) -> tuple[str, str | None]:
+    """The attention transformers runs, and a note when it is not the one asked for: flash_attention_2 needs the
+    flash-attn package and CUDA; elsewhere SDPA computes the same attention."""
+    if requested != "flash_attention_2":
+        return requested, None
+    if torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None:
+        return requested, None
+    missing = "CUDA" if not torch.cuda.is_available() else "the flash-attn package"
+    return "sdpa", f"model.attn_implementation: flash_attention_2 needs {missing}; sdpa runs the same attention"
+
+
 def build_meta_model(source: ModelSource, cfg: ModelConfig) -> PreTrainedModel:
     """The model with every parameter and buffer on the meta device: no memory, any size. It keeps the renamings
     between its tensor names and its family's HF folders (`checkpoint_renamings`), taken before sharding."""
-    source.hf_config._attn_implementation = cfg.attn_implementation
+    source.hf_config._attn_implementation = attention_kernel(cfg.attn_implementation)[0]
     dtype = torch_dtype(cfg.dtype)
     with torch.device("meta"):
         if cfg.model_class:

@@ -87,6 +87,43 @@ BUILTIN_VL_MODELS: dict[str, dict[str, Any]] = {
         **_SPECIAL_IDS,
     },
 }
+# The families of MindSpeed-MM's native trainer examples: Qwen3-VL-MoE (fused experts), Qwen3.5 (a linear-attention
+# layer, then a full-attention one) and Qwen3.5-MoE (both, with a shared expert). Qwen3.6 is Qwen3.5's architecture.
+_MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64}
+_LINEAR_ATTENTION = {
+    "layer_types": ["linear_attention", "full_attention"],
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+}
+_QWEN3_VL = BUILTIN_VL_MODELS["tiny-qwen3-vl"]
+BUILTIN_VL_MODELS.update(
+    {
+        "tiny-qwen3-vl-moe": {
+            **_QWEN3_VL,
+            "model_type": "qwen3_vl_moe",
+            "text_config": {**_QWEN3_VL["text_config"], **_MOE, "decoder_sparse_step": 1},
+        },
+        "tiny-qwen3.5": {
+            **_QWEN3_VL,
+            "model_type": "qwen3_5",
+            "text_config": {**_QWEN3_VL["text_config"], **_LINEAR_ATTENTION},
+            "vision_config": {k: v for k, v in _QWEN3_VL["vision_config"].items() if k != "deepstack_visual_indexes"},
+        },
+        "tiny-qwen3.5-moe": {
+            **_QWEN3_VL,
+            "model_type": "qwen3_5_moe",
+            "text_config": {
+                **_QWEN3_VL["text_config"],
+                **_LINEAR_ATTENTION,
+                **_MOE,
+                "shared_expert_intermediate_size": 64,
+            },
+            "vision_config": {k: v for k, v in _QWEN3_VL["vision_config"].items() if k != "deepstack_visual_indexes"},
+        },
+    }
+)
 
 
 def is_vision_language(hf_config: Any) -> bool:

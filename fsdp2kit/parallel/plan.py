@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch.nn as nn
 
-from fsdp2kit.config.schema import ModelConfig, StrategyConfig
+from fsdp2kit.config.schema import ModelConfig, StrategyConfig, pattern_class
 from fsdp2kit.errors import UserError
 from fsdp2kit.parallel.module_paths import modules_of_classes
 from fsdp2kit.parallel.moe import expert_modules, needs_expert_patch, reentrant_allowed, without_moe_blocks
@@ -38,11 +38,15 @@ def compile_pattern(pattern: str) -> re.Pattern:
 
 
 def match_modules(model: nn.Module, patterns: list[str], key: str, notes: list[str] | None = None) -> list[str]:
-    """Module paths (in forward/definition order) matched by any pattern; a pattern matching nothing is an error,
-    unless it names a VL model's tower or language model as another stack does (`translate_vl_path`, noted)."""
+    """Module paths (in forward/definition order) matched by any pattern (a class path: every module of that class);
+    a pattern matching nothing is an error, unless it names a VL model's tower or language model as another stack
+    does (`translate_vl_path`, noted)."""
     names = [name for name, _ in model.named_modules() if name]
     matched: set[str] = set()
     for pattern in patterns:
+        if (class_name := pattern_class(pattern)) is not None:  # `package.module.DecoderLayer`: its every module
+            matched.update(modules_of_classes(model, [class_name], f"strategy_config.{key}"))
+            continue
         regex = compile_pattern(pattern)
         hits = [n for n in names if regex.fullmatch(n)]
         translated = None if hits else translate_vl_path(model, pattern)

@@ -3,8 +3,9 @@ Accelerate config files and the Trainer's `fsdp`/`fsdp_config` (see docs/dialect
 
 `read_config` turns whatever the user gave into one native dict, in this order:
 1. `${...}` interpolations resolved (Hydra/OmegaConf, as ROLL writes them);
-2. a ROLL file becomes its chosen role; a native file stays as it is;
-3. `--set` overrides;
+2. a ROLL file becomes its chosen role, a MindSpeed-MM native trainer file (`parallel:`, `features:` ...) its
+   native mapping (`--set` items naming that file's own keys change it first); a native file stays as it is;
+3. `--set` overrides (and what a foreign key implied through an overridden key is taken back);
 4. a strategy file (`--fsdp-config`, or `strategy_args.strategy_config_path` relative to the config's folder)
    replaces strategy_config, and `--set` is applied again so the command line wins over that file too;
 5. the Trainer's `fsdp`/`fsdp_config` keys inside strategy_config become native keys.
@@ -20,7 +21,7 @@ from typing import Any, cast
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from fsdp2kit.config.dialects import accelerate, mindspeed, roll
+from fsdp2kit.config.dialects import accelerate, mindspeed, mindspeed_native, roll
 from fsdp2kit.config.dialects.translation import STRATEGY_CONFIG, Translation, Written
 from fsdp2kit.config.schema import JobConfig
 from fsdp2kit.config.yaml_io import apply_overrides, read_yaml
@@ -38,6 +39,9 @@ def read_config(
     raw = _resolve_interpolations(written, source)
     if roll.is_roll_file(raw):
         translation = roll.translate(raw, source, role)
+    elif mindspeed_native.is_native_file(raw) and role is None:
+        raw, overrides = mindspeed_native.file_overrides(raw, overrides)
+        translation = mindspeed_native.translate(raw, source)
     elif role is not None:
         raise UserError(
             f"--role {role}: '{source}' is a native fsdp2kit config, which has no roles "
@@ -51,12 +55,12 @@ def read_config(
     if strategy_path is not None:
         _read_strategy_file(translation, strategy_path)
         apply_overrides(translation.config, overrides)
-    for item in overrides:  # an error in an overridden key names it as given to --set
-        key = item.split("=", 1)[0].strip()
+    overridden = {item.split("=", 1)[0].strip() for item in overrides}
+    translation.drop_implied(overridden)
+    for key in overridden:  # an error in an overridden key names it as given to --set
         translation.replace_origin(key, Written(source, key))
     accelerate.translate_trainer_keys(translation)
     if raw is not written:
-        overridden = {item.split("=", 1)[0].strip() for item in overrides}
         translation.interpolated = _interpolated_keys(translation, written, source, overridden)
     return translation
 

@@ -6,7 +6,6 @@ know; fsdp2kit refuses them, so that a typo never disappears."""
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from fsdp2kit.config.dialects.translation import (
@@ -19,10 +18,9 @@ from fsdp2kit.config.dialects.translation import (
     to,
     unsupported,
 )
+from fsdp2kit.config.schema import pattern_class
 from fsdp2kit.errors import UserError
 
-# A dotted path whose last part is a class name (`package.module.DecoderLayer`), not a module path.
-_CLASS_PATH = re.compile(r"(?:[A-Za-z_]\w*\.)+([A-Z]\w*)")
 # Fsdp2Config's defaults that differ from fsdp2kit's.
 DEFAULTS = {"sharding_size": 1, "num_to_backward_prefetch": 0}
 
@@ -40,8 +38,8 @@ def _sub_modules_to_wrap(translation: Translation, key: Written, value: Any) -> 
     paths = [value] if isinstance(value, str) else value
     if not isinstance(paths, list) or not all(isinstance(p, str) for p in paths):
         raise UserError(f"{key.file}: '{key}' = {value!r} is not valid: expected a list of module or class paths")
-    classes = [m.group(1) for p in paths if (m := _CLASS_PATH.fullmatch(p))]
-    modules = [p for p in paths if not _CLASS_PATH.fullmatch(p)]
+    classes = [name for p in paths if (name := pattern_class(p)) is not None]
+    modules = [p for p in paths if pattern_class(p) is None]
     if modules:
         translation.set(f"{STRATEGY_CONFIG}.sub_modules_to_wrap", modules, key)
     if classes:
@@ -52,13 +50,12 @@ def _sub_modules_to_wrap(translation: Translation, key: Written, value: Any) -> 
 
 
 def _module_paths(native: str) -> Rule:
+    """Module paths, or class paths standing for every module of that class (matched by class name)."""
+
     def rule(translation: Translation, key: Written, value: Any) -> None:
         paths = [value] if isinstance(value, str) else value
-        if isinstance(paths, list) and (classes := [p for p in paths if _CLASS_PATH.fullmatch(str(p))]):
-            raise UserError(
-                f"{key.file}: '{key}' = {classes[0]!r} is a class path; fsdp2kit reads module paths here "
-                "(such as model.layers.{*})"
-            )
+        if isinstance(paths, list) and (classes := [p for p in paths if pattern_class(str(p))]):
+            translation.note(f"{key}: class paths {classes} stand for every module of that class")
         to(f"{STRATEGY_CONFIG}.{native}")(translation, key, value)
 
     return rule
@@ -104,10 +101,12 @@ RULES: dict[str, Rule] = {
 def _pin_memory(translation: Translation, data: dict[str, Any], where: Written) -> None:
     """MindSpeed-MM pins offloaded memory unless told not to; without offload, pin_memory does nothing."""
     offload, pin = data.get("offload_to_cpu") is True, data.get("pin_memory")
-    if offload:
-        translation.set(f"{STRATEGY_CONFIG}.pin_memory", pin is not False, where.child("pin_memory"))
-        if pin is None:
-            translation.note("MindSpeed-MM default pin_memory=True with offload_to_cpu (the file does not set it)")
+    if offload and pin is None:  # MindSpeed-MM's default, taken back if --set turns offload off
+        translation.imply(
+            f"{STRATEGY_CONFIG}.pin_memory", True, where.child("offload_to_cpu"), f"{STRATEGY_CONFIG}.offload_policy"
+        )
+    elif offload:
+        translation.set(f"{STRATEGY_CONFIG}.pin_memory", pin, where.child("pin_memory"))
     elif pin is not None:
         translation.ignore(where.child("pin_memory"), "used only with offload_to_cpu")
 

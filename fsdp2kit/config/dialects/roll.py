@@ -59,8 +59,15 @@ def _role_defaults(strategy: str, role: dict[str, Any]) -> dict[str, Any]:
 
 
 def _attention(value: str) -> str:
-    """ROLL's attention names; flash-attention is a kernel choice, and SDPA computes the same attention."""
-    names = {"sdpa": "sdpa", "eager": "eager", "auto": "sdpa", "fa2": "sdpa", "flash_attention_2": "sdpa"}
+    """ROLL's attention names: fa2 is flash_attention_2 (run where flash-attn is installed on CUDA, else SDPA, which
+    computes the same attention)."""
+    names = {
+        "sdpa": "sdpa",
+        "eager": "eager",
+        "auto": "sdpa",
+        "fa2": "flash_attention_2",
+        "flash_attention_2": "flash_attention_2",
+    }
     if value not in names:
         raise ValueError(f"expected one of {', '.join(names)}")
     return names[value]
@@ -100,8 +107,7 @@ def _offload_policy(translation: Translation, key: Written, value: Any) -> None:
     """ROLL's CPUOffloadPolicy always pins the host memory."""
     to(f"{STRATEGY_CONFIG}.offload_policy")(translation, key, value)
     if value is True:
-        translation.set(f"{STRATEGY_CONFIG}.pin_memory", True, key)
-        translation.note(f"mapped {key}=True → {STRATEGY_CONFIG}.pin_memory=True (ROLL pins offloaded memory)")
+        translation.imply(f"{STRATEGY_CONFIG}.pin_memory", True, key, f"{STRATEGY_CONFIG}.offload_policy")
 
 
 def _strategy_config(translation: Translation, key: Written, value: Any) -> None:

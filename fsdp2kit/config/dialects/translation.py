@@ -7,7 +7,7 @@ that fsdp2kit cannot honour (`unsupported`). A key with no rule is an error, so 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any, NamedTuple
 
 from fsdp2kit.errors import UserError, unknown_key_message
@@ -39,6 +39,7 @@ class Translation:
         self._notes: list[str] = []
         self._ignored: dict[str, list[str]] = {}  # reason -> keys, so one note lists all keys ignored for a reason
         self.interpolated: dict[str, Any] = {}  # native key -> its `${...}` text in the config file
+        self._implied: dict[str, tuple[str, Any]] = {}  # native key -> (native key implying it, that key's value)
 
     def set(self, native_key: str, value: Any, origin: Written) -> None:
         """Set a native key. Two foreign keys that give it different values contradict each other: an error."""
@@ -55,6 +56,22 @@ class Translation:
             )
         section[leaf] = value
         self.replace_origin(native_key, origin)
+
+    def imply(self, native_key: str, value: Any, origin: Written, cause: str) -> None:
+        """Set a native key that the foreign key at `origin` implies through the native key `cause` (ROLL's
+        offload_policy: true pins host memory): a `--set` that changes `cause` takes the implication back."""
+        self.set(native_key, value, origin)
+        self._implied[native_key] = (cause, self.get(cause))
+        self.note(f"mapped {origin}={self.get(cause)!r} → {native_key}={value!r} as well")
+
+    def drop_implied(self, overridden: Collection[str]) -> None:
+        """Implied keys whose cause `--set` changed (and that `--set` did not set itself) go back to their default."""
+        for native_key, (cause, value) in list(self._implied.items()):
+            if cause in overridden and native_key not in overridden and self.get(cause) != value:
+                section, leaf = self._section_of(native_key, self.written_as(native_key))
+                section.pop(leaf, None)
+                del self._implied[native_key]
+                self.note(f"--set {cause}={self.get(cause)!r}: {native_key} no longer implied ({value!r} before)")
 
     def replace(self, native_key: str, value: Any, origin: Written) -> None:
         """Set a native key or section, discarding what was there (a strategy file replaces strategy_config)."""
