@@ -79,7 +79,7 @@ def test_bad_config_exits_2_with_one_message(override, message, capsys):
             "model.name_or_path=builtin:gpt5",
             "model.name_or_path: unknown built-in model 'builtin:gpt5'; valid: "
             "builtin:tiny-llama, builtin:tiny-qwen3, builtin:tiny-qwen3-moe, builtin:tiny-qwen2.5-vl, "
-            "builtin:tiny-qwen3-vl",
+            "builtin:tiny-qwen3-vl, builtin:tiny-qwen3-vl-moe, builtin:tiny-qwen3.5, builtin:tiny-qwen3.5-moe",
         ),
         (
             "model.name_or_path=/no/such/model",
