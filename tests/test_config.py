@@ -85,7 +85,8 @@ def test_bad_config_exits_2_with_one_message(override, message, capsys):
             "model.name_or_path=/no/such/model",
             "model.name_or_path: '/no/such/model' is not a model folder or checkpoint with a "
             "config.json (or a builtin: model: builtin:tiny-llama, builtin:tiny-qwen3, builtin:tiny-qwen3-moe, "
-            "builtin:tiny-qwen2.5-vl, builtin:tiny-qwen3-vl)",
+            "builtin:tiny-qwen2.5-vl, builtin:tiny-qwen3-vl, builtin:tiny-qwen3-vl-moe, builtin:tiny-qwen3.5, "
+            "builtin:tiny-qwen3.5-moe)",
         ),
         (
             "strategy_args.strategy_config.offload_policy=true",
