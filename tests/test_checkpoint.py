@@ -242,3 +242,36 @@ def test_keep_last_k_keeps_the_newest_complete_ones(tmp_path):
     )
     assert [p.name for p in committed_checkpoints(run / "checkpoints")] == ["step_4", "step_6"]
     assert not list((run / "checkpoints").glob(".tmp-*"))
+
+
+PRUNE_KILLED_MIDWAY = """
+import os, shutil, signal, sys, types
+from pathlib import Path
+from fsdp2kit.checkpoint import manager
+
+def rmtree_then_die(path, ignore_errors=False):
+    if not Path(path).exists():
+        return
+    victim = sorted(p for p in Path(path).iterdir() if p.name != manager.STATE_FILE)[0]
+    victim.unlink()  # the deletion has begun ...
+    os.kill(os.getpid(), signal.SIGKILL)  # ... and the process is killed
+
+manager.shutil.rmtree = rmtree_then_die
+manager.CheckpointManager._prune(types.SimpleNamespace(keep=1, root=Path(sys.argv[1])))
+"""
+
+
+def test_a_kill_while_deleting_an_old_checkpoint_leaves_no_step_folder_with_files_missing(tmp_path):
+    """keep-last-K renames a checkpoint out of resume's sight before deleting it: a real SIGKILL in the middle of
+    the deletion (the fault soak met one) leaves every `step_N` that resume can see whole."""
+    root = tmp_path / "checkpoints"
+    files = ("__0_0.distcp", ".metadata", "trainer_state.json")
+    for step in (2, 4):
+        (root / f"step_{step}").mkdir(parents=True)
+        for name in files:
+            (root / f"step_{step}" / name).write_text("{}")
+    killed = subprocess.run([sys.executable, "-c", PRUNE_KILLED_MIDWAY, str(root)], cwd=REPO)
+    assert killed.returncode == -9
+    for checkpoint in committed_checkpoints(root):
+        assert sorted(p.name for p in checkpoint.iterdir()) == sorted(files), checkpoint
+    assert [p.name for p in committed_checkpoints(root)] == ["step_4"]

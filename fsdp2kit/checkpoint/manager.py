@@ -3,6 +3,8 @@
 A checkpoint is written to `checkpoints/.tmp-step_N/` by every rank; only when every rank's shards and DCP's
 metadata are on disk does rank 0 write `trainer_state.json` and rename the folder to `checkpoints/step_N/`.
 A folder named `step_N` with a `trainer_state.json` is therefore complete; anything else is ignored by resume.
+A checkpoint is deleted (keep-last-K, or replaced by a new save of its step) the same way round: renamed to
+`.old-step_N` first, then removed, so a process killed while deleting never leaves a `step_N` with files missing.
 """
 
 from __future__ import annotations
@@ -65,6 +67,19 @@ def read_trainer_state(path: Path) -> dict:
     return state
 
 
+def retire(checkpoint: Path) -> Path | None:
+    """Rename a checkpoint folder out of resume's sight (`.old-step_N`) before it is deleted: a deletion cut short by a
+    kill must not leave a `step_N` that still has its trainer_state.json but lacks shards. The new name, or None when
+    there is no such folder."""
+    if not checkpoint.exists():
+        return None
+    old = checkpoint.with_name(f".old-{checkpoint.name}")
+    shutil.rmtree(old, ignore_errors=True)
+    os.rename(checkpoint, old)
+    fsync_dir(checkpoint.parent)
+    return old
+
+
 def committed_checkpoints(root: Path) -> list[Path]:
     """Complete checkpoints under `root`, oldest first."""
     if not root.is_dir():
@@ -100,8 +115,8 @@ class CheckpointManager:
         self.group = dist.new_group(backend="gloo") if async_save else None
         self.pending: tuple[Any, Path, Path, dict] | None = None
         self.writing: int | None = None  # the step whose save the main thread is in
-        if rank == 0:  # folders of saves that a crash interrupted: never complete, never resumed from
-            for stale in self.root.glob(".tmp-step_*"):
+        if rank == 0:  # saves and deletions that a crash interrupted: never complete, never resumed from
+            for stale in (*self.root.glob(".tmp-step_*"), *self.root.glob(".old-step_*")):
                 shutil.rmtree(stale, ignore_errors=True)
 
     def save(
@@ -194,10 +209,11 @@ class CheckpointManager:
             fault_point("before_state", step, self.rank)
             write_durable(tmp / STATE_FILE, json.dumps(trainer_state, indent=2).encode())
             fault_point("before_rename", step, self.rank)
-            if final.exists():
-                shutil.rmtree(final)
+            old = retire(final)
             os.rename(tmp, final)
             fsync_dir(final.parent)
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
             self._prune()
         dist.barrier()
         fault_point("after_commit", step, self.rank)
@@ -226,8 +242,10 @@ class CheckpointManager:
         if self.keep is None:
             return
         complete = committed_checkpoints(self.root)
-        for old in complete[: max(0, len(complete) - self.keep)]:
-            shutil.rmtree(old, ignore_errors=True)
+        for checkpoint in complete[: max(0, len(complete) - self.keep)]:
+            old = retire(checkpoint)
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
 
     def resolve(self, resume: str) -> Path | None:
         """`auto`: the newest complete checkpoint whose files are whole (None if there is none; a damaged newer one
