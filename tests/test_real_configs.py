@@ -434,8 +434,11 @@ def test_every_ignored_or_mapped_key_is_in_checks_notes():
     cfg = load_config(config, swaps)
     assert (cfg.data.prompt_key, cfg.data.query_key, cfg.data.response_key) == ("instruction", "input", "output")
     notes = "\n".join(cfg.notes)
-    for key in ("eval_steps", "sft_train.data_args.template", "validation", "sft_train.use_sequence_packing"):
+    for key in ("sft_train.data_args.template", "validation", "sft_train.use_sequence_packing"):
         assert key in notes, key
+    # ROLL's SFT pipeline evaluates the loss on the validation file every eval_steps
+    assert (cfg.training.eval_steps, cfg.data.eval_source) == (100, "./data/code_alpaca_500.json")
+    assert "mapped validation.data_args.file_name → data.eval_source" in notes
     assert "ROLL default sft_train.strategy_args.strategy_config.cast_forward_inputs=False" in notes
 
 

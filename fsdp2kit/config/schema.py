@@ -304,7 +304,7 @@ class DataConfig(Section):
     @model_validator(mode="after")
     def _one_eval_set(self) -> DataConfig:
         if self.eval_source is not None and self.eval_fraction is not None:
-            raise ValueError("give either data.eval_source or data.eval_fraction (held out of source), not both")
+            raise ValueError("one of data.eval_source and data.eval_fraction (held out of source), not both")
         return self
 
 
