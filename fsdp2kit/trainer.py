@@ -109,6 +109,12 @@ class Trainer:
         """This rank's share of the evaluation set, if the run has one."""
         samples, layout = self.batches.eval_samples, self.strategy.sharded.layout
         if samples is None:
+            if self.tc.eval_steps and self.runtime.is_main:
+                print(
+                    "warning: training.eval_steps is set but there is no evaluation set (give data.eval_source "
+                    "or data.eval_fraction); nothing is evaluated",
+                    flush=True,
+                )
             return None
         return EvalBatches(
             partial(self.batches.collate_indices, samples=samples),

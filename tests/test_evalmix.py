@@ -147,24 +147,27 @@ def train(tmp_path, run: str, steps: int, nproc: int = 1, **settings):
 
 @pytest.mark.slow
 def test_eval_loss_every_eval_steps_and_at_the_end_equal_at_1_and_2_ranks(tmp_path):
-    """eval_loss over 1% of the corpus held out, at steps 2 and 4 and at the end (5), at 1 and 2 ranks (the same
-    global batch); a learning rate small enough that the two runs' weights agree, so what is compared is the
-    evaluation itself. An eval batch of 3 leaves ranks a filler row."""
+    """eval_loss over 1% of the corpus held out, at step 2 and at the end (3), at 1 and 2 ranks (the same global
+    batch), and with Ulysses over the 2 ranks; a learning rate small enough that the runs' weights agree, so what is
+    compared is the evaluation itself. An eval batch of 3 leaves ranks a filler row."""
     common = {
         "data.eval_fraction": 0.01,
         "training.eval_steps": 2,
         "training.per_device_eval_batch_size": 3,
         "training.learning_rate": 1e-6,
     }
-    one = train(tmp_path, "one", 5, 1, **common, **{"training.gradient_accumulation_steps": 2})
-    train(tmp_path, "two", 5, 2, **common, **{"training.gradient_accumulation_steps": 1})
+    one = train(tmp_path, "one", 3, 1, **common, **{"training.gradient_accumulation_steps": 2})
+    train(tmp_path, "two", 3, 2, **common, **{"training.gradient_accumulation_steps": 1})
+    train(tmp_path, "ulysses", 2, 2, **common, **{"training.gradient_accumulation_steps": 2, "model.ulysses_size": 2})
     assert "evaluation set: 73 samples (0.01 of the training samples held out)" in one.stdout
     runs = [read_metrics(tmp_path / run) for run in ("one", "two")]
     for records in runs:
-        assert [r["step"] for r in records if "eval_loss" in r] == [2, 4, 5]
+        assert [r["step"] for r in records if "eval_loss" in r] == [2, 3]
     evals = [[(r["eval_loss"], r["eval_tokens"]) for r in records if "eval_loss" in r] for records in runs]
     for (loss_1, tokens_1), (loss_2, tokens_2) in zip(*evals, strict=True):
         assert tokens_1 == tokens_2 and abs(loss_1 - loss_2) < 1e-6
+    ulysses = [(r["eval_loss"], r["eval_tokens"]) for r in read_metrics(tmp_path / "ulysses") if "eval_loss" in r]
+    assert ulysses[0][1] == evals[0][0][1] and ulysses[0][0] == pytest.approx(evals[0][0][0], abs=1e-5)
 
 
 @pytest.mark.slow
@@ -183,3 +186,29 @@ def test_mixed_run_resumes_exactly(tmp_path, two_sources):
     assert "resumed from" in train(tmp_path, "resumed", 4, **common).stdout
     expected = [r["loss"] for r in read_metrics(tmp_path / "straight")]
     assert [r["loss"] for r in read_metrics(tmp_path / "resumed")] == pytest.approx(expected, rel=1e-6, abs=1e-6)
+
+
+def test_eval_loss_reaches_tensorboard_and_the_report(tmp_path):
+    from fsdp2kit.report import write_report
+    from fsdp2kit.train.loggers import TensorBoardLog
+
+    run = tmp_path / "run"
+    run.mkdir()
+    records = [
+        {"step": s, "loss": 9.0 - s, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 100.0, "peak_mem_bytes": 1 << 30}
+        for s in range(1, 5)
+    ]
+    for record in records[1::2]:
+        record |= {"eval_loss": record["loss"] + 0.5, "eval_tokens": 1000}
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    summary = write_report([run])
+    assert "eval_loss 5.5000 (last of 2)" in summary and (run / "report" / "loss.png").is_file()
+    log = TensorBoardLog(run / "tb", None)
+    for record in records:
+        log.write(record)
+    log.close()
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run / "tb"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("eval/loss")] == [2, 4] and "train/loss" in events.Tags()["scalars"]

@@ -500,6 +500,7 @@ def test_docs_table_every_key_of_every_dialect():
     docs = (REPO / "docs/dialects.md").read_text()
     tables = [
         roll.TOP_LEVEL,
+        roll.SFT_TOP_LEVEL,
         roll.ROLE,
         roll.MODEL_ARGS,
         roll.TRAINING_ARGS,
@@ -546,9 +547,22 @@ def test_native_file_training_keys_field_by_field():
         2,
     )
     assert (strategy.use_reentrant, strategy.fsdp_size, strategy.fsdp_size_exact) == (False, "auto", False)
+    assert (training.eval_steps, training.per_device_eval_batch_size, cfg.data.eval_fraction) == (0, 1, None)
     notes = "\n".join(cfg.notes)
     for key in ("parallel.fsdp_plan.hook_modules", "features.enable_chunk_mbs", "model.gdn_implementation", "mtp"):
         assert key in notes, key
+
+
+def test_native_file_val_size_and_val_interval_are_the_evaluation():
+    """LLaMA-Factory's val_size (a fraction) is held out and evaluated every val_interval steps; a count is refused."""
+    name = "mindspeed_mm/examples/qwen3_5/qwen3_5_35B_config.yaml"
+    config, swaps, _ = user_args(name, "tiny-qwen3.5-moe", 2)
+    evaluation = ["data.dataset_param.basic_parameters.val_size=0.05", "training.val_interval=20"]
+    cfg = load_config(config, [*swaps, *evaluation])
+    assert (cfg.data.eval_fraction, cfg.training.eval_steps, cfg.training.per_device_eval_batch_size) == (0.05, 20, 1)
+    with pytest.raises(UserError) as error:
+        load_config(config, [*swaps, "data.dataset_param.basic_parameters.val_size=100"])
+    assert "val_size' = 100 is not supported" in str(error.value)
 
 
 @pytest.mark.slow
