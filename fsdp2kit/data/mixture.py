@@ -200,6 +200,8 @@ def split_samples(data: DataConfig, tokenizer: PreTrainedTokenizerBase, seed: in
         ]
     if not held:
         return train, None
+    if not sum(len(part) for part in held):
+        raise UserError("data.eval_source: it holds no sample with a loss target (every document empty or prompt)")
     return train, held[0] if len(held) == 1 else ConcatSamples(held)
 
 
