@@ -15,7 +15,7 @@ from typing import Any
 from fsdp2kit.checkpoint.manager import CheckpointManager, fault_point
 from fsdp2kit.config.schema import JobConfig
 from fsdp2kit.data.dataset import source_files
-from fsdp2kit.data.mixture import data_lines, describe_source
+from fsdp2kit.data.mixture import data_lines, describe_source, samples_taken
 from fsdp2kit.data.samples import GlobalBatches, Prefetcher
 from fsdp2kit.distributed import Runtime
 from fsdp2kit.errors import Interrupted, UserError
@@ -248,6 +248,8 @@ class Trainer:
             with phase(f"writing the HF folder {self.output_dir / 'hf'}", self.runtime.is_main):
                 strategy.export_hf(self.output_dir / "hf")
         if self.runtime.is_main:
+            for line in samples_taken(self.batches, range(self.start_step, self.total_steps)):
+                print(line, flush=True)
             print(f"done: {self.total_steps} steps; outputs in {self.output_dir}", flush=True)
 
 

@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 from fsdp2kit.config.load import validate
 from fsdp2kit.config.schema import DataConfig
 from fsdp2kit.data.builtin import corpus_documents, tokenizer_dir
-from fsdp2kit.data.mixture import MixedSamples, split_samples
+from fsdp2kit.data.mixture import MixedSamples, samples_taken, split_samples
 from fsdp2kit.data.samples import GlobalBatches
 from fsdp2kit.errors import UserError
 from fsdp2kit.train.evaluate import EvalBatches, eval_loss
@@ -78,6 +78,9 @@ def test_mixture_gives_each_source_its_share_deterministically(tmp_path, tokeniz
     assert not torch.equal(order[:500], samples.epoch_order(0, 43, True))
     # the batches of a step are the same whichever step the reader starts at (a resume)
     straight = GlobalBatches(samples, 4, 2, 1, 0, 42, True, 0)
+    assert samples_taken(straight, range(0, 125)) == [
+        "data: steps 1-125 took 1000 samples: 800 from a.jsonl, 200 from b.jsonl"
+    ]
     resumed = GlobalBatches(split_samples(cfg, tokenizer, seed=42)[0], 4, 2, 1, 0, 42, True, 0)
     for step in (0, 61, 62, 130):
         for got, expected in zip(resumed.micro_batches(step), straight.micro_batches(step), strict=True):
@@ -182,6 +185,7 @@ def test_mixed_run_resumes_exactly(tmp_path, two_sources):
     straight = train(tmp_path, "straight", 4, **common)
     assert "data.source[0] a.jsonl: weight 0.8" in straight.stdout
     assert "data.source[1] b.jsonl: weight 0.2" in straight.stdout
+    assert "data: steps 1-4 took 32 samples: " in straight.stdout
     train(tmp_path, "resumed", 2, **common)
     assert "resumed from" in train(tmp_path, "resumed", 4, **common).stdout
     expected = [r["loss"] for r in read_metrics(tmp_path / "straight")]

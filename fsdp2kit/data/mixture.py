@@ -216,3 +216,19 @@ def data_lines(samples: Any, eval_samples: Any, data: DataConfig) -> list[str]:
         )
         lines.append(f"evaluation set: {len(eval_samples)} samples ({origin})")
     return lines
+
+
+def samples_taken(batches: Any, steps: range) -> list[str]:
+    """What each source of a mixture gave to `steps` (a run's, resumed or not): one line; [] for one source."""
+    samples = batches.samples
+    if not isinstance(samples, MixedSamples) or not steps:
+        return []
+    counts = np.zeros(len(samples.quotas), dtype=np.int64)
+    size, per_epoch = batches.global_batch_size, batches.steps_per_epoch
+    for epoch in range(steps.start // per_epoch, (steps.stop - 1) // per_epoch + 1):
+        first = max(steps.start - epoch * per_epoch, 0)
+        last = min(steps.stop - epoch * per_epoch, per_epoch)
+        ids = samples.epoch_order(epoch, batches.seed, batches.shuffle)[first * size : last * size]
+        counts += np.bincount(samples.pool.locate(ids.numpy())[0], minlength=len(counts))
+    taken = ", ".join(f"{count} from {name}" for count, name in zip(counts.tolist(), samples.names, strict=True))
+    return [f"data: steps {steps.start + 1}-{steps.stop} took {int(counts.sum())} samples: {taken}"]
