@@ -56,8 +56,11 @@ def checked_files(cfg: JobConfig) -> dict[str, str]:
     problem = output_dir_problem(output_dir)
     if problem is not None:
         raise UserError(problem)
-    return {
-        "data.source": f"{len(data)} file(s) of one kind ({kinds}), {_size(data)}",
+    checked = {"data.source": f"{len(data)} file(s) of one kind ({kinds}), {_size(data)}"}
+    if cfg.data.eval_source is not None:
+        evaluated = source_files(cfg.data.eval_source)
+        checked["data.eval_source"] = f"{len(evaluated)} file(s), {_size(evaluated)}"
+    return checked | {
         "model weights": weights,
         "tokenizer": f"{source.tokenizer_path} (loads, {len(tokenizer)} tokens)",
         "training.output_dir": f"{output_dir} "

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 from fsdp2kit.errors import UserError
 from fsdp2kit.train.loggers import read_records
@@ -49,12 +50,24 @@ def summary(run_dir: Path, records: list[dict]) -> str:
     tokens_per_s = sum(r["tokens_per_s"] for r in records) / len(records)
     peak = max(records, key=lambda r: r["peak_mem_bytes"])
     loss = f"loss {finite[0]:.4f} -> {finite[-1]:.4f}" if finite else "no finite loss"
+    evaluated = [r["eval_loss"] for r in records if isinstance(r.get("eval_loss"), int | float)]
+    loss += f", eval_loss {evaluated[-1]:.4f} (last of {len(evaluated)})" if evaluated else ""
     return (
         f"{run_dir}: {len(records)} steps (last {records[-1]['step']}), {loss}"
         + (f", {skipped} skipped" if skipped else "")
         + f", mean {tokens_per_s:,.0f} tokens/s, peak memory {peak['peak_mem_bytes'] / GIB:.2f} GiB"
         + (f" ({peak['peak_mem_kind']})" if "peak_mem_kind" in peak else "")
     )
+
+
+def _plot_run(ax: Any, label: str, records: list[dict], field: str, scale: float) -> None:
+    """One run's curve of `field`; on the loss plot, its eval_loss points too, in the same colour."""
+    points = [(r["step"], r[field] * scale) for r in records if field in r]
+    line = ax.plot([s for s, _ in points], [v for _, v in points], label=label, linewidth=1.2)[0]
+    evaluated = [(r["step"], r["eval_loss"]) for r in records if field == "loss" and "eval_loss" in r]
+    if evaluated:
+        steps, losses = zip(*evaluated, strict=True)
+        ax.plot(steps, losses, "o--", color=line.get_color(), label=f"{label} eval_loss", markersize=4)
 
 
 def write_report(run_dirs: list[Path]) -> str:
@@ -73,13 +86,12 @@ def write_report(run_dirs: list[Path]) -> str:
     for file_name, (field, ylabel, scale) in PLOTS.items():
         fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
         for label, (_, records) in zip(labels, runs, strict=True):
-            points = [(r["step"], r[field] * scale) for r in records if field in r]
-            ax.plot([s for s, _ in points], [v for _, v in points], label=label, linewidth=1.2)
+            _plot_run(ax, label, records, field, scale)
         ax.set_xlabel("step")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
-        if len(runs) > 1:
+        if len(ax.get_lines()) > 1:  # several runs, or a run's eval_loss
             ax.legend()
         fig.tight_layout()
         fig.savefig(out_dir / f"{file_name}.png")

@@ -9,7 +9,7 @@ position t's target is token t+1, so the logits (or log-probs) of position t are
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +28,7 @@ from fsdp2kit.labels import IGNORE_INDEX
 from fsdp2kit.models.export import export_hf, hf_tensors
 from fsdp2kit.models.sharded import ShardedModel, build_sharded_model
 from fsdp2kit.parallel.token_logprobs import TokenRequest, chunk_tokens, install_token_head, token_request
+from fsdp2kit.train.evaluate import EvalResult, eval_loss
 from fsdp2kit.train.grads import LossScaler, NonFiniteGuard
 from fsdp2kit.train.optim import build_optimizer, build_scheduler
 from fsdp2kit.train.resume import apply_settings, changed_optimizer_keys, check_trainer_state, optimizer_settings
@@ -171,6 +172,21 @@ class Strategy:
         if entropies is not None:
             result["entropy"] = entropies
         return result
+
+    @torch.no_grad()
+    def evaluate(self, micro_batches: Iterable[Batch]) -> EvalResult:
+        """The token-mean cross-entropy of shifted micro-batches (the `train` command's, labels already shifted)
+        over all data-parallel ranks, in eval mode, without gradients; every rank must give as many micro-batches
+        (`train/evaluate.py:EvalBatches`)."""
+        was_training = self.model.training
+        self.model.eval()
+        group = self.sharded.sp_group
+        device = self.runtime.device
+        try:
+            on_device = ({k: v.to(device, non_blocking=True) for k, v in mb.items()} for mb in micro_batches)
+            return eval_loss(lambda b: self.token_logprobs(b)[0], on_device, device, group.size() if group else 1)
+        finally:
+            self.model.train(was_training)
 
     def token_logprobs(self, shifted: Batch, entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Log-probs of the shifted batch's `labels` (0 where IGNORE_INDEX) for its whole sequences: under sequence

@@ -8,17 +8,20 @@ import shutil
 import signal
 import time
 from contextlib import AbstractContextManager, ExitStack, nullcontext
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from fsdp2kit.checkpoint.manager import CheckpointManager, fault_point
 from fsdp2kit.config.schema import JobConfig
 from fsdp2kit.data.dataset import source_files
+from fsdp2kit.data.mixture import data_lines, describe_source, samples_taken
 from fsdp2kit.data.samples import GlobalBatches, Prefetcher
 from fsdp2kit.distributed import Runtime
 from fsdp2kit.errors import Interrupted, UserError
 from fsdp2kit.models.sharded import count_parameters
 from fsdp2kit.strategy import Strategy
+from fsdp2kit.train.evaluate import EvalBatches
 from fsdp2kit.train.interrupt import StopSignals
 from fsdp2kit.train.loggers import RunLoggers, phase
 from fsdp2kit.train.memory import StepMemory
@@ -41,6 +44,8 @@ def train(cfg: JobConfig, runtime: Runtime) -> None:
 def run_inputs(cfg: JobConfig) -> dict[str, Path]:
     """The files and folders a run reads, by the key that names them."""
     inputs = {f"data.source ({path.name})": path for path in source_files(cfg.data.source)}
+    if cfg.data.eval_source is not None:
+        inputs |= {f"data.eval_source ({path.name})": path for path in source_files(cfg.data.eval_source)}
     if not cfg.model.name_or_path.startswith("builtin:"):
         inputs["model.name_or_path"] = Path(cfg.model.name_or_path)
     if cfg.data.tokenizer:
@@ -58,6 +63,7 @@ class Trainer:
         with phase(f"loading the model ({cfg.model.name_or_path})", runtime.is_main):
             self.strategy = Strategy(cfg, runtime)
         self.batches = self._global_batches()
+        self.eval_set = self._eval_batches()
         self.data_files = data_files(cfg.data)  # recorded in each checkpoint: a resume refuses edited data
         steps_per_epoch = self.batches.steps_per_epoch
         self.total_steps = (
@@ -88,8 +94,35 @@ class Trainer:
             strategy.tokenizer.pad_token_id or 0,
             cfg.data.max_tokens_per_micro_batch,
         )
-        with phase(f"{strategy.sharded.variant.modality.data_phase} {cfg.data.source}", self.runtime.is_main):
-            return strategy.sharded.variant.global_batches(cfg.data, strategy.tokenizer, strategy.sharded.source, order)
+        with phase(
+            f"{strategy.sharded.variant.modality.data_phase} {describe_source(cfg.data.source)}", self.runtime.is_main
+        ):
+            batches = strategy.sharded.variant.global_batches(
+                cfg.data, strategy.tokenizer, strategy.sharded.source, order
+            )
+        if self.runtime.is_main:
+            for line in data_lines(batches.samples, batches.eval_samples, cfg.data):
+                print(line, flush=True)
+        return batches
+
+    def _eval_batches(self) -> EvalBatches | None:
+        """This rank's share of the evaluation set, if the run has one."""
+        samples, layout = self.batches.eval_samples, self.strategy.sharded.layout
+        if samples is None:
+            if self.tc.eval_steps and self.runtime.is_main:
+                print(
+                    "warning: training.eval_steps is set but there is no evaluation set (give data.eval_source "
+                    "or data.eval_fraction); nothing is evaluated",
+                    flush=True,
+                )
+            return None
+        return EvalBatches(
+            partial(self.batches.collate_indices, samples=samples),
+            len(samples),
+            self.tc.per_device_eval_batch_size or self.tc.per_device_train_batch_size,
+            layout.data_parallel_size,
+            layout.data_parallel_rank(self.runtime.rank),
+        )
 
     def _resume(self) -> Path | None:
         """From the newest complete checkpoint (or the one named), refusing one of another run or batch size."""
@@ -158,7 +191,8 @@ class Trainer:
                 with self._compiling(step), memory.step(micro_batches):
                     result = strategy.step(micro_batches, on_micro_batch_done=memory.micro_batch_done)
                 elapsed = time.perf_counter() - started
-                loggers.write(metrics.record(step + 1, result, elapsed, data_time, memory.fields()))
+                record = metrics.record(step + 1, result, elapsed, data_time, memory.fields())
+                loggers.write(record | self._evaluate(step + 1))
                 profiler.step_finished(step + 1)
                 strategy.guard.stop_if_diverged(step + 1)
                 self._after_step(step + 1)
@@ -176,6 +210,15 @@ class Trainer:
         if compiled and step == self.start_step:
             return phase(f"step {step + 1}: torch.compile of {len(compiled)} modules", self.runtime.is_main)
         return nullcontext()
+
+    def _evaluate(self, done: int) -> dict[str, Any]:
+        """eval_loss over the evaluation set every training.eval_steps and after the last step; {} otherwise."""
+        eval_set, every = self.eval_set, self.tc.eval_steps
+        if eval_set is None or not (done == self.total_steps or (every and done % every == 0)):
+            return {}
+        started = time.perf_counter()
+        result = self.strategy.evaluate(eval_set.micro_batches())
+        return {"eval_loss": result.loss, "eval_tokens": result.tokens, "eval_time": time.perf_counter() - started}
 
     def _after_step(self, done: int) -> None:
         fault_point("step", done, self.runtime.rank)
@@ -205,6 +248,8 @@ class Trainer:
             with phase(f"writing the HF folder {self.output_dir / 'hf'}", self.runtime.is_main):
                 strategy.export_hf(self.output_dir / "hf")
         if self.runtime.is_main:
+            for line in samples_taken(self.batches, range(self.start_step, self.total_steps)):
+                print(line, flush=True)
             print(f"done: {self.total_steps} steps; outputs in {self.output_dir}", flush=True)
 
 

@@ -211,6 +211,33 @@ def test_roll_maps_top_level_and_role_keys(tmp_path):
     assert "ignored (no FSDP2 meaning): rollout_batch_size" in cfg.notes
 
 
+def test_roll_interleave_probs_weigh_its_files_and_eval_file_name_is_the_evaluation(tmp_path):
+    data_args = {"file_name": ["a.jsonl", "b.jsonl"], "interleave_probs": "0.7,0.3", "eval_file_name": "val.jsonl"}
+    cfg = load_config(roll_file(tmp_path, role_changes={"data_args": data_args}))
+    assert [(e.path, e.weight) for e in cfg.data.source] == [("a.jsonl", 0.7), ("b.jsonl", 0.3)]
+    assert cfg.data.eval_source == "val.jsonl"
+    assert any("interleave_probs → data.source: a mixture of 2 files" in note for note in cfg.notes)
+    # ROLL's examples write "1.0" beside several files: one source, the probability ignored
+    data_args = {"file_name": ["a.jsonl", "b.jsonl"], "interleave_probs": "1.0"}
+    training_args = {"per_device_eval_batch_size": 3}
+    cfg = load_config(roll_file(tmp_path, role_changes={"data_args": data_args, "training_args": training_args}))
+    assert cfg.data.source == ["a.jsonl", "b.jsonl"] and cfg.training.per_device_eval_batch_size == 3
+    assert "actor_train.data_args.interleave_probs" in "\n".join(cfg.notes)
+
+
+def test_roll_sft_pipeline_evaluates_its_validation_data_every_eval_steps(tmp_path):
+    sft = {
+        "model_args": {"dtype": "fp32"},
+        "data_args": {"file_name": "train.json"},
+        "strategy_args": {"strategy_name": "fsdp2_train"},
+    }
+    top = {"pretrain": "builtin:tiny-llama", "eval_steps": 25, "validation": {"data_args": {"file_name": "v.json"}}}
+    cfg = load_config(write_yaml(tmp_path / "sft.yaml", {**top, "sft_train": sft}))
+    assert (cfg.training.eval_steps, cfg.data.eval_source) == (25, "v.json")
+    rl = load_config(roll_file(tmp_path, {"eval_steps": 25, "validation": {"data_args": {"file_name": "v.json"}}}))
+    assert (rl.training.eval_steps, rl.data.eval_source) == (0, None)  # RL validation: rewards, not a loss
+
+
 def test_roll_fills_in_rolls_own_defaults_and_says_so(tmp_path):
     cfg = load_config(roll_file(tmp_path), role="reference")
     assert cfg.model.dtype == "bf16"  # ROLL's ModelArguments.dtype

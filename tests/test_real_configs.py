@@ -434,8 +434,11 @@ def test_every_ignored_or_mapped_key_is_in_checks_notes():
     cfg = load_config(config, swaps)
     assert (cfg.data.prompt_key, cfg.data.query_key, cfg.data.response_key) == ("instruction", "input", "output")
     notes = "\n".join(cfg.notes)
-    for key in ("eval_steps", "sft_train.data_args.template", "validation", "sft_train.use_sequence_packing"):
+    for key in ("sft_train.data_args.template", "validation", "sft_train.use_sequence_packing"):
         assert key in notes, key
+    # ROLL's SFT pipeline evaluates the loss on the validation file every eval_steps
+    assert (cfg.training.eval_steps, cfg.data.eval_source) == (100, "./data/code_alpaca_500.json")
+    assert "mapped validation.data_args.file_name → data.eval_source" in notes
     assert "ROLL default sft_train.strategy_args.strategy_config.cast_forward_inputs=False" in notes
 
 
@@ -497,6 +500,7 @@ def test_docs_table_every_key_of_every_dialect():
     docs = (REPO / "docs/dialects.md").read_text()
     tables = [
         roll.TOP_LEVEL,
+        roll.SFT_TOP_LEVEL,
         roll.ROLE,
         roll.MODEL_ARGS,
         roll.TRAINING_ARGS,
@@ -543,9 +547,22 @@ def test_native_file_training_keys_field_by_field():
         2,
     )
     assert (strategy.use_reentrant, strategy.fsdp_size, strategy.fsdp_size_exact) == (False, "auto", False)
+    assert (training.eval_steps, training.per_device_eval_batch_size, cfg.data.eval_fraction) == (0, 1, None)
     notes = "\n".join(cfg.notes)
     for key in ("parallel.fsdp_plan.hook_modules", "features.enable_chunk_mbs", "model.gdn_implementation", "mtp"):
         assert key in notes, key
+
+
+def test_native_file_val_size_and_val_interval_are_the_evaluation():
+    """LLaMA-Factory's val_size (a fraction) is held out and evaluated every val_interval steps; a count is refused."""
+    name = "mindspeed_mm/examples/qwen3_5/qwen3_5_35B_config.yaml"
+    config, swaps, _ = user_args(name, "tiny-qwen3.5-moe", 2)
+    evaluation = ["data.dataset_param.basic_parameters.val_size=0.05", "training.val_interval=20"]
+    cfg = load_config(config, [*swaps, *evaluation])
+    assert (cfg.data.eval_fraction, cfg.training.eval_steps, cfg.training.per_device_eval_batch_size) == (0.05, 20, 1)
+    with pytest.raises(UserError) as error:
+        load_config(config, [*swaps, "data.dataset_param.basic_parameters.val_size=100"])
+    assert "val_size' = 100 is not supported" in str(error.value)
 
 
 @pytest.mark.slow

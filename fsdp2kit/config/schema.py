@@ -202,11 +202,60 @@ class ModelConfig(Section):
         return self.lora is not None and self.lora.enable
 
 
+class WeightedSource(Section):
+    """One source of a mixture (`data.source: [{path: a.jsonl, weight: 0.8}, ...]`)."""
+
+    path: str | list[str] = Field(description="a source in any form `data.source` takes (a file, glob, list, folder)")
+    weight: float = Field(1.0, gt=0, description="its share of the samples: weight / the sum of the weights")
+
+
+_ENTRY_KEYS = ("path", "weight")
+
+
+def _source_entries(value: Any) -> Any:
+    """A list naming a mixture holds only {path, weight} mappings; checked here so that a bad entry is one sentence."""
+    if not isinstance(value, list) or not any(isinstance(item, dict) for item in value):
+        return value
+    for number, item in enumerate(value):
+        if not isinstance(item, dict):
+            raise ValueError(f"every entry of a mixture to be a {{path, weight}} mapping (entry {number} is not)")
+        unknown = [key for key in item if key not in _ENTRY_KEYS]
+        if unknown:
+            raise ValueError(f"entry {number} to have only the keys path, weight (not '{unknown[0]}')")
+        if "path" not in item:
+            raise ValueError(f"entry {number} to name its source with 'path'")
+        weight = item.get("weight", 1.0)
+        if isinstance(weight, bool) or not isinstance(weight, int | float) or not weight > 0:
+            raise ValueError(f"entry {number}'s weight to be a number > 0 (not {weight!r})")
+    return value
+
+
+SourceSpec = Annotated[str | list[str] | list[WeightedSource], BeforeValidator(_source_entries)]
+
+
+def is_mixture(source: str | list[str] | list[WeightedSource] | None) -> bool:
+    """Whether a source is a weighted mixture (a list of {path, weight})."""
+    return isinstance(source, list) and any(isinstance(item, WeightedSource) for item in source)
+
+
 class DataConfig(Section):
-    source: str | list[str] = Field(
+    source: SourceSpec = Field(
         "builtin:corpus",
-        description="`builtin:corpus`, a *.jsonl/*.parquet/*.txt file or glob (or a list of files), "
-        "or a local HF dataset folder",
+        description="`builtin:corpus`, a *.jsonl/*.parquet/*.txt file or glob (or a list of files, read as one "
+        "source), a local HF dataset folder, or a mixture: a list of {path, weight} whose samples interleave in "
+        "those proportions",
+    )
+    eval_source: SourceSpec | None = Field(
+        None,
+        description="evaluation data, in any form `source` takes (a mixture's entries are evaluated whole, weights "
+        "aside); eval_loss is logged every training.eval_steps and at the end",
+    )
+    eval_fraction: float | None = Field(
+        None,
+        gt=0,
+        lt=1,
+        description="instead of eval_source: hold out this fraction of the training samples (seeded, the same at "
+        "every run of the seed; removed from training) as the evaluation set",
     )
     tokenizer: str | None = Field(
         None, description="tokenizer folder; default: the model's own (builtin models: the built-in tokenizer)"
@@ -252,6 +301,12 @@ class DataConfig(Section):
         "(instead of per_device_train_batch_size samples each); the step's samples stay the same",
     )
 
+    @model_validator(mode="after")
+    def _one_eval_set(self) -> DataConfig:
+        if self.eval_source is not None and self.eval_fraction is not None:
+            raise ValueError("one of data.eval_source and data.eval_fraction (held out of source), not both")
+        return self
+
 
 class TrainingConfig(Section):
     learning_rate: float = Field(1.0e-5, gt=0, description="peak learning rate of AdamW")
@@ -265,6 +320,15 @@ class TrainingConfig(Section):
         0.0, ge=0, le=1, description="without warmup_steps: warm up for this fraction of the run's steps (rounded up)"
     )
     per_device_train_batch_size: int = Field(1, ge=1, description="samples per micro-batch per data-parallel rank")
+    per_device_eval_batch_size: int | None = Field(
+        None, ge=1, description="samples per evaluation forward per data-parallel rank (default: the training one)"
+    )
+    eval_steps: int = Field(
+        0,
+        ge=0,
+        description="with an evaluation set (data.eval_source or data.eval_fraction): eval_loss every N steps and "
+        "at the end; 0: at the end only",
+    )
     gradient_accumulation_steps: int = Field(1, ge=1, description="micro-batches per optimizer step")
     num_train_epochs: float = Field(1.0, gt=0, description="epochs over the dataset (ignored when max_steps > 0)")
     max_steps: int = Field(-1, description="optimizer steps to run; -1 = derive from num_train_epochs")

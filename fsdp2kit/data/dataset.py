@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
-from fsdp2kit.config.schema import DataConfig
+from fsdp2kit.config.schema import DataConfig, WeightedSource, is_mixture
 from fsdp2kit.errors import UserError
 from fsdp2kit.labels import IGNORE_INDEX
 
@@ -31,9 +31,23 @@ class PromptResponse(NamedTuple):
     response: str
 
 
-def source_files(source: str | list[str]) -> list[Path]:
+def single_source(source: str | list[str] | list[WeightedSource], key: str = "data.source") -> str | list[str]:
+    """A source that is not a mixture, as it was given; a mixture is refused where only one source can be read."""
+    if is_mixture(source):
+        raise UserError(f"{key}: a weighted mixture ({{path, weight}} entries) is read only by `train` on text data")
+    return source  # type: ignore[return-value]
+
+
+def source_files(source: str | list[str] | list[WeightedSource]) -> list[Path]:
     """The files a `data.source` names (a glob or a list; for a saved HF dataset folder, every file in it), checked
-    to exist and to be of one readable kind (the built-in corpus: its cached file). Cheap: nothing is read."""
+    to exist and to be of one readable kind (the built-in corpus: its cached file); a mixture's entries' files, in
+    turn. Cheap: nothing is read."""
+    if is_mixture(source):
+        return [file for entry in source for file in source_files(entry.path)]  # type: ignore[union-attr]
+    return _files_of(single_source(source))
+
+
+def _files_of(source: str | list[str]) -> list[Path]:
     if source == "builtin:corpus":
         from fsdp2kit.data.builtin import corpus_file
 
@@ -213,24 +227,25 @@ def open_source(cfg: DataConfig) -> SourceDocuments:
     fields, else texts of `text_key`."""
     import datasets
 
-    files = source_files(cfg.source)
-    if cfg.source == "builtin:corpus":
+    source = single_source(cfg.source)
+    files = source_files(source)
+    if source == "builtin:corpus":
         from fsdp2kit.data.builtin import corpus_documents
 
         table, kind = datasets.Dataset.from_dict({"text": corpus_documents()}), "text"
     else:
-        table, kind = _read_table(cfg.source, files, cfg.max_document_bytes)
+        table, kind = _read_table(source, files, cfg.max_document_bytes)
     if cfg.max_samples is not None:
         table = table.select(range(min(cfg.max_samples, len(table))))
     text_key = "text" if kind == "text" else cfg.text_key  # a text file's lines have no field names to choose from
     if cfg.prompt_key in table.column_names and cfg.response_key in table.column_names:
-        return SourceDocuments(table, None, cfg.prompt_key, cfg.response_key, cfg.query_key, cfg.source, files, kind)
+        return SourceDocuments(table, None, cfg.prompt_key, cfg.response_key, cfg.query_key, source, files, kind)
     if text_key not in table.column_names:
         raise UserError(
             f"data.text_key: '{cfg.source}' has no field '{text_key}' (nor both '{cfg.prompt_key}' "
             f"and '{cfg.response_key}' for SFT); its fields: {', '.join(table.column_names)}"
         )
-    return SourceDocuments(table, text_key, cfg.prompt_key, cfg.response_key, cfg.query_key, cfg.source, files, kind)
+    return SourceDocuments(table, text_key, cfg.prompt_key, cfg.response_key, cfg.query_key, source, files, kind)
 
 
 def load_documents(cfg: DataConfig) -> list[str] | list[PromptResponse]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import queue
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast, runtime_checkable
 
 import numpy as np
 import torch
@@ -105,6 +105,20 @@ class TrainingSamples:
         return np.minimum(self.store.offsets[units + 1] - self.store.offsets[units], self.width)
 
 
+@runtime_checkable
+class TokenSamples(Protocol):
+    """Token samples of one width (seq_len + 1) whose lengths are known without reading them: `TrainingSamples`, a
+    mixture of them, a held-out part of them."""
+
+    width: int
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, index: int) -> Sample: ...
+
+    def lengths(self, indices: np.ndarray) -> np.ndarray: ...
+
+
 def token_budget_groups(lengths: list[np.ndarray], budget: int) -> list[list[list[int]]]:
     """Per rank, its samples (positions in its share) grouped into micro-batches of at most `budget` padded input
     tokens: sorted by length, filled in turn. Every rank gets as many micro-batches as the rank needing most (a
@@ -135,7 +149,8 @@ def token_budget_groups(lengths: list[np.ndarray], budget: int) -> list[list[lis
 class GlobalBatches:
     """Step s uses the global samples [s*G, (s+1)*G) of a seeded per-epoch permutation; rank r takes its
     contiguous `per_rank` share, cut into micro-batches of `micro_batch_size` samples, or with
-    `max_tokens_per_micro_batch` into micro-batches under that token budget. The position is just the step."""
+    `max_tokens_per_micro_batch` into micro-batches under that token budget. The position is just the step.
+    Samples that lay out their own epochs (a mixture: `epoch_order`) give the order instead."""
 
     samples: Any  # TrainingSamples, or a subclass's own records (VL conversations)
     micro_batch_size: int
@@ -146,6 +161,7 @@ class GlobalBatches:
     shuffle: bool
     pad_id: int
     max_tokens_per_micro_batch: int | None = None
+    eval_samples: Any = None  # the evaluation set, of the same kind as `samples` (None: no evaluation)
 
     def __post_init__(self) -> None:
         if self.steps_per_epoch == 0:
@@ -154,9 +170,9 @@ class GlobalBatches:
                 f"{self.global_batch_size} (per_device_train_batch_size x gradient_accumulation_steps x ranks)"
             )
         budget, samples = self.max_tokens_per_micro_batch, self.samples
-        if budget is not None and not isinstance(samples, TrainingSamples):
+        if budget is not None and not isinstance(samples, TokenSamples):
             raise UserError("data.max_tokens_per_micro_batch: only for text data; unset it for vision-language data")
-        if budget is not None and isinstance(samples, TrainingSamples) and budget < samples.width - 1:
+        if budget is not None and isinstance(samples, TokenSamples) and budget < samples.width - 1:
             raise UserError(
                 f"data.max_tokens_per_micro_batch: {budget} is less than data.seq_len {samples.width - 1}; "
                 "a micro-batch must hold the longest sample"
@@ -177,7 +193,9 @@ class GlobalBatches:
 
     def _order(self, epoch: int) -> torch.Tensor:
         if epoch not in self._orders:
-            if self.shuffle:
+            if hasattr(self.samples, "epoch_order"):
+                self._orders = {epoch: self.samples.epoch_order(epoch, self.seed, self.shuffle)}
+            elif self.shuffle:
                 generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
                 self._orders = {epoch: torch.randperm(len(self.samples), generator=generator)}
             else:
@@ -192,14 +210,16 @@ class GlobalBatches:
         if self.max_tokens_per_micro_batch is None:
             groups = [list(range(m, m + self.micro_batch_size)) for m in range(0, self.per_rank, self.micro_batch_size)]
         else:
-            samples = cast(TrainingSamples, self.samples)  # checked in __post_init__
+            samples = cast(TokenSamples, self.samples)  # checked in __post_init__
             lengths = [samples.lengths(share) for share in shares]
             groups = token_budget_groups(lengths, self.max_tokens_per_micro_batch)[self.data_parallel_rank]
         return [self.collate_indices([mine[k] for k in group]) for group in groups]
 
-    def collate_indices(self, indices: list[int]) -> dict[str, torch.Tensor]:
-        """The micro-batch of these samples (a subclass may build its samples here, lazily)."""
-        return collate([self.samples[i] for i in indices], self.pad_id)
+    def collate_indices(self, indices: list[int], samples: Any = None) -> dict[str, torch.Tensor]:
+        """The micro-batch of these samples (of `samples`, default the training ones; a subclass may build its
+        samples here, lazily)."""
+        samples = self.samples if samples is None else samples
+        return collate([samples[i] for i in indices], self.pad_id)
 
 
 class Prefetcher:

@@ -35,7 +35,7 @@ import tokenizers
 
 from fsdp2kit.config.schema import DataConfig
 from fsdp2kit.data.builtin import cache_root
-from fsdp2kit.data.dataset import SourceDocuments, open_source, source_files
+from fsdp2kit.data.dataset import SourceDocuments, open_source, single_source, source_files
 from fsdp2kit.durable import disk_full_message, folder_bytes, fsync_dir, ran_out_of_space, write_durable
 from fsdp2kit.errors import RunFault, UserError
 
@@ -86,10 +86,11 @@ def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
 
 def store_fingerprint(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> dict:
     """Everything that changes a store's tokens; seq_len, packing and shuffling do not (samples are cut at read)."""
-    files = [(f.resolve(), f.stat()) for f in source_files(cfg.source)]
+    source = single_source(cfg.source)
+    files = [(f.resolve(), f.stat()) for f in source_files(source)]
     return {
         "format": STORE_FORMAT,
-        "source": cfg.source,
+        "source": source,
         "files": [[str(path), stat.st_size, stat.st_mtime_ns] for path, stat in files],
         "tokenizer": tokenizer_fingerprint(tokenizer),
         "text_key": cfg.text_key,
@@ -103,7 +104,8 @@ def store_fingerprint(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> di
 def store_path(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> Path:
     """Where the store of this data config and tokenizer lives: `<cache_dir>/<source name>-<fingerprint>`."""
     digest = hashlib.sha256(json.dumps(store_fingerprint(cfg, tokenizer), sort_keys=True).encode()).hexdigest()
-    first = cfg.source[0] if isinstance(cfg.source, list) else cfg.source
+    source = single_source(cfg.source)
+    first = source[0] if isinstance(source, list) else source
     stem = re.sub(r"[^A-Za-z0-9_.-]+", "_", Path(first.removeprefix("builtin:")).stem)[:40] or "data"
     cache = Path(cfg.cache_dir).expanduser() if cfg.cache_dir else default_cache_dir()
     return cache / f"{stem}-{digest[:20]}"

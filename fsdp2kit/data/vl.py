@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from fsdp2kit.config.schema import DataConfig
-from fsdp2kit.data.dataset import line_problem
+from fsdp2kit.data.dataset import line_problem, single_source
 from fsdp2kit.data.samples import GlobalBatches
 from fsdp2kit.errors import UserError
 from fsdp2kit.labels import IGNORE_INDEX
@@ -126,7 +126,8 @@ def load_conversations(cfg: DataConfig) -> list[Conversation]:
             "data.pack: vision-language samples are not packed (each sample's image features stay with its own "
             "tokens); set data.pack: false"
         )
-    sources = [Path(cfg.source)] if isinstance(cfg.source, str) else [Path(f) for f in cfg.source]
+    given = single_source(cfg.source)
+    sources = [Path(given)] if isinstance(given, str) else [Path(f) for f in given]
     conversations: list[Conversation] = []
     for source in sources:
         if source.suffix != ".jsonl" or not source.is_file():
@@ -308,5 +309,6 @@ class VLGlobalBatches(GlobalBatches):
 
     encoder: VLEncoder = field(kw_only=True)  # after the base's defaulted fields
 
-    def collate_indices(self, indices: list[int]) -> dict[str, torch.Tensor]:
-        return self.encoder.collate([self.encoder.encode(self.samples[i]) for i in indices], self.pad_id)
+    def collate_indices(self, indices: list[int], samples: Any = None) -> dict[str, torch.Tensor]:
+        samples = self.samples if samples is None else samples
+        return self.encoder.collate([self.encoder.encode(samples[i]) for i in indices], self.pad_id)

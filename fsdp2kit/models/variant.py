@@ -18,7 +18,8 @@ import torch.nn as nn
 from torch.distributed import ProcessGroup
 
 from fsdp2kit.config.schema import DataConfig, ModelConfig, StrategyConfig, TrainingConfig
-from fsdp2kit.data.samples import GlobalBatches, TrainingSamples
+from fsdp2kit.data.mixture import hold_out, split_samples
+from fsdp2kit.data.samples import GlobalBatches
 from fsdp2kit.data.scoring import ConversationScoring, DocumentScoring, ScoringSource
 from fsdp2kit.data.vl import VLEncoder, VLGlobalBatches, load_conversations
 from fsdp2kit.models.build import ModelSource
@@ -46,7 +47,11 @@ class TextModality:
     def global_batches(
         self, data: DataConfig, tokenizer: Any, source: ModelSource, order: tuple[Any, ...]
     ) -> GlobalBatches:
-        return GlobalBatches(TrainingSamples.from_config(data, tokenizer), *order)  # tokenized once, memory-mapped
+        seed = order[4]  # GlobalBatches' fields, in order: ..., seed, shuffle, ...
+        samples, eval_samples = split_samples(data, tokenizer, seed)  # tokenized once, memory-mapped
+        batches = GlobalBatches(samples, *order)
+        batches.eval_samples = eval_samples
+        return batches
 
     def scoring_source(self, data: DataConfig, tokenizer: Any, source: ModelSource, pad_id: int) -> ScoringSource:
         return DocumentScoring.open(data, tokenizer, pad_id)
@@ -67,7 +72,15 @@ class VisionModality(TextModality):
         self, data: DataConfig, tokenizer: Any, source: ModelSource, order: tuple[Any, ...]
     ) -> GlobalBatches:
         encoder = VLEncoder.load(source.tokenizer_path, source.hf_config, data.seq_len)
-        return VLGlobalBatches(load_conversations(data), *order, encoder=encoder)
+        conversations: Any = load_conversations(data)  # a mixture: refused there, in one line
+        eval_conversations: Any = None
+        if data.eval_fraction is not None:
+            conversations, eval_conversations = hold_out(conversations, data.eval_fraction, order[4])
+        elif data.eval_source is not None:
+            eval_conversations = load_conversations(data.model_copy(update={"source": data.eval_source}))
+        batches = VLGlobalBatches(conversations, *order, encoder=encoder)
+        batches.eval_samples = eval_conversations
+        return batches
 
     def scoring_source(self, data: DataConfig, tokenizer: Any, source: ModelSource, pad_id: int) -> ScoringSource:
         encoder = VLEncoder.load(source.tokenizer_path, source.hf_config, data.seq_len)

@@ -86,8 +86,14 @@ class JsonlLog:
         pass
 
 
+def _tag(key: str) -> str:
+    """A record field's TensorBoard tag: the evaluation's under `eval/` (eval_loss -> eval/loss), the rest `train/`."""
+    return f"eval/{key.removeprefix('eval_')}" if key.startswith("eval_") else f"train/{key}"
+
+
 class TensorBoardLog:
-    """Scalars under `train/` in TensorBoard event files; on resume, events after the checkpoint are purged."""
+    """Scalars under `train/` (and `eval/`) in TensorBoard event files; on resume, events after the checkpoint are
+    purged."""
 
     def __init__(self, log_dir: Path, resume_step: int | None):
         from torch.utils.tensorboard import SummaryWriter
@@ -98,7 +104,7 @@ class TensorBoardLog:
 
     def write(self, record: dict) -> None:
         for key, value in _scalars(record).items():
-            self.writer.add_scalar(f"train/{key}", value, record["step"])
+            self.writer.add_scalar(_tag(key), value, record["step"])
         self.writer.flush()  # a step's events are on disk even if the run dies at the next one
 
     def close(self) -> None:
@@ -152,6 +158,8 @@ class ConsoleProgress:
     def write(self, record: dict) -> None:
         step = record["step"]
         skipped = " (skipped: non-finite)" if record.get("skipped") else ""
+        if "eval_loss" in record:  # printed whatever logging_steps says: an evaluation is rare and costly
+            print(f"step {step}: eval_loss {record['eval_loss']:.4f} over {record['eval_tokens']} tokens", flush=True)
         if self.bar is not None:
             stats = f"loss {record['loss']:.4f} tokens/s {record['tokens_per_s']:.0f}{skipped}"
             self.bar.update(self.task, completed=step, stats=stats)

@@ -378,8 +378,27 @@ ATTR.update(
     )
 )
 
+
+def _val_size(translation: Translation, key: Written, value: Any) -> None:
+    """LLaMA-Factory's val_size: a fraction (< 1) of the dataset held out for evaluation; 0 holds out nothing."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+        raise UserError(
+            f"{key.file}: '{key}' = {value!r} is not valid: expected a fraction of the dataset (0 <= x < 1)"
+        )
+    if value == 0:
+        translation.ignore(key, "0 holds out nothing")
+    elif value < 1:
+        to("data.eval_fraction")(translation, key, float(value))
+    else:
+        raise UserError(
+            f"{key.file}: '{key}' = {value!r} is not supported: fsdp2kit holds out a fraction of the samples; "
+            "give val_size < 1"
+        )
+
+
 BASIC_PARAMETERS: dict[str, Rule] = {
     "dataset": to("data.source", _dataset_files),
+    "val_size": _val_size,
     "cutoff_len": to("data.seq_len"),
     "max_samples": to("data.max_samples"),
     "template": ignored("a LLaMA-Factory chat template; fsdp2kit renders with the model's own chat template"),
@@ -396,7 +415,6 @@ BASIC_PARAMETERS: dict[str, Rule] = {
             "preprocessing_num_workers",
             "tool_format",
             "streaming",
-            "val_size",
         ),
         ignored("MindSpeed-MM's preprocessing cache and workers; fsdp2kit builds samples as batches need them"),
     ),
@@ -446,7 +464,10 @@ DATALOADER_PARAM: dict[str, Rule] = {
 
 DATA: dict[str, Rule] = {
     "dataset_param": section(DATASET_PARAM),
-    "val_dataset_param": ignored("used only with training.val_interval > 0"),
+    "val_dataset_param": ignored(
+        "a validation dataset of its own is not read; the evaluation set is basic_parameters.val_size (or the "
+        "native data.eval_source)"
+    ),
     "dataloader_param": section(DATALOADER_PARAM),
 }
 
@@ -499,7 +520,7 @@ TRAINING: dict[str, Rule] = {
     "plugin": ignored("paths of MindSpeed-MM's own model and dataset plugins"),
     "lora": to("model.lora"),
     "profile": already_read,
-    "val_interval": unsupported("evaluation during training is not available", harmless=(0,)),
+    "val_interval": to("training.eval_steps"),
     **dict.fromkeys(
         ("adam_fused", "clip_grad_foreach", "use_deter_comp", "allow_hf32", "manual_gc_interval", "ckpt_manager"),
         ignored(KERNELS),
@@ -508,7 +529,7 @@ TRAINING: dict[str, Rule] = {
         ("mem_fraction_static", "matched_adamw_rms", "muon_momentum", "ns_steps"),
         ignored("used only by the adamw_swap and muon optimizers"),
     ),
-    "val_micro_batch_size": ignored("used only with val_interval > 0"),
+    "val_micro_batch_size": to("training.per_device_eval_batch_size"),
     **dict.fromkeys(CHECKPOINT_SWITCHES, ignored("fsdp2kit saves and resumes the whole training state")),
     "no_decay_modules": unsupported("fsdp2kit leaves biases and norms undecayed", harmless=([],)),
     "no_decay_params": unsupported("fsdp2kit leaves biases and norms undecayed", harmless=([],)),

@@ -21,6 +21,7 @@ from fsdp2kit.config.dialects.translation import (
     already_read,
     apply_rules,
     comma_list,
+    converted,
     ignored,
     section,
     to,
@@ -96,6 +97,66 @@ def _files(value: str | list[str]) -> str | list[str]:
     if isinstance(value, str):
         return value
     raise ValueError("expected a file name or a list of file names")
+
+
+def _whole_steps(value: Any) -> int:
+    """A step interval: a whole number >= 0."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0 or value != int(value):
+        raise ValueError("expected a whole number of steps >= 0")
+    return int(value)
+
+
+def _probabilities(value: Any) -> list[float]:
+    """ROLL's interleave_probs: '0.7,0.3' or [0.7, 0.3]."""
+    items = value.split(",") if isinstance(value, str) else value if isinstance(value, list) else [value]
+    try:
+        return [float(item) for item in items]
+    except (TypeError, ValueError):
+        raise ValueError("expected comma-separated probabilities, one per file of file_name") from None
+
+
+def _interleaved_files(translation: Translation, data_args: Any, where: Written) -> None:
+    """ROLL's interleave_probs with one probability per file of file_name: a weighted mixture. Anything else (ROLL's
+    examples write '1.0' beside several files) leaves the files one source."""
+    if not isinstance(data_args, dict) or data_args.get("interleave_probs") is None:
+        return
+    files, key = data_args.get("file_name"), where.child("interleave_probs")
+    weights = converted(key, data_args["interleave_probs"], _probabilities)
+    if not isinstance(files, list) or len(files) < 2 or len(weights) != len(files):
+        return
+    translation.set("data.source", [{"path": f, "weight": w} for f, w in zip(files, weights, strict=True)], key)
+    translation.note(f"mapped {where.child('file_name')} with {key} → data.source: a mixture of {len(files)} files")
+
+
+def _file_name(translation: Translation, key: Written, value: Any) -> None:
+    if not is_mixture_dict(translation.get("data.source")):  # else read with interleave_probs
+        to("data.source", _files)(translation, key, value)
+
+
+def _interleave_probs(translation: Translation, key: Written, value: Any) -> None:
+    if not is_mixture_dict(translation.get("data.source")):
+        translation.ignore(key, "ROLL prompt-data settings")
+
+
+def is_mixture_dict(source: Any) -> bool:
+    """Whether a data.source value (as translated, before validation) is a list of {path, weight} mappings."""
+    return isinstance(source, list) and any(isinstance(item, dict) for item in source)
+
+
+def _validation(translation: Translation, key: Written, value: Any) -> None:
+    """ROLL's SFT pipeline evaluates the loss on `validation.data_args.file_name` every eval_steps."""
+    data_args = value.get("data_args") if isinstance(value, dict) else None
+    files = data_args.get("file_name") if isinstance(data_args, dict) else None
+    if data_args is None or files is None:
+        translation.ignore(key, "no validation.data_args.file_name")
+        return
+    data_key = key.child("data_args")
+    to("data.eval_source", _files)(translation, data_key.child("file_name"), files)
+    unread = [data_key.child(k) for k in data_args if k != "file_name"] + [
+        key.child(k) for k in value if k != "data_args"
+    ]
+    for other in unread:
+        translation.ignore(other, "validation settings besides its data file (evaluated like the training data)")
 
 
 def _wrap_embeddings(value: bool) -> bool | str:
@@ -244,14 +305,16 @@ TRAINING_ARGS: dict[str, Rule] = {
         ("seed", "output_dir", "logging_steps", "save_steps", "resume_from_checkpoint"),
         ignored("ROLL's pipeline uses the top-level key of that name"),
     ),
-    "per_device_eval_batch_size": ignored("there is no evaluation loop"),
+    "per_device_eval_batch_size": to("training.per_device_eval_batch_size"),
     **dict.fromkeys(("bf16", "fp16", "tf32"), ignored("ROLL derives it from model_args.dtype")),
     **dict.fromkeys(("data_seed", "dataloader_num_workers", "save_hf_model"), ignored()),
     "eval_steps": ignored(DROPPED.format("TrainingArguments")),
 }
 
 DATA_ARGS: dict[str, Rule] = {
-    "file_name": to("data.source", _files),
+    "file_name": _file_name,
+    "interleave_probs": _interleave_probs,
+    "eval_file_name": to("data.eval_source", _files),
     "template": ignored("a chat template; fsdp2kit tokenizes the text (or prompt and response) as written"),
     "max_samples": ignored(DROPPED.format("DataArguments")),
     **dict.fromkeys(
@@ -279,12 +342,10 @@ DATA_ARGS: dict[str, Rule] = {
             "id",
             "tag",
             "domain_interleave_probs",
-            "interleave_probs",
             "dataset_dir",
             "dataset_type",
             "preprocessing_num_workers",
             "cache_path",
-            "eval_file_name",
         ),
         ignored("ROLL prompt-data settings"),
     ),
@@ -375,6 +436,13 @@ def _strategy_of(role: dict[str, Any]) -> str:
     return (role.get("strategy_args") or {}).get("strategy_name") or ROLL_DEFAULT_STRATEGY
 
 
+# ROLL's SFT pipeline (roll/pipeline/sft): the validation loss every eval_steps, on the validation data.
+SFT_TOP_LEVEL: dict[str, Rule] = {
+    "eval_steps": to("training.eval_steps", _whole_steps),
+    "validation": _validation,
+}
+
+
 def translate(raw: dict[str, Any], source: str, role: str | None) -> Translation:
     """The native config of one role: its own sections plus the pipeline keys beside the roles."""
     roles = {name: value for name, value in raw.items() if _is_role(value)}
@@ -397,6 +465,7 @@ def translate(raw: dict[str, Any], source: str, role: str | None) -> Translation
         del model_args["disable_gradient_checkpointing"]  # a copy made by _with_defaults
         translation.ignore(f"{name}.model_args.disable_gradient_checkpointing", "fsdp2_infer runs no backward")
     lora = isinstance(model_args, dict) and model_args.get("lora_target") is not None
+    _interleaved_files(translation, role_section.get("data_args"), Written(source, name).child("data_args"))
     apply_rules(translation, role_section, ROLE_WITH_LORA if lora else ROLE, Written(source, name))
 
     top_defaults = TOP_DEFAULTS | (SFT_DEFAULTS if name == "sft_train" else {})
@@ -405,7 +474,8 @@ def translate(raw: dict[str, Any], source: str, role: str | None) -> Translation
     )
     _model_of_role(translation, top, role_section, name, source)
     _sequence_length(translation, top, source)
-    apply_rules(translation, top, TOP_LEVEL, Written(source, ""), otherwise=ignored())
+    top_rules = TOP_LEVEL | (SFT_TOP_LEVEL if name == "sft_train" else {})
+    apply_rules(translation, top, top_rules, Written(source, ""), otherwise=ignored())
     return translation
 
 
