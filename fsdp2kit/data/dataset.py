@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from fsdp2kit.config.schema import DataConfig
+from fsdp2kit.data.chat import Chat, columns_format, record_format, to_chat
 from fsdp2kit.errors import UserError
 from fsdp2kit.labels import IGNORE_INDEX
 
@@ -126,9 +127,20 @@ def line_problem(raw: bytes, kind: str, max_bytes: int) -> str | None:
     return None if isinstance(record, dict) else "is not a JSON object"
 
 
+def _json_array(file: Path) -> bool:
+    """Whether a .json file holds one JSON array (LLaMA-Factory's files) rather than a record per line."""
+    if file.suffix != ".json":
+        return False
+    with file.open("rb") as handle:
+        return handle.read(4096).lstrip()[:1] == b"["
+
+
 def _first_bad_line(files: list[Path], kind: str, max_bytes: int = 1 << 62) -> str | None:
-    """The first line of jsonl/text files that cannot be a document: 'FILE' line N and why."""
+    """The first line of jsonl/text files that cannot be a document: 'FILE' line N and why (a .json array is one
+    document per element, read whole: not checked line by line)."""
     for file in files:
+        if _json_array(file):
+            continue
         with file.open("rb") as handle:
             for number, raw in enumerate(handle, start=1):
                 problem = line_problem(raw, kind, max_bytes)
@@ -182,6 +194,8 @@ class SourceDocuments:
     source: str | list[str]
     files: list[Path]
     kind: str
+    chat_format: str | None = None  # conversations: data.format (rows hold a record's JSON in `record`)
+    config: DataConfig | None = None  # conversations: the options that render and mask them
 
     def undecodable(self) -> UserError:
         """The error for text that is not UTF-8, which Arrow finds only when a row is read: where it is."""
@@ -191,9 +205,21 @@ class SourceDocuments:
     def __len__(self) -> int:
         return len(self.table)
 
-    def read(self, start: int, stop: int) -> list[str] | list[PromptResponse]:
+    def read(self, start: int, stop: int) -> list[str] | list[PromptResponse] | list[Chat]:
         """The documents of rows [start, stop)."""
+        if self.chat_format is not None:
+            return self.chats(self.table[start:stop], start)
         return self.documents(self.table[start:stop])
+
+    def chats(self, rows: dict[str, list], first: int) -> list[Chat]:
+        """The conversations of a batch of rows, the first of which is row `first`."""
+        fmt = self.chat_format or "auto"
+        if "record" in rows and len(rows) == 1:
+            records = [json.loads(r) for r in rows["record"]]
+        else:  # a parquet file or a saved dataset: its columns (Arrow's missing fields are None)
+            count = len(next(iter(rows.values())))
+            records = [{k: v[i] for k, v in rows.items() if v[i] is not None} for i in range(count)]
+        return [to_chat(r, fmt, f"record {first + i + 1} of '{self.source}'") for i, r in enumerate(records)]
 
     def documents(self, rows: dict[str, list]) -> list[str] | list[PromptResponse]:
         """The documents of a batch of rows (column -> values); empty texts and responses are dropped."""
@@ -208,12 +234,73 @@ class SourceDocuments:
         ]
 
 
+def _json_records(files: list[Path], max_bytes: int) -> list[dict]:
+    """Every record of .json arrays and .jsonl files as Python objects (conversations: nested and irregular, as
+    Arrow's schema inference would not keep them), each jsonl line checked first."""
+    records: list = []
+    for file in files:
+        if _json_array(file):
+            try:
+                array = json.loads(file.read_bytes())
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                raise UserError(f"data.source: '{file}' is not a JSON array of records ({exc})") from None
+            if not isinstance(array, list) or not all(isinstance(r, dict) for r in array):
+                raise UserError(f"data.source: '{file}' is not a JSON array of records (objects)")
+            records += array
+            continue
+        where = _first_bad_line([file], "json", max_bytes)
+        if where is not None:
+            raise UserError(f"data.source: {where}")
+        with file.open("rb") as handle:
+            records += [json.loads(line) for line in handle if line.strip()]
+    return records
+
+
+def _first_record(files: list[Path]) -> dict:
+    """The first record of a json source, cheaply (a .json array is parsed whole)."""
+    file = files[0]
+    if _json_array(file):
+        try:
+            array = json.loads(file.read_bytes())
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return {}
+        return array[0] if isinstance(array, list) and array and isinstance(array[0], dict) else {}
+    with file.open("rb") as handle:
+        for line in handle:
+            if line.strip():
+                try:
+                    record = json.loads(line)
+                except (json.JSONDecodeError, UnicodeDecodeError):
+                    return {}
+                return record if isinstance(record, dict) else {}
+    return {}
+
+
+def _chat_table(cfg: DataConfig, files: list[Path]) -> Any:
+    """A json source of conversations as a table of one `record` column (each record's JSON), or None when the
+    source is not conversations."""
+    import datasets
+
+    if cfg.source == "builtin:corpus" or _saved_dataset(cfg.source) or _FILE_KINDS[files[0].suffix] != "json":
+        return None
+    if cfg.format in ("auto", "text") and record_format(_first_record(files), cfg.format) is None:
+        return None
+    records = _json_records(files, cfg.max_document_bytes)[: cfg.max_samples]
+    if not records:
+        raise UserError(f"data.source: '{cfg.source}' is empty (no documents)")
+    return datasets.Dataset.from_dict({"record": [json.dumps(r) for r in records]})
+
+
 def open_source(cfg: DataConfig) -> SourceDocuments:
-    """The source's rows in file order, as prompt/response pairs when it has both `prompt_key` and `response_key`
-    fields, else texts of `text_key`."""
+    """The source's rows in file order: conversations (data.format, or records with `messages`, `conversations` or
+    `instruction`/`output`), prompt/response pairs when it has both `prompt_key` and `response_key` fields, else
+    texts of `text_key`."""
     import datasets
 
     files = source_files(cfg.source)
+    chat = _chat_table(cfg, files)
+    if chat is not None:
+        return SourceDocuments(chat, None, "", "", None, cfg.source, files, "json", cfg.format, cfg)
     if cfg.source == "builtin:corpus":
         from fsdp2kit.data.builtin import corpus_documents
 
@@ -223,6 +310,9 @@ def open_source(cfg: DataConfig) -> SourceDocuments:
     if cfg.max_samples is not None:
         table = table.select(range(min(cfg.max_samples, len(table))))
     text_key = "text" if kind == "text" else cfg.text_key  # a text file's lines have no field names to choose from
+    chat_format = columns_format(table.column_names, cfg.format) if kind != "text" else None
+    if chat_format is not None:
+        return SourceDocuments(table, None, "", "", None, cfg.source, files, kind, cfg.format, cfg)
     if cfg.prompt_key in table.column_names and cfg.response_key in table.column_names:
         return SourceDocuments(table, None, cfg.prompt_key, cfg.response_key, cfg.query_key, cfg.source, files, kind)
     if text_key not in table.column_names:
@@ -233,7 +323,7 @@ def open_source(cfg: DataConfig) -> SourceDocuments:
     return SourceDocuments(table, text_key, cfg.prompt_key, cfg.response_key, cfg.query_key, cfg.source, files, kind)
 
 
-def load_documents(cfg: DataConfig) -> list[str] | list[PromptResponse]:
+def load_documents(cfg: DataConfig) -> list[str] | list[PromptResponse] | list[Chat]:
     """All of a source's documents as one list: for small sources and for checking a store against its source."""
     documents = open_source(cfg)
     return documents.read(0, len(documents))

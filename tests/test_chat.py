@@ -1,0 +1,290 @@
+"""Conversations: every record form read as written, and the trained tokens of each conversation compared with an
+independent reference — transformers' own assistant mask (`apply_chat_template(..., return_assistant_tokens_mask=
+True)`) of the same template with `{% generation %}` markers inserted — for seven template families, and with
+train_on_prompt, mask_history and per-message loss_weight."""
+
+from __future__ import annotations
+
+import json
+from functools import cache
+from pathlib import Path
+
+import numpy as np
+import pytest
+from transformers import AutoTokenizer
+
+from fsdp2kit.config.schema import DataConfig
+from fsdp2kit.data.builtin import tokenizer_dir
+from fsdp2kit.data.chat import Chat, ChatTemplate, to_chat
+from fsdp2kit.data.dataset import open_source
+from fsdp2kit.data.samples import TrainingSamples
+from fsdp2kit.data.store import token_store
+from fsdp2kit.errors import UserError
+
+TEMPLATES = Path(__file__).parent / "fixtures" / "chat_templates"
+LLAMAFACTORY = Path(__file__).parent / "fixtures" / "llamafactory"
+
+# Each family's special tokens, and the (original, marked) text that puts `{% generation %}` around an assistant
+# turn's content and end-of-turn token (not the newline after it).
+_GEN = "{% generation %}"
+_END = "{% endgeneration %}"
+FAMILIES = {
+    "chatml": (
+        ["<|im_start|>", "<|im_end|>"],
+        "{{ '<|im_start|>' + message['role']",
+        "{% if message['role'] == 'assistant' %}{{ '<|im_start|>assistant\\n' }}"
+        + _GEN
+        + "{{ message['content'] | trim + '<|im_end|>' }}"
+        + _END
+        + "{{ '\\n' }}{% else %}"
+        "{{ '<|im_start|>' + message['role']",
+    ),
+    "qwen2.5": (
+        ["<|im_start|>", "<|im_end|>"],
+        '{%-  if (message.role == "user") or',
+        "{%- if message.role == 'assistant' and not message.tool_calls %}{{- '<|im_start|>assistant\\n' }}"
+        + _GEN
+        + "{{- message.content + '<|im_end|>' }}"
+        + _END
+        + "{{- '\\n' }}"
+        '{%-  elif (message.role == "user") or',
+    ),
+    "llama-3": (
+        ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
+        "{{ '<|start_header_id|>' + message['role']",
+        "{% if message['role'] == 'assistant' %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}"
+        + _GEN
+        + "{{ message['content'] | trim + '<|eot_id|>' }}"
+        + _END
+        + "{% else %}"
+        "{{ '<|start_header_id|>' + message['role']",
+    ),
+    "mistral": (
+        [],
+        "{{ ' ' + message['content'] | trim + eos_token }}",
+        _GEN + "{{ ' ' + message['content'] | trim + eos_token }}" + _END,
+    ),
+    "gemma": (
+        ["<start_of_turn>", "<end_of_turn>"],
+        "{{ '<start_of_turn>' + role",
+        "{% if role == 'model' %}{{ '<start_of_turn>model\\n' }}"
+        + _GEN
+        + "{{ content | trim + '<end_of_turn>' }}"
+        + _END
+        + "{{ '\\n' }}{% else %}{{ '<start_of_turn>' + role",
+    ),
+    "phi-3": (
+        ["<|user|>", "<|assistant|>", "<|system|>", "<|end|>"],
+        "{{ '<|' + message['role']",
+        "{% if message['role'] == 'assistant' %}{{ '<|assistant|>\\n' }}"
+        + _GEN
+        + "{{ message['content'] | trim + '<|end|>' }}"
+        + _END
+        + "{{ '\\n' }}{% else %}{{ '<|' + message['role']",
+    ),
+    "zephyr": (
+        ["<|user|>", "<|assistant|>", "<|system|>"],
+        "{{ '<|' + message['role']",
+        "{% if message['role'] == 'assistant' %}{{ '<|assistant|>\\n' }}"
+        + _GEN
+        + "{{ message['content'] | trim + eos_token }}"
+        + _END
+        + "{{ '\\n' }}{% else %}{{ '<|' + message['role']",
+    ),
+}
+
+
+@cache
+def family_tokenizer(family: str):
+    """The built-in tokenizer with the family's special tokens and its template."""
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir())
+    tokens, _, _ = FAMILIES[family]
+    if tokens:
+        tokenizer.add_special_tokens({"additional_special_tokens": tokens})
+    tokenizer.chat_template = (TEMPLATES / f"{family}.jinja").read_text()
+    return tokenizer
+
+
+def marked_template(family: str) -> str:
+    """The family's template with generation markers; where the marked text opens an `if` before the original
+    output tag, an `endif` closes it after that tag."""
+    _, original, marked = FAMILIES[family]
+    text = (TEMPLATES / f"{family}.jinja").read_text()
+    assert text.count(original) == 1, family
+    at = text.index(original)
+    text = text[:at] + marked + text[at + len(original) :]
+    if "{% else %}" in marked:
+        close = text.index("}}", at + len(marked)) + 2
+        text = text[:close] + "{% endif %}" + text[close:]
+    return text
+
+
+CONVERSATION = [
+    {"role": "system", "content": "You are a terse assistant."},
+    {"role": "user", "content": "What is the capital of France?"},
+    {"role": "assistant", "content": "Paris, on the Seine."},
+    {"role": "user", "content": "And of Italy?"},
+    {"role": "assistant", "content": "Rome.\nIt has been since 1871."},
+]
+
+
+def reference_mask(family: str, messages: list[dict]) -> tuple[list[int], list[int]]:
+    out = family_tokenizer(family).apply_chat_template(
+        messages,
+        chat_template=marked_template(family),
+        tokenize=True,
+        return_dict=True,
+        return_assistant_tokens_mask=True,
+    )
+    return list(out["input_ids"]), list(out["assistant_masks"])
+
+
+def runs(mask: list[int]) -> list[tuple[int, int]]:
+    """(start, stop) of each run of 1s."""
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], mask, [0]])))
+    return [(int(a), int(b)) for a, b in zip(edges[::2], edges[1::2], strict=True)]
+
+
+def computed(family: str, messages: list[dict], **options) -> tuple[list[int], list[int]]:
+    template = ChatTemplate(family_tokenizer(family), (TEMPLATES / f"{family}.jinja").read_text(), **options)
+    ids, trained = template.encode(Chat(messages, None, "test"))
+    return ids, [int(t) for t in trained]
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_trained_tokens_are_the_assistant_turns_as_transformers_marks_them(family):
+    ids, reference = reference_mask(family, CONVERSATION)
+    mine_ids, mine = computed(family, CONVERSATION)
+    assert mine_ids == ids
+    assert len(runs(reference)) == 2 and mine == reference, family_tokenizer(family).decode(
+        [t for t, m in zip(ids, mine, strict=True) if m]
+    )
+
+
+@pytest.mark.parametrize("family", ["qwen2.5", "llama-3", "gemma"])
+def test_mask_history_loss_weight_and_train_on_prompt_match_the_reference(family):
+    ids, reference = reference_mask(family, CONVERSATION)
+    first, last = runs(reference)
+    only_last = [int(last[0] <= k < last[1]) for k in range(len(ids))]
+    assert computed(family, CONVERSATION, mask_history=True)[1] == only_last
+    weighted = [dict(m) for m in CONVERSATION]
+    weighted[2]["loss_weight"] = 0.0  # LLaMA-Factory v1: the first answer is context only
+    weighted[4]["loss_weight"] = 1.0
+    assert computed(family, weighted)[1] == only_last
+    assert computed(family, CONVERSATION, train_on_prompt=True)[1] == [1] * len(ids)
+    without_eos = computed(family, CONVERSATION, train_on_eos=False)[1]
+    assert sum(without_eos) == sum(reference) - 2  # each turn's end-of-turn token is left out
+
+
+def test_tool_calls_and_tool_results_render_and_only_the_calls_and_answers_train():
+    record = json.loads((LLAMAFACTORY / "glaive_toolcall_en_demo.json").read_text())[0]
+    chat = to_chat(record, "auto", "record 1")
+    roles = [m["role"] for m in chat.messages]
+    assert roles[:6] == ["user", "assistant", "user", "assistant", "tool", "assistant"]
+    assert chat.tools and chat.messages[3]["tool_calls"][0]["function"]["name"] == "search_recipes"
+    tokenizer = family_tokenizer("qwen2.5")
+    template = ChatTemplate(tokenizer, tokenizer.chat_template)
+    ids, trained = template.encode(chat)
+    text = tokenizer.decode([t for t, m in zip(ids, trained, strict=True) if m])
+    answers = [m["content"] for m in chat.messages if m["role"] == "assistant" and m["content"]]
+    call = '<tool_call>\n{"name": "search_recipes", "arguments": {"ingredients": ["chicken", "bell peppers", "rice"]}}'
+    expected = f"{answers[0]}<|im_end|>{call}\n</tool_call><|im_end|>{answers[1]}<|im_end|>"
+    assert text.startswith(expected) and "<tool_response>" not in text and chat.messages[2]["content"] not in text
+
+
+def test_every_record_form_reads_as_the_same_messages(tmp_path):
+    alpaca = json.loads((LLAMAFACTORY / "alpaca_en_demo.json").read_text())[1]
+    chat = to_chat({**alpaca, "input": "extra", "system": "S", "history": [["q", "a"]]}, "auto", "r")
+    assert [m["content"] for m in chat.messages] == [
+        "S",
+        "q",
+        "a",
+        alpaca["instruction"] + "\nextra",
+        alpaca["output"],
+    ]
+    sharegpt = {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}], "system": "S"}
+    messages = {
+        "messages": [
+            {"role": "system", "content": "S"},
+            {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+            {"role": "assistant", "content": "hello"},
+        ]
+    }
+    v1 = {
+        "messages": [
+            {"role": "system", "content": [{"type": "text", "value": "S"}]},
+            {"role": "user", "content": [{"type": "text", "value": "hi"}]},
+            {"role": "assistant", "content": [{"type": "text", "value": "hello"}]},
+        ]
+    }
+    expected = [("system", "S"), ("user", "hi"), ("assistant", "hello")]
+    for record in (sharegpt, messages, v1):
+        assert [(m["role"], m["content"]) for m in to_chat(record, "auto", "r").messages] == expected
+    with pytest.raises(UserError, match="no assistant turn"):
+        to_chat({"messages": [{"role": "user", "content": "hi"}]}, "auto", "record 7 of 'x.jsonl'")
+    with pytest.raises(UserError, match="turn from 'robot'"):
+        to_chat({"conversations": [{"from": "robot", "value": "hi"}]}, "auto", "record 1")
+
+
+@pytest.fixture(scope="module")
+def chat_folder(tmp_path_factory):
+    """The built-in tokenizer with Qwen2.5's template saved as a folder (a model's tokenizer as users have it)."""
+    folder = tmp_path_factory.mktemp("qwen-tokenizer")
+    family_tokenizer("qwen2.5").save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize(
+    "name, count", [("alpaca_en_demo.json", 50), ("identity.json", 50), ("glaive_toolcall_en_demo.json", 20)]
+)
+def test_llamafactory_files_build_a_store_whose_masks_are_the_template_masks(name, count, chat_folder, tmp_path):
+    tokenizer = AutoTokenizer.from_pretrained(chat_folder)
+    cfg = DataConfig(source=str(LLAMAFACTORY / name), cache_dir=str(tmp_path), seq_len=4096, pack=False)
+    documents = open_source(cfg)
+    assert len(documents) == count and documents.chat_format == "auto"
+    store = token_store(cfg, tokenizer)
+    assert store.masks is not None and store.num_documents == count and not store.eos_appended
+    template = ChatTemplate(tokenizer, tokenizer.chat_template)
+    for index, chat in enumerate(documents.read(0, 3)):
+        ids, trained = template.encode(chat)
+        assert store.document(index).tolist() == ids
+        assert store.masks[store.offsets[index] : store.offsets[index + 1]].tolist() == [0, *map(int, trained[1:])]
+    samples = TrainingSamples.from_config(cfg, tokenizer)
+    assert len(samples) == count
+    assert samples[2].trained.tolist() == [False, *trained[1:]] and samples[2].tokens.tolist() == ids
+
+
+def test_long_conversations_are_cut_after_a_whole_turn_and_untrainable_ones_left_out(chat_folder, tmp_path, capsys):
+    tokenizer = AutoTokenizer.from_pretrained(chat_folder)
+    long_turns = [{"role": "user", "content": "question " * 5}, {"role": "assistant", "content": "answer " * 5}] * 3
+    rows = [
+        {"messages": long_turns},
+        {"messages": [{"role": "user", "content": "word " * 200}, {"role": "assistant", "content": "late"}]},
+    ]
+    source = tmp_path / "chats.jsonl"
+    source.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    template = ChatTemplate(tokenizer, tokenizer.chat_template)
+    ids, trained = template.encode(Chat(long_turns, None, "r"))
+    ends = [b for _, b in runs([int(t) for t in trained])]
+    seq_len = ends[1] + 3  # the second answer fits whole, the third does not
+    cfg = DataConfig(source=str(source), cache_dir=str(tmp_path), seq_len=seq_len, pack=False)
+    samples = TrainingSamples.from_config(cfg, tokenizer)
+    assert len(samples) == 1 and "1 of 2 conversations have no token to train on" in capsys.readouterr().out
+    sample = samples[0]
+    assert len(sample.tokens) == ends[1] and sample.tokens.tolist() == ids[: ends[1]]
+    assert sample.trained.tolist() == [False, *trained[1 : ends[1]]]
+    packed = TrainingSamples.from_config(cfg.model_copy(update={"pack": True}), tokenizer)
+    assert sum(int(packed[i].trained.sum()) for i in range(len(packed))) > 0
+
+
+def test_a_tokenizer_without_template_and_a_wrong_template_name_are_one_sentence(tmp_path):
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir())
+    with pytest.raises(UserError, match="has no chat template"):
+        ChatTemplate.from_config(DataConfig(), tokenizer)
+    inline = (TEMPLATES / "chatml.jinja").read_text()
+    assert ChatTemplate.from_config(DataConfig(chat_template=inline), tokenizer).end_of_turn == "<|im_end|>"
+    file = ChatTemplate.from_config(DataConfig(chat_template=str(TEMPLATES / "zephyr.jinja")), tokenizer)
+    assert file.end_of_turn == tokenizer.eos_token
+    with pytest.raises(UserError, match="valid: qwen, qwen2_5"):
+        ChatTemplate.from_config(DataConfig(template="llama3", chat_template=inline), tokenizer, "qwen2")
+    ChatTemplate.from_config(DataConfig(template="qwen2_5", chat_template=inline), tokenizer, "qwen2")
