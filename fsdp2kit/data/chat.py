@@ -185,6 +185,15 @@ def to_chat(record: dict, fmt: str, where: str) -> Chat:
 _FIELD = {"messages": "messages", "sharegpt": "conversations"}
 
 
+def _plain(content: str | list) -> str:
+    """A message's text for finding it in the rendered conversation: a list's last text part (parts of other
+    kinds render as the template's own placeholders)."""
+    if isinstance(content, str):
+        return content
+    texts = [p.get("text") or "" for p in content if isinstance(p, dict) and p.get("type") == "text"]
+    return texts[-1] if texts else ""
+
+
 def template_text(cfg: DataConfig, tokenizer: Any, model_type: str | None) -> str:
     """The chat template conversations are rendered with: `data.chat_template` (a file or inline), else the
     tokenizer's own; `data.template` must name the model's family."""
@@ -292,7 +301,7 @@ class ChatTemplate:
         before = self.render(chat.messages[:i], chat.tools, generation_prompt=assistant) if i else ""
         if text.startswith(before) and len(before) >= cursor:
             return len(before)
-        content = chat.messages[i]["content"].strip()
+        content = _plain(chat.messages[i]["content"]).strip()
         found = text.find(content, cursor) if content else -1
         if found < 0:
             raise UserError(
@@ -303,7 +312,7 @@ class ChatTemplate:
 
     def _turn_end(self, chat: Chat, i: int, text: str, start: int) -> int:
         message = chat.messages[i]
-        content = message["content"].strip()
+        content = _plain(message["content"]).strip()
         found = text.find(content, start) if content else -1
         content_end = found + len(content) if found >= 0 else start
         if message["role"] == "assistant" and self.end_of_turn:

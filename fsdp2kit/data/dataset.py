@@ -234,7 +234,7 @@ class SourceDocuments:
         ]
 
 
-def _json_records(files: list[Path], max_bytes: int) -> list[dict]:
+def json_records(files: list[Path], max_bytes: int) -> list[dict]:
     """Every record of .json arrays and .jsonl files as Python objects (conversations: nested and irregular, as
     Arrow's schema inference would not keep them), each jsonl line checked first."""
     records: list = []
@@ -285,7 +285,7 @@ def _chat_table(cfg: DataConfig, files: list[Path]) -> Any:
         return None
     if cfg.format in ("auto", "text") and record_format(_first_record(files), cfg.format) is None:
         return None
-    records = _json_records(files, cfg.max_document_bytes)[: cfg.max_samples]
+    records = json_records(files, cfg.max_document_bytes)[: cfg.max_samples]
     if not records:
         raise UserError(f"data.source: '{cfg.source}' is empty (no documents)")
     return datasets.Dataset.from_dict({"record": [json.dumps(r) for r in records]})

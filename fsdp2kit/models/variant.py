@@ -66,11 +66,11 @@ class VisionModality(TextModality):
     def global_batches(
         self, data: DataConfig, tokenizer: Any, source: ModelSource, order: tuple[Any, ...]
     ) -> GlobalBatches:
-        encoder = VLEncoder.load(source.tokenizer_path, source.hf_config, data.seq_len)
+        encoder = VLEncoder.load(source.tokenizer_path, source.hf_config, data.seq_len, data)
         return VLGlobalBatches(load_conversations(data), *order, encoder=encoder)
 
     def scoring_source(self, data: DataConfig, tokenizer: Any, source: ModelSource, pad_id: int) -> ScoringSource:
-        encoder = VLEncoder.load(source.tokenizer_path, source.hf_config, data.seq_len)
+        encoder = VLEncoder.load(source.tokenizer_path, source.hf_config, data.seq_len, data)
         return ConversationScoring.open(data, encoder, pad_id)
 
 
