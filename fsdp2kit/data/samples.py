@@ -143,6 +143,21 @@ class TrainingSamples:
         return np.minimum(self.store.offsets[units + 1] - self.store.offsets[units], self.width)
 
 
+def marked_text(sample: Sample, tokenizer: PreTrainedTokenizerBase, colour: bool = False) -> str:
+    """A sample decoded, its loss targets marked: `[[...]]`, or green on a terminal (`prepare --show`)."""
+    trained = sample.trained.tolist()
+    tokens = sample.tokens.tolist()
+    pieces: list[str] = []
+    start = 0
+    for end in range(1, len(tokens) + 1):
+        if end == len(tokens) or trained[end] != trained[start]:
+            text = str(tokenizer.decode(tokens[start:end]))
+            mark = ("\x1b[32m", "\x1b[0m") if colour else ("[[", "]]")
+            pieces.append(f"{mark[0]}{text}{mark[1]}" if trained[start] else text)
+            start = end
+    return "".join(pieces)
+
+
 def token_budget_groups(lengths: list[np.ndarray], budget: int) -> list[list[list[int]]]:
     """Per rank, its samples (positions in its share) grouped into micro-batches of at most `budget` padded input
     tokens: sorted by length, filled in turn. Every rank gets as many micro-batches as the rank needing most (a

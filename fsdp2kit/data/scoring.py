@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from fsdp2kit.config.schema import DataConfig
-from fsdp2kit.data.dataset import collate
+from fsdp2kit.data.dataset import Sample, collate
 from fsdp2kit.data.store import TokenStore, token_store
 from fsdp2kit.data.vl import VLEncoder, VLSample, load_conversations
 
@@ -29,7 +29,9 @@ class ScoringSource(Protocol):
 class DocumentScoring:
     """As the model's users tokenise: default special tokens, no EOS (the store appends one for training), no
     packing, truncated at data.seq_len (a prompt/response record is the prompt's ids followed by the response's).
-    A document of fewer than 2 tokens has no term: recorded as such, never sent to the model."""
+    A conversation is scored on its trained tokens only (the store's mask: what training's loss is on), so its
+    `num_tokens` and `mean_logprob` are those of the answers. A document of fewer than 2 tokens (a conversation
+    without a trained token) has no term: recorded as such, never sent to the model."""
 
     store: TokenStore
     lengths: np.ndarray
@@ -43,10 +45,21 @@ class DocumentScoring:
 
     def indices(self, first: int, step: int) -> tuple[list[int], list[int]]:
         mine = np.arange(first, self.store.num_documents, step)
-        return mine[self.lengths[mine] < 2].tolist(), mine[self.lengths[mine] >= 2].tolist()
+        scored = self.lengths[mine] >= 2
+        if self.store.masks is not None:
+            scored &= np.array([self._trained(int(i))[1:].any() for i in mine], dtype=np.bool_)
+        return mine[~scored].tolist(), mine[scored].tolist()
+
+    def _trained(self, index: int) -> np.ndarray:
+        assert self.store.masks is not None
+        start = int(self.store.offsets[index])
+        return self.store.masks[start : start + int(self.lengths[index])].astype(bool)
 
     def batch_of(self, chunk: list[int]) -> dict[str, torch.Tensor]:
-        documents = [torch.from_numpy(self.store.document(i)[: self.lengths[i]].astype(np.int64)) for i in chunk]
+        tokens = [torch.from_numpy(self.store.document(i)[: self.lengths[i]].astype(np.int64)) for i in chunk]
+        documents: list[Sample | torch.Tensor] = list(tokens)
+        if self.store.masks is not None:
+            documents = [Sample(d, torch.from_numpy(self._trained(i))) for d, i in zip(tokens, chunk, strict=True)]
         return collate(documents or [torch.tensor([self.pad_id, self.pad_id])], self.pad_id)
 
 
