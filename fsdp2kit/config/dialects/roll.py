@@ -20,8 +20,10 @@ from fsdp2kit.config.dialects.translation import (
     Written,
     already_read,
     apply_rules,
+    chat_template_name,
     comma_list,
     ignored,
+    messages_field,
     section,
     to,
     unsupported,
@@ -252,7 +254,8 @@ TRAINING_ARGS: dict[str, Rule] = {
 
 DATA_ARGS: dict[str, Rule] = {
     "file_name": to("data.source", _files),
-    "template": ignored("a chat template; fsdp2kit tokenizes the text (or prompt and response) as written"),
+    "template": chat_template_name,
+    "messages": messages_field,
     "max_samples": ignored(DROPPED.format("DataArguments")),
     **dict.fromkeys(
         (
@@ -273,7 +276,6 @@ DATA_ARGS: dict[str, Rule] = {
     ),
     **dict.fromkeys(
         (
-            "messages",
             "prompt",
             "response",
             "id",
