@@ -83,11 +83,6 @@ def record_format(record: dict, fmt: str) -> str | None:
     return None
 
 
-def columns_format(columns: list[str], fmt: str) -> str | None:
-    """The chat form of a table with these columns, as `record_format` decides it for one record."""
-    return record_format({name: [] if name in ("messages", "conversations") else "" for name in columns}, fmt)
-
-
 def _text(content: Any, where: str) -> str:
     """A message's text: a string, or the text parts of a list (`text` or LLaMA-Factory v1's `value`) joined."""
     if content is None:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from fsdp2kit.config.schema import DataConfig
-from fsdp2kit.data.chat import Chat, columns_format, record_format, to_chat
+from fsdp2kit.data.chat import Chat, record_format, to_chat
 from fsdp2kit.errors import UserError
 from fsdp2kit.labels import IGNORE_INDEX
 
@@ -276,6 +276,15 @@ def _first_record(files: list[Path]) -> dict:
     return {}
 
 
+def _chat_form(cfg: DataConfig, record: dict) -> str | None:
+    """The chat form of a source whose first record (or columns) is this; with data.format: auto, fields named by
+    both `prompt_key` and `response_key` (ROLL's SFT files: instruction/output) keep prompt/response reading."""
+    if cfg.format == "auto" and cfg.prompt_key in record and cfg.response_key in record:
+        return None
+    fields = {k: [] if k in ("messages", "conversations") and not isinstance(v, list) else v for k, v in record.items()}
+    return record_format(fields, cfg.format)
+
+
 def _chat_table(cfg: DataConfig, files: list[Path]) -> Any:
     """A json source of conversations as a table of one `record` column (each record's JSON), or None when the
     source is not conversations."""
@@ -283,7 +292,7 @@ def _chat_table(cfg: DataConfig, files: list[Path]) -> Any:
 
     if cfg.source == "builtin:corpus" or _saved_dataset(cfg.source) or _FILE_KINDS[files[0].suffix] != "json":
         return None
-    if cfg.format in ("auto", "text") and record_format(_first_record(files), cfg.format) is None:
+    if cfg.format in ("auto", "text") and _chat_form(cfg, _first_record(files)) is None:
         return None
     records = json_records(files, cfg.max_document_bytes)[: cfg.max_samples]
     if not records:
@@ -310,7 +319,7 @@ def open_source(cfg: DataConfig) -> SourceDocuments:
     if cfg.max_samples is not None:
         table = table.select(range(min(cfg.max_samples, len(table))))
     text_key = "text" if kind == "text" else cfg.text_key  # a text file's lines have no field names to choose from
-    chat_format = columns_format(table.column_names, cfg.format) if kind != "text" else None
+    chat_format = _chat_form(cfg, dict.fromkeys(table.column_names, "")) if kind != "text" else None
     if chat_format is not None:
         return SourceDocuments(table, None, "", "", None, cfg.source, files, kind, cfg.format, cfg)
     if cfg.prompt_key in table.column_names and cfg.response_key in table.column_names:
