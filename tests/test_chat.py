@@ -288,3 +288,43 @@ def test_a_tokenizer_without_template_and_a_wrong_template_name_are_one_sentence
     with pytest.raises(UserError, match="valid: qwen, qwen2_5"):
         ChatTemplate.from_config(DataConfig(template="llama3", chat_template=inline), tokenizer, "qwen2")
     ChatTemplate.from_config(DataConfig(template="qwen2_5", chat_template=inline), tokenizer, "qwen2")
+
+
+# Like Qwen3's: the last assistant turn alone gets an (empty) think block, so the conversation rendered through an
+# earlier turn is not a prefix of the whole; the think block is the model's output (a target).
+LAST_TURN_THINKS = (
+    "{%- for message in messages %}{%- if message.role == 'assistant' %}{{- '<|im_start|>assistant\\n' }}"
+    "{% generation %}{%- if loop.last %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+    "{{- message.content + '<|im_end|>' }}{% endgeneration %}{{- '\\n' }}"
+    "{%- else %}{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def test_a_template_that_renders_the_last_turn_differently_is_masked_like_the_reference():
+    tokenizer = family_tokenizer("chatml")
+    reference = tokenizer.apply_chat_template(
+        CONVERSATION, chat_template=LAST_TURN_THINKS, return_dict=True, return_assistant_tokens_mask=True
+    )
+    plain = LAST_TURN_THINKS.replace("{% generation %}", "").replace("{% endgeneration %}", "")
+    ids, trained = ChatTemplate(tokenizer, plain).encode(Chat(CONVERSATION, None, "r"))
+    assert ids == list(reference["input_ids"]) and [int(t) for t in trained] == list(reference["assistant_masks"])
+
+
+def test_parquet_and_saved_dataset_conversations_read_like_jsonl(tmp_path):
+    import datasets
+
+    rows = [
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]},
+        {"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4", "loss_weight": 1}]},
+    ]
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    table = datasets.Dataset.from_list(rows)
+    table.to_parquet(str(tmp_path / "a.parquet"))
+    table.save_to_disk(str(tmp_path / "saved"))
+    read = {
+        name: open_source(DataConfig(source=str(tmp_path / name))).read(0, 2)
+        for name in ("a.jsonl", "a.parquet", "saved")
+    }
+    assert [c.messages for c in read["a.parquet"]] == [c.messages for c in read["a.jsonl"]]
+    assert [c.messages for c in read["saved"]] == [c.messages for c in read["a.jsonl"]]
