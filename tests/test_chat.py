@@ -328,3 +328,27 @@ def test_parquet_and_saved_dataset_conversations_read_like_jsonl(tmp_path):
     }
     assert [c.messages for c in read["a.parquet"]] == [c.messages for c in read["a.jsonl"]]
     assert [c.messages for c in read["saved"]] == [c.messages for c in read["a.jsonl"]]
+
+
+def test_the_example_files_read_and_train_on_their_answers():
+    from fsdp2kit.data.vl import load_conversations
+
+    examples = Path(__file__).parents[1] / "examples" / "data"
+    tokenizer = family_tokenizer("qwen2.5")
+    template = ChatTemplate(tokenizer, tokenizer.chat_template)
+    trained_text = {}
+    for name in ("alpaca.json", "sharegpt.json", "messages.jsonl"):
+        chats = open_source(DataConfig(source=str(examples / name))).read(0, 10)
+        for chat in chats:
+            ids, trained = template.encode(chat)
+            trained_text[(name, chat.where)] = tokenizer.decode([t for t, m in zip(ids, trained, strict=True) if m])
+    assert trained_text[("alpaca.json", "record 2 of '" + str(examples / "alpaca.json") + "'")] == (
+        "Green.<|im_end|>Blue.<|im_end|>"
+    )
+    assert trained_text[("messages.jsonl", "record 3 of '" + str(examples / "messages.jsonl") + "'")] == (
+        "Goodbye.<|im_end|>"
+    )
+    assert "get_weather" in trained_text[("sharegpt.json", "record 1 of '" + str(examples / "sharegpt.json") + "'")]
+    assert open_source(DataConfig(source=str(examples / "text.jsonl"))).chat_format is None
+    (image,) = load_conversations(DataConfig(source=str(examples / "multimodal.json"), pack=False))[0].images
+    assert image == examples / "images" / "red.png"
