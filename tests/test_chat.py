@@ -18,6 +18,7 @@ from fsdp2kit.data.builtin import tokenizer_dir
 from fsdp2kit.data.chat import Chat, ChatTemplate, to_chat
 from fsdp2kit.data.dataset import open_source
 from fsdp2kit.data.samples import TrainingSamples
+from fsdp2kit.data.scoring import DocumentScoring
 from fsdp2kit.data.store import token_store
 from fsdp2kit.errors import UserError
 
@@ -273,6 +274,11 @@ def test_long_conversations_are_cut_after_a_whole_turn_and_untrainable_ones_left
     sample = samples[0]
     assert len(sample.tokens) == ends[1] and sample.tokens.tolist() == ids[: ends[1]]
     assert sample.trained.tolist() == [False, *trained[1 : ends[1]]]
+    scoring = DocumentScoring.open(cfg, tokenizer, 0)  # infer scores what training trains
+    assert scoring.indices(0, 1) == ([1], [0])
+    batch = scoring.batch_of([0])
+    assert batch["input_ids"][0].tolist() == ids[: ends[1] - 1]
+    assert (batch["labels"][0] >= 0).tolist() == trained[1 : ends[1]]
     packed = TrainingSamples.from_config(cfg.model_copy(update={"pack": True}), tokenizer)
     assert sum(int(packed[i].trained.sum()) for i in range(len(packed))) > 0
 

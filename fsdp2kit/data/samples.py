@@ -24,6 +24,18 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 
+def conversation_window(store: TokenStore, index: int, width: int) -> tuple[int, np.ndarray]:
+    """Where conversation `index` starts in the store and the trained mask of its first tokens: all of them, or when
+    it is longer than `width`, up to the end of the last trained turn that ends within `width` (else `width`)."""
+    assert store.masks is not None
+    start, stop = int(store.offsets[index]), int(store.offsets[index + 1])
+    mask = store.masks[start : min(stop, start + width + 1)].astype(bool)
+    if len(mask) <= width:
+        return start, mask
+    ends = np.flatnonzero(mask[:-1] & ~mask[1:])
+    return start, mask[: int(ends[-1]) + 1 if len(ends) else width].copy()
+
+
 class TrainingSamples:
     """Without packing sample i is a document truncated to seq_len + 1 tokens. With packing the documents (each
     ending in EOS) form one stream cut into windows of seq_len + 1 tokens; with `document_mask` each window carries
@@ -43,10 +55,9 @@ class TrainingSamples:
             kept = self._with_targets(pack) if store.masks is None else self._with_mask_targets(pack)
             self._kept = None if kept.all() else np.flatnonzero(kept)
             if store.masks is not None and self._kept is not None:
-                print(
+                _print_once(
                     f"data: {len(kept) - len(self._kept)} of {len(kept)} {'windows' if pack else 'conversations'} "
-                    f"have no token to train on within data.seq_len = {seq_len} and are left out",
-                    flush=True,
+                    f"have no token to train on within data.seq_len = {seq_len} and are left out"
                 )
         # Otherwise every sample has a target, found without any per-document array: a document of 2+ tokens has
         # targets after its first token, and no window's 2+ positions after its first can all start documents.
@@ -85,15 +96,9 @@ class TrainingSamples:
     def _cut_conversation(self, unit: int) -> Sample:
         """A conversation, cut (when longer than seq_len + 1 tokens) after the last trained turn that ends within
         them, else at seq_len + 1."""
-        assert self.store.masks is not None
-        start, stop = int(self.store.offsets[unit]), int(self.store.offsets[unit + 1])
-        mask = self.store.masks[start : min(stop, start + self.width + 1)].astype(bool)
-        cut = len(mask)
-        if len(mask) > self.width:
-            ends = np.flatnonzero(mask[:-1] & ~mask[1:])
-            cut = int(ends[-1]) + 1 if len(ends) else self.width
-        tokens = self.store.tokens[start : start + cut].astype(np.int64)
-        return Sample(torch.from_numpy(tokens), torch.from_numpy(mask[:cut].copy()))
+        start, mask = conversation_window(self.store, unit, self.width)
+        tokens = self.store.tokens[start : start + len(mask)].astype(np.int64)
+        return Sample(torch.from_numpy(tokens), torch.from_numpy(mask))
 
     @classmethod
     def from_config(cls, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> TrainingSamples:
@@ -141,6 +146,14 @@ class TrainingSamples:
             return np.full(len(indices), self.width, dtype=np.int64)
         units = indices if self._kept is None else self._kept[indices]
         return np.minimum(self.store.offsets[units + 1] - self.store.offsets[units], self.width)
+
+
+def _print_once(line: str) -> None:
+    """A line in the log of the first rank only (every rank cuts the same samples)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(line, flush=True)
 
 
 def marked_text(sample: Sample, tokenizer: PreTrainedTokenizerBase, colour: bool = False) -> str:

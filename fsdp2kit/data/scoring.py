@@ -13,6 +13,7 @@ import torch
 
 from fsdp2kit.config.schema import DataConfig
 from fsdp2kit.data.dataset import Sample, collate
+from fsdp2kit.data.samples import conversation_window
 from fsdp2kit.data.store import TokenStore, token_store
 from fsdp2kit.data.vl import VLEncoder, VLSample, load_conversations
 
@@ -40,7 +41,9 @@ class DocumentScoring:
     @classmethod
     def open(cls, data: DataConfig, tokenizer: Any, pad_id: int) -> DocumentScoring:
         store = token_store(data, tokenizer)
-        lengths = np.minimum(np.diff(store.offsets) - int(store.eos_appended), data.seq_len)
+        # A conversation as training cuts it (seq_len + 1 tokens at most, after a whole turn where one fits).
+        limit = data.seq_len + 1 if store.masks is not None else data.seq_len
+        lengths = np.minimum(np.diff(store.offsets) - int(store.eos_appended), limit)
         return cls(store, lengths, pad_id)
 
     def indices(self, first: int, step: int) -> tuple[list[int], list[int]]:
@@ -51,15 +54,15 @@ class DocumentScoring:
         return mine[~scored].tolist(), mine[scored].tolist()
 
     def _trained(self, index: int) -> np.ndarray:
-        assert self.store.masks is not None
-        start = int(self.store.offsets[index])
-        return self.store.masks[start : start + int(self.lengths[index])].astype(bool)
+        return conversation_window(self.store, index, int(self.lengths[index]))[1]
 
     def batch_of(self, chunk: list[int]) -> dict[str, torch.Tensor]:
-        tokens = [torch.from_numpy(self.store.document(i)[: self.lengths[i]].astype(np.int64)) for i in chunk]
-        documents: list[Sample | torch.Tensor] = list(tokens)
-        if self.store.masks is not None:
-            documents = [Sample(d, torch.from_numpy(self._trained(i))) for d, i in zip(tokens, chunk, strict=True)]
+        documents: list[Sample | torch.Tensor] = []
+        for i in chunk:
+            trained = self._trained(i) if self.store.masks is not None else None
+            length = len(trained) if trained is not None else int(self.lengths[i])
+            tokens = torch.from_numpy(self.store.document(i)[:length].astype(np.int64))
+            documents.append(tokens if trained is None else Sample(tokens, torch.from_numpy(trained)))
         return collate(documents or [torch.tensor([self.pad_id, self.pad_id])], self.pad_id)
 
 
