@@ -358,3 +358,10 @@ def test_the_example_files_read_and_train_on_their_answers():
     assert open_source(DataConfig(source=str(examples / "text.jsonl"))).chat_format is None
     (image,) = load_conversations(DataConfig(source=str(examples / "multimodal.json"), pack=False))[0].images
     assert image == examples / "images" / "red.png"
+
+
+def test_media_for_a_text_model_and_sharegpt_with_role_content_turns(tmp_path):
+    with pytest.raises(UserError, match=r"record 1 of '.*mllm_demo.json' has 'images', which a text-only model"):
+        open_source(DataConfig(source=str(LLAMAFACTORY / "mllm_demo.json"))).read(0, 1)
+    turns = {"conversations": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+    assert [m["role"] for m in to_chat(turns, "auto", "r").messages] == ["user", "assistant"]

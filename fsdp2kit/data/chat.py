@@ -130,13 +130,14 @@ def _from_messages(record: dict, where: str) -> list[dict]:
 def _from_sharegpt(record: dict, where: str) -> list[dict]:
     messages = [{"role": "system", "content": record["system"]}] if record.get("system") else []
     for turn in record["conversations"]:
-        role = _SHAREGPT_ROLES.get(turn.get("from"))
+        if not isinstance(turn, dict):
+            raise UserError(f"data.source: {where} has a turn that is not a JSON object")
+        speaker = turn.get("from", turn.get("role"))  # some files write ShareGPT turns with role/content
+        role = _SHAREGPT_ROLES.get(str(speaker))
         if role is None:
-            raise UserError(
-                f"data.source: {where} has a turn from '{turn.get('from')}'; valid: {', '.join(_SHAREGPT_ROLES)}"
-            )
-        value = _text(turn.get("value"), where)
-        if turn.get("from") == "function_call":
+            raise UserError(f"data.source: {where} has a turn from '{speaker}'; valid: {', '.join(_SHAREGPT_ROLES)}")
+        value = _text(turn.get("value", turn.get("content")), where)
+        if speaker == "function_call":
             calls = _json_value(value)
             calls = calls if isinstance(calls, list) else [calls]
             if not all(isinstance(c, dict) for c in calls):
@@ -162,6 +163,9 @@ _READERS: dict[str, Callable[[dict, str], list[dict]]] = {
     "sharegpt": _from_sharegpt,
     "alpaca": _from_alpaca,
 }
+
+
+MEDIA_FIELDS = ("images", "image", "videos", "audios")
 
 
 def to_chat(record: dict, fmt: str, where: str) -> Chat:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from fsdp2kit.config.schema import DataConfig
-from fsdp2kit.data.chat import Chat, record_format, to_chat
+from fsdp2kit.data.chat import MEDIA_FIELDS, Chat, record_format, to_chat
 from fsdp2kit.errors import UserError
 from fsdp2kit.labels import IGNORE_INDEX
 
@@ -219,7 +219,17 @@ class SourceDocuments:
         else:  # a parquet file or a saved dataset: its columns (Arrow's missing fields are None)
             count = len(next(iter(rows.values())))
             records = [{k: v[i] for k, v in rows.items() if v[i] is not None} for i in range(count)]
-        return [to_chat(r, fmt, f"record {first + i + 1} of '{self.source}'") for i, r in enumerate(records)]
+        chats = []
+        for i, record in enumerate(records):
+            where = f"record {first + i + 1} of '{self.source}'"
+            media = [k for k in MEDIA_FIELDS if record.get(k)]
+            if media:
+                raise UserError(
+                    f"data.source: {where} has '{media[0]}', which a text-only model cannot read; train it with a "
+                    "vision-language model (docs/vl.md) or drop the field"
+                )
+            chats.append(to_chat(record, fmt, where))
+        return chats
 
     def documents(self, rows: dict[str, list]) -> list[str] | list[PromptResponse]:
         """The documents of a batch of rows (column -> values); empty texts and responses are dropped."""
