@@ -365,3 +365,19 @@ def test_media_for_a_text_model_and_sharegpt_with_role_content_turns(tmp_path):
         open_source(DataConfig(source=str(LLAMAFACTORY / "mllm_demo.json"))).read(0, 1)
     turns = {"conversations": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
     assert [m["role"] for m in to_chat(turns, "auto", "r").messages] == ["user", "assistant"]
+
+
+def test_a_folder_of_files_in_different_forms_reads_each_record_as_written(tmp_path):
+    import shutil
+
+    examples = Path(__file__).parents[1] / "examples" / "data"
+    folder = tmp_path / "mixed"
+    folder.mkdir()
+    for name in ("alpaca.json", "sharegpt.json", "messages.jsonl"):
+        shutil.copy(examples / name, folder / name)
+    (folder / "test.jsonl").write_text('{"messages": []}\n')  # another split: left out, as load_dataset does
+    documents = open_source(DataConfig(source=str(folder)))
+    chats = documents.read(0, len(documents))
+    assert len(chats) == 2 + 2 + 3
+    assert chats[0].messages[-1]["content"] == "98.6 F is 37 C." and chats[-2].tools is not None
+    assert chats[-1].where == f"record 2 of '{folder / 'sharegpt.json'}'"

@@ -214,14 +214,15 @@ class SourceDocuments:
     def chats(self, rows: dict[str, list], first: int) -> list[Chat]:
         """The conversations of a batch of rows, the first of which is row `first`."""
         fmt = self.chat_format or "auto"
-        if "record" in rows and len(rows) == 1:
+        count = len(next(iter(rows.values())))
+        if set(rows) == {"where", "record"}:  # read by json_records: each record's JSON and where it is
             records = [json.loads(r) for r in rows["record"]]
+            places = rows["where"]
         else:  # a parquet file or a saved dataset: its columns (Arrow's missing fields are None)
-            count = len(next(iter(rows.values())))
             records = [{k: v[i] for k, v in rows.items() if v[i] is not None} for i in range(count)]
+            places = [f"record {first + i + 1} of '{self.source}'" for i in range(count)]
         chats = []
-        for i, record in enumerate(records):
-            where = f"record {first + i + 1} of '{self.source}'"
+        for where, record in zip(places, records, strict=True):
             media = [k for k in MEDIA_FIELDS if record.get(k)]
             if media:
                 raise UserError(
@@ -244,9 +245,10 @@ class SourceDocuments:
         ]
 
 
-def json_records(files: list[Path], max_bytes: int) -> list[dict]:
+def json_records(files: list[Path], max_bytes: int) -> list[tuple[str, dict]]:
     """Every record of .json arrays and .jsonl files as Python objects (conversations: nested and irregular, as
-    Arrow's schema inference would not keep them), each jsonl line checked first."""
+    Arrow's schema inference would not keep them), each jsonl line checked first, with where it is ("record N of
+    'FILE'": the array's Nth element, the file's line N)."""
     records: list = []
     for file in files:
         if _json_array(file):
@@ -256,13 +258,15 @@ def json_records(files: list[Path], max_bytes: int) -> list[dict]:
                 raise UserError(f"data.source: '{file}' is not a JSON array of records ({exc})") from None
             if not isinstance(array, list) or not all(isinstance(r, dict) for r in array):
                 raise UserError(f"data.source: '{file}' is not a JSON array of records (objects)")
-            records += array
+            records += [(f"record {n} of '{file}'", r) for n, r in enumerate(array, 1)]
             continue
         where = _first_bad_line([file], "json", max_bytes)
         if where is not None:
             raise UserError(f"data.source: {where}")
         with file.open("rb") as handle:
-            records += [json.loads(line) for line in handle if line.strip()]
+            records += [
+                (f"record {n} of '{file}'", json.loads(line)) for n, line in enumerate(handle, 1) if line.strip()
+            ]
     return records
 
 
@@ -307,7 +311,7 @@ def _chat_table(cfg: DataConfig, files: list[Path]) -> Any:
     records = json_records(files, cfg.max_document_bytes)[: cfg.max_samples]
     if not records:
         raise UserError(f"data.source: '{cfg.source}' is empty (no documents)")
-    return datasets.Dataset.from_dict({"record": [json.dumps(r) for r in records]})
+    return datasets.Dataset.from_dict({"where": [w for w, _ in records], "record": [json.dumps(r) for _, r in records]})
 
 
 def open_source(cfg: DataConfig) -> SourceDocuments:

@@ -147,8 +147,7 @@ def load_conversations(cfg: DataConfig) -> list[Conversation]:
 
 def _read_conversations(source: Path, cfg: DataConfig) -> list[Conversation]:
     conversations = []
-    for number, record in enumerate(json_records([source], cfg.max_document_bytes), 1):
-        where = f"record {number} of '{source}'"
+    for where, record in json_records([source], cfg.max_document_bytes):
         if not isinstance(record, dict):
             raise UserError(f"data.source: {where} is not a JSON object")
         record, images = _with_placeholders(record)
