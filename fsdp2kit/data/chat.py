@@ -300,8 +300,11 @@ class ChatTemplate:
 
     def _turn_start(self, chat: Chat, i: int, text: str, cursor: int) -> int:
         assistant = chat.messages[i]["role"] == "assistant"
-        before = self.render(chat.messages[:i], chat.tools, generation_prompt=assistant) if i else ""
-        if text.startswith(before) and len(before) >= cursor:
+        try:  # a template may refuse a conversation cut short (roles that must alternate): then the text decides
+            before = self.render(chat.messages[:i], chat.tools, generation_prompt=assistant) if i else ""
+        except UserError:
+            before = None
+        if before is not None and text.startswith(before) and len(before) >= cursor:
             return len(before)
         content = _plain(chat.messages[i]["content"]).strip()
         found = text.find(content, cursor) if content else -1
@@ -321,7 +324,10 @@ class ChatTemplate:
             eot = text.find(self.end_of_turn, content_end)
             if eot >= 0:
                 return eot + len(self.end_of_turn) if self.train_on_eos else max(eot, content_end)
-        through = self.render(chat.messages[: i + 1], chat.tools)
+        try:
+            through = self.render(chat.messages[: i + 1], chat.tools)
+        except UserError:
+            through = ""
         return len(through) if text.startswith(through) and len(through) > start else max(content_end, start)
 
     def encode(self, chat: Chat) -> tuple[list[int], list[bool]]:
