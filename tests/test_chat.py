@@ -381,3 +381,11 @@ def test_a_folder_of_files_in_different_forms_reads_each_record_as_written(tmp_p
     assert len(chats) == 2 + 2 + 3
     assert chats[0].messages[-1]["content"] == "98.6 F is 37 C." and chats[-2].tools is not None
     assert chats[-1].where == f"record 2 of '{folder / 'sharegpt.json'}'"
+
+
+def test_messages_under_another_field_read_with_messages_key(tmp_path):
+    source = tmp_path / "prompts.jsonl"
+    record = {"prompt": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}], "id": 3}
+    source.write_text(json.dumps(record) + "\n")
+    (chat,) = open_source(DataConfig(source=str(source), messages_key="prompt")).read(0, 1)
+    assert [m["content"] for m in chat.messages] == ["hi", "hello"]

@@ -613,7 +613,7 @@ def test_roll_files_naming_messages_data_and_a_template_train_a_step_on_it(name,
         "training.export_hf=false",
     ]
     cfg = load_config(CORPUS / name, swaps)
-    assert cfg.data.template in ("qwen3", "qwen2_5") and any("'messages' field" in note for note in cfg.notes)
+    assert cfg.data.template in ("qwen3", "qwen2_5") and cfg.data.messages_key == "messages"
     with process_group() as runtime:
         train(cfg, runtime)
     assert len(read_metrics(tmp_path / "run")) == 1

@@ -256,6 +256,9 @@ class DataConfig(Section):
         description="how records are read: auto (from the fields: `messages`, `conversations`, "
         "`instruction`+`output`, else text or prompt/response), or one of text, alpaca, sharegpt, messages",
     )
+    messages_key: str = Field(
+        "messages", description="conversations: the field holding a record's chat messages (ROLL's data_args.messages)"
+    )
     chat_template: str | None = Field(
         None,
         description="conversations: a Jinja chat template (a file, or the template inline) instead of the "

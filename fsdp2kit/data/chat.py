@@ -168,6 +168,14 @@ _READERS: dict[str, Callable[[dict, str], list[dict]]] = {
 MEDIA_FIELDS = ("images", "image", "videos", "audios")
 
 
+def with_messages_key(record: dict, messages_key: str) -> dict:
+    """The record with its chat messages under `messages` when `data.messages_key` names another field."""
+    if messages_key == "messages" or messages_key not in record:
+        return record
+    renamed = {k: v for k, v in record.items() if k not in ("messages", messages_key)}
+    return {**renamed, "messages": record[messages_key]}
+
+
 def to_chat(record: dict, fmt: str, where: str) -> Chat:
     """A record of a chat form as a `Chat`; a record with nothing to train on is an error naming it."""
     form = record_format(record, fmt)

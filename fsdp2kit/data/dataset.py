@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from fsdp2kit.config.schema import DataConfig
-from fsdp2kit.data.chat import MEDIA_FIELDS, Chat, record_format, to_chat
+from fsdp2kit.data.chat import MEDIA_FIELDS, Chat, record_format, to_chat, with_messages_key
 from fsdp2kit.errors import UserError
 from fsdp2kit.labels import IGNORE_INDEX
 
@@ -229,7 +229,9 @@ class SourceDocuments:
                     f"data.source: {where} has '{media[0]}', which a text-only model cannot read; train it with a "
                     "vision-language model (docs/vl.md) or drop the field"
                 )
-            chats.append(to_chat(record, fmt, where))
+            chats.append(
+                to_chat(with_messages_key(record, self.config.messages_key) if self.config else record, fmt, where)
+            )
         return chats
 
     def documents(self, rows: dict[str, list]) -> list[str] | list[PromptResponse]:
@@ -295,6 +297,7 @@ def _chat_form(cfg: DataConfig, record: dict) -> str | None:
     both `prompt_key` and `response_key` (ROLL's SFT files: instruction/output) keep prompt/response reading."""
     if cfg.format == "auto" and cfg.prompt_key in record and cfg.response_key in record:
         return None
+    record = with_messages_key(record, cfg.messages_key)
     fields = {k: [] if k in ("messages", "conversations") and not isinstance(v, list) else v for k, v in record.items()}
     return record_format(fields, cfg.format)
 

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from fsdp2kit.config.schema import DataConfig
-from fsdp2kit.data.chat import Chat, ChatTemplate, to_chat
+from fsdp2kit.data.chat import Chat, ChatTemplate, to_chat, with_messages_key
 from fsdp2kit.data.dataset import json_records
 from fsdp2kit.data.samples import GlobalBatches
 from fsdp2kit.errors import UserError
@@ -150,7 +150,7 @@ def _read_conversations(source: Path, cfg: DataConfig) -> list[Conversation]:
     for where, record in json_records([source], cfg.max_document_bytes):
         if not isinstance(record, dict):
             raise UserError(f"data.source: {where} is not a JSON object")
-        record, images = _with_placeholders(record)
+        record, images = _with_placeholders(with_messages_key(record, cfg.messages_key))
         chat = to_chat(record, cfg.format, where)
         messages = _split_images(chat.messages, images, source.parent, where)
         conversation = Conversation(messages, where, chat.tools)

@@ -23,7 +23,6 @@ from fsdp2kit.config.dialects.translation import (
     chat_template_name,
     comma_list,
     ignored,
-    messages_field,
     section,
     to,
     unsupported,
@@ -255,7 +254,7 @@ TRAINING_ARGS: dict[str, Rule] = {
 DATA_ARGS: dict[str, Rule] = {
     "file_name": to("data.source", _files),
     "template": chat_template_name,
-    "messages": messages_field,
+    "messages": to("data.messages_key"),
     "max_samples": ignored(DROPPED.format("DataArguments")),
     **dict.fromkeys(
         (

@@ -235,12 +235,3 @@ def chat_template_name(translation: Translation, key: Written, value: Any) -> No
         f"{key} = {value!r} read as data.template: conversations are rendered with the model's own chat template, "
         "which this name must be of"
     )
-
-
-def messages_field(translation: Translation, key: Written, value: Any) -> None:
-    """ROLL's and LLaMA-Factory's name of the field holding a record's chat messages: `messages`, read as written."""
-    if value != "messages":
-        raise UserError(
-            f"{key.file}: '{key}' = {value!r} is not supported: fsdp2kit reads conversations from a 'messages' field"
-        )
-    translation.note(f"{key} = 'messages': conversations are read from each record's 'messages' field")
