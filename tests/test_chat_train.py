@@ -70,8 +70,8 @@ def test_llamafactory_text_files_train_as_written_on_1_and_2_ranks(qwen_folder, 
     one = losses(config, tmp_path / "one", 1)
     two = losses(config, tmp_path / "two", 2)
     assert len(one) == STEPS and two == pytest.approx(one, rel=1e-5, abs=1e-5)
-    packed = losses(config, tmp_path / "packed", 1, "data.pack=false", "data.seq_len=512")
-    assert len(packed) == STEPS
+    unpacked = losses(config, tmp_path / "unpacked", 1, "data.pack=false", "data.seq_len=512")
+    assert len(unpacked) == STEPS
 
 
 @pytest.mark.slow
