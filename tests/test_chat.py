@@ -389,3 +389,17 @@ def test_messages_under_another_field_read_with_messages_key(tmp_path):
     source.write_text(json.dumps(record) + "\n")
     (chat,) = open_source(DataConfig(source=str(source), messages_key="prompt")).read(0, 1)
     assert [m["content"] for m in chat.messages] == ["hi", "hello"]
+
+
+@pytest.mark.slow
+def test_a_pool_of_processes_builds_the_same_conversation_store(chat_folder, tmp_path, monkeypatch):
+    from fsdp2kit.data import store as store_module
+
+    tokenizer = AutoTokenizer.from_pretrained(chat_folder)
+    source = str(LLAMAFACTORY / "identity.json")
+    alone = token_store(DataConfig(source=source, cache_dir=str(tmp_path / "one"), num_proc=1), tokenizer)
+    monkeypatch.setattr(store_module, "_ROWS_PER_PROCESS", 10)
+    monkeypatch.setattr(store_module, "_BATCH_ROWS", 10)
+    pooled = token_store(DataConfig(source=source, cache_dir=str(tmp_path / "two"), num_proc=2), tokenizer)
+    assert pooled.meta["workers"] == "2 processes"
+    assert pooled.tokens.tolist() == alone.tokens.tolist() and pooled.masks.tolist() == alone.masks.tolist()
