@@ -106,3 +106,19 @@ def test_prepare_show_prints_samples_with_their_targets_marked(qwen_folder, tmp_
     record = json.loads((LLAMAFACTORY / "identity.json").read_text())[0]
     assert f"[[{record['output']}<|im_end|>]]" in result.stdout
     assert f"<|im_start|>user\n{record['instruction']}<|im_end|>" in result.stdout
+
+
+def test_check_renders_the_template_and_refuses_a_template_name_of_another_family(qwen_folder, tmp_path):
+    from fsdp2kit.check import checked_files
+    from fsdp2kit.errors import UserError
+
+    config = write_config(tmp_path / "c.yaml", str(qwen_folder), str(LLAMAFACTORY / "glaive_toolcall_en_demo.json"))
+    checked = checked_files(load_config(config, ["data.template=qwen2_5"]))
+    assert checked["chat template"] == (
+        "the tokenizer's own; data.template 'qwen2_5' read as it; assistant turns end with '<|im_end|>', records "
+        "read as sharegpt"
+    )
+    with pytest.raises(UserError, match=r"data.template: 'llama3' is not the chat template of this model \(qwen2\)"):
+        checked_files(load_config(config, ["data.template=llama3"]))
+    text = write_config(tmp_path / "t.yaml", str(qwen_folder), "builtin:corpus")
+    assert "chat template" not in checked_files(load_config(text))

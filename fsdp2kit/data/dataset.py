@@ -302,6 +302,19 @@ def _chat_form(cfg: DataConfig, record: dict) -> str | None:
     return record_format(fields, cfg.format)
 
 
+def conversation_form(cfg: DataConfig) -> str | None:
+    """Whether the source holds conversations (their form, or None), from its first json record or its parquet
+    columns, without reading it whole: what `check` asks before a run."""
+    files = source_files(cfg.source)
+    if cfg.source == "builtin:corpus" or _saved_dataset(cfg.source) or _FILE_KINDS[files[0].suffix] == "text":
+        return None
+    if _FILE_KINDS[files[0].suffix] == "parquet":
+        import pyarrow.parquet as pq
+
+        return _chat_form(cfg, dict.fromkeys(pq.read_schema(files[0]).names, ""))
+    return _chat_form(cfg, _first_record(files))
+
+
 def _chat_table(cfg: DataConfig, files: list[Path]) -> Any:
     """A json source of conversations as a table of one `record` column (each record's JSON), or None when the
     source is not conversations."""
