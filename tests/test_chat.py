@@ -162,7 +162,7 @@ def test_trained_tokens_are_the_assistant_turns_as_transformers_marks_them(famil
     )
 
 
-@pytest.mark.parametrize("family", ["qwen2.5", "llama-3", "gemma"])
+@pytest.mark.parametrize("family", list(FAMILIES))
 def test_mask_history_loss_weight_and_train_on_prompt_match_the_reference(family):
     ids, reference = reference_mask(family, CONVERSATION)
     first, last = runs(reference)
