@@ -403,3 +403,14 @@ def test_a_pool_of_processes_builds_the_same_conversation_store(chat_folder, tmp
     pooled = token_store(DataConfig(source=source, cache_dir=str(tmp_path / "two"), num_proc=2), tokenizer)
     assert pooled.meta["workers"] == "2 processes"
     assert pooled.tokens.tolist() == alone.tokens.tolist() and pooled.masks.tolist() == alone.masks.tolist()
+
+
+def test_llamafactory_v1_records_with_loss_weight_read_as_written(tmp_path):
+    documents = open_source(DataConfig(source=str(LLAMAFACTORY / "v1_sft_demo.jsonl")))
+    tokenizer = family_tokenizer("qwen2.5")
+    template = ChatTemplate(tokenizer, tokenizer.chat_template)
+    for chat in documents.read(0, 5):
+        ids, trained = template.encode(chat)
+        answers = [m["content"] for m in chat.messages if float(m.get("loss_weight", 0)) > 0]
+        text = tokenizer.decode([t for t, m in zip(ids, trained, strict=True) if m])
+        assert text == "".join(f"{a}<|im_end|>" for a in answers)
