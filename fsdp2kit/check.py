@@ -12,7 +12,8 @@ from torch.distributed.fsdp import FSDPModule
 
 from fsdp2kit.checkpoint.dcp_io import damage
 from fsdp2kit.config.schema import JobConfig
-from fsdp2kit.data.dataset import load_tokenizer, source_files
+from fsdp2kit.data.chat import ChatTemplate
+from fsdp2kit.data.dataset import conversation_form, load_tokenizer, source_files
 from fsdp2kit.distributed import Runtime
 from fsdp2kit.dtypes import torch_name
 from fsdp2kit.errors import UserError
@@ -26,6 +27,21 @@ from fsdp2kit.train.run_dir import output_dir_problem
 def _size(files: list[Path]) -> str:
     total = sum(f.stat().st_size for f in files)
     return f"{total / 2**20:.1f} MiB" if total >= 2**20 else f"{total} bytes"
+
+
+def _conversations(cfg: JobConfig, tokenizer: Any, hf_config: Any) -> dict[str, str]:
+    """For conversation data: the chat template renders (a missing one, or a `data.template` name of another
+    family, is refused now) and what it ends an assistant turn with."""
+    form = conversation_form(cfg.data)
+    if form is None:
+        return {}
+    template = ChatTemplate.from_config(cfg.data, tokenizer, getattr(hf_config, "model_type", None))
+    where = f"data.chat_template ({cfg.data.chat_template})" if cfg.data.chat_template else "the tokenizer's own"
+    named = f"; data.template '{cfg.data.template}' read as it" if cfg.data.template else ""
+    return {
+        "chat template": f"{where}{named}; assistant turns end with {template.end_of_turn or 'nothing'!r}, "
+        f"records read as {form}"
+    }
 
 
 def checked_files(cfg: JobConfig) -> dict[str, str]:
@@ -52,6 +68,7 @@ def checked_files(cfg: JobConfig) -> dict[str, str]:
             open_safetensors(shard).__exit__(None, None, None)  # safetensors checks the header against the size
         weights = f"{len(shards)} safetensors file(s) in {folder} ({_size(shards)}, headers whole)"
     tokenizer = load_tokenizer(source.tokenizer_path, cfg.model.trust_remote_code)
+    conversations = _conversations(cfg, tokenizer, source.hf_config)
     output_dir = Path(cfg.training.output_dir)
     problem = output_dir_problem(output_dir)
     if problem is not None:
@@ -63,6 +80,7 @@ def checked_files(cfg: JobConfig) -> dict[str, str]:
     return checked | {
         "model weights": weights,
         "tokenizer": f"{source.tokenizer_path} (loads, {len(tokenizer)} tokens)",
+        **conversations,
         "training.output_dir": f"{output_dir} "
         + ("(a writable folder)" if output_dir.is_dir() else "(can be created; not created now)"),
     }

@@ -81,6 +81,15 @@ def _add_config_command(sub: argparse.ArgumentParser, name: str) -> None:
         default=None,
         help="a MindSpeed-MM fsdp2_config.yaml or an Accelerate config replacing strategy_config",
     )
+    if name == "prepare":
+        sub.add_argument(
+            "--show",
+            type=int,
+            default=0,
+            metavar="N",
+            help="print the first N training samples as the model sees them, loss targets marked [[so]] "
+            "(in colour on a terminal)",
+        )
     if name in ("check", "plan"):
         sub.add_argument("--json", action="store_true", help="print one JSON object")
     if name == "plan":
@@ -241,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
             return _file_command(args)
         cfg = load_config(args.config, args.overrides, role=args.role, strategy_file=args.fsdp_config)
         if args.command == "prepare":
-            return _prepare(cfg)
+            return _prepare(cfg, args.show)
         return _config_command(args, argv, cfg)
     except UserError as exc:
         return report_error(name_as_written(str(exc), cfg) if cfg else str(exc), 2)
@@ -267,8 +276,9 @@ def _file_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def _prepare(cfg: JobConfig) -> int:
+def _prepare(cfg: JobConfig, show: int = 0) -> int:
     from fsdp2kit.data.dataset import load_tokenizer
+    from fsdp2kit.data.samples import TrainingSamples, marked_text
     from fsdp2kit.data.store import describe, token_store
     from fsdp2kit.models.build import resolve_model
     from fsdp2kit.train.loggers import phase
@@ -277,6 +287,11 @@ def _prepare(cfg: JobConfig) -> int:
     with phase(f"the token store of {cfg.data.source}", is_main=True):
         store = token_store(cfg.data, tokenizer)
     print(f"token store {describe(store)}")
+    if show > 0:
+        samples = TrainingSamples(store, cfg.data.seq_len, cfg.data.pack, cfg.data.document_mask)
+        for index in range(min(show, len(samples))):
+            print(f"--- sample {index + 1} of {len(samples)}")
+            print(marked_text(samples[index], tokenizer, colour=sys.stdout.isatty()))
     return 0
 
 

@@ -285,6 +285,7 @@ def test_roll_role_sections_accept_rolls_spellings(tmp_path):
     assert cfg.strategy_args.strategy_config.use_reentrant is False
     assert cfg.training.lr_scheduler_type == "constant"
     assert cfg.data.source == "data/train.jsonl"
+    assert cfg.data.template == "qwen2_5"  # the model's own template, checked against its family when read
     assert (
         "mapped actor_train.model_args.attn_implementation='fa2' → model.attn_implementation='flash_attention_2'"
         in cfg.notes

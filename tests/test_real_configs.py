@@ -589,3 +589,52 @@ def test_native_qwen35_file_trains_two_steps_on_two_ranks(tmp_path):
     steps = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps] == [1, 2]
     assert all(s["loss"] > 0 and s["grad_norm"] > 0 for s in steps)
+
+
+# ROLL files whose training role names `messages` data and a chat template, one per model family.
+ROLL_MESSAGES = {
+    "roll/examples/qwen3-8B-rlvr_fsdp2/rlvr_config.yaml": "qwen3",
+    "roll/examples/qwen2.5-7B-rlvr_megatron/rlvr_lora_fsdp2.yaml": "qwen2",
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(ROLL_MESSAGES))
+def test_roll_files_naming_messages_data_and_a_template_train_a_step_on_it(name, tmp_path):
+    """The file as written (its template, `messages`, batch and accumulation) on a tiny model of the family whose
+    tokenizer has its chat template, and a messages jsonl; only the model, the data path and the context are swapped
+    (and one rank: 32 conversations a step)."""
+    from conftest import make_hf_folder, read_metrics
+    from test_chat import family_tokenizer
+
+    from fsdp2kit.data.builtin import VOCAB_SIZE
+    from fsdp2kit.trainer import train
+
+    model = tmp_path / "model"
+    make_hf_folder(model, "tiny-qwen3", model_type=ROLL_MESSAGES[name], vocab_size=VOCAB_SIZE + 64)
+    family_tokenizer("qwen2.5").save_pretrained(model)
+    data = tmp_path / "messages.jsonl"
+    rows = [
+        {"messages": [{"role": "user", "content": f"What is {i} + {i}?"}, {"role": "assistant", "content": str(2 * i)}]}
+        for i in range(32)
+    ]
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    swaps = [
+        f"model.name_or_path={model}",
+        "device_mapping=[0]",
+        f"data.source={data}",
+        f"data.cache_dir={tmp_path / 'cache'}",
+        "data.seq_len=64",
+        "training.max_steps=1",
+        f"training.output_dir={tmp_path / 'run'}",
+        "training.export_hf=false",
+    ]
+    cfg = load_config(CORPUS / name, swaps)
+    assert cfg.data.template in ("qwen3", "qwen2_5") and cfg.data.messages_key == "messages"
+    with process_group() as runtime:
+        train(cfg, runtime)
+    assert len(read_metrics(tmp_path / "run")) == 1
+    wrong = load_config(CORPUS / name, [*swaps, "data.template=llama3"])
+    with pytest.raises(UserError, match="data.template: 'llama3' is not the chat template of this model"):
+        with process_group() as runtime:
+            train(wrong, runtime)

@@ -300,6 +300,33 @@ class DataConfig(Section):
         description="group each rank's samples of a step into micro-batches of at most this many padded tokens "
         "(instead of per_device_train_batch_size samples each); the step's samples stay the same",
     )
+    format: Literal["auto", "text", "alpaca", "sharegpt", "messages"] = Field(
+        "auto",
+        description="how records are read: auto (from the fields: `messages`, `conversations`, "
+        "`instruction`+`output`, else text or prompt/response), or one of text, alpaca, sharegpt, messages",
+    )
+    messages_key: str = Field(
+        "messages", description="conversations: the field holding a record's chat messages (ROLL's data_args.messages)"
+    )
+    chat_template: str | None = Field(
+        None,
+        description="conversations: a Jinja chat template (a file, or the template inline) instead of the "
+        "tokenizer's own `chat_template`",
+    )
+    template: str | None = Field(
+        None,
+        description="a template name as ROLL, MindSpeed-MM or LLaMA-Factory write it (qwen2_5, llama3, ...): read as "
+        "the model's own chat template where it names the model's family, else an error",
+    )
+    train_on_prompt: bool = Field(
+        False, description="conversations: train on every token (prompts, system, tool results), not only the answers"
+    )
+    mask_history: bool = Field(
+        False, description="conversations: train on the last assistant turn only (earlier ones are context)"
+    )
+    train_on_eos: bool = Field(
+        True, description="conversations: train on each assistant turn's end-of-turn token(s) as well as its text"
+    )
 
     @model_validator(mode="after")
     def _one_eval_set(self) -> DataConfig:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from fsdp2kit.config.schema import DataConfig, WeightedSource, is_mixture
+from fsdp2kit.data.chat import MEDIA_FIELDS, Chat, record_format, to_chat, with_messages_key
 from fsdp2kit.errors import UserError
 from fsdp2kit.labels import IGNORE_INDEX
 
@@ -71,7 +72,7 @@ def _files_of(source: str | list[str]) -> list[Path]:
     return [Path(f) for f in files]
 
 
-def _saved_dataset(source: str | list[str]) -> bool:
+def _saved_dataset(source: object) -> bool:
     """A folder written by `Dataset.save_to_disk` (read with load_from_disk), not a folder of data files."""
     if not isinstance(source, str) or not Path(source).is_dir():
         return False
@@ -140,9 +141,20 @@ def line_problem(raw: bytes, kind: str, max_bytes: int) -> str | None:
     return None if isinstance(record, dict) else "is not a JSON object"
 
 
+def _json_array(file: Path) -> bool:
+    """Whether a .json file holds one JSON array (LLaMA-Factory's files) rather than a record per line."""
+    if file.suffix != ".json":
+        return False
+    with file.open("rb") as handle:
+        return handle.read(4096).lstrip()[:1] == b"["
+
+
 def _first_bad_line(files: list[Path], kind: str, max_bytes: int = 1 << 62) -> str | None:
-    """The first line of jsonl/text files that cannot be a document: 'FILE' line N and why."""
+    """The first line of jsonl/text files that cannot be a document: 'FILE' line N and why (a .json array is one
+    document per element, read whole: not checked line by line)."""
     for file in files:
+        if _json_array(file):
+            continue
         with file.open("rb") as handle:
             for number, raw in enumerate(handle, start=1):
                 problem = line_problem(raw, kind, max_bytes)
@@ -196,6 +208,8 @@ class SourceDocuments:
     source: str | list[str]
     files: list[Path]
     kind: str
+    chat_format: str | None = None  # conversations: data.format (rows hold a record's JSON in `record`)
+    config: DataConfig | None = None  # conversations: the options that render and mask them
 
     def undecodable(self) -> UserError:
         """The error for text that is not UTF-8, which Arrow finds only when a row is read: where it is."""
@@ -205,9 +219,34 @@ class SourceDocuments:
     def __len__(self) -> int:
         return len(self.table)
 
-    def read(self, start: int, stop: int) -> list[str] | list[PromptResponse]:
+    def read(self, start: int, stop: int) -> list[str] | list[PromptResponse] | list[Chat]:
         """The documents of rows [start, stop)."""
+        if self.chat_format is not None:
+            return self.chats(self.table[start:stop], start)
         return self.documents(self.table[start:stop])
+
+    def chats(self, rows: dict[str, list], first: int) -> list[Chat]:
+        """The conversations of a batch of rows, the first of which is row `first`."""
+        fmt = self.chat_format or "auto"
+        count = len(next(iter(rows.values())))
+        if set(rows) == {"where", "record"}:  # read by json_records: each record's JSON and where it is
+            records = [json.loads(r) for r in rows["record"]]
+            places = rows["where"]
+        else:  # a parquet file or a saved dataset: its columns (Arrow's missing fields are None)
+            records = [{k: v[i] for k, v in rows.items() if v[i] is not None} for i in range(count)]
+            places = [f"record {first + i + 1} of '{self.source}'" for i in range(count)]
+        chats = []
+        for where, record in zip(places, records, strict=True):
+            media = [k for k in MEDIA_FIELDS if record.get(k)]
+            if media:
+                raise UserError(
+                    f"data.source: {where} has '{media[0]}', which a text-only model cannot read; train it with a "
+                    "vision-language model (docs/vl.md) or drop the field"
+                )
+            chats.append(
+                to_chat(with_messages_key(record, self.config.messages_key) if self.config else record, fmt, where)
+            )
+        return chats
 
     def documents(self, rows: dict[str, list]) -> list[str] | list[PromptResponse]:
         """The documents of a batch of rows (column -> values); empty texts and responses are dropped."""
@@ -222,13 +261,100 @@ class SourceDocuments:
         ]
 
 
+def json_records(files: list[Path], max_bytes: int) -> list[tuple[str, dict]]:
+    """Every record of .json arrays and .jsonl files as Python objects (conversations: nested and irregular, as
+    Arrow's schema inference would not keep them), each jsonl line checked first, with where it is ("record N of
+    'FILE'": the array's Nth element, the file's line N)."""
+    records: list = []
+    for file in files:
+        if _json_array(file):
+            try:
+                array = json.loads(file.read_bytes())
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                raise UserError(f"data.source: '{file}' is not a JSON array of records ({exc})") from None
+            if not isinstance(array, list) or not all(isinstance(r, dict) for r in array):
+                raise UserError(f"data.source: '{file}' is not a JSON array of records (objects)")
+            records += [(f"record {n} of '{file}'", r) for n, r in enumerate(array, 1)]
+            continue
+        where = _first_bad_line([file], "json", max_bytes)
+        if where is not None:
+            raise UserError(f"data.source: {where}")
+        with file.open("rb") as handle:
+            records += [
+                (f"record {n} of '{file}'", json.loads(line)) for n, line in enumerate(handle, 1) if line.strip()
+            ]
+    return records
+
+
+def _first_record(files: list[Path]) -> dict:
+    """The first record of a json source, cheaply (a .json array is parsed whole)."""
+    file = files[0]
+    if _json_array(file):
+        try:
+            array = json.loads(file.read_bytes())
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return {}
+        return array[0] if isinstance(array, list) and array and isinstance(array[0], dict) else {}
+    with file.open("rb") as handle:
+        for line in handle:
+            if line.strip():
+                try:
+                    record = json.loads(line)
+                except (json.JSONDecodeError, UnicodeDecodeError):
+                    return {}
+                return record if isinstance(record, dict) else {}
+    return {}
+
+
+def _chat_form(cfg: DataConfig, record: dict) -> str | None:
+    """The chat form of a source whose first record (or columns) is this; with data.format: auto, fields named by
+    both `prompt_key` and `response_key` (ROLL's SFT files: instruction/output) keep prompt/response reading."""
+    if cfg.format == "auto" and cfg.prompt_key in record and cfg.response_key in record:
+        return None
+    record = with_messages_key(record, cfg.messages_key)
+    fields = {k: [] if k in ("messages", "conversations") and not isinstance(v, list) else v for k, v in record.items()}
+    return record_format(fields, cfg.format)
+
+
+def conversation_form(cfg: DataConfig) -> str | None:
+    """Whether the source holds conversations (their form, or None), from its first json record or its parquet
+    columns, without reading it whole: what `check` asks before a run."""
+    files = source_files(cfg.source)
+    if cfg.source == "builtin:corpus" or _saved_dataset(cfg.source) or _FILE_KINDS[files[0].suffix] == "text":
+        return None
+    if _FILE_KINDS[files[0].suffix] == "parquet":
+        import pyarrow.parquet as pq
+
+        return _chat_form(cfg, dict.fromkeys(pq.read_schema(files[0]).names, ""))
+    return _chat_form(cfg, _first_record(files))
+
+
+def _chat_table(cfg: DataConfig, files: list[Path]) -> Any:
+    """A json source of conversations as a table of one `record` column (each record's JSON), or None when the
+    source is not conversations."""
+    import datasets
+
+    if cfg.source == "builtin:corpus" or _saved_dataset(cfg.source) or _FILE_KINDS[files[0].suffix] != "json":
+        return None
+    if cfg.format in ("auto", "text") and _chat_form(cfg, _first_record(files)) is None:
+        return None
+    records = json_records(files, cfg.max_document_bytes)[: cfg.max_samples]
+    if not records:
+        raise UserError(f"data.source: '{cfg.source}' is empty (no documents)")
+    return datasets.Dataset.from_dict({"where": [w for w, _ in records], "record": [json.dumps(r) for _, r in records]})
+
+
 def open_source(cfg: DataConfig) -> SourceDocuments:
-    """The source's rows in file order, as prompt/response pairs when it has both `prompt_key` and `response_key`
-    fields, else texts of `text_key`."""
+    """The source's rows in file order: conversations (data.format, or records with `messages`, `conversations` or
+    `instruction`/`output`), prompt/response pairs when it has both `prompt_key` and `response_key` fields, else
+    texts of `text_key`."""
     import datasets
 
     source = single_source(cfg.source)
     files = source_files(source)
+    chat = _chat_table(cfg, files)
+    if chat is not None:
+        return SourceDocuments(chat, None, "", "", None, source, files, "json", cfg.format, cfg)
     if source == "builtin:corpus":
         from fsdp2kit.data.builtin import corpus_documents
 
@@ -238,6 +364,9 @@ def open_source(cfg: DataConfig) -> SourceDocuments:
     if cfg.max_samples is not None:
         table = table.select(range(min(cfg.max_samples, len(table))))
     text_key = "text" if kind == "text" else cfg.text_key  # a text file's lines have no field names to choose from
+    chat_format = _chat_form(cfg, dict.fromkeys(table.column_names, "")) if kind != "text" else None
+    if chat_format is not None:
+        return SourceDocuments(table, None, "", "", None, source, files, kind, cfg.format, cfg)
     if cfg.prompt_key in table.column_names and cfg.response_key in table.column_names:
         return SourceDocuments(table, None, cfg.prompt_key, cfg.response_key, cfg.query_key, source, files, kind)
     if text_key not in table.column_names:
@@ -248,7 +377,7 @@ def open_source(cfg: DataConfig) -> SourceDocuments:
     return SourceDocuments(table, text_key, cfg.prompt_key, cfg.response_key, cfg.query_key, source, files, kind)
 
 
-def load_documents(cfg: DataConfig) -> list[str] | list[PromptResponse]:
+def load_documents(cfg: DataConfig) -> list[str] | list[PromptResponse] | list[Chat]:
     """All of a source's documents as one list: for small sources and for checking a store against its source."""
     documents = open_source(cfg)
     return documents.read(0, len(documents))

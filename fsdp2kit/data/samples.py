@@ -24,12 +24,26 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 
+def conversation_window(store: TokenStore, index: int, width: int) -> tuple[int, np.ndarray]:
+    """Where conversation `index` starts in the store and the trained mask of its first tokens: all of them, or when
+    it is longer than `width`, up to the end of the last trained turn that ends within `width` (else `width`)."""
+    assert store.masks is not None
+    start, stop = int(store.offsets[index]), int(store.offsets[index + 1])
+    mask = store.masks[start : min(stop, start + width + 1)].astype(bool)
+    if len(mask) <= width:
+        return start, mask
+    ends = np.flatnonzero(mask[:-1] & ~mask[1:])
+    return start, mask[: int(ends[-1]) + 1 if len(ends) else width].copy()
+
+
 class TrainingSamples:
     """Without packing sample i is a document truncated to seq_len + 1 tokens. With packing the documents (each
     ending in EOS) form one stream cut into windows of seq_len + 1 tokens; with `document_mask` each window carries
     positions that restart at every document, from which transformers builds a block-diagonal causal mask. A
-    document's first token and an SFT prompt's tokens are never targets; samples without any target are skipped.
-    Held in memory: the index of the kept samples, and only when some are skipped."""
+    document's first token and an SFT prompt's tokens are never targets; a conversation's targets are its store
+    mask (an unpacked one longer than seq_len is cut after the last whole trained turn that fits); samples without
+    any target are skipped (for conversations, counted in the log). Held in memory: the index of the kept samples,
+    and only when some are skipped."""
 
     def __init__(self, store: TokenStore, seq_len: int, pack: bool, document_mask: bool):
         self.store = store
@@ -37,9 +51,14 @@ class TrainingSamples:
         self.pack = pack
         self.document_mask = document_mask
         self._kept: np.ndarray | None = None  # the kept samples' windows or documents; None: all are kept
-        if store.prompt_lengths is not None or store.meta["min_document_tokens"] < 2:
-            kept = self._with_targets(pack)
+        if store.prompt_lengths is not None or store.masks is not None or store.meta["min_document_tokens"] < 2:
+            kept = self._with_targets(pack) if store.masks is None else self._with_mask_targets(pack)
             self._kept = None if kept.all() else np.flatnonzero(kept)
+            if store.masks is not None and self._kept is not None:
+                _print_once(
+                    f"data: {len(kept) - len(self._kept)} of {len(kept)} {'windows' if pack else 'conversations'} "
+                    f"have no token to train on within data.seq_len = {seq_len} and are left out"
+                )
         # Otherwise every sample has a target, found without any per-document array: a document of 2+ tokens has
         # targets after its first token, and no window's 2+ positions after its first can all start documents.
         units = store.num_tokens // self.width if pack else store.num_documents
@@ -61,6 +80,25 @@ class TrainingSamples:
 
         targets = (self.width - 1) - (untrained_below(starts + self.width) - untrained_below(starts + 1))
         return targets > 0
+
+    def _with_mask_targets(self, pack: bool) -> np.ndarray:
+        """Which windows (packing) or conversations have a trained token after their first, from the store mask."""
+        store = self.store
+        assert store.masks is not None
+        before = np.concatenate([[0], np.cumsum(store.masks, dtype=np.int64)])
+        if pack:
+            starts = np.arange(store.num_tokens // self.width, dtype=np.int64) * self.width
+            return before[starts + self.width] - before[starts + 1] > 0
+        offsets = np.asarray(store.offsets)
+        ends = np.minimum(offsets[1:], offsets[:-1] + self.width)
+        return before[ends] - before[offsets[:-1]] > 0
+
+    def _cut_conversation(self, unit: int) -> Sample:
+        """A conversation, cut (when longer than seq_len + 1 tokens) after the last trained turn that ends within
+        them, else at seq_len + 1."""
+        start, mask = conversation_window(self.store, unit, self.width)
+        tokens = self.store.tokens[start : start + len(mask)].astype(np.int64)
+        return Sample(torch.from_numpy(tokens), torch.from_numpy(mask))
 
     @classmethod
     def from_config(cls, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> TrainingSamples:
@@ -84,6 +122,8 @@ class TrainingSamples:
 
     def __getitem__(self, index: int) -> Sample:
         unit = self._unit(index)
+        if not self.pack and self.store.masks is not None:
+            return self._cut_conversation(unit)
         if not self.pack:
             document = self.store.document(unit)[: self.width]
             trained = np.arange(len(document)) >= self._first_target(np.array([unit]))[0]
@@ -92,7 +132,10 @@ class TrainingSamples:
         position = np.arange(start, start + self.width)
         doc = np.searchsorted(self.store.offsets, position, side="right") - 1
         doc_start = self.store.offsets[doc]
-        trained = position - doc_start >= self._first_target(doc)
+        if self.store.masks is None:
+            trained = position - doc_start >= self._first_target(doc)
+        else:
+            trained = self.store.masks[start : start + self.width].astype(bool)
         positions = torch.from_numpy(position - np.maximum(doc_start, start)) if self.document_mask else None
         tokens = torch.from_numpy(self.store.tokens[start : start + self.width].astype(np.int64))
         return Sample(tokens, torch.from_numpy(trained), positions)
@@ -117,6 +160,29 @@ class TokenSamples(Protocol):
     def __getitem__(self, index: int) -> Sample: ...
 
     def lengths(self, indices: np.ndarray) -> np.ndarray: ...
+
+
+def _print_once(line: str) -> None:
+    """A line in the log of the first rank only (every rank cuts the same samples)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(line, flush=True)
+
+
+def marked_text(sample: Sample, tokenizer: PreTrainedTokenizerBase, colour: bool = False) -> str:
+    """A sample decoded, its loss targets marked: `[[...]]`, or green on a terminal (`prepare --show`)."""
+    trained = sample.trained.tolist()
+    tokens = sample.tokens.tolist()
+    pieces: list[str] = []
+    start = 0
+    for end in range(1, len(tokens) + 1):
+        if end == len(tokens) or trained[end] != trained[start]:
+            text = str(tokenizer.decode(tokens[start:end]))
+            mark = ("\x1b[32m", "\x1b[0m") if colour else ("[[", "]]")
+            pieces.append(f"{mark[0]}{text}{mark[1]}" if trained[start] else text)
+            start = end
+    return "".join(pieces)
 
 
 def token_budget_groups(lengths: list[np.ndarray], budget: int) -> list[list[list[int]]]:

@@ -12,7 +12,8 @@ import numpy as np
 import torch
 
 from fsdp2kit.config.schema import DataConfig
-from fsdp2kit.data.dataset import collate
+from fsdp2kit.data.dataset import Sample, collate
+from fsdp2kit.data.samples import conversation_window
 from fsdp2kit.data.store import TokenStore, token_store
 from fsdp2kit.data.vl import VLEncoder, VLSample, load_conversations
 
@@ -29,7 +30,9 @@ class ScoringSource(Protocol):
 class DocumentScoring:
     """As the model's users tokenise: default special tokens, no EOS (the store appends one for training), no
     packing, truncated at data.seq_len (a prompt/response record is the prompt's ids followed by the response's).
-    A document of fewer than 2 tokens has no term: recorded as such, never sent to the model."""
+    A conversation is scored on its trained tokens only (the store's mask: what training's loss is on), so its
+    `num_tokens` and `mean_logprob` are those of the answers. A document of fewer than 2 tokens (a conversation
+    without a trained token) has no term: recorded as such, never sent to the model."""
 
     store: TokenStore
     lengths: np.ndarray
@@ -38,15 +41,28 @@ class DocumentScoring:
     @classmethod
     def open(cls, data: DataConfig, tokenizer: Any, pad_id: int) -> DocumentScoring:
         store = token_store(data, tokenizer)
-        lengths = np.minimum(np.diff(store.offsets) - int(store.eos_appended), data.seq_len)
+        # A conversation as training cuts it (seq_len + 1 tokens at most, after a whole turn where one fits).
+        limit = data.seq_len + 1 if store.masks is not None else data.seq_len
+        lengths = np.minimum(np.diff(store.offsets) - int(store.eos_appended), limit)
         return cls(store, lengths, pad_id)
 
     def indices(self, first: int, step: int) -> tuple[list[int], list[int]]:
         mine = np.arange(first, self.store.num_documents, step)
-        return mine[self.lengths[mine] < 2].tolist(), mine[self.lengths[mine] >= 2].tolist()
+        scored = self.lengths[mine] >= 2
+        if self.store.masks is not None:
+            scored &= np.array([self._trained(int(i))[1:].any() for i in mine], dtype=np.bool_)
+        return mine[~scored].tolist(), mine[scored].tolist()
+
+    def _trained(self, index: int) -> np.ndarray:
+        return conversation_window(self.store, index, int(self.lengths[index]))[1]
 
     def batch_of(self, chunk: list[int]) -> dict[str, torch.Tensor]:
-        documents = [torch.from_numpy(self.store.document(i)[: self.lengths[i]].astype(np.int64)) for i in chunk]
+        documents: list[Sample | torch.Tensor] = []
+        for i in chunk:
+            trained = self._trained(i) if self.store.masks is not None else None
+            length = len(trained) if trained is not None else int(self.lengths[i])
+            tokens = torch.from_numpy(self.store.document(i)[:length].astype(np.int64))
+            documents.append(tokens if trained is None else Sample(tokens, torch.from_numpy(trained)))
         return collate(documents or [torch.tensor([self.pad_id, self.pad_id])], self.pad_id)
 
 

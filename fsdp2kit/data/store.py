@@ -3,8 +3,9 @@
 A store is a folder under `data.cache_dir` named by a fingerprint of everything that decides its tokens (the source
 files' paths, sizes and modification times, the tokenizer, the data keys that pick fields and rows). It holds
 `tokens.bin` (every document's ids followed by EOS, back to back, uint16 when the vocabulary fits, else uint32),
-`offsets.bin` (int64, where each document starts, plus the end), `prompt_lengths.bin` (int32, SFT only) and
-`meta.json`. It is built with every core into a temporary folder and committed by renaming
+`offsets.bin` (int64, where each document starts, plus the end), `prompt_lengths.bin` (int32, SFT only),
+`masks.bin` (conversations: uint8 per token, 1 where it is a loss target; no EOS is appended, the chat template ends
+each turn) and `meta.json`. It is built with every core into a temporary folder and committed by renaming
 that folder, under an exclusive file lock: ranks (and nodes sharing the folder) that start together get one build,
 the others wait and then read it; a killed build leaves only a temporary folder, never a store that looks complete."""
 
@@ -35,6 +36,7 @@ import tokenizers
 
 from fsdp2kit.config.schema import DataConfig
 from fsdp2kit.data.builtin import cache_root
+from fsdp2kit.data.chat import Chat, ChatTemplate
 from fsdp2kit.data.dataset import SourceDocuments, open_source, single_source, source_files
 from fsdp2kit.durable import disk_full_message, folder_bytes, fsync_dir, ran_out_of_space, write_durable
 from fsdp2kit.errors import RunFault, UserError
@@ -57,6 +59,7 @@ class TokenStore:
     prompt_lengths: np.ndarray | None  # tokens of each document that are prompt (SFT); None: no prompts
     eos_appended: bool  # each document ends in the tokenizer's EOS (training); infer reads documents without it
     meta: dict
+    masks: np.ndarray | None = None  # conversations: 1 per trained token (never a document's first)
 
     @property
     def num_documents(self) -> int:
@@ -98,7 +101,19 @@ def store_fingerprint(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> di
         "response_key": cfg.response_key,
         "query_key": cfg.query_key,
         "max_samples": cfg.max_samples,
+        "chat": _chat_fingerprint(cfg, tokenizer),
     }
+
+
+def _chat_fingerprint(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> list:
+    """What decides a conversation's tokens and masks: the form, the template's text and the mask options."""
+    template = cfg.chat_template
+    if template is not None and "{" not in template and Path(template).expanduser().is_file():
+        template = Path(template).expanduser().read_text(encoding="utf-8")
+    own = getattr(tokenizer, "chat_template", None)
+    texts = json.dumps([template, own], sort_keys=True, default=str)
+    options = [cfg.format, cfg.template, cfg.train_on_prompt, cfg.mask_history, cfg.train_on_eos]
+    return [*options, hashlib.sha256(texts.encode()).hexdigest()]
 
 
 def store_path(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> Path:
@@ -115,10 +130,12 @@ def open_store(path: Path) -> TokenStore:
     meta = json.loads((path / "meta.json").read_text())
     tokens = np.memmap(path / "tokens.bin", dtype=meta["dtype"], mode="r", shape=(meta["tokens"],))
     offsets = np.memmap(path / "offsets.bin", dtype=np.int64, mode="r", shape=(meta["documents"] + 1,))
-    prompts = None
+    prompts = masks = None
     if meta["sft"]:
         prompts = np.memmap(path / "prompt_lengths.bin", dtype=np.int32, mode="r", shape=(meta["documents"],))
-    return TokenStore(path, tokens, offsets, prompts, meta["eos_appended"], meta)
+    if meta.get("chat"):
+        masks = np.memmap(path / "masks.bin", dtype=np.uint8, mode="r", shape=(meta["tokens"],))
+    return TokenStore(path, tokens, offsets, prompts, meta["eos_appended"], meta, masks)
 
 
 def token_store(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> TokenStore:
@@ -152,6 +169,8 @@ def _damage(path: Path) -> str | None:
         }
         if meta["sft"]:
             sizes["prompt_lengths.bin"] = 4 * meta["documents"]
+        if meta.get("chat"):
+            sizes["masks.bin"] = meta["tokens"]
     except FileNotFoundError:
         return "meta.json is missing"
     except (OSError, ValueError, KeyError, TypeError) as exc:
@@ -211,6 +230,10 @@ def _build(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, path: Path) -> N
         f"text in {meta['build_seconds']:.1f}s ({meta['tokens_per_s']:.0f} tokens/s, {meta['workers']}) -> {path}",
         flush=True,
     )
+    if meta.get("untrainable"):
+        print(
+            f"token store: {meta['untrainable']} conversations have no token to train on and are left out", flush=True
+        )
 
 
 def _write_store(
@@ -225,16 +248,21 @@ def _write_store(
     rows = len(documents)
     ranges = [(start, min(start + _BATCH_ROWS, rows)) for start in range(0, rows, _BATCH_ROWS)]
     encoded, workers = _encoded_ranges(documents, tokenizer, dtype, ranges, num_proc)
-    counts = {"documents": 0, "tokens": 0, "text_bytes": 0, "min_document_tokens": 1 << 62}
+    counts = {"documents": 0, "tokens": 0, "text_bytes": 0, "min_document_tokens": 1 << 62, "untrainable": 0}
     with (
         open(folder / "tokens.bin", "wb") as tokens_file,
         open(folder / "offsets.bin", "wb") as offsets_file,
         open(folder / "prompt_lengths.bin", "wb") as prompts_file,
+        open(folder / "masks.bin", "wb") as masks_file,
         tqdm(total=rows, unit=" rows", desc="token store", disable=not sys.stderr.isatty(), mininterval=1) as bar,
     ):
         offsets_file.write(np.zeros(1, np.int64).tobytes())
-        for (start, stop), (tokens, lengths, prompt_lengths, text_bytes) in zip(ranges, encoded, strict=True):
+        for (start, stop), (tokens, lengths, prompt_lengths, text_bytes, masks, untrained) in zip(
+            ranges, encoded, strict=True
+        ):
             tokens_file.write(tokens.tobytes())
+            masks_file.write(masks.tobytes())
+            counts["untrainable"] += untrained
             offsets_file.write((counts["tokens"] + np.cumsum(lengths)).tobytes())
             prompts_file.write(prompt_lengths.tobytes())
             counts["documents"] += len(lengths)
@@ -242,21 +270,25 @@ def _write_store(
             counts["text_bytes"] += text_bytes
             counts["min_document_tokens"] = min(counts["min_document_tokens"], int(lengths.min(initial=1 << 62)))
             bar.update(stop - start)
-        for handle in (tokens_file, offsets_file, prompts_file):
+        for handle in (tokens_file, offsets_file, prompts_file, masks_file):
             handle.flush()
             os.fsync(handle.fileno())
-    sft = documents.text_key is None
+    chat = documents.chat_format is not None
+    sft = documents.text_key is None and not chat
     if not sft:
         (folder / "prompt_lengths.bin").unlink()
+    if not chat:
+        (folder / "masks.bin").unlink()
     if counts["tokens"] == 0:
-        field = documents.response_key if sft else documents.text_key
+        field = "messages" if chat else documents.response_key if sft else documents.text_key
         raise UserError(f"data.source: no documents (every '{field}' is empty or missing)")
     seconds = time.perf_counter() - started
     return {
         **counts,
         "dtype": np.dtype(dtype).name,
         "sft": sft,
-        "eos_appended": tokenizer.eos_token_id is not None,
+        "chat": chat,
+        "eos_appended": tokenizer.eos_token_id is not None and not chat,
         "build_seconds": seconds,
         "tokens_per_s": counts["tokens"] / seconds,
         "workers": workers,
@@ -277,7 +309,7 @@ def _encoded_ranges(
     that each receive the table (memory-mapped Arrow, pickled by reference) and the tokenizer once; spawned, not
     forked: a fork of a process with live threads (a rank's communication threads) can crash or hang."""
     cores, eos = len(os.sched_getaffinity(0)), tokenizer.eos_token_id
-    rust = _rust_tokenizer(tokenizer)
+    rust = _rust_tokenizer(tokenizer) if documents.chat_format is None else None  # chats: rendered by transformers
     if rust is not None:
         threads = _size_rust_thread_pool(num_proc or cores)
         _start_worker(documents, rust, dtype, eos)
@@ -344,6 +376,7 @@ def _start_worker(
     tokenizer or its Rust tokenizer (see `_rust_tokenizer`)."""
     if in_pool:  # one process per core already: no tokenizer threads on top
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    _worker.clear()
     _worker.update(documents=documents, tokenizer=tokenizer, dtype=dtype, eos=eos)
 
 
@@ -354,16 +387,41 @@ def _ids(texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
     return tokenizer(texts, add_special_tokens=add_special_tokens, return_attention_mask=False)["input_ids"]
 
 
-def _encode_range(rows: tuple[int, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+def _encode_chats(chats: list[Chat], dtype: type[np.unsignedinteger]) -> tuple:
+    """Conversations rendered with the chat template: ids, lengths, zero prompt lengths, text bytes, the trained
+    mask (a document's first token never) and how many had no trained token (left out)."""
+    if "template" not in _worker:
+        _worker["template"] = ChatTemplate.from_config(_worker["documents"].config, _worker["tokenizer"])
+    template: ChatTemplate = _worker["template"]
+    ids, masks, text_bytes, untrained = [], [], 0, 0
+    for chat in chats:
+        tokens, trained = template.encode(chat)
+        if len(tokens) < 2 or not any(trained[1:]):
+            untrained += 1
+            continue
+        ids.append(tokens)
+        masks.append([False, *trained[1:]])
+        text_bytes += sum(len(m["content"].encode()) for m in chat.messages)
+    lengths = np.fromiter(map(len, ids), np.int64, len(ids))
+    flat = np.fromiter(chain.from_iterable(ids), dtype, int(lengths.sum()))
+    mask = np.fromiter(chain.from_iterable(masks), np.uint8, int(lengths.sum()))
+    return flat, lengths, np.zeros(len(ids), np.int32), text_bytes, mask, untrained
+
+
+def _encode_range(rows: tuple[int, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, np.ndarray, int]:
     """Rows [start, stop) as flat token ids (each document followed by EOS), document lengths, prompt lengths
-    (SFT; zeros otherwise) and the UTF-8 bytes of their text; rows without a document give none. A prompt gets the
-    tokenizer's default special tokens (e.g. BOS); the response is joined as ids."""
+    (SFT; zeros otherwise), the UTF-8 bytes of their text, the trained mask (conversations; empty otherwise) and
+    the count of conversations left out; rows without a document give none. A prompt gets the tokenizer's default
+    special tokens (e.g. BOS); the response is joined as ids."""
     documents: SourceDocuments = _worker["documents"]
     dtype = _worker["dtype"]
     texts: list[Any] = documents.read(*rows)
     eos = [] if _worker["eos"] is None else [_worker["eos"]]
+    no_masks = np.zeros(0, np.uint8)
     if not texts:
-        return np.zeros(0, dtype), np.zeros(0, np.int64), np.zeros(0, np.int32), 0
+        return np.zeros(0, dtype), np.zeros(0, np.int64), np.zeros(0, np.int32), 0, no_masks, 0
+    if documents.chat_format is not None:
+        return _encode_chats(texts, dtype)
     if documents.text_key is None:
         prompts = _ids([d.prompt for d in texts])
         responses = _ids([d.response for d in texts], add_special_tokens=False)
@@ -375,7 +433,8 @@ def _encode_range(rows: tuple[int, int]) -> tuple[np.ndarray, np.ndarray, np.nda
         prompt_lengths = np.zeros(len(ids), np.int32)
         text_bytes = sum(len(t.encode()) for t in texts)
     lengths = np.fromiter(map(len, ids), np.int64, len(ids))
-    return np.fromiter(chain.from_iterable(ids), dtype, int(lengths.sum())), lengths, prompt_lengths, text_bytes
+    flat = np.fromiter(chain.from_iterable(ids), dtype, int(lengths.sum()))
+    return flat, lengths, prompt_lengths, text_bytes, no_masks, 0
 
 
 def describe(store: TokenStore) -> str:

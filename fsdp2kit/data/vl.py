@@ -16,8 +16,6 @@ it, so memory holds the records, not the pixels.
 
 from __future__ import annotations
 
-import json
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -25,7 +23,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from fsdp2kit.config.schema import DataConfig
-from fsdp2kit.data.dataset import line_problem, single_source
+from fsdp2kit.data.chat import Chat, ChatTemplate, to_chat, with_messages_key
+from fsdp2kit.data.dataset import json_records, single_source
 from fsdp2kit.data.samples import GlobalBatches
 from fsdp2kit.errors import UserError
 from fsdp2kit.labels import IGNORE_INDEX
@@ -33,16 +32,17 @@ from fsdp2kit.labels import IGNORE_INDEX
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-_SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 IMAGE_PLACEHOLDER = "<image>"
 
 
 @dataclass(frozen=True)
 class Conversation:
-    """One record: messages in transformers' chat form, each image entry `{"type": "image", "image": path}`."""
+    """One record: messages in transformers' chat form, each image entry `{"type": "image", "image": path}`, and the
+    tools it offers."""
 
     messages: list[dict]
     where: str  # "record 3 of 'data.jsonl'", for errors
+    tools: list | None = None
 
     @property
     def images(self) -> list[Path]:
@@ -53,6 +53,10 @@ class Conversation:
             for item in message["content"]
             if item["type"] == "image"
         ]
+
+    @property
+    def chat(self) -> Chat:
+        return Chat(self.messages, self.tools, self.where)
 
 
 @dataclass
@@ -65,58 +69,61 @@ class VLSample:
     image_grid_thw: torch.Tensor | None = None
 
 
-def _image_entry(item: dict, folder: Path, where: str) -> dict:
+def _image_path(item: dict) -> str | None:
     path = item.get("image") or item.get("path") or item.get("url")
-    if not isinstance(path, str):
-        raise UserError(f"data.source: {where} has an image entry without a path ('image': 'file.png')")
-    return {"type": "image", "image": str(folder / path)}
+    if isinstance(path, dict):  # OpenAI's image_url: {"url": ...}
+        path = path.get("url")
+    return path if isinstance(path, str) else None
 
 
-def _from_messages(messages: list, folder: Path, where: str) -> list[dict]:
-    normalised = []
-    for message in messages:
-        content = message.get("content")
-        if isinstance(content, list):
-            content = [
-                _image_entry(item, folder, where)
-                if item.get("type") in ("image", "image_url") or "image" in item
-                else {"type": "text", "text": item.get("text", "")}
-                for item in content
-            ]
-        elif not isinstance(content, str):
-            raise UserError(f"data.source: {where} has a message whose content is neither text nor a list")
-        normalised.append({"role": message.get("role"), "content": content})
-    return normalised
-
-
-def _from_sharegpt(record: dict, folder: Path, where: str) -> list[dict]:
-    images = record.get("image") or record.get("images") or []
-    images = [images] if isinstance(images, str) else list(images)
-    turns = record["conversations"]
-    if images and not any(IMAGE_PLACEHOLDER in turn.get("value", "") for turn in turns):
-        turns = [{**turns[0], "value": IMAGE_PLACEHOLDER * len(images) + turns[0].get("value", "")}, *turns[1:]]
-    pending = iter(images)
+def _with_placeholders(record: dict) -> tuple[dict, list[str]]:
+    """The record with each image part of a message's content replaced by an `<image>` placeholder in its text, and
+    the images in placeholder order: those parts' paths, else the record's `images` (or LLaVA's `image`)."""
+    listed = record.get("images") or record.get("image") or []
+    listed = [listed] if isinstance(listed, str) else list(listed)
+    if not isinstance(record.get("messages"), list):
+        return record, listed
+    found: list[str | None] = []
     messages = []
-    for turn in turns:
-        role = _SHAREGPT_ROLES.get(turn.get("from"))
-        if role is None:
-            raise UserError(
-                f"data.source: {where} has a turn from '{turn.get('from')}'; valid: {', '.join(_SHAREGPT_ROLES)}"
-            )
-        pieces = turn.get("value", "").split(IMAGE_PLACEHOLDER)
+    for message in record["messages"]:
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, list):
+            text = ""
+            for part in content:
+                image = part.get("type") in ("image", "image_url") or "image" in part
+                found += [_image_path(part)] if image else []
+                text += IMAGE_PLACEHOLDER if image else (part.get("text") or part.get("value") or "")
+            message = {**message, "content": text}
+        messages.append(message)
+    paths = [p for p in found if p is not None]
+    return {**record, "messages": messages}, paths if paths and len(paths) == len(found) else listed
+
+
+def _split_images(messages: list[dict], images: list[str], folder: Path, where: str) -> list[dict]:
+    """Each `<image>` placeholder in the messages' text made an image entry (all at the start of the first turn
+    where the text has none)."""
+    if images and not any(IMAGE_PLACEHOLDER in m["content"] for m in messages):
+        messages = [{**messages[0], "content": IMAGE_PLACEHOLDER * len(images) + messages[0]["content"]}, *messages[1:]]
+    pending = iter(images)
+    out = []
+    for message in messages:
+        pieces = message["content"].split(IMAGE_PLACEHOLDER)
+        if len(pieces) == 1:
+            out.append(message)
+            continue
         content: list[dict] = []
         for i, piece in enumerate(pieces):
             if i:
                 path = next(pending, None)
                 if path is None:
                     raise UserError(f"data.source: {where} has more '<image>' placeholders than images")
-                content.append(_image_entry({"image": path}, folder, where))
+                content.append({"type": "image", "image": str(folder / path)})
             if piece.strip():
                 content.append({"type": "text", "text": piece.strip("\n")})
-        messages.append({"role": role, "content": content})
+        out.append({**message, "content": content})
     if next(pending, None) is not None:
         raise UserError(f"data.source: {where} has more images than '<image>' placeholders")
-    return messages
+    return out
 
 
 def load_conversations(cfg: DataConfig) -> list[Conversation]:
@@ -130,41 +137,24 @@ def load_conversations(cfg: DataConfig) -> list[Conversation]:
     sources = [Path(given)] if isinstance(given, str) else [Path(f) for f in given]
     conversations: list[Conversation] = []
     for source in sources:
-        if source.suffix != ".jsonl" or not source.is_file():
+        if source.suffix not in (".jsonl", ".json") or not source.is_file():
             raise UserError(
-                f"data.source: a vision-language model trains on .jsonl files of conversations; '{source}' is not one"
+                "data.source: a vision-language model trains on .jsonl or .json files of conversations; "
+                f"'{source}' is not one"
             )
-        conversations += _read_conversations(source, cfg.max_document_bytes)
+        conversations += _read_conversations(source, cfg)
     return conversations[: cfg.max_samples]
 
 
-def _records(source: Path, max_bytes: int) -> Iterator[tuple[int, dict]]:
-    """(line number, record) of a jsonl file, each line checked first: size, UTF-8, nesting, a JSON object."""
-    with source.open("rb") as handle:
-        for number, raw in enumerate(handle, 1):
-            if not raw.strip():
-                continue
-            problem = line_problem(raw, "json", max_bytes)
-            if problem is not None:
-                raise UserError(f"data.source: '{source}' line {number} {problem}")
-            yield number, json.loads(raw)
-
-
-def _read_conversations(source: Path, max_bytes: int) -> list[Conversation]:
+def _read_conversations(source: Path, cfg: DataConfig) -> list[Conversation]:
     conversations = []
-    for number, record in _records(source, max_bytes):
-        where = f"record {number} of '{source}'"
-        if isinstance(record.get("messages"), list):
-            messages = _from_messages(record["messages"], source.parent, where)
-        elif isinstance(record.get("conversations"), list):
-            messages = _from_sharegpt(record, source.parent, where)
-        else:
-            raise UserError(
-                f"data.source: {where} has neither 'messages' (chat form) nor 'conversations' (LLaVA/ShareGPT form)"
-            )
-        if not any(m["role"] == "assistant" for m in messages):
-            raise UserError(f"data.source: {where} has no assistant turn to train on")
-        conversation = Conversation(messages, where)
+    for where, record in json_records([source], cfg.max_document_bytes):
+        if not isinstance(record, dict):
+            raise UserError(f"data.source: {where} is not a JSON object")
+        record, images = _with_placeholders(with_messages_key(record, cfg.messages_key))
+        chat = to_chat(record, cfg.format, where)
+        messages = _split_images(chat.messages, images, source.parent, where)
+        conversation = Conversation(messages, where, chat.tools)
         for path in conversation.images:
             if not path.is_file():
                 raise UserError(f"data.source: {where} names image '{path}', which does not exist")
@@ -202,55 +192,34 @@ def _read_image(path: Path, where: str) -> Any:
 
 @dataclass
 class VLEncoder:
-    """The model's tokenizer (with its chat template) and image processor, from the model's folder."""
+    """The model's tokenizer with the chat template and mask options (`ChatTemplate`, as for text conversations)
+    and its image processor, from the model's folder."""
 
-    tokenizer: Any
+    template: ChatTemplate
     image_processor: Any
     image_token_id: int
     video_token_id: int
     seq_len: int
-    _templates: dict = field(default_factory=dict)
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.template.tokenizer
 
     @classmethod
-    def load(cls, path: Path, hf_config: PretrainedConfig, seq_len: int) -> VLEncoder:
+    def load(cls, path: Path, hf_config: PretrainedConfig, seq_len: int, data: DataConfig | None = None) -> VLEncoder:
         from transformers import AutoImageProcessor, AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(path)
-        if not tokenizer.chat_template:
-            raise UserError(f"data.tokenizer: '{path}' has no chat template to render conversations with")
+        template = ChatTemplate.from_config(data or DataConfig(), tokenizer, hf_config.model_type)
         if not (path / "preprocessor_config.json").is_file():
             raise UserError(f"data.tokenizer: '{path}' has no preprocessor_config.json (the image processor)")
         image_processor = AutoImageProcessor.from_pretrained(path)
-        return cls(tokenizer, image_processor, hf_config.image_token_id, hf_config.video_token_id, seq_len)
-
-    def _render(self, messages: list[dict], generation_prompt: bool = False) -> str:
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
-
-    def _assistant_spans(self, conversation: Conversation, text: str) -> list[tuple[int, int]]:
-        """Character spans of the assistant turns in `text`: from the end of the conversation rendered up to the
-        turn with a generation prompt, to the end of it rendered through the turn."""
-        spans = []
-        messages = conversation.messages
-        for i, message in enumerate(messages):
-            if message["role"] != "assistant":
-                continue
-            before, through = self._render(messages[:i], True), self._render(messages[: i + 1])
-            if not (text.startswith(before) and text.startswith(through)):
-                raise UserError(
-                    f"data.tokenizer: the chat template does not render {conversation.where} as a continuation of "
-                    "its first turns, so its assistant turns cannot be found"
-                )
-            spans.append((len(before), len(through)))
-        return spans
+        return cls(template, image_processor, hf_config.image_token_id, hf_config.video_token_id, seq_len)
 
     def encode(self, conversation: Conversation) -> VLSample:
         """Token ids with each image's placeholder repeated once per merged patch, which tokens are trained on
-        (those of assistant turns), and the images' pixel rows and grids."""
-        text = self._render(conversation.messages)
-        spans = self._assistant_spans(conversation, text)
-        encoded = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        ids = encoded["input_ids"]
-        trained = [any(a < end and b > start for start, end in spans) for a, b in encoded["offset_mapping"]]
+        (those of assistant turns, as `ChatTemplate` finds them), and the images' pixel rows and grids."""
+        ids, trained = self.template.encode(conversation.chat)
         images = [_read_image(path, conversation.where) for path in conversation.images]
         sample = VLSample(torch.tensor(ids), torch.tensor(trained))
         if images:

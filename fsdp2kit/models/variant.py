@@ -71,7 +71,7 @@ class VisionModality(TextModality):
     def global_batches(
         self, data: DataConfig, tokenizer: Any, source: ModelSource, order: tuple[Any, ...]
     ) -> GlobalBatches:
-        encoder = VLEncoder.load(source.tokenizer_path, source.hf_config, data.seq_len)
+        encoder = VLEncoder.load(source.tokenizer_path, source.hf_config, data.seq_len, data)
         conversations: Any = load_conversations(data)  # a mixture: refused there, in one line
         eval_conversations: Any = None
         if data.eval_fraction is not None:
@@ -83,7 +83,7 @@ class VisionModality(TextModality):
         return batches
 
     def scoring_source(self, data: DataConfig, tokenizer: Any, source: ModelSource, pad_id: int) -> ScoringSource:
-        encoder = VLEncoder.load(source.tokenizer_path, source.hf_config, data.seq_len)
+        encoder = VLEncoder.load(source.tokenizer_path, source.hf_config, data.seq_len, data)
         return ConversationScoring.open(data, encoder, pad_id)
 
 

@@ -25,6 +25,7 @@ from fsdp2kit.config.dialects.translation import (
     Written,
     already_read,
     apply_rules,
+    chat_template_name,
     ignored,
     section,
     to,
@@ -401,10 +402,10 @@ BASIC_PARAMETERS: dict[str, Rule] = {
     "val_size": _val_size,
     "cutoff_len": to("data.seq_len"),
     "max_samples": to("data.max_samples"),
-    "template": ignored("a LLaMA-Factory chat template; fsdp2kit renders with the model's own chat template"),
+    "template": chat_template_name,
     "enable_thinking": ignored("an argument of the chat template; the model's own template decides"),
-    "train_on_prompt": unsupported("fsdp2kit trains on the assistant turns only", harmless=(False,)),
-    "mask_history": unsupported("fsdp2kit trains on every assistant turn", harmless=(False,)),
+    "train_on_prompt": to("data.train_on_prompt"),
+    "mask_history": to("data.mask_history"),
     "dataset_dir": ignored("the folder MindSpeed-MM reads media from; fsdp2kit reads them beside the data file"),
     **dict.fromkeys(
         (

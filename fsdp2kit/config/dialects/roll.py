@@ -20,6 +20,7 @@ from fsdp2kit.config.dialects.translation import (
     Written,
     already_read,
     apply_rules,
+    chat_template_name,
     comma_list,
     converted,
     ignored,
@@ -315,7 +316,8 @@ DATA_ARGS: dict[str, Rule] = {
     "file_name": _file_name,
     "interleave_probs": _interleave_probs,
     "eval_file_name": to("data.eval_source", _files),
-    "template": ignored("a chat template; fsdp2kit tokenizes the text (or prompt and response) as written"),
+    "template": chat_template_name,
+    "messages": to("data.messages_key"),
     "max_samples": ignored(DROPPED.format("DataArguments")),
     **dict.fromkeys(
         (
@@ -336,7 +338,6 @@ DATA_ARGS: dict[str, Rule] = {
     ),
     **dict.fromkeys(
         (
-            "messages",
             "prompt",
             "response",
             "id",

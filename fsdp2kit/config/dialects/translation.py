@@ -223,3 +223,15 @@ def comma_list(value: Any) -> list[str]:
     if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
         raise ValueError("expected a comma-separated string or a list of names")
     return [i.strip() for i in items if i.strip()]
+
+
+def chat_template_name(translation: Translation, key: Written, value: Any) -> None:
+    """ROLL's and MindSpeed-MM's `template:` (qwen2_5, qwen3, ...): conversations are rendered with the model's own
+    chat template, which the name must be of (checked against the model's family when conversations are read)."""
+    if not isinstance(value, str) or not value:
+        raise UserError(f"{key.file}: '{key}' = {value!r} is not valid: expected a template name such as qwen2_5")
+    translation.set("data.template", value, key)
+    translation.note(
+        f"{key} = {value!r} read as data.template: conversations are rendered with the model's own chat template, "
+        "which this name must be of"
+    )

@@ -1,0 +1,353 @@
+"""Conversations: records of the common chat forms read as transformers' messages, rendered with a chat template, and
+which of their tokens are trained on.
+
+Forms (`data.format: auto` detects each record's from its fields):
+- `messages` (OpenAI/TRL, LLaMA-Factory v1): `{"messages": [{"role": ..., "content": "..." | [parts]}], "tools": ...}`,
+  with `tool_calls` on assistant turns and an optional per-message `loss_weight` (0 or 1);
+- `sharegpt`: `{"conversations": [{"from": "human"|"gpt"|"system"|"function_call"|"observation", "value": ...}],
+  "system": ..., "tools": "<JSON>"}`;
+- `alpaca`: `{"instruction", "input", "output", "system", "history": [[query, answer], ...]}`.
+
+The mask is found by rendering, for any template: the conversation is rendered once; an assistant turn starts where
+the conversation up to it, rendered with a generation prompt, ends (or, for templates that render earlier turns
+differently, where its text is found after the previous turn), and ends after the template's end-of-turn text, found
+once by rendering a probe conversation. A token is trained when its characters overlap a trained span. The same code
+serves text and vision-language conversations (`data/vl.py`)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fsdp2kit.config.schema import DataConfig
+from fsdp2kit.errors import UserError
+
+CHAT_FORMATS = ("alpaca", "sharegpt", "messages")
+_SHAREGPT_ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "system": "system",
+    "function_call": "assistant",
+    "observation": "tool",
+    "tool": "tool",
+}
+_PROBE_QUESTION, _PROBE_ANSWER = "fsdp2kit-probe-question", "fsdp2kit-probe-answer"
+
+# ROLL's, MindSpeed-MM's and LLaMA-Factory's template names, and the model types (config.json) whose own template
+# each one is.
+TEMPLATE_FAMILIES = {
+    "qwen": ("qwen2", "qwen2_moe"),
+    "qwen2_5": ("qwen2", "qwen2_moe"),
+    "qwen2_vl": ("qwen2_vl", "qwen2_5_vl"),
+    "qwen2-vl": ("qwen2_vl", "qwen2_5_vl"),
+    "qwen2_5_vl": ("qwen2_5_vl", "qwen2_vl"),
+    "qwen3": ("qwen3", "qwen3_moe"),
+    "qwen3_nothink": ("qwen3", "qwen3_moe"),
+    "qwen3_vl": ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"),
+    "qwen3_vl_nothink": ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"),
+    "qwen3_5": ("qwen3_5", "qwen3_5_moe"),
+    "llama3": ("llama",),
+    "llama2": ("llama",),
+    "mistral": ("mistral", "mixtral"),
+    "gemma": ("gemma", "gemma2", "gemma3", "gemma3_text"),
+    "phi": ("phi3",),
+    "deepseek3": ("deepseek_v3",),
+}
+
+
+@dataclass(frozen=True)
+class Chat:
+    """One conversation in transformers' form: messages (string content; `tool_calls` on assistant turns; an optional
+    `loss_weight`), the tools offered, and where it came from (for errors)."""
+
+    messages: list[dict]
+    tools: list | None
+    where: str
+
+
+def record_format(record: dict, fmt: str) -> str | None:
+    """The chat form of a record (`data.format`, or detected from its fields), or None for text/prompt-response."""
+    if fmt != "auto":
+        return fmt if fmt in CHAT_FORMATS else None
+    if isinstance(record.get("messages"), list):
+        return "messages"
+    if isinstance(record.get("conversations"), list):
+        return "sharegpt"
+    if "instruction" in record and "output" in record:
+        return "alpaca"
+    return None
+
+
+def _text(content: Any, where: str) -> str:
+    """A message's text: a string, or the text parts of a list (`text` or LLaMA-Factory v1's `value`) joined."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(p.get("text") or p.get("value") or "" for p in content if isinstance(p, dict))
+    raise UserError(f"data.source: {where} has a message whose content is neither text nor a list of parts")
+
+
+def _json_value(value: Any) -> Any:
+    """A JSON string (tools, tool-call arguments) as the value it encodes; anything else as it is."""
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError:
+            return value
+    return value
+
+
+def _tool_call(call: dict) -> dict:
+    function = call.get("function") or call
+    return {
+        "type": "function",
+        "function": {"name": function.get("name"), "arguments": _json_value(function.get("arguments"))},
+    }
+
+
+def _from_messages(record: dict, where: str) -> list[dict]:
+    messages = []
+    for message in record["messages"]:
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise UserError(f"data.source: {where} has a message without a 'role'")
+        out: dict = {"role": message["role"], "content": _text(message.get("content"), where)}
+        if message.get("tool_calls"):
+            out["tool_calls"] = [_tool_call(c) for c in message["tool_calls"]]
+        for key in ("loss_weight", "name", "tool_call_id"):
+            if message.get(key) is not None:
+                out[key] = message[key]
+        messages.append(out)
+    return messages
+
+
+def _from_sharegpt(record: dict, where: str) -> list[dict]:
+    messages = [{"role": "system", "content": record["system"]}] if record.get("system") else []
+    for turn in record["conversations"]:
+        if not isinstance(turn, dict):
+            raise UserError(f"data.source: {where} has a turn that is not a JSON object")
+        speaker = turn.get("from", turn.get("role"))  # some files write ShareGPT turns with role/content
+        role = _SHAREGPT_ROLES.get(str(speaker))
+        if role is None:
+            raise UserError(f"data.source: {where} has a turn from '{speaker}'; valid: {', '.join(_SHAREGPT_ROLES)}")
+        value = _text(turn.get("value", turn.get("content")), where)
+        if speaker == "function_call":
+            calls = _json_value(value)
+            calls = calls if isinstance(calls, list) else [calls]
+            if not all(isinstance(c, dict) for c in calls):
+                raise UserError(f"data.source: {where} has a function_call whose value is not JSON {{name, arguments}}")
+            messages.append({"role": "assistant", "content": "", "tool_calls": [_tool_call(c) for c in calls]})
+        else:
+            messages.append({"role": role, "content": value})
+    return messages
+
+
+def _from_alpaca(record: dict, where: str) -> list[dict]:
+    messages = [{"role": "system", "content": record["system"]}] if record.get("system") else []
+    for pair in record.get("history") or []:
+        if not (isinstance(pair, list | tuple) and len(pair) == 2):
+            raise UserError(f"data.source: {where} has a 'history' entry that is not a [query, answer] pair")
+        messages += [{"role": "user", "content": str(pair[0])}, {"role": "assistant", "content": str(pair[1])}]
+    query = "\n".join(str(part) for part in (record.get("instruction"), record.get("input")) if part)
+    return [*messages, {"role": "user", "content": query}, {"role": "assistant", "content": record.get("output") or ""}]
+
+
+_READERS: dict[str, Callable[[dict, str], list[dict]]] = {
+    "messages": _from_messages,
+    "sharegpt": _from_sharegpt,
+    "alpaca": _from_alpaca,
+}
+
+
+MEDIA_FIELDS = ("images", "image", "videos", "audios")
+
+
+def with_messages_key(record: dict, messages_key: str) -> dict:
+    """The record with its chat messages under `messages` when `data.messages_key` names another field."""
+    if messages_key == "messages" or messages_key not in record:
+        return record
+    renamed = {k: v for k, v in record.items() if k not in ("messages", messages_key)}
+    return {**renamed, "messages": record[messages_key]}
+
+
+def to_chat(record: dict, fmt: str, where: str) -> Chat:
+    """A record of a chat form as a `Chat`; a record with nothing to train on is an error naming it."""
+    form = record_format(record, fmt)
+    if form is None:
+        raise UserError(
+            f"data.source: {where} is not a conversation (no 'messages', 'conversations' or 'instruction'/'output')"
+        )
+    if form != "alpaca" and not isinstance(record.get(_FIELD[form]), list):
+        raise UserError(f"data.source: {where} has no '{_FIELD[form]}' list (data.format: {fmt})")
+    messages = _READERS[form](record, where)
+    if not any(m["role"] == "assistant" for m in messages):
+        raise UserError(f"data.source: {where} has no assistant turn to train on")
+    tools = _json_value(record.get("tools")) or None
+    return Chat(messages, tools if isinstance(tools, list) else None, where)
+
+
+_FIELD = {"messages": "messages", "sharegpt": "conversations"}
+
+
+def _plain(content: str | list) -> str:
+    """A message's text for finding it in the rendered conversation: a list's last text part (parts of other
+    kinds render as the template's own placeholders)."""
+    if isinstance(content, str):
+        return content
+    texts = [p.get("text") or "" for p in content if isinstance(p, dict) and p.get("type") == "text"]
+    return texts[-1] if texts else ""
+
+
+def template_text(cfg: DataConfig, tokenizer: Any, model_type: str | None) -> str:
+    """The chat template conversations are rendered with: `data.chat_template` (a file or inline), else the
+    tokenizer's own; `data.template` must name the model's family."""
+    if cfg.template is not None:
+        check_template_name(cfg.template, model_type)
+    given = cfg.chat_template
+    if given is not None:
+        if "{{" in given or "{%" in given:
+            return given
+        path = Path(given).expanduser()
+        if not path.is_file():
+            raise UserError(f"data.chat_template: no such file '{given}' (give a Jinja file or the template inline)")
+        return path.read_text(encoding="utf-8")
+    own = getattr(tokenizer, "chat_template", None)
+    if isinstance(own, dict):  # several named templates: the default one
+        own = own.get("default")
+    if not own:
+        raise UserError(
+            f"data.chat_template: the tokenizer '{getattr(tokenizer, 'name_or_path', '')}' has no chat template to "
+            "render conversations with; set data.chat_template to a Jinja file or template"
+        )
+    return str(own)
+
+
+def check_template_name(name: str, model_type: str | None) -> None:
+    """A dialect's `template:` name is read as the model's own template only where it names the model's family."""
+    families = TEMPLATE_FAMILIES.get(name)
+    if families is None or (model_type is not None and model_type not in families):
+        valid = sorted(n for n, types in TEMPLATE_FAMILIES.items() if model_type is None or model_type in types)
+        raise UserError(
+            f"data.template: '{name}' is not the chat template of this model ({model_type or 'unknown family'}); "
+            f"valid: {', '.join(valid) or 'none (leave data.template unset)'} (the model's own template is used)"
+        )
+
+
+def model_type_of(folder: Path) -> str | None:
+    """The model type in a model (or tokenizer) folder's config.json, where it has one."""
+    try:
+        return json.loads((Path(folder) / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+@dataclass
+class ChatTemplate:
+    """A tokenizer with the template it renders with and the mask options; `spans` and `encode` are the one place
+    that decides which characters and tokens of a conversation are trained on."""
+
+    tokenizer: Any
+    template: str
+    train_on_prompt: bool = False
+    mask_history: bool = False
+    train_on_eos: bool = True
+
+    def __post_init__(self) -> None:
+        self.end_of_turn = self._end_of_turn()
+
+    @classmethod
+    def from_config(cls, cfg: DataConfig, tokenizer: Any, model_type: str | None = None) -> ChatTemplate:
+        folder = getattr(tokenizer, "name_or_path", "")
+        text = template_text(cfg, tokenizer, model_type or (model_type_of(Path(folder)) if folder else None))
+        return cls(tokenizer, text, cfg.train_on_prompt, cfg.mask_history, cfg.train_on_eos)
+
+    def render(self, messages: list[dict], tools: list | None = None, generation_prompt: bool = False) -> str:
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages,
+                tools=tools,
+                chat_template=self.template,
+                tokenize=False,
+                add_generation_prompt=generation_prompt,
+            )
+        except Exception as exc:  # jinja raises TemplateError, and templates raise_exception with their own words
+            raise UserError(f"data.chat_template: rendering a conversation failed: {exc}") from None
+
+    def _end_of_turn(self) -> str:
+        """What the template writes after an assistant turn's text (`<|im_end|>`, `<|eot_id|>`, EOS), without the
+        whitespace before the next turn; empty when it writes nothing."""
+        probe = [{"role": "user", "content": _PROBE_QUESTION}, {"role": "assistant", "content": _PROBE_ANSWER}]
+        text = self.render(probe)
+        at = text.rfind(_PROBE_ANSWER)
+        return text[at + len(_PROBE_ANSWER) :].strip() if at >= 0 else ""
+
+    def _targets(self, messages: list[dict]) -> list[int]:
+        """Indices of the messages trained on: assistant turns (the last only with mask_history), or as each
+        message's `loss_weight` says where the record gives one."""
+        weights = [m.get("loss_weight", 1.0 if m["role"] == "assistant" else 0.0) for m in messages]
+        targets = [i for i, w in enumerate(weights) if w and float(w) > 0]
+        return targets[-1:] if self.mask_history else targets
+
+    def spans(self, chat: Chat, text: str) -> list[tuple[int, int]]:
+        """Character spans of `text` (the conversation rendered) that are trained on."""
+        if self.train_on_prompt:
+            return [(0, len(text))]
+        spans, cursor = [], 0
+        for i in self._targets(chat.messages):
+            start = self._turn_start(chat, i, text, cursor)
+            end = self._turn_end(chat, i, text, start)
+            spans.append((start, end))
+            cursor = max(cursor, end)
+        return spans
+
+    def _turn_start(self, chat: Chat, i: int, text: str, cursor: int) -> int:
+        assistant = chat.messages[i]["role"] == "assistant"
+        try:  # a template may refuse a conversation cut short (roles that must alternate): then the text decides
+            before = self.render(chat.messages[:i], chat.tools, generation_prompt=assistant) if i else ""
+        except UserError:
+            before = None
+        if before is not None and text.startswith(before) and len(before) >= cursor:
+            return len(before)
+        content = _plain(chat.messages[i]["content"]).strip()
+        found = text.find(content, cursor) if content else -1
+        if found < 0:
+            raise UserError(
+                f"data.chat_template: the template does not render {chat.where} so that turn {i + 1} can be found "
+                "(neither as a continuation of the turns before it nor by its text)"
+            )
+        return found
+
+    def _turn_end(self, chat: Chat, i: int, text: str, start: int) -> int:
+        message = chat.messages[i]
+        content = _plain(message["content"]).strip()
+        found = text.find(content, start) if content else -1
+        content_end = found + len(content) if found >= 0 else start
+        if message["role"] == "assistant" and self.end_of_turn:
+            eot = text.find(self.end_of_turn, content_end)
+            if eot >= 0:
+                return eot + len(self.end_of_turn) if self.train_on_eos else max(eot, content_end)
+        try:
+            through = self.render(chat.messages[: i + 1], chat.tools)
+        except UserError:
+            through = ""
+        return len(through) if text.startswith(through) and len(through) > start else max(content_end, start)
+
+    def encode(self, chat: Chat) -> tuple[list[int], list[bool]]:
+        """The conversation's token ids (as the template renders it, no special tokens added) and which are trained
+        on: those whose characters overlap a trained span."""
+        text = self.render(chat.messages, chat.tools)
+        spans = self.spans(chat, text)
+        if not getattr(self.tokenizer, "is_fast", False):
+            raise UserError(
+                "data.tokenizer: conversations need a fast (Rust) tokenizer, whose offsets place the trained turns; "
+                f"'{getattr(self.tokenizer, 'name_or_path', '')}' has only a Python one"
+            )
+        encoded = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        trained = [any(a < end and b > start for start, end in spans) for a, b in encoded["offset_mapping"]]
+        return list(encoded["input_ids"]), trained
