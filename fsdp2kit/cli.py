@@ -277,21 +277,26 @@ def _file_command(args: argparse.Namespace) -> int:
 
 
 def _prepare(cfg: JobConfig, show: int = 0) -> int:
+    """The token store of every source the run reads (a mixture's entries and the evaluation source included), and
+    with `show` the first training samples as the model sees them, targets marked."""
     from fsdp2kit.data.dataset import load_tokenizer
-    from fsdp2kit.data.samples import TrainingSamples, marked_text
+    from fsdp2kit.data.mixture import data_lines, source_configs, split_samples
+    from fsdp2kit.data.samples import marked_text
     from fsdp2kit.data.store import describe, token_store
     from fsdp2kit.models.build import resolve_model
     from fsdp2kit.train.loggers import phase
 
     tokenizer = load_tokenizer(resolve_model(cfg.model, cfg.data.tokenizer).tokenizer_path)
-    with phase(f"the token store of {cfg.data.source}", is_main=True):
-        store = token_store(cfg.data, tokenizer)
-    print(f"token store {describe(store)}")
-    if show > 0:
-        samples = TrainingSamples(store, cfg.data.seq_len, cfg.data.pack, cfg.data.document_mask)
-        for index in range(min(show, len(samples))):
-            print(f"--- sample {index + 1} of {len(samples)}")
-            print(marked_text(samples[index], tokenizer, colour=sys.stdout.isatty()))
+    for data in source_configs(cfg.data):
+        with phase(f"the token store of {data.source}", is_main=True):
+            store = token_store(data, tokenizer)
+        print(f"token store {describe(store)}")
+    samples, eval_samples = split_samples(cfg.data, tokenizer, cfg.training.seed)  # the stores are built: cheap
+    for line in data_lines(samples, eval_samples, cfg.data):
+        print(line)
+    for index in range(min(show, len(samples))):
+        print(f"--- sample {index + 1} of {len(samples)}")
+        print(marked_text(samples[index], tokenizer, colour=sys.stdout.isatty()))
     return 0
 
 

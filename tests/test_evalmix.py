@@ -216,3 +216,16 @@ def test_eval_loss_reaches_tensorboard_and_the_report(tmp_path):
     events = EventAccumulator(str(run / "tb"))
     events.Reload()
     assert [e.step for e in events.Scalars("eval/loss")] == [2, 4] and "train/loss" in events.Tags()["scalars"]
+
+
+def test_prepare_builds_every_store_a_mixed_run_reads(tmp_path, two_sources):
+    """A mixture's entries and the evaluation source each get their token store ahead of the run."""
+    a, b = two_sources
+    held = write_jsonl(tmp_path / "held.jsonl", corpus_documents()[500:600])
+    settings = {"data.source": mixture(a, b), "data.eval_source": held, "data.cache_dir": str(tmp_path)}
+    result = run_cli("prepare", DEMO, *set_args(settings), "--show", "1")
+    assert result.returncode == 0, result.stderr
+    built = [line for line in result.stdout.splitlines() if line.startswith("token store /")]
+    assert [line.split(":")[0].rsplit("/", 1)[1].split("-")[0] for line in built] == ["a", "b", "held"]
+    assert "data.source[0] a.jsonl: weight 0.8" in result.stdout and "evaluation set: 21 samples" in result.stdout
+    assert "--- sample 1 of" in result.stdout

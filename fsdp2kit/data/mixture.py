@@ -165,6 +165,15 @@ def describe_source(source: str | list[str] | list[WeightedSource]) -> str:
     return "a mixture of " + ", ".join(f"{source_name(e.path)} ({e.weight:g})" for e in _entries(source))
 
 
+def source_configs(data: DataConfig) -> list[DataConfig]:
+    """One data config per source a run reads (a mixture's entries, then the evaluation source's): the token stores
+    `prepare` builds ahead of a run."""
+    paths = [e.path for e in _entries(data.source)]
+    if data.eval_source is not None:
+        paths += [e.path for e in _entries(data.eval_source)]
+    return [data.model_copy(update={"source": path, "eval_source": None}) for path in paths]
+
+
 def hold_out(samples: Any, fraction: float, seed: int, source: int = 0) -> tuple[SubsetSamples, SubsetSamples]:
     """(what training keeps, the held-out evaluation set): round(fraction x the samples), at least one, chosen by a
     permutation seeded with the seed (and the source's number in a mixture)."""
@@ -201,7 +210,10 @@ def split_samples(data: DataConfig, tokenizer: PreTrainedTokenizerBase, seed: in
     if not held:
         return train, None
     if not sum(len(part) for part in held):
-        raise UserError("data.eval_source: it holds no sample with a loss target (every document empty or prompt)")
+        raise UserError(
+            "data.eval_source: it gives no sample with a loss target (every document empty or prompt, or, packed, "
+            "fewer tokens than one window of data.seq_len + 1)"
+        )
     return train, held[0] if len(held) == 1 else ConcatSamples(held)
 
 
