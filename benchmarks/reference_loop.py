@@ -42,6 +42,22 @@ def micro_batches_per_step(args: argparse.Namespace, rank: int, world_size: int)
     return [batches.micro_batches(step) for step in range(args.steps)]
 
 
+def synthetic_micro_batches(args: argparse.Namespace, rank: int, vocab: int):
+    """`--synthetic-batches`: random tokens of the same shapes, made before the loop, no data pipeline at all
+    (labels are the next token, the last position without a target)."""
+    generator = torch.Generator().manual_seed(args.seed * 1000 + rank)
+    steps = []
+    for _ in range(args.steps):
+        step = []
+        for _ in range(args.accumulation):
+            input_ids = torch.randint(vocab, (args.batch, args.seq_len), generator=generator)
+            labels = torch.roll(input_ids, -1, dims=1)
+            labels[:, -1] = -100
+            step.append({"input_ids": input_ids, "labels": labels})
+        steps.append(step)
+    return steps
+
+
 def loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     inputs = {k: v for k, v in batch.items() if k != "labels"}
     logits = model(**inputs, use_cache=False).logits
@@ -85,6 +101,11 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument(
+        "--synthetic-batches",
+        action="store_true",
+        help="random token batches made up front instead of fsdp2kit's data pipeline (what the pipeline costs)",
+    )
+    parser.add_argument(
         "--glibc-default-mmap", action="store_true", help="keep glibc's own mmap threshold (benchmarks/mallopt_cost.py)"
     )
     args = parser.parse_args()
@@ -104,8 +125,11 @@ def main() -> None:
             torch.cuda.set_device(device)
         dist.init_process_group("nccl" if cuda else "gloo")
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    steps = micro_batches_per_step(args, rank, world_size)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).to(device)
+    if args.synthetic_batches:
+        steps = synthetic_micro_batches(args, rank, model.config.vocab_size)
+    else:
+        steps = micro_batches_per_step(args, rank, world_size)
     model.train()
     if accelerator is None:
         model, clip = wrap(model, args.impl, device)

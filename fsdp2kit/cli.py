@@ -231,7 +231,7 @@ def _run_rank(args: argparse.Namespace, cfg: JobConfig) -> int:
 
 
 def _plan(args: argparse.Namespace, world_size: int) -> int:
-    from fsdp2kit.memory_plan import GIB, ConfigSource, fitting_candidates, plan_report, print_plan
+    from fsdp2kit.memory_plan import GIB, ConfigSource, candidate_configs, plan_report, planned_fit, print_plan
     from fsdp2kit.parallel.mesh import mesh_layout
 
     if args.budget_gb is not None and args.budget_gb <= 0:
@@ -248,9 +248,13 @@ def _plan(args: argparse.Namespace, world_size: int) -> int:
         from fsdp2kit.plan_measure import measure_candidates, print_measured, train_command
 
         command = train_command(args.config, world_size, args.role, args.fsdp_config)
-        candidates = fitting_candidates(source, world_size, int(args.budget_gb * GIB))
-        budget = report["budget"]
-        budget["measured"] = measure_candidates(command, args.overrides, candidates, args.measure_steps)  # type: ignore[index]
+        budget_bytes = int(args.budget_gb * GIB)
+
+        def fits(candidate: dict[str, object]) -> dict[str, object] | None:
+            return planned_fit(source, world_size, budget_bytes, candidate)
+
+        measured = measure_candidates(command, args.overrides, candidate_configs(source), fits, args.measure_steps)
+        report["budget"]["measured"] = measured  # type: ignore[index]
     print_plan(report, args.json)
     if args.measure and not args.json:
         print_measured(report["budget"]["measured"], args.budget_gb)  # type: ignore[index]

@@ -242,9 +242,10 @@ def _micro_batch_choices(cfg: JobConfig) -> list[tuple[int, int]]:
     return [(size, per_rank // size) for size in range(per_rank, 0, -1) if per_rank % size == 0]
 
 
-def fitting_candidates(source: ConfigSource, world_size: int, budget_bytes: int) -> Iterator[dict[str, object]]:
-    """Every configuration whose predicted peak fits, in an order of expected speed: no offload before offload, no
-    recompute before recompute, larger micro-batches before smaller, less sharding before more (communication)."""
+def candidate_configs(source: ConfigSource) -> Iterator[dict[str, object]]:
+    """Every configuration of the budget search, in an order of expected speed: no offload before offload, no
+    recompute before recompute, larger micro-batches before smaller, less sharding before more (communication).
+    The per-rank batch of a step is kept (micro-batch x accumulation)."""
     choices = _micro_batch_choices(source.load())
     for offload in (False, True):
         for recompute in (False, True):
@@ -257,13 +258,35 @@ def fitting_candidates(source: ConfigSource, world_size: int, budget_bytes: int)
                     overrides = [*_variant(strategy, recompute), *batch]
                     if offload:
                         overrides.append(f"{_STRATEGY}.offload_policy=true")
-                    try:
-                        result = predict(source, world_size, overrides)
-                    except UserError:
-                        continue
-                    if result["peak_bytes"] <= budget_bytes:  # type: ignore[operator]
-                        row = _row(strategy, recompute, offload, result)
-                        yield {"overrides": overrides, "micro_batch": micro_batch, "accumulation": accumulation, **row}
+                    yield {
+                        "overrides": overrides,
+                        "strategy": strategy,
+                        "recompute": recompute,
+                        "offload": offload,
+                        "micro_batch": micro_batch,
+                        "accumulation": accumulation,
+                    }
+
+
+def planned_fit(
+    source: ConfigSource, world_size: int, budget_bytes: int, candidate: dict[str, object]
+) -> dict[str, object] | None:
+    """The candidate with its predicted peak when that fits the budget; None when it does not or is invalid."""
+    try:
+        result = predict(source, world_size, candidate["overrides"])  # type: ignore[arg-type]
+    except UserError:  # e.g. NO_SHARD with an explicit fsdp_size
+        return None
+    if result["peak_bytes"] > budget_bytes:  # type: ignore[operator]
+        return None
+    row = _row(str(candidate["strategy"]), bool(candidate["recompute"]), bool(candidate["offload"]), result)
+    return {**candidate, **row}
+
+
+def fitting_candidates(source: ConfigSource, world_size: int, budget_bytes: int) -> Iterator[dict[str, object]]:
+    """The candidates that fit, in `candidate_configs`' order, each with its predicted peak."""
+    for candidate in candidate_configs(source):
+        if (fits := planned_fit(source, world_size, budget_bytes, candidate)) is not None:
+            yield fits
 
 
 def fastest_within(source: ConfigSource, world_size: int, budget_bytes: int) -> dict[str, object] | None:

@@ -14,7 +14,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -92,20 +92,30 @@ def skip_reason(candidate: dict[str, object], measured: list[dict[str, object]])
 
 
 def measure_candidates(
-    command: list[str], base_sets: list[str], candidates: Iterable[dict[str, object]], steps: int
+    command: list[str],
+    base_sets: list[str],
+    candidates: Iterable[dict[str, object]],
+    fits: Callable[[dict[str, object]], dict[str, object] | None],
+    steps: int,
 ) -> dict[str, object]:
-    """Each fitting candidate measured or skipped; the fastest measured one, and whether the heuristic (the first
-    candidate) picked it."""
+    """Each candidate skipped (SKIP_RULE, before its memory is even planned), left out (`fits` says it does not fit)
+    or measured; the fastest measured one, and whether the heuristic's pick (the first that fits) is it."""
     rows: list[dict[str, object]] = []
+    first_fit = None
     with tempfile.TemporaryDirectory(prefix="fsdp2kit-plan-") as workdir:
-        for index, candidate in enumerate(candidates, start=1):
-            row = {"index": index, **candidate}
+        for candidate in candidates:
+            row = {"index": len(rows) + 1, **candidate}
             reason = skip_reason(row, rows)
-            if reason is not None:
-                row.update(status="skipped", reason=reason)
-            else:
+            if reason is None:
+                planned = fits(candidate)
+                if planned is None:
+                    continue
+                row.update(planned)
+                first_fit = first_fit or row["index"]
                 sets = [*base_sets, *candidate["overrides"]]  # type: ignore[misc]
-                row.update(measure_one(command, sets, Path(workdir) / f"candidate_{index}", steps))
+                row.update(measure_one(command, sets, Path(workdir) / f"candidate_{row['index']}", steps))
+            else:
+                row.update(status="skipped", reason=reason)
             rows.append(row)
     measured = [r for r in rows if r["status"] == "measured"]
     fastest = max(measured, key=lambda r: r["tokens_per_s"], default=None)  # type: ignore[arg-type, return-value]
@@ -114,7 +124,8 @@ def measure_candidates(
         "rule": SKIP_RULE,
         "candidates": rows,
         "fastest": fastest,
-        "heuristic_agrees": bool(rows) and fastest is not None and fastest["index"] == 1,
+        "heuristic_pick": first_fit,
+        "heuristic_agrees": fastest is not None and fastest["index"] == first_fit,
     }
 
 
@@ -136,7 +147,7 @@ def print_measured(measurement: dict[str, object], budget_gb: float) -> None:
             str(row["recompute"]),
             str(row["offload"]),
             f"{row['micro_batch']} x {row['accumulation']}",
-            gib(row["peak_bytes"]),
+            gib(row["peak_bytes"]) if "peak_bytes" in row else "-",
             f"{row['tokens_per_s']:.0f}" if measured else "-",
             f"{gib(row['peak_mem_bytes'])} ({row['peak_mem_kind']})" if measured else "-",
             "" if measured else f"{row['status']}: {row['reason']}",
@@ -147,7 +158,8 @@ def print_measured(measurement: dict[str, object], budget_gb: float) -> None:
     if fastest is None:
         console.print("no candidate could be measured")
         return
-    agrees = "agrees" if measurement["heuristic_agrees"] else "the heuristic's pick is #1"
+    pick = measurement["heuristic_pick"]
+    agrees = f"the heuristic's pick (#{pick}) {'agrees' if measurement['heuristic_agrees'] else 'differs'}"
     console.print(
         f"fastest measured: #{fastest['index']}, {fastest['tokens_per_s']:.0f} tokens/s, "  # type: ignore[index]
         f"peak {gib(fastest['peak_mem_bytes'])} GiB ({fastest['peak_mem_kind']}), "  # type: ignore[index]
