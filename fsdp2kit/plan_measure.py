@@ -20,8 +20,9 @@ from pathlib import Path
 import torch
 
 SKIP_RULE = (
-    "a candidate is not run when (1) a measured one with the same sharding and micro-batch does strictly less work "
-    "(no recompute where it recomputes, no offload where it offloads): it cannot be faster; or (2) with the same "
+    "a candidate is not run when (1) one with the same sharding and micro-batch, measured or itself skipped by (1) "
+    "or (2), does strictly less work (no recompute where it recomputes, no offload where it offloads): it cannot be "
+    "faster; or (2) with the same "
     "sharding, recompute and offload, tokens/s already fell from one micro-batch to the next smaller one: smaller "
     "ones are assumed slower still (throughput assumed unimodal in the micro-batch); or (3) it needs CUDA (offload) "
     "and there is none"
@@ -80,14 +81,16 @@ def skip_reason(candidate: dict[str, object], measured: list[dict[str, object]])
     if candidate["offload"] and not torch.cuda.is_available():
         return "offload needs CUDA"
     done = [m for m in measured if m["status"] == "measured"]
-    for other in done:
+    # A twin skipped by this rule is itself no faster than a measured one: more work than it cannot win either.
+    ranked = [m for m in measured if m["status"] == "measured" or str(m.get("reason", "")).startswith("cannot")]
+    for other in ranked:
         less_work = other["recompute"] <= candidate["recompute"] and other["offload"] <= candidate["offload"]  # type: ignore[operator]
         same = other["strategy"] == candidate["strategy"] and other["micro_batch"] == candidate["micro_batch"]
         if same and less_work and not _same_shape(other, candidate):
             return f"cannot beat #{other['index']} (same sharding and micro-batch, less work)"
     larger = [m for m in done if _same_shape(m, candidate) and m["micro_batch"] > candidate["micro_batch"]]  # type: ignore[operator]
     if len(larger) >= 2 and larger[-1]["tokens_per_s"] < larger[-2]["tokens_per_s"]:  # type: ignore[operator]
-        return f"tokens/s fell from #{larger[-2]['index']} to #{larger[-1]['index']} (smaller micro-batch)"
+        return f"cannot beat #{larger[-2]['index']}: tokens/s fell from it to #{larger[-1]['index']}"
     return None
 
 
@@ -137,7 +140,7 @@ def print_measured(measurement: dict[str, object], budget_gb: float) -> None:
     def gib(value: object) -> str:
         return f"{int(value) / 1024**3:.3f}"  # type: ignore[call-overload]
 
-    console = Console()
+    console = Console(width=max(Console().width, 150))
     table = Table("#", "strategy", "recompute", "offload", "micro x accum", "planned GiB", "tokens/s", "peak GiB", "")
     for row in measurement["candidates"]:  # type: ignore[attr-defined]
         measured = row["status"] == "measured"
