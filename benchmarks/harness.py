@@ -91,7 +91,12 @@ def run_fsdp2kit(model: Path, nproc: int, work: Workload, out: Path, extra: list
     command += [arg for item in sets for arg in ("--set", item)]
     _run(command)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    tracked = {}
+    if records[0].get("peak_mem_kind") == "cpu_live_tensors":  # training.track_memory=true
+        top = max(records, key=lambda r: r["peak_mem_bytes"])
+        tracked = {"tracked_peak_bytes": top["peak_mem_bytes"], "tracked_peak_categories": top["peak_mem_categories"]}
     return {
+        **tracked,
         "tokens_per_s": [r["tokens_per_s"] for r in records],
         "losses": [r["loss"] for r in records],
         # the process's peak RSS on CPU (what the reference loops report there), the allocator's peak on CUDA
@@ -217,3 +222,42 @@ def main(impl: str, name: str) -> None:
             }
         )
     )
+
+
+def arm_summary(runs: list[dict]) -> dict:
+    """Median steady-state tokens/s, median peak RSS, the loss curve of the first repeat, and the tracked peak
+    where the arm tracked memory."""
+    summary = {
+        "tokens_per_s": statistics.median(t for run in runs for t in run["tokens_per_s"][1:]),
+        "peak_rss_bytes": statistics.median(run["peak_mem_bytes"] for run in runs),
+        "losses": runs[0]["losses"],
+    }
+    for key in ("tracked_peak_bytes", "tracked_peak_categories", "accelerate_mode"):
+        if key in runs[0]:
+            summary[key] = runs[0][key]
+    return summary
+
+
+def arms_main(name: str, arms: list[Arm], pairs: list[tuple[str, str]], description: str = "") -> None:
+    """Run `arms` interleaved; print one JSON object: each arm's summary and `compare` of each (ours, theirs) pair."""
+    args = parse_args()
+    work = workload(args)
+    before = load_average()
+    with tempfile.TemporaryDirectory(prefix="fsdp2kit-bench-") as workdir:
+        runs = interleaved(arms, args.world_sizes, args.repeats, work, Path(workdir))
+    results: dict = {}
+    for nproc, by_arm in runs.items():
+        results[str(nproc)] = {
+            "arms": {arm: arm_summary(arm_runs) for arm, arm_runs in by_arm.items()},
+            "ratios": {f"{a} / {b}": compare(by_arm[a], by_arm[b], (a, b)) for a, b in pairs},
+        }
+    report = {
+        "benchmark": name,
+        "description": description,
+        "arms": [arm.__dict__ for arm in arms],
+        "workload": work.__dict__,
+        "repeats": args.repeats,
+        "loadavg": {"before": before, "after": load_average()},
+        "world_sizes": results,
+    }
+    print(json.dumps(report))
