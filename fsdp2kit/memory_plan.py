@@ -139,7 +139,8 @@ def _trace(cfg: JobConfig, world_size: int) -> dict[str, object]:
             with tracker:
                 for _ in range(2):  # the second step is the steady state: optimizer states exist during backward
                     for index, batch in enumerate(micro_batches):
-                        cast(FSDPModule, model).set_requires_gradient_sync(index == accumulation - 1)
+                        sync = cfg.strategy_args.strategy_config.sync_each_batch or index == accumulation - 1
+                        cast(FSDPModule, model).set_requires_gradient_sync(sync)
                         if sharded.sp_group is not None:
                             batch = sharded.variant.shard_batch(batch, sharded.sp_group)
                         loss(model, index, batch, 0.0)[0].backward()
