@@ -166,3 +166,18 @@ def test_plan_measure_mistakes_exit_2_with_one_line(args, message):
     result = run_cli("plan", "examples/demo.yaml", *args)
     assert result.returncode == 2
     assert result.stderr == f"error: {message}\n"
+
+
+def test_sync_each_batch_holds_only_sharded_gradients():
+    """strategy_config.sync_each_batch reduce-scatters after every micro-batch: between micro-batches each rank holds
+    its gradient shard, not the whole unsharded gradient that skipping the sync accumulates (FSDP1's behaviour)."""
+    tiny = [*SMALL, *ZERO[3]]
+    source = ConfigSource("examples/demo.yaml", tiny, None, None)
+    once = predict(source, 2)
+    each = predict(source, 2, ["strategy_args.strategy_config.sync_each_batch=true"])
+    assert "unsharded_grad" in once["categories"] and "unsharded_grad" not in each["categories"]
+    assert each["categories"]["sharded_grad"] == once["computed"]["sharded_grads"]
+    assert (
+        once["peak_bytes"] - each["peak_bytes"]
+        == once["categories"]["unsharded_grad"] - each["categories"]["sharded_grad"]
+    )
