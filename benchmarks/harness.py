@@ -3,11 +3,14 @@ fsdp2kit run and a reference-loop run on the same data, interleaved repeats, and
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
 import subprocess
 import sys
+import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -88,7 +91,12 @@ def run_fsdp2kit(model: Path, nproc: int, work: Workload, out: Path, extra: list
     command += [arg for item in sets for arg in ("--set", item)]
     _run(command)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    tracked = {}
+    if records[0].get("peak_mem_kind") == "cpu_live_tensors":  # training.track_memory=true
+        top = max(records, key=lambda r: r["peak_mem_bytes"])
+        tracked = {"tracked_peak_bytes": top["peak_mem_bytes"], "tracked_peak_categories": top["peak_mem_categories"]}
     return {
+        **tracked,
         "tokens_per_s": [r["tokens_per_s"] for r in records],
         "losses": [r["loss"] for r in records],
         # the process's peak RSS on CPU (what the reference loops report there), the allocator's peak on CUDA
@@ -114,7 +122,7 @@ def run_reference(
 
 def compare(ours: list[dict], theirs: list[dict], names: tuple[str, str] = ("fsdp2kit", "reference")) -> dict:
     """Ratios of medians (steady-state steps: the first, which warms up, is left out) and the largest relative
-    difference of any step's loss between any pair of runs."""
+    difference of any step's loss between any pair of runs (None when a side trains on synthetic tokens)."""
 
     def median_tps(runs: list[dict]) -> float:
         return statistics.median(t for run in runs for t in run["tokens_per_s"][1:])
@@ -122,9 +130,11 @@ def compare(ours: list[dict], theirs: list[dict], names: tuple[str, str] = ("fsd
     def median_mem(runs: list[dict]) -> float:
         return statistics.median(run["peak_mem_bytes"] for run in runs)
 
-    loss_diff = max(
-        abs(a - b) / abs(b) for x in ours for y in theirs for a, b in zip(x["losses"], y["losses"], strict=True)
-    )
+    loss_diff = None
+    if not any(run.get("synthetic") for run in [*ours, *theirs]):
+        loss_diff = max(
+            abs(a - b) / abs(b) for x in ours for y in theirs for a, b in zip(x["losses"], y["losses"], strict=True)
+        )
     return {
         "ratio_tokens_per_s": median_tps(ours) / median_tps(theirs),
         "ratio_peak_mem": median_mem(ours) / median_mem(theirs),
@@ -134,26 +144,45 @@ def compare(ours: list[dict], theirs: list[dict], names: tuple[str, str] = ("fsd
     }
 
 
+@dataclass(frozen=True)
+class Arm:
+    """One side of a comparison: fsdp2kit with extra --set lines, or a reference loop with extra arguments."""
+
+    name: str
+    impl: str  # "fsdp2kit" or a reference_loop --impl
+    extra: tuple[str, ...] = ()
+
+
+def interleaved(arms: list[Arm], world_sizes: list[int], repeats: int, work: Workload, workdir: Path) -> dict:
+    """Every arm once per repeat, in turn, at each world size: {nproc: {arm name: [runs]}}."""
+    model = model_folder(workdir)
+    runs: dict = {}
+    for nproc in world_sizes:
+        runs[nproc] = {arm.name: [] for arm in arms}
+        for repeat in range(repeats):
+            for arm in arms:
+                out = workdir / f"{arm.name}_{nproc}_{repeat}"
+                if arm.impl == "fsdp2kit":
+                    run = run_fsdp2kit(model, nproc, work, out, list(arm.extra))
+                else:
+                    run = run_reference(arm.impl, model, nproc, work, out.with_suffix(".json"), list(arm.extra))
+                    run["synthetic"] = "--synthetic-batches" in arm.extra
+                runs[nproc][arm.name].append(run)
+    return runs
+
+
 def side_by_side(impl: str, world_sizes: list[int], repeats: int, work: Workload, workdir: Path) -> dict:
     """fsdp2kit and the reference loop alternately, `repeats` times at each world size."""
-    model = model_folder(workdir)
+    runs = interleaved([Arm("fsdp2kit", "fsdp2kit"), Arm(impl, impl)], world_sizes, repeats, work, workdir)
     results: dict = {}
-    for nproc in world_sizes:
-        ours, theirs = [], []
-        for repeat in range(repeats):
-            ours.append(run_fsdp2kit(model, nproc, work, workdir / f"ours_{nproc}_{repeat}"))
-            theirs.append(run_reference(impl, model, nproc, work, workdir / f"{impl}_{nproc}_{repeat}.json"))
-        results[str(nproc)] = compare(ours, theirs)
-        if "accelerate_mode" in theirs[0]:
-            results[str(nproc)]["accelerate_mode"] = theirs[0]["accelerate_mode"]
+    for nproc, by_arm in runs.items():
+        results[str(nproc)] = compare(by_arm["fsdp2kit"], by_arm[impl])
+        if "accelerate_mode" in by_arm[impl][0]:
+            results[str(nproc)]["accelerate_mode"] = by_arm[impl][0]["accelerate_mode"]
     return results
 
 
-def main(impl: str, name: str) -> None:
-    """The command line of each side-by-side benchmark; prints its one JSON object."""
-    import argparse
-    import tempfile
-
+def parse_args(extra: Callable[[argparse.ArgumentParser], None] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--repeats", type=int, default=3)
@@ -161,8 +190,74 @@ def main(impl: str, name: str) -> None:
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--accumulation", type=int, default=2)
-    args = parser.parse_args()
-    work = Workload(args.seq_len, args.batch, args.accumulation, args.steps)
+    if extra is not None:
+        extra(parser)
+    return parser.parse_args()
+
+
+def workload(args: argparse.Namespace) -> Workload:
+    return Workload(args.seq_len, args.batch, args.accumulation, args.steps)
+
+
+def load_average() -> str:
+    """The 1, 5 and 15-minute load averages (the machine is shared: figures are labelled with them)."""
+    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+
+
+def main(impl: str, name: str) -> None:
+    """The command line of each side-by-side benchmark; prints its one JSON object."""
+    args = parse_args()
+    work = workload(args)
+    before = load_average()
     with tempfile.TemporaryDirectory(prefix="fsdp2kit-bench-") as workdir:
         results = side_by_side(impl, args.world_sizes, args.repeats, work, Path(workdir))
-    print(json.dumps({"benchmark": name, "reference": impl, "workload": work.__dict__, "world_sizes": results}))
+    print(
+        json.dumps(
+            {
+                "benchmark": name,
+                "reference": impl,
+                "workload": work.__dict__,
+                "loadavg": {"before": before, "after": load_average()},
+                "world_sizes": results,
+            }
+        )
+    )
+
+
+def arm_summary(runs: list[dict]) -> dict:
+    """Median steady-state tokens/s, median peak RSS, the loss curve of the first repeat, and the tracked peak
+    where the arm tracked memory."""
+    summary = {
+        "tokens_per_s": statistics.median(t for run in runs for t in run["tokens_per_s"][1:]),
+        "peak_rss_bytes": statistics.median(run["peak_mem_bytes"] for run in runs),
+        "losses": runs[0]["losses"],
+    }
+    for key in ("tracked_peak_bytes", "tracked_peak_categories", "accelerate_mode"):
+        if key in runs[0]:
+            summary[key] = runs[0][key]
+    return summary
+
+
+def arms_main(name: str, arms: list[Arm], pairs: list[tuple[str, str]], description: str = "") -> None:
+    """Run `arms` interleaved; print one JSON object: each arm's summary and `compare` of each (ours, theirs) pair."""
+    args = parse_args()
+    work = workload(args)
+    before = load_average()
+    with tempfile.TemporaryDirectory(prefix="fsdp2kit-bench-") as workdir:
+        runs = interleaved(arms, args.world_sizes, args.repeats, work, Path(workdir))
+    results: dict = {}
+    for nproc, by_arm in runs.items():
+        results[str(nproc)] = {
+            "arms": {arm: arm_summary(arm_runs) for arm, arm_runs in by_arm.items()},
+            "ratios": {f"{a} / {b}": compare(by_arm[a], by_arm[b], (a, b)) for a, b in pairs},
+        }
+    report = {
+        "benchmark": name,
+        "description": description,
+        "arms": [arm.__dict__ for arm in arms],
+        "workload": work.__dict__,
+        "repeats": args.repeats,
+        "loadavg": {"before": before, "after": load_average()},
+        "world_sizes": results,
+    }
+    print(json.dumps(report))

@@ -79,8 +79,15 @@ def speed_ratios(results: dict[str, dict], out: Path) -> None:
     for name, result in results.items():
         reference = SIDE_BY_SIDE[name]
         for world_size, row in result["world_sizes"].items():
+            ranks = f"{world_size} rank{'s' if world_size != '1' else ''}"
+            if "ratios" in row:  # several arms: each (ours / theirs) pair
+                for pair, ratio in row["ratios"].items():
+                    if "tracked" not in pair:  # tracked runs measure memory, not speed
+                        labels.append(f"{pair}\n{ranks}")
+                        ratios.append(ratio["ratio_tokens_per_s"])
+                continue
             mode = f", {row['accelerate_mode']}" if "accelerate_mode" in row else ""
-            labels.append(f"{reference}\n{world_size} rank{'s' if world_size != '1' else ''}{mode}")
+            labels.append(f"{reference}\n{ranks}{mode}")
             ratios.append(row["ratio_tokens_per_s"])
     bars = axes.bar(range(len(ratios)), ratios)
     axes.bar_label(bars, fmt="%.3f")

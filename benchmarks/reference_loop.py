@@ -8,6 +8,10 @@ over tokens and divided by the global target-token count, as fsdp2kit does:
 - `fsdp1`: torch's `FullyShardedDataParallel`, FULL_SHARD, transformer auto-wrap on the decoder layer class;
 - `accelerate`: `Accelerator().prepare(...)` with `accumulate()`; on a CPU-only machine Accelerate runs DDP.
 
+With `--synthetic-batches` the micro-batches are random tokens made up front (no data pipeline at all), and with
+`--track-memory` the whole loop runs under torch's MemTracker (live tensor bytes, the base class of the tracker
+fsdp2kit's `training.track_memory` uses).
+
 Rank 0 writes one JSON object to --out: per-step tokens/s and losses, its peak memory, and Accelerate's mode.
 On a GPU each rank uses its CUDA device (NCCL); on CPU, gloo.
 """
@@ -40,6 +44,22 @@ def micro_batches_per_step(args: argparse.Namespace, rank: int, world_size: int)
         samples, args.batch, args.accumulation, world_size, rank, args.seed, True, tokenizer.pad_token_id or 0
     )
     return [batches.micro_batches(step) for step in range(args.steps)]
+
+
+def synthetic_micro_batches(args: argparse.Namespace, rank: int, vocab: int):
+    """`--synthetic-batches`: random tokens of the same shapes, made before the loop, no data pipeline at all
+    (labels are the next token, the last position without a target)."""
+    generator = torch.Generator().manual_seed(args.seed * 1000 + rank)
+    steps = []
+    for _ in range(args.steps):
+        step = []
+        for _ in range(args.accumulation):
+            input_ids = torch.randint(vocab, (args.batch, args.seq_len), generator=generator)
+            labels = torch.roll(input_ids, -1, dims=1)
+            labels[:, -1] = -100
+            step.append({"input_ids": input_ids, "labels": labels})
+        steps.append(step)
+    return steps
 
 
 def loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -85,6 +105,16 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument(
+        "--track-memory",
+        action="store_true",
+        help="count live tensor bytes (torch's MemTracker, the base of the FSDPMemTracker fsdp2kit uses; slower)",
+    )
+    parser.add_argument(
+        "--synthetic-batches",
+        action="store_true",
+        help="random token batches made up front instead of fsdp2kit's data pipeline (what the pipeline costs)",
+    )
+    parser.add_argument(
         "--glibc-default-mmap", action="store_true", help="keep glibc's own mmap threshold (benchmarks/mallopt_cost.py)"
     )
     args = parser.parse_args()
@@ -104,8 +134,11 @@ def main() -> None:
             torch.cuda.set_device(device)
         dist.init_process_group("nccl" if cuda else "gloo")
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    steps = micro_batches_per_step(args, rank, world_size)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).to(device)
+    if args.synthetic_batches:
+        steps = synthetic_micro_batches(args, rank, model.config.vocab_size)
+    else:
+        steps = micro_batches_per_step(args, rank, world_size)
     model.train()
     if accelerator is None:
         model, clip = wrap(model, args.impl, device)
@@ -115,6 +148,19 @@ def main() -> None:
         model, optimizer = accelerator.prepare(model, optimizer)
         clip = accelerator.clip_grad_norm_
 
+    tracker = None
+    if args.track_memory:
+        from torch.distributed._tools.mem_tracker import MemTracker
+
+        tracker = MemTracker()
+        if args.impl == "fsdp1":
+            # use_orig_params: a module's parameters are non-leaf views of the flat parameter during its forward,
+            # where no grad hook can go. Every byte is still counted (grads as the allocations they are), only
+            # gradients are not told apart from temporaries.
+            track = tracker._track_module_params_and_buffers
+            tracker._track_module_params_and_buffers = lambda module, install_grad_hooks=True: track(module, False)
+        tracker.track_external(model, optimizer)
+        tracker.__enter__()
     tokens_per_s, losses = [], []
     for micro_batches in steps:
         started = time.perf_counter()
@@ -139,12 +185,16 @@ def main() -> None:
                 micro = loss_sum(model, batch)
                 (micro * world_size / targets).backward()
             total += micro.detach().double()
+            if tracker is not None:
+                tracker.reset_mod_stats()  # per-module stats of one forward/backward (fsdp2kit does the same)
         dist.all_reduce(total)
         clip(list(model.parameters()), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(total.item() / targets)
         tokens_per_s.append(tokens / (time.perf_counter() - started))
+    if tracker is not None:
+        tracker.__exit__(None, None, None)
     if rank == 0:
         result = {
             "tokens_per_s": tokens_per_s,
@@ -154,6 +204,12 @@ def main() -> None:
             if cuda
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         }
+        if tracker is not None:
+            from fsdp2kit.train.memory import tracker_peak
+
+            peak = tracker_peak(tracker, device)
+            result["tracked_peak_bytes"] = peak.pop("total", 0)
+            result["tracked_peak_categories"] = peak
         if accelerator is not None:
             result["accelerate_mode"] = str(accelerator.distributed_type).rsplit(".", 1)[-1]
         with open(args.out, "w") as handle:

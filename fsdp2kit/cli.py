@@ -99,6 +99,17 @@ def _add_config_command(sub: argparse.ArgumentParser, name: str) -> None:
             default=None,
             help="also print, as --set lines, the fastest configuration whose per-rank peak fits X GiB",
         )
+        sub.add_argument(
+            "--measure",
+            action="store_true",
+            help="with --budget-gb: train a few real steps of each configuration that fits and pick the fastest",
+        )
+        sub.add_argument(
+            "--measure-steps",
+            type=int,
+            default=5,
+            help="with --measure: optimizer steps per configuration (tokens/s: median after the first; default 5)",
+        )
 
 
 def _add_convert(convert: argparse.ArgumentParser) -> None:
@@ -229,15 +240,33 @@ def _run_rank(args: argparse.Namespace, cfg: JobConfig) -> int:
 
 
 def _plan(args: argparse.Namespace, world_size: int) -> int:
-    from fsdp2kit.memory_plan import ConfigSource, print_plan
+    from fsdp2kit.memory_plan import GIB, ConfigSource, candidate_configs, plan_report, planned_fit, print_plan
     from fsdp2kit.parallel.mesh import mesh_layout
 
     if args.budget_gb is not None and args.budget_gb <= 0:
         raise UserError(f"--budget-gb {args.budget_gb}: give the memory per rank in GiB, > 0")
+    if args.measure and args.budget_gb is None:
+        raise UserError("--measure measures the configurations that fit a budget: give --budget-gb X too")
+    if args.measure and args.measure_steps < 2:
+        raise UserError(f"--measure-steps {args.measure_steps}: give >= 2 (the first step warms up and is not timed)")
     source = ConfigSource(args.config, args.overrides, args.role, args.fsdp_config)
     cfg = source.load()
     mesh_layout(world_size, cfg.strategy_args.strategy_config, cfg.model.ulysses_size)  # the mesh must exist
-    print_plan(source, world_size, args.json, args.budget_gb)
+    report = plan_report(source, world_size, args.budget_gb)
+    if args.measure:
+        from fsdp2kit.plan_measure import measure_candidates, print_measured, train_command
+
+        command = train_command(args.config, world_size, args.role, args.fsdp_config)
+        budget_bytes = int(args.budget_gb * GIB)
+
+        def fits(candidate: dict[str, object]) -> dict[str, object] | None:
+            return planned_fit(source, world_size, budget_bytes, candidate)
+
+        measured = measure_candidates(command, args.overrides, candidate_configs(source), fits, args.measure_steps)
+        report["budget"]["measured"] = measured  # type: ignore[index]
+    print_plan(report, args.json)
+    if args.measure and not args.json:
+        print_measured(report["budget"]["measured"], args.budget_gb)  # type: ignore[index]
     return 0
 
 

@@ -139,7 +139,8 @@ def _trace(cfg: JobConfig, world_size: int) -> dict[str, object]:
             with tracker:
                 for _ in range(2):  # the second step is the steady state: optimizer states exist during backward
                     for index, batch in enumerate(micro_batches):
-                        cast(FSDPModule, model).set_requires_gradient_sync(index == accumulation - 1)
+                        sync = cfg.strategy_args.strategy_config.sync_each_batch or index == accumulation - 1
+                        cast(FSDPModule, model).set_requires_gradient_sync(sync)
                         if sharded.sp_group is not None:
                             batch = sharded.variant.shard_batch(batch, sharded.sp_group)
                         loss(model, index, batch, 0.0)[0].backward()
@@ -242,9 +243,10 @@ def _micro_batch_choices(cfg: JobConfig) -> list[tuple[int, int]]:
     return [(size, per_rank // size) for size in range(per_rank, 0, -1) if per_rank % size == 0]
 
 
-def fastest_within(source: ConfigSource, world_size: int, budget_bytes: int) -> dict[str, object] | None:
-    """The first configuration that fits, in an order of expected speed: no offload before offload, no recompute
-    before recompute, larger micro-batches before smaller, less sharding before more (communication)."""
+def candidate_configs(source: ConfigSource) -> Iterator[dict[str, object]]:
+    """Every configuration of the budget search, in an order of expected speed: no offload before offload, no
+    recompute before recompute, larger micro-batches before smaller, less sharding before more (communication).
+    The per-rank batch of a step is kept (micro-batch x accumulation)."""
     choices = _micro_batch_choices(source.load())
     for offload in (False, True):
         for recompute in (False, True):
@@ -257,13 +259,40 @@ def fastest_within(source: ConfigSource, world_size: int, budget_bytes: int) -> 
                     overrides = [*_variant(strategy, recompute), *batch]
                     if offload:
                         overrides.append(f"{_STRATEGY}.offload_policy=true")
-                    try:
-                        result = predict(source, world_size, overrides)
-                    except UserError:
-                        continue
-                    if result["peak_bytes"] <= budget_bytes:  # type: ignore[operator]
-                        return {"overrides": overrides, **_row(strategy, recompute, offload, result)}
-    return None
+                    yield {
+                        "overrides": overrides,
+                        "strategy": strategy,
+                        "recompute": recompute,
+                        "offload": offload,
+                        "micro_batch": micro_batch,
+                        "accumulation": accumulation,
+                    }
+
+
+def planned_fit(
+    source: ConfigSource, world_size: int, budget_bytes: int, candidate: dict[str, object]
+) -> dict[str, object] | None:
+    """The candidate with its predicted peak when that fits the budget; None when it does not or is invalid."""
+    try:
+        result = predict(source, world_size, candidate["overrides"])  # type: ignore[arg-type]
+    except UserError:  # e.g. NO_SHARD with an explicit fsdp_size
+        return None
+    if result["peak_bytes"] > budget_bytes:  # type: ignore[operator]
+        return None
+    row = _row(str(candidate["strategy"]), bool(candidate["recompute"]), bool(candidate["offload"]), result)
+    return {**candidate, **row}
+
+
+def fitting_candidates(source: ConfigSource, world_size: int, budget_bytes: int) -> Iterator[dict[str, object]]:
+    """The candidates that fit, in `candidate_configs`' order, each with its predicted peak."""
+    for candidate in candidate_configs(source):
+        if (fits := planned_fit(source, world_size, budget_bytes, candidate)) is not None:
+            yield fits
+
+
+def fastest_within(source: ConfigSource, world_size: int, budget_bytes: int) -> dict[str, object] | None:
+    """The first configuration that fits, in the order of `fitting_candidates`: the heuristic answer."""
+    return next(fitting_candidates(source, world_size, budget_bytes), None)
 
 
 def plan_report(source: ConfigSource, world_size: int, budget_gb: float | None) -> dict[str, object]:
@@ -274,38 +303,48 @@ def plan_report(source: ConfigSource, world_size: int, budget_gb: float | None) 
     return report
 
 
-def print_plan(source: ConfigSource, world_size: int, as_json: bool, budget_gb: float | None) -> None:
-    report = plan_report(source, world_size, budget_gb)
+def print_plan(report: dict[str, object], as_json: bool) -> None:
+    """The report as a JSON object or tables. With a measured budget answer (`plan_measure`) the heuristic's pick
+    is named here and the --set lines are the measured winner's, printed after the measurement's table."""
     if as_json:
         print(json.dumps(report), flush=True)
         return
     from rich.console import Console
     from rich.table import Table
 
-    def gib(value: object) -> str:
-        return f"{int(value) / GIB:.3f}"  # type: ignore[call-overload]
-
     console = Console()
-    peak = gib(report["peak_bytes"])
+    world_size = report["world_size"]
+    peak = _gib(report["peak_bytes"])
     console.print(f"per-rank memory at {world_size} rank(s), GiB ({report['source']}): peak {peak}")
     categories = Table("at the peak (traced)", "GiB")
     for key, value in report["categories"].items():  # type: ignore[attr-defined]
-        categories.add_row(key, gib(value))
+        categories.add_row(key, _gib(value))
     console.print(categories)
     computed = Table("from the shard shapes (computed)", "GiB")
     for key, value in report["computed"].items():  # type: ignore[attr-defined]
-        computed.add_row(key, gib(value))
+        computed.add_row(key, _gib(value))
     console.print(computed)
     strategies = Table("strategy", "recompute", "offload", "peak GiB", "how")
     for row in report["strategies"]:  # type: ignore[attr-defined]
-        peak = gib(row["peak_bytes"]) if "peak_bytes" in row else row["error"]
+        peak = _gib(row["peak_bytes"]) if "peak_bytes" in row else row["error"]
         strategies.add_row(row["strategy"], str(row["recompute"]), str(row["offload"]), peak, row.get("source", ""))
     console.print(strategies)
-    if budget_gb is not None:
-        fits = report["budget"]["fits"]  # type: ignore[index]
-        if fits is None:
-            console.print(f"nothing fits {budget_gb} GB per rank at {world_size} rank(s): add ranks or cut seq_len")
-        else:
-            console.print(f"fastest within {budget_gb} GB per rank ({gib(fits['peak_bytes'])} GiB):")
-            for line in fits["overrides"]:
-                print(f"--set {line}")
+    if "budget" in report:
+        _print_budget(console, report["budget"], world_size)  # type: ignore[arg-type]
+
+
+def _gib(value: object) -> str:
+    return f"{int(value) / GIB:.3f}"  # type: ignore[call-overload]
+
+
+def _print_budget(console: object, budget: dict[str, object], world_size: object) -> None:
+    fits, budget_gb = budget["fits"], budget["gb"]
+    if fits is None:
+        console.print(f"nothing fits {budget_gb} GB per rank at {world_size} rank(s): add ranks or cut seq_len")  # type: ignore[attr-defined]
+    elif "measured" in budget:
+        pick = ", ".join(line.rsplit(".", 1)[-1] for line in fits["overrides"])  # type: ignore[index]
+        console.print(f"heuristic pick within {budget_gb} GB (first that fits, not measured): {pick}")  # type: ignore[attr-defined]
+    else:
+        console.print(f"fastest within {budget_gb} GB per rank ({_gib(fits['peak_bytes'])} GiB):")  # type: ignore[attr-defined, index]
+        for line in fits["overrides"]:  # type: ignore[index]
+            print(f"--set {line}", flush=True)

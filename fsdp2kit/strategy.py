@@ -151,6 +151,7 @@ class Strategy:
             self.sharded.variant.shard_batch,
             on_micro_batch_done=on_micro_batch_done,
             loss=loss if loss is not None else TokenCrossEntropy(self.chunk_tokens),
+            sync_each_batch=self.cfg.strategy_args.strategy_config.sync_each_batch,
         )
         self.steps_done += 1
         return result

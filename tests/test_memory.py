@@ -3,6 +3,8 @@ predicts the per-rank peak a real run measures."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from conftest import process_group, read_metrics, run_cli, sharded_model
 
@@ -117,3 +119,62 @@ def test_plan_leaves_no_rank_behind_in_this_process():
     with process_group(size=2, rank=1) as runtime:
         model = sharded_model(load_config("examples/demo.yaml", tiny), runtime, training=False).model
         assert {p.device_mesh.get_coordinate() for p in model.parameters()} == {(1,)}
+
+
+@pytest.mark.slow
+def test_plan_measure_picks_the_fastest_measured_configuration():
+    """`plan --budget-gb X --measure` trains a few real steps of each configuration that fits (in the heuristic's
+    order, skipping those that cannot win) and picks the one with the most measured tokens/s."""
+    tiny = [
+        "model.config.num_hidden_layers=1",
+        "data.seq_len=32",
+        "training.per_device_train_batch_size=1",
+        "training.gradient_accumulation_steps=2",
+    ]
+    sets = [arg for item in tiny for arg in ("--set", item)]
+    result = run_cli(
+        "plan", "examples/demo.yaml", "--budget-gb", "1", "--measure", "--measure-steps", "2", "--json", *sets
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    measured = json.loads(result.stdout.splitlines()[-1])["budget"]["measured"]
+    rows = measured["candidates"]
+    runs = [row for row in rows if row["status"] == "measured"]
+    assert {(r["strategy"], r["micro_batch"]) for r in runs} == {
+        (s, m) for s in ("NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD") for m in (2, 1)
+    }
+    assert all(r["peak_bytes"] <= 1024**3 and r["tokens_per_s"] > 0 for r in runs)
+    # Recompute with the same sharding and micro-batch as a measured run cannot win; offload needs CUDA.
+    assert all(row["status"] == "skipped" for row in rows if row["recompute"] or row["offload"])
+    fastest = measured["fastest"]
+    assert fastest["tokens_per_s"] == max(r["tokens_per_s"] for r in runs)
+    assert measured["heuristic_pick"] == 1
+    assert measured["heuristic_agrees"] == (fastest["index"] == 1)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--measure"], "--measure measures the configurations that fit a budget: give --budget-gb X too"),
+        (
+            ["--budget-gb", "1", "--measure", "--measure-steps", "1"],
+            "--measure-steps 1: give >= 2 (the first step warms up and is not timed)",
+        ),
+    ],
+    ids=["no_budget", "one_step"],
+)
+def test_plan_measure_mistakes_exit_2_with_one_line(args, message):
+    result = run_cli("plan", "examples/demo.yaml", *args)
+    assert result.returncode == 2
+    assert result.stderr == f"error: {message}\n"
+
+
+def test_sync_each_batch_holds_only_sharded_gradients():
+    """strategy_config.sync_each_batch reduce-scatters after every micro-batch: between micro-batches each rank holds
+    its gradient shard, not the whole unsharded gradient that skipping the sync accumulates (FSDP1's behaviour)."""
+    tiny = [*SMALL, *ZERO[3]]
+    source = ConfigSource("examples/demo.yaml", tiny, None, None)
+    once = predict(source, 2)
+    each = predict(source, 2, ["strategy_args.strategy_config.sync_each_batch=true"])
+    assert "unsharded_grad" in once["categories"] and "unsharded_grad" not in each["categories"]
+    assert each["categories"]["sharded_grad"] == once["computed"]["sharded_grads"]
+    assert each["peak_bytes"] < once["peak_bytes"]

@@ -478,6 +478,11 @@ class StrategyConfig(Section):
     use_reentrant: bool = Field(True, description="reentrant activation checkpointing implementation")
     offload_policy: bool = Field(False, description="CPUOffloadPolicy: sharded params, grads and optimizer step on CPU")
     pin_memory: bool = Field(False, description="pinned host memory for offloaded tensors (only with offload)")
+    sync_each_batch: bool = Field(
+        False,
+        description="reduce-scatter gradients after every micro-batch, not once per step: only sharded gradients "
+        "are held between micro-batches (less memory, a reduce-scatter per micro-batch; Accelerate's sync_each_batch)",
+    )
     num_to_forward_prefetch: int = Field(0, ge=0, description="explicitly prefetch the next k shard groups in forward")
     num_to_backward_prefetch: int = Field(
         1, ge=0, description="explicitly prefetch the previous k shard groups in backward"

@@ -99,6 +99,7 @@ class _Accumulation:
     sp_group: ProcessGroup | None
     shard_batch: Callable[[dict[str, torch.Tensor], ProcessGroup], dict[str, torch.Tensor]]
     on_micro_batch_done: Callable[[], None] | None
+    sync_each_batch: bool = False  # reduce-scatter after every micro-batch: no unsharded gradients held between
 
 
 def _forward_backward(
@@ -111,8 +112,8 @@ def _forward_backward(
     loss_sum = torch.zeros((), dtype=torch.float64, device=run.loss_factor.device)
     weight_drift = torch.zeros((), dtype=torch.float64, device=run.loss_factor.device)
     for index, batch in enumerate(micro_batches):
-        if isinstance(model, FSDPModule):  # reduce-scatter once per step, not per micro-batch
-            model.set_requires_gradient_sync(index == len(micro_batches) - 1)
+        if isinstance(model, FSDPModule):  # reduce-scatter once per step (unless run.sync_each_batch)
+            model.set_requires_gradient_sync(run.sync_each_batch or index == len(micro_batches) - 1)
         if run.sp_group is not None:
             batch = run.shard_batch(batch, run.sp_group)  # this rank's slice of the tokens
         micro_loss, weight = loss(model, index, batch, run.aux_loss_weight)
@@ -137,6 +138,7 @@ def train_step(
     shard_batch: Callable[[dict[str, torch.Tensor], ProcessGroup], dict[str, torch.Tensor]] = shard_sequence,
     on_micro_batch_done: Callable[[], None] | None = None,
     loss: MicroBatchLoss | None = None,
+    sync_each_batch: bool = False,
 ) -> StepResult:
     """Every rank calls it with its own micro-batches (the ranks of a sequence-parallel group with the same ones,
     each training on the slice `shard_batch` cuts for it). `model` is FSDP-sharded or, in a world of one, a plain
@@ -168,7 +170,9 @@ def train_step(
     # scale, 1 otherwise). With sequence parallel each rank of a group holds a part of the group's gradient, and
     # the average over all ranks sums those parts.
     loss_factor = world_size * guard.scaler.scale / target_tokens
-    run = _Accumulation(loss, weights, loss_factor, aux_loss_weight, sp_group, shard_batch, on_micro_batch_done)
+    run = _Accumulation(
+        loss, weights, loss_factor, aux_loss_weight, sp_group, shard_batch, on_micro_batch_done, sync_each_batch
+    )
     loss_sum, weight_drift = _forward_backward(model, micro_batches, run)
     all_reduce_replicated_grads(params, world_size)
     dist.all_reduce(loss_sum)
