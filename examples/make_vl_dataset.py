@@ -1,7 +1,9 @@
 """Write a tiny image+text dataset for vision-language SFT: coloured shapes on small PNGs (Pillow) and questions
-about them, in both record forms fsdp2kit reads, with some text-only records among them.
+about them, in three record forms fsdp2kit reads, with some text-only records among them.
 
-    python examples/make_vl_dataset.py data/vl      # -> data/vl/train.jsonl (chat form), data/vl/llava.jsonl, images/
+    python examples/make_vl_dataset.py data/vl
+    # -> data/vl/train.jsonl (transformers' chat form), llava.jsonl (LLaVA/ShareGPT), llamafactory.json (LLaMA-Factory's
+    #    multimodal form: `<image>` in the turns' text and an `images` list, a JSON array as its files are), images/
 """
 
 from __future__ import annotations
@@ -34,12 +36,13 @@ def draw(path: Path, colour: str, shape: str, size: tuple[int, int]) -> None:
 def main(out: Path, records: int, seed: int) -> None:
     rng = random.Random(seed)
     (out / "images").mkdir(parents=True, exist_ok=True)
-    chat, llava = [], []
+    chat, llava, llamafactory = [], [], []
     for i in range(records):
         if i % 3 == 2:  # a text-only record
             question, answer = FACTS[i % len(FACTS)]
             chat.append({"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]})
             llava.append({"conversations": [{"from": "human", "value": question}, {"from": "gpt", "value": answer}]})
+            llamafactory.append(chat[-1])
             continue
         colour, shape = rng.choice(list(COLOURS)), rng.choice(SHAPES)
         name = f"images/{i:03d}.png"
@@ -59,9 +62,12 @@ def main(out: Path, records: int, seed: int) -> None:
                 "conversations": [{"from": "human", "value": f"<image>\n{question}"}, {"from": "gpt", "value": answer}],
             }
         )
+        turns = [{"role": "user", "content": f"<image>{question}"}, {"role": "assistant", "content": answer}]
+        llamafactory.append({"messages": turns, "images": [name]})
     for file, rows in (("train.jsonl", chat), ("llava.jsonl", llava)):
         (out / file).write_text("".join(json.dumps(row) + "\n" for row in rows))
-    print(f"wrote {records} records to {out / 'train.jsonl'} and {out / 'llava.jsonl'}")
+    (out / "llamafactory.json").write_text(json.dumps(llamafactory, indent=1))
+    print(f"wrote {records} records to {out / 'train.jsonl'}, {out / 'llava.jsonl'} and {out / 'llamafactory.json'}")
 
 
 if __name__ == "__main__":

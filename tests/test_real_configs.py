@@ -568,7 +568,8 @@ def test_native_file_val_size_and_val_interval_are_the_evaluation():
 @pytest.mark.slow
 def test_native_qwen35_file_trains_two_steps_on_two_ranks(tmp_path):
     """MindSpeed-MM's Qwen3.5-4B file as written (activation offload off on this CPU), a tiny Qwen3.5 and image+text
-    conversations: 2 optimizer steps on 2 ranks, its recompute, bf16/fp32 precision and chunked loss included."""
+    conversations in LLaMA-Factory's form (the form its `dataset_param.attr` names: `messages` with `<image>` and an
+    `images` list): 2 optimizer steps on 2 ranks, its recompute, bf16/fp32 precision and chunked loss included."""
     sys.path.insert(0, str(REPO / "examples"))
     from make_vl_dataset import main as make_dataset
 
@@ -577,7 +578,7 @@ def test_native_qwen35_file_trains_two_steps_on_two_ranks(tmp_path):
     settings = [
         NO_OFFLOAD,
         "model.name_or_path=builtin:tiny-qwen3.5",
-        f"data.source={tmp_path / 'train.jsonl'}",
+        f"data.source={tmp_path / 'llamafactory.json'}",
         "data.seq_len=256",
         "training.max_steps=2",
         f"training.output_dir={tmp_path / 'run'}",
