@@ -267,6 +267,23 @@ def test_a_crafted_data_line_is_one_line_quickly(tmp_path: Path, line: bytes, fr
     one_line_error(result, f"data.source: '{source}' {fragment}")
 
 
+@pytest.mark.parametrize(
+    ("text", "fragment"),
+    [
+        (b'[{"messages": ' + b"[" * 20000 + b"]" * 20000 + b"}]", "nests JSON more than 200 levels deep"),
+        (b'[{"messages": [}]', "is not a JSON array of records (Expecting value"),
+        (b'[{"messages": []}, "not a record"]', "is not a JSON array of records (objects)"),
+    ],
+    ids=["20000 deep", "not json", "not objects"],
+)
+def test_a_crafted_json_array_file_is_one_line(tmp_path: Path, text: bytes, fragment: str):
+    """A .json array (LLaMA-Factory's files) is read whole, not line by line: the deep one ended in a RecursionError
+    traceback from Python's JSON parser."""
+    source = tmp_path / "data.json"
+    source.write_bytes(text)
+    one_line_error(prepare(source, tmp_path / "cache"), f"data.source: '{source}' {fragment}")
+
+
 def crafted_png(path: Path, width: int, height: int) -> Path:
     """A PNG whose header claims width x height pixels (its data is one pixel's): what a decompression bomb looks like
     to a reader that trusts the header."""

@@ -268,13 +268,7 @@ def json_records(files: list[Path], max_bytes: int) -> list[tuple[str, dict]]:
     records: list = []
     for file in files:
         if _json_array(file):
-            try:
-                array = json.loads(file.read_bytes())
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                raise UserError(f"data.source: '{file}' is not a JSON array of records ({exc})") from None
-            if not isinstance(array, list) or not all(isinstance(r, dict) for r in array):
-                raise UserError(f"data.source: '{file}' is not a JSON array of records (objects)")
-            records += [(f"record {n} of '{file}'", r) for n, r in enumerate(array, 1)]
+            records += [(f"record {n} of '{file}'", r) for n, r in enumerate(_array_records(file), 1)]
             continue
         where = _first_bad_line([file], "json", max_bytes)
         if where is not None:
@@ -286,15 +280,27 @@ def json_records(files: list[Path], max_bytes: int) -> list[tuple[str, dict]]:
     return records
 
 
+def _array_records(file: Path) -> list[dict]:
+    """The records of a .json array file, read whole, each checked as a jsonl line is: nesting past MAX_JSON_DEPTH
+    (Python's parser recurses and would end in a RecursionError), not JSON, not objects are one line."""
+    raw = file.read_bytes()
+    if json_depth_exceeds(raw, MAX_JSON_DEPTH + 1):  # the array itself is one level
+        raise UserError(f"data.source: '{file}' nests JSON more than {MAX_JSON_DEPTH} levels deep")
+    try:
+        array = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise UserError(f"data.source: '{file}' is not a JSON array of records ({exc})") from None
+    if not isinstance(array, list) or not all(isinstance(r, dict) for r in array):
+        raise UserError(f"data.source: '{file}' is not a JSON array of records (objects)")
+    return array
+
+
 def _first_record(files: list[Path]) -> dict:
     """The first record of a json source, cheaply (a .json array is parsed whole)."""
     file = files[0]
     if _json_array(file):
-        try:
-            array = json.loads(file.read_bytes())
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return {}
-        return array[0] if isinstance(array, list) and array and isinstance(array[0], dict) else {}
+        array = _array_records(file)
+        return array[0] if array else {}
     with file.open("rb") as handle:
         for line in handle:
             if line.strip():
