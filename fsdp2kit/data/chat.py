@@ -204,19 +204,23 @@ def _plain(content: str | list) -> str:
     return texts[-1] if texts else ""
 
 
+def given_template(given: str) -> str:
+    """`data.chat_template` as template text: inline where it holds Jinja markers, else the file it names."""
+    if "{{" in given or "{%" in given:
+        return given
+    path = Path(given).expanduser()
+    if not path.is_file():
+        raise UserError(f"data.chat_template: no such file '{given}' (give a Jinja file or the template inline)")
+    return path.read_text(encoding="utf-8")
+
+
 def template_text(cfg: DataConfig, tokenizer: Any, model_type: str | None) -> str:
     """The chat template conversations are rendered with: `data.chat_template` (a file or inline), else the
     tokenizer's own; `data.template` must name the model's family."""
     if cfg.template is not None:
         check_template_name(cfg.template, model_type)
-    given = cfg.chat_template
-    if given is not None:
-        if "{{" in given or "{%" in given:
-            return given
-        path = Path(given).expanduser()
-        if not path.is_file():
-            raise UserError(f"data.chat_template: no such file '{given}' (give a Jinja file or the template inline)")
-        return path.read_text(encoding="utf-8")
+    if cfg.chat_template is not None:
+        return given_template(cfg.chat_template)
     own = getattr(tokenizer, "chat_template", None)
     if isinstance(own, dict):  # several named templates: the default one
         own = own.get("default")

@@ -36,7 +36,7 @@ import tokenizers
 
 from fsdp2kit.config.schema import DataConfig
 from fsdp2kit.data.builtin import cache_root
-from fsdp2kit.data.chat import Chat, ChatTemplate
+from fsdp2kit.data.chat import Chat, ChatTemplate, given_template
 from fsdp2kit.data.dataset import SourceDocuments, open_source, single_source, source_files
 from fsdp2kit.durable import disk_full_message, folder_bytes, fsync_dir, ran_out_of_space, write_durable
 from fsdp2kit.errors import RunFault, UserError
@@ -107,9 +107,7 @@ def store_fingerprint(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> di
 
 def _chat_fingerprint(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> list:
     """What decides a conversation's tokens and masks: the form, the template's text and the mask options."""
-    template = cfg.chat_template
-    if template is not None and "{" not in template and Path(template).expanduser().is_file():
-        template = Path(template).expanduser().read_text(encoding="utf-8")
+    template = given_template(cfg.chat_template) if cfg.chat_template is not None else None
     own = getattr(tokenizer, "chat_template", None)
     texts = json.dumps([template, own], sort_keys=True, default=str)
     options = [cfg.format, cfg.template, cfg.train_on_prompt, cfg.mask_history, cfg.train_on_eos]
