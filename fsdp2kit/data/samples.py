@@ -24,6 +24,9 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 
+_MASK_BLOCK_TOKENS = 1 << 24  # tokens of a conversation store's mask read at once when counting samples with targets
+
+
 def conversation_window(store: TokenStore, index: int, width: int) -> tuple[int, np.ndarray]:
     """Where conversation `index` starts in the store and the trained mask of its first tokens: all of them, or when
     it is longer than `width`, up to the end of the last trained turn that ends within `width` (else `width`)."""
@@ -82,16 +85,29 @@ class TrainingSamples:
         return targets > 0
 
     def _with_mask_targets(self, pack: bool) -> np.ndarray:
-        """Which windows (packing) or conversations have a trained token after their first, from the store mask."""
-        store = self.store
-        assert store.masks is not None
-        before = np.concatenate([[0], np.cumsum(store.masks, dtype=np.int64)])
+        """Which windows (packing) or conversations have a trained token after their first, from the store mask,
+        read a block of about _MASK_BLOCK_TOKENS at a time: memory stays flat whatever the corpus size."""
+        store, masks, width = self.store, self.store.masks, self.width
+        assert masks is not None
         if pack:
-            starts = np.arange(store.num_tokens // self.width, dtype=np.int64) * self.width
-            return before[starts + self.width] - before[starts + 1] > 0
+            windows = store.num_tokens // width
+            per_block = max(1, _MASK_BLOCK_TOKENS // width)
+            kept = np.zeros(windows, dtype=bool)
+            for first in range(0, windows, per_block):
+                last = min(first + per_block, windows)
+                block = np.asarray(masks[first * width : last * width]).reshape(last - first, width)
+                kept[first:last] = block[:, 1:].any(axis=1)
+            return kept
         offsets = np.asarray(store.offsets)
-        ends = np.minimum(offsets[1:], offsets[:-1] + self.width)
-        return before[ends] - before[offsets[:-1]] > 0
+        bounds = np.unique(np.searchsorted(offsets, np.arange(0, store.num_tokens, _MASK_BLOCK_TOKENS), "right") - 1)
+        kept = np.zeros(store.num_documents, dtype=bool)
+        for first, last in zip(bounds, [*bounds[1:], store.num_documents], strict=True):
+            base = offsets[first]
+            before = np.concatenate([[0], np.cumsum(masks[base : offsets[last]], dtype=np.int64)])
+            starts = offsets[first:last]
+            ends = np.minimum(offsets[first + 1 : last + 1], starts + width)
+            kept[first:last] = before[ends - base] - before[starts - base] > 0
+        return kept
 
     def _cut_conversation(self, unit: int) -> Sample:
         """A conversation, cut (when longer than seq_len + 1 tokens) after the last trained turn that ends within
