@@ -8,7 +8,6 @@ skipped, not run, when it cannot win or is not expected to (SKIP_RULE).
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import subprocess
@@ -18,6 +17,8 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
+
+from fsdp2kit.train.loggers import read_records
 
 SKIP_RULE = (
     "a candidate is not run when (1) one with the same sharding and micro-batch, measured or itself skipped by (1) "
@@ -62,7 +63,7 @@ def measure_one(command: list[str], sets: list[str], out: Path, steps: int) -> d
     if result.returncode or not metrics.exists():
         lines = result.stderr.strip().splitlines() or [f"exit code {result.returncode}"]
         return {"status": "failed", "reason": lines[-1]}
-    records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    records = read_records(metrics)
     steady = records[1:] or records
     return {
         "status": "measured",
