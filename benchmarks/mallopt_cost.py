@@ -1,49 +1,27 @@
-"""The speed and memory cost of the CPU allocator setting fsdp2kit's ranks make (glibc M_MMAP_THRESHOLD fixed at
-4 MiB, so freed all-gather buffers go back to the OS): the hand-written fully_shard loop with and without it,
-alternately, medians of the repeats. Prints one JSON object per world size: ratio_tokens_per_s and ratio_peak_mem
-(with the setting / glibc's default; peak RSS of rank 0) and loss_max_rel_diff (0: the setting changes no number).
+"""The speed and memory of three CPU allocator settings, on the hand-written fully_shard loop (so only the
+allocator differs), alternately, medians of the repeats:
+
+- `glibc`: glibc as it comes (its mmap threshold rises after each large free, freed heap memory is kept);
+- `return`: M_MMAP_THRESHOLD fixed at 4 MiB for the whole run, large frees unmapped (fsdp2kit's ranks before);
+- `fsdp2kit`: that while loading, then the steps' setting (`distributed.reuse_freed_memory`: buffers up to 32 MiB
+  from the heap, freed memory kept for the next step), what fsdp2kit's CPU ranks do now.
+
+Prints one JSON object: per world size each arm's tokens/s, peak RSS of rank 0 and losses, and the ratios
+fsdp2kit / return and fsdp2kit / glibc (loss_max_rel_diff 0: the allocator changes no number).
 
 Run: .venv/bin/python benchmarks/mallopt_cost.py [--world-sizes 2] [--repeats 3] [--steps 6]
 """
 
-from __future__ import annotations
-
-import argparse
-import json
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import Workload, compare, model_folder, run_reference  # noqa: E402
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--world-sizes", type=int, nargs="+", default=[2])
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--accumulation", type=int, default=2)
-    args = parser.parse_args()
-    work = Workload(args.seq_len, args.batch, args.accumulation, args.steps)
-    results = {}
-    with tempfile.TemporaryDirectory(prefix="fsdp2kit-mallopt-") as workdir:
-        root = Path(workdir)
-        model = model_folder(root)
-        for nproc in args.world_sizes:
-            tuned, default = [], []
-            for repeat in range(args.repeats):
-                tuned.append(run_reference("fsdp2", model, nproc, work, root / f"tuned_{nproc}_{repeat}.json"))
-                default.append(
-                    run_reference(
-                        "fsdp2", model, nproc, work, root / f"default_{nproc}_{repeat}.json", ["--glibc-default-mmap"]
-                    )
-                )
-            results[str(nproc)] = compare(tuned, default, ("mmap_threshold_4MiB", "glibc_default"))
-    print(json.dumps({"benchmark": "mallopt_cost", "workload": work.__dict__, "world_sizes": results}))
-
+from harness import Arm, arms_main  # noqa: E402
 
 if __name__ == "__main__":
-    main()
+    arms_main(
+        "mallopt_cost",
+        [Arm(name, "fsdp2", ("--allocator", name)) for name in ("fsdp2kit", "return", "glibc")],
+        [("fsdp2kit", "return"), ("fsdp2kit", "glibc")],
+        "the fully_shard loop with three CPU allocator settings",
+    )

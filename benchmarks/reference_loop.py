@@ -115,13 +115,17 @@ def main() -> None:
         help="random token batches made up front instead of fsdp2kit's data pipeline (what the pipeline costs)",
     )
     parser.add_argument(
-        "--glibc-default-mmap", action="store_true", help="keep glibc's own mmap threshold (benchmarks/mallopt_cost.py)"
+        "--allocator",
+        choices=["glibc", "return", "fsdp2kit"],
+        default="glibc",
+        help="glibc's own settings (a loop as a user writes it), large frees always returned to the OS "
+        "(fsdp2kit before), or fsdp2kit's: returned while loading, reused by the steps (benchmarks/mallopt_cost.py)",
     )
     args = parser.parse_args()
-    from fsdp2kit.distributed import return_large_frees_to_os
+    from fsdp2kit.distributed import return_large_frees_to_os, reuse_freed_memory
 
-    if not args.glibc_default_mmap:
-        return_large_frees_to_os()  # the same allocator setting fsdp2kit's CPU ranks use
+    if args.allocator != "glibc":
+        return_large_frees_to_os()
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
     accelerator = None
@@ -161,6 +165,8 @@ def main() -> None:
             tracker._track_module_params_and_buffers = lambda module, install_grad_hooks=True: track(module, False)
         tracker.track_external(model, optimizer)
         tracker.__enter__()
+    if args.allocator == "fsdp2kit":
+        reuse_freed_memory(device)
     tokens_per_s, losses = [], []
     for micro_batches in steps:
         started = time.perf_counter()

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import re
 import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -32,16 +34,57 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def return_large_frees_to_os(threshold_bytes: int = 4 << 20) -> None:
-    """On CPU, tensors live in glibc's heap. Its default raises the mmap threshold after each large free, so freed
-    all-gather buffers stay in the heap and the process's memory only grows (peak RSS 1.5-2x what is live).
-    A fixed threshold maps large buffers separately and unmaps them when freed."""
+# glibc's mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
+
+
+def _mallopt(settings: dict[int, int], trim: bool = False) -> None:
     try:
         import ctypes
 
-        ctypes.CDLL("libc.so.6").mallopt(-3, threshold_bytes)  # -3 = M_MMAP_THRESHOLD
+        libc = ctypes.CDLL("libc.so.6")
     except OSError:  # not glibc (e.g. macOS): nothing to tune
-        pass
+        return
+    for parameter, value in settings.items():
+        libc.mallopt(parameter, value)
+    if trim:
+        libc.malloc_trim(0)
+
+
+def return_large_frees_to_os(threshold_bytes: int = 4 << 20) -> None:
+    """On CPU, tensors live in glibc's heap. Its default raises the mmap threshold after each large free, so freed
+    buffers of one-off work (loading, exporting: each tensor a new size) stay in the heap and the process's memory
+    only grows (a load showed 3.2x what is live). A fixed threshold maps large buffers separately and unmaps them
+    when freed; what the heap holds free is given back."""
+    _ALLOCATOR["reusing"] = False
+    _mallopt({_M_MMAP_THRESHOLD: threshold_bytes, _M_TRIM_THRESHOLD: 128 << 10, _M_TOP_PAD: 128 << 10}, trim=True)
+
+
+_ALLOCATOR = {"reusing": False}  # whether this process's heap is in the steps' mode (reuse_freed_memory)
+
+
+def reuse_freed_memory(device: torch.device) -> None:
+    """Steps allocate the same buffers every time: on CPU, keep freed memory in the heap for the next step (buffers
+    up to 32 MiB from the heap, up to 1 GiB free kept), as CUDA's caching allocator keeps its blocks. Returning it
+    made the kernel fault every large buffer's pages in again each step (260k page faults per step at 2 ranks of
+    the 25M benchmark model, 13% of the step: docs/PERFORMANCE.md). Called by every step; cheap once set."""
+    if device.type == "cpu" and not _ALLOCATOR["reusing"]:
+        _ALLOCATOR["reusing"] = True
+        _mallopt({_M_MMAP_THRESHOLD: 32 << 20, _M_TRIM_THRESHOLD: 1 << 30, _M_TOP_PAD: 64 << 20})
+
+
+@contextmanager
+def returning_freed_memory(device: torch.device) -> Iterator[None]:
+    """One-off work between steps (loading a checkpoint, an export): large buffers given back to the OS and the
+    heap's free memory released, then the steps' reuse again if it was on."""
+    reusing = _ALLOCATOR["reusing"]
+    if device.type == "cpu":
+        return_large_frees_to_os()
+    try:
+        yield
+    finally:
+        if reusing:
+            reuse_freed_memory(device)
 
 
 _ENVIRONMENT_BEFORE: dict[str, str | None] = {}  # what init_distributed replaced to run without a launcher

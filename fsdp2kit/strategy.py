@@ -22,7 +22,7 @@ from fsdp2kit.config.load import load_config, validate
 from fsdp2kit.config.schema import JobConfig
 from fsdp2kit.config.yaml_io import apply_overrides
 from fsdp2kit.data.dataset import load_tokenizer, model_inputs
-from fsdp2kit.distributed import Runtime, init_distributed
+from fsdp2kit.distributed import Runtime, init_distributed, returning_freed_memory, reuse_freed_memory
 from fsdp2kit.errors import UserError
 from fsdp2kit.labels import IGNORE_INDEX
 from fsdp2kit.models.export import export_hf, hf_tensors
@@ -139,6 +139,7 @@ class Strategy:
         optimizer = self._trainer_optimizer()
         if self.scheduler is None:
             raise UserError("train_step: the learning-rate schedule is not set (Strategy.set_schedule)")
+        reuse_freed_memory(self.runtime.device)
         result = train_step(
             self.model,
             micro_batches,
@@ -192,6 +193,7 @@ class Strategy:
     def token_logprobs(self, shifted: Batch, entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Log-probs of the shifted batch's `labels` (0 where IGNORE_INDEX) for its whole sequences: under sequence
         parallel each rank computes its slice and the slices are gathered (with autograd)."""
+        reuse_freed_memory(self.runtime.device)
         group = self.sharded.sp_group
         local = self.sharded.variant.shard_batch(shifted, group) if group is not None else shifted
         chunk = self.chunk_tokens or FORWARD_CHUNK_TOKENS
@@ -248,7 +250,8 @@ class Strategy:
         decay: the moments and the schedule's step come from the checkpoint), each change said in one line."""
         optimizer = self._trainer_optimizer()
         settings = optimizer_settings(optimizer)
-        state = manager.load(path, self.model, optimizer)
+        with returning_freed_memory(self.runtime.device):
+            state = manager.load(path, self.model, optimizer)
         check_trainer_state(state, path)
         self.restore(state)
         if self.scheduler is not None:
@@ -261,7 +264,8 @@ class Strategy:
     def export_hf(self, path: str | Path) -> None:
         """The model as an HF safetensors folder (LoRA: merged), written by rank 0 (a collective)."""
         source = self.sharded.source
-        export_hf(self.model, Path(path), source.tokenizer_path, self.cfg.model.dtype, self.runtime.is_main)
+        with returning_freed_memory(self.runtime.device):
+            export_hf(self.model, Path(path), source.tokenizer_path, self.cfg.model.dtype, self.runtime.is_main)
 
     def trainer_state(self, consumed_samples: int = 0) -> dict[str, Any]:
         """What a checkpoint holds besides tensors: the step, schedule, loss scale and config."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import process_group, read_metrics, run_cli, sharded_model
+from conftest import make_hf_folder, process_group, read_metrics, run_cli, sharded_model
 
 from fsdp2kit.config import load_config
 from fsdp2kit.memory_plan import ConfigSource, plan_report, predict
@@ -178,3 +178,48 @@ def test_sync_each_batch_holds_only_sharded_gradients():
     assert "unsharded_grad" in once["categories"] and "unsharded_grad" not in each["categories"]
     assert each["categories"]["sharded_grad"] == once["computed"]["sharded_grads"]
     assert each["peak_bytes"] < once["peak_bytes"]
+
+
+def _page_faults_per_step(strategy, batches: list[dict], steps: int) -> float:
+    """Minor page faults of this process per `train_step` (each one a fresh page the kernel zeroes)."""
+    import resource
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(steps):
+        strategy.train_step(batches)
+    return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / steps
+
+
+def test_cpu_steps_reuse_freed_memory_instead_of_faulting_it_in(tmp_path, monkeypatch):
+    """On CPU the steps keep freed buffers for the next step (distributed.reuse_freed_memory): a steady-state step
+    faults almost no fresh pages in, where returning every large buffer to the OS (the setting loading keeps)
+    faults each one in again every step; after an export, which returns them, the steps reuse again."""
+    import torch
+
+    import fsdp2kit
+    import fsdp2kit.strategy
+    from fsdp2kit.distributed import return_large_frees_to_os, shutdown
+
+    # 8 MiB MLP activations and 32 MiB logits: above the 4 MiB mmap threshold loading uses
+    model = tmp_path / "model"
+    make_hf_folder(model, "tiny-llama", vocab_size=4096, hidden_size=256, intermediate_size=1024)
+    config = {
+        "model": {"name_or_path": str(model)},
+        "training": {"lr_scheduler_type": "constant", "max_steps": 100, "output_dir": str(tmp_path / "out")},
+    }
+    batches = [{"input_ids": torch.randint(3, 4096, (4, 512), generator=torch.Generator().manual_seed(0))}]
+    try:
+        strategy = fsdp2kit.Strategy.from_config(config)
+        _page_faults_per_step(strategy, batches, 4)  # the heap grows to the step's size
+        reused = _page_faults_per_step(strategy, batches, 3)
+        strategy.export_hf(tmp_path / "hf")
+        _page_faults_per_step(strategy, batches, 2)
+        reused_after_export = _page_faults_per_step(strategy, batches, 3)
+        monkeypatch.setattr(fsdp2kit.strategy, "reuse_freed_memory", lambda device: None)
+        return_large_frees_to_os()
+        _page_faults_per_step(strategy, batches, 1)
+        returned = _page_faults_per_step(strategy, batches, 2)
+    finally:
+        shutdown()
+        return_large_frees_to_os()
+    assert returned > 8 * max(reused, reused_after_export), (returned, reused, reused_after_export)
