@@ -35,7 +35,7 @@ def free_port() -> int:
 
 
 # glibc's mallopt parameters (malloc.h)
-_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 
 
 def _mallopt(settings: dict[int, int], trim: bool = False) -> None:
@@ -57,7 +57,7 @@ def return_large_frees_to_os(threshold_bytes: int = 4 << 20) -> None:
     only grows (a load showed 3.2x what is live). A fixed threshold maps large buffers separately and unmaps them
     when freed; what the heap holds free is given back."""
     _ALLOCATOR["reusing"] = False
-    _mallopt({_M_MMAP_THRESHOLD: threshold_bytes, _M_TRIM_THRESHOLD: 128 << 10, _M_TOP_PAD: 128 << 10}, trim=True)
+    _mallopt({_M_MMAP_THRESHOLD: threshold_bytes, _M_TRIM_THRESHOLD: 128 << 10}, trim=True)
 
 
 _ALLOCATOR = {"reusing": False}  # whether this process's heap is in the steps' mode (reuse_freed_memory)
@@ -70,7 +70,7 @@ def reuse_freed_memory(device: torch.device) -> None:
     the 25M benchmark model, 13% of the step: docs/PERFORMANCE.md). Called by every step; cheap once set."""
     if device.type == "cpu" and not _ALLOCATOR["reusing"]:
         _ALLOCATOR["reusing"] = True
-        _mallopt({_M_MMAP_THRESHOLD: 32 << 20, _M_TRIM_THRESHOLD: 1 << 30, _M_TOP_PAD: 64 << 20})
+        _mallopt({_M_MMAP_THRESHOLD: 32 << 20, _M_TRIM_THRESHOLD: 1 << 30})
 
 
 @contextmanager

@@ -1,0 +1,166 @@
+"""fsdp2kit's step against the minimal loop's step in the same processes: each rank holds both fsdp2kit's `Strategy`
+and the hand-written loop's model (`reference_loop.py`), and runs their steps alternately (the order flipped every
+step) on the same batches. What separate processes cannot show apart from this VM's drift (two runs of the same
+code differ by 5-15%) or from process-level state (the allocator, threads): the step's own cost.
+
+Pairs: `full_shard` — fsdp2kit's default against `fully_shard` on each layer and the root; `no_shard` — fsdp2kit's
+NO_SHARD against torch's DistributedDataParallel with `no_sync` during accumulation (what Accelerate runs on CPU).
+Both sides get synthetic batches (`--synthetic-batches` of the reference loop), or fsdp2kit's own pipeline batches
+with `--pipeline-batches` (document masks included). Prints one JSON object: per world size each side's median
+step seconds (the first step left out) and the ratio of speeds fsdp2kit / reference.
+
+Run: .venv/bin/python benchmarks/step_ab.py [--pair full_shard] [--world-sizes 1 2] [--steps 12]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import types
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import LR, REPO, _env, load_average, model_folder  # noqa: E402
+
+NO_SHARD = [
+    "strategy_args.strategy_config.sharding_strategy=NO_SHARD",
+    "strategy_args.strategy_config.reshard_after_forward=false",
+]
+
+
+def _reference_step(model, clip, optimizer, batches: list[dict], world_size: int, no_sync) -> None:
+    """The minimal loop's step (reference_loop.py's, without its timing and logging)."""
+    import torch
+    import torch.distributed as dist
+    from reference_loop import loss_sum
+
+    targets = torch.tensor(float(sum(int((mb["labels"] != -100).sum()) for mb in batches)), dtype=torch.float64)
+    dist.all_reduce(targets)
+    for index, batch in enumerate(batches):
+        last = index == len(batches) - 1
+        with no_sync(last):
+            (loss_sum(model, batch) * world_size / targets).backward()
+    clip(list(model.parameters()), 1.0)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def _reference(model_dir: str, pair: str):
+    """The minimal loop's model, clip function and per-micro-batch gradient-sync switch."""
+    import torch
+    from reference_loop import wrap
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.train()
+    if pair == "no_shard":
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+
+        def ddp_sync(last: bool):
+            return contextlib.nullcontext() if last else ddp.no_sync()
+
+        return ddp, torch.nn.utils.clip_grad_norm_, ddp_sync
+    sharded, clip = wrap(model, "fsdp2", torch.device("cpu"))
+
+    def fsdp_sync(last: bool):
+        sharded.set_requires_gradient_sync(last)
+        return contextlib.nullcontext()
+
+    return sharded, clip, fsdp_sync
+
+
+def worker(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+    from reference_loop import micro_batches_per_step, synthetic_micro_batches
+
+    from fsdp2kit.strategy import Strategy
+
+    overrides = [
+        f"model.name_or_path={args.model}",
+        "model.dtype=fp32",
+        f"data.seq_len={args.seq_len}",
+        f"training.per_device_train_batch_size={args.batch}",
+        f"training.gradient_accumulation_steps={args.accumulation}",
+        f"training.learning_rate={LR}",
+        "training.weight_decay=0.0",
+        "training.warmup_steps=0",
+        "training.lr_scheduler_type=constant",
+        f"training.max_steps={args.steps}",
+        f"training.output_dir={args.out}.run",
+        *(NO_SHARD if args.pair == "no_shard" else []),
+    ]
+    strategy = Strategy.from_config(REPO / "examples" / "demo.yaml", overrides=overrides)
+    strategy.model.train()
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    model, clip, no_sync = _reference(args.model, args.pair)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0, foreach=True)
+    shapes = types.SimpleNamespace(
+        seed=42, steps=args.steps, accumulation=args.accumulation, batch=args.batch, seq_len=args.seq_len
+    )
+    if args.pipeline_batches:
+        steps = micro_batches_per_step(shapes, rank, world_size)
+    else:
+        steps = synthetic_micro_batches(shapes, rank, strategy.sharded.source.hf_config.vocab_size)
+    sides = {
+        "fsdp2kit": lambda batches: strategy.step(batches),
+        "reference": lambda batches: _reference_step(model, clip, optimizer, batches, world_size, no_sync),
+    }
+    seconds: dict[str, list[float]] = {name: [] for name in sides}
+    for index, batches in enumerate(steps):
+        for name in list(sides)[:: 1 if index % 2 == 0 else -1]:
+            started = time.perf_counter()
+            sides[name](batches)
+            seconds[name].append(time.perf_counter() - started)
+    if rank == 0:
+        Path(args.out).write_text(json.dumps(seconds))
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--pair", choices=["full_shard", "no_shard"], default="full_shard")
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--accumulation", type=int, default=2)
+    parser.add_argument("--pipeline-batches", action="store_true")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--model", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    before = load_average()
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="fsdp2kit-step-ab-") as workdir:
+        model = model_folder(Path(workdir))
+        for nproc in args.world_sizes:
+            out = Path(workdir) / f"ab_{nproc}.json"
+            command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+            command += [__file__, "--worker", "--model", str(model), "--out", str(out), *sys.argv[1:]]
+            done = subprocess.run(command, env=_env(), capture_output=True, text=True)
+            if done.returncode:
+                raise SystemExit(f"{' '.join(command)} failed:\n{done.stderr[-3000:]}")
+            seconds = json.loads(out.read_text())
+            median = {name: statistics.median(values[1:]) for name, values in seconds.items()}
+            results[str(nproc)] = {
+                "median_step_s": median,
+                "ratio_speed": median["reference"] / median["fsdp2kit"],
+                "step_s": seconds,
+            }
+    report = {"benchmark": "step_ab", "pair": args.pair, "pipeline_batches": args.pipeline_batches}
+    report |= {"steps": args.steps, "loadavg": {"before": before, "after": load_average()}, "world_sizes": results}
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()
