@@ -68,8 +68,18 @@ def _run(command: list[str]) -> None:
         raise SystemExit(f"{' '.join(command)} failed:\n{result.stderr[-3000:]}")
 
 
-def run_fsdp2kit(model: Path, nproc: int, work: Workload, out: Path, extra: list[str] = ()) -> dict:  # type: ignore[assignment]
-    sets = [
+# The configuration a user with DDP's memory would pick: replicated parameters, gradients all-reduced, no recompute.
+NO_SHARD = (
+    "strategy_args.strategy_config.sharding_strategy=NO_SHARD",
+    "strategy_args.strategy_config.reshard_after_forward=false",
+    "model.gradient_checkpointing=false",
+)
+
+
+def fsdp2kit_overrides(model: Path, work: Workload, out: Path) -> list[str]:
+    """The --set lines that make fsdp2kit's demo config train `work` from `model` as the reference loops do (fp32,
+    AdamW at a constant LR without weight decay), into `out`, saving and exporting nothing."""
+    return [
         f"model.name_or_path={model}",
         "model.dtype=fp32",
         f"data.seq_len={work.seq_len}",
@@ -85,8 +95,11 @@ def run_fsdp2kit(model: Path, nproc: int, work: Workload, out: Path, extra: list
         "training.report_to=[]",
         "training.resume=never",
         f"training.output_dir={out}",
-        *extra,
     ]
+
+
+def run_fsdp2kit(model: Path, nproc: int, work: Workload, out: Path, extra: list[str] = ()) -> dict:  # type: ignore[assignment]
+    sets = [*fsdp2kit_overrides(model, work, out), *extra]
     command = [sys.executable, "-m", "fsdp2kit", "train", "examples/demo.yaml", "--nproc", str(nproc)]
     command += [arg for item in sets for arg in ("--set", item)]
     _run(command)

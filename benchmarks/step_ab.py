@@ -26,12 +26,7 @@ import types
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import LR, REPO, _env, load_average, model_folder  # noqa: E402
-
-NO_SHARD = [
-    "strategy_args.strategy_config.sharding_strategy=NO_SHARD",
-    "strategy_args.strategy_config.reshard_after_forward=false",
-]
+from harness import LR, NO_SHARD, REPO, Workload, _env, fsdp2kit_overrides, load_average, model_folder  # noqa: E402
 
 
 def _reference_step(model, clip, optimizer, batches: list[dict], world_size: int, no_sync) -> None:
@@ -82,28 +77,15 @@ def worker(args: argparse.Namespace) -> None:
 
     from fsdp2kit.strategy import Strategy
 
-    overrides = [
-        f"model.name_or_path={args.model}",
-        "model.dtype=fp32",
-        f"data.seq_len={args.seq_len}",
-        f"training.per_device_train_batch_size={args.batch}",
-        f"training.gradient_accumulation_steps={args.accumulation}",
-        f"training.learning_rate={LR}",
-        "training.weight_decay=0.0",
-        "training.warmup_steps=0",
-        "training.lr_scheduler_type=constant",
-        f"training.max_steps={args.steps}",
-        f"training.output_dir={args.out}.run",
-        *(NO_SHARD if args.pair == "no_shard" else []),
-    ]
+    work = Workload(args.seq_len, args.batch, args.accumulation, args.steps)
+    overrides = fsdp2kit_overrides(Path(args.model), work, Path(f"{args.out}.run"))
+    overrides += NO_SHARD if args.pair == "no_shard" else ()
     strategy = Strategy.from_config(REPO / "examples" / "demo.yaml", overrides=overrides)
     strategy.model.train()
     rank, world_size = dist.get_rank(), dist.get_world_size()
     model, clip, no_sync = _reference(args.model, args.pair)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0, foreach=True)
-    shapes = types.SimpleNamespace(
-        seed=42, steps=args.steps, accumulation=args.accumulation, batch=args.batch, seq_len=args.seq_len
-    )
+    shapes = types.SimpleNamespace(seed=42, **work.__dict__)
     if args.pipeline_batches:
         steps = micro_batches_per_step(shapes, rank, world_size)
     else:

@@ -14,13 +14,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import Arm, arms_main  # noqa: E402
-
-NO_SHARD = (
-    "strategy_args.strategy_config.sharding_strategy=NO_SHARD",
-    "strategy_args.strategy_config.reshard_after_forward=false",
-    "model.gradient_checkpointing=false",
-)
+from harness import NO_SHARD, Arm, arms_main  # noqa: E402
 
 if __name__ == "__main__":
     arms_main(

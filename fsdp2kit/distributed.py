@@ -36,6 +36,7 @@ def free_port() -> int:
 
 # glibc's mallopt parameters (malloc.h)
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+_ALLOCATOR = {"reusing": False}  # whether this process's heap is in the steps' mode (reuse_freed_memory)
 
 
 def _mallopt(settings: dict[int, int], trim: bool = False) -> None:
@@ -58,9 +59,6 @@ def return_large_frees_to_os(threshold_bytes: int = 4 << 20) -> None:
     when freed; what the heap holds free is given back."""
     _ALLOCATOR["reusing"] = False
     _mallopt({_M_MMAP_THRESHOLD: threshold_bytes, _M_TRIM_THRESHOLD: 128 << 10}, trim=True)
-
-
-_ALLOCATOR = {"reusing": False}  # whether this process's heap is in the steps' mode (reuse_freed_memory)
 
 
 def reuse_freed_memory(device: torch.device) -> None:
