@@ -4,6 +4,7 @@ inside a rank is reported once, as one sentence, with exit code 2; a diverged ru
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import os
@@ -211,8 +212,9 @@ def _print_rank_report(error_dir: Path) -> int | None:
 def _run_rank(args: argparse.Namespace, cfg: JobConfig) -> int:
     from fsdp2kit.distributed import init_distributed, lost_peer_message, out_of_memory_message, shutdown, watch_parent
 
+    launched = _under_launcher()  # asked first: a world of one sets RANK and WORLD_SIZE
     runtime = init_distributed(cfg.device_mapping)
-    if _under_launcher():
+    if launched:
         watch_parent()
     try:
         if args.command == "train":
@@ -271,6 +273,15 @@ def _plan(args: argparse.Namespace, world_size: int) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    code = _command(argv)
+    # A finished command's model and device meshes are cyclic garbage that still holds the process group: collected
+    # here, while the interpreter is whole, so the group's gloo and TCPStore threads are joined now rather than torn
+    # down during interpreter exit, which can abort the process after its result is reported.
+    gc.collect()
+    return code
+
+
+def _command(argv: list[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
     cfg = None

@@ -13,6 +13,12 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+# Imported before any process group exists: this module binds `group.WORLD` as its functions' default argument when
+# imported, and `torch._dynamo` and FSDP import it. Imported later, it would hold the default group after
+# `destroy_process_group`, its gloo and TCPStore threads alive into interpreter exit, where their teardown can abort
+# the process ("terminate called without an active exception") after a run has reported its result.
+import torch.distributed.nn.functional  # noqa: F401
+
 from fsdp2kit.errors import UserError
 
 
@@ -191,15 +197,20 @@ def shutdown() -> None:
 
 
 def destroy_process_group() -> None:
-    """Destroy the default process group and forget DTensor's cached sharding results. Those caches compare device
-    meshes without their rank, so after a process group of another rank in the same process (`plan`'s fake rank 0,
-    a test's fake rank 1) a cached result would hand new DTensors the old mesh, and with it the old rank's shard
-    (Megatron-LM met the same after re-creating its groups: NVIDIA/Megatron-LM#7029)."""
+    """Destroy the default process group and forget what DTensor cached about its meshes. The sharding caches compare
+    device meshes without their rank, so after a process group of another rank in the same process (`plan`'s fake
+    rank 0, a test's fake rank 1) a cached result would hand new DTensors the old mesh, and with it the old rank's
+    shard (Megatron-LM met the same after re-creating its groups: NVIDIA/Megatron-LM#7029). The topology and
+    redistribution caches hold the meshes themselves, and through them the group and its threads."""
+    from torch.distributed.tensor import _collective_utils, _redistribute
     from torch.distributed.tensor.debug import _clear_fast_path_sharding_prop_cache, _clear_python_sharding_prop_cache
 
     dist.destroy_process_group()
     _clear_python_sharding_prop_cache()
     _clear_fast_path_sharding_prop_cache()
+    _collective_utils.MeshTopoInfo.build_from_mesh.cache_clear()
+    _redistribute._gen_transform_infos.cache_clear()
+    _redistribute.clear_redistribute_planner_cache()
 
 
 # How gloo and NCCL report a peer that went away (its sockets closed by the kernel when the process died), and a

@@ -363,6 +363,39 @@ def test_second_run_into_a_locked_output_dir_is_refused(tmp_path, small_run):
         assert lock.handle is not None
 
 
+@pytest.mark.parametrize("outcome", ["refused", "finished"])
+def test_a_run_leaves_no_thread_behind_at_exit(tmp_path, small_run, outcome):
+    """What outlives `main` is torn down during interpreter exit, where a gloo or TCPStore thread's teardown can
+    abort the process after its result (CI saw exit -6, "terminate called without an active exception", after the
+    one-line error of a refused run). The process group must be gone and its threads joined when `main` returns,
+    whether the run was refused or trained and saved, and a world of one starts no parent watcher."""
+    import os
+    import subprocess
+    import sys
+    from contextlib import nullcontext
+
+    from conftest import REPO
+
+    from fsdp2kit.train.run_dir import OutputDirLock
+
+    probe = (
+        "import os, sys, threading; from fsdp2kit.cli import main; code = main(sys.argv[1:]); "
+        "names = sorted(open(f'/proc/self/task/{t}/comm').read().strip() for t in os.listdir('/proc/self/task')); "
+        "print(code, names, [t.name for t in threading.enumerate()])"
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("RANK", None)
+    env.pop("WORLD_SIZE", None)
+    steps = ["--set", "training.max_steps=2", "--set", "training.save_steps=1"]
+    holder = OutputDirLock(tmp_path / "run", is_main=True) if outcome == "refused" else nullcontext()
+    with holder:  # this process plays the first run
+        args = [sys.executable, "-c", probe, "train", DEMO, *small_run, *steps]
+        result = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    code = 2 if outcome == "refused" else 0
+    assert result.stdout.strip().split("\n")[-1] == f"{code} ['python'] ['MainThread']", result.stdout
+
+
 def test_disk_full_while_saving_is_one_line_and_the_previous_checkpoint_resumes(tmp_path, small_run):
     """ENOSPC is injected where the step-4 save writes (`FSDP2KIT_FAULT=before_save:4:0:ENOSPC`)."""
     from fsdp2kit.checkpoint.manager import committed_checkpoints
