@@ -19,11 +19,15 @@ On a GPU each rank uses its CUDA device (NCCL); on CPU, gloo.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import os
 import resource
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -91,6 +95,55 @@ def wrap(model: torch.nn.Module, impl: str, device: torch.device):
         )
         return wrapped, lambda params, norm: wrapped.clip_grad_norm_(norm)
     raise ValueError(impl)
+
+
+@dataclass
+class MinimalLoop:
+    """What one step of a hand-written loop needs: the wrapped model, its optimizer and clip function, how it turns
+    gradient sync off during accumulation (`sync(last)` is entered around each micro-batch) and runs backward."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    clip: Callable
+    sync: Callable[[bool], contextlib.AbstractContextManager]
+    backward: Callable[[torch.Tensor], None] = torch.Tensor.backward
+    tracker: Any = None
+
+
+def fsdp2_sync(model: Any) -> Callable[[bool], contextlib.AbstractContextManager]:
+    """`fully_shard`'s switch: reduce-scatter only after the last micro-batch."""
+
+    def sync(last: bool) -> contextlib.AbstractContextManager:
+        model.set_requires_gradient_sync(last)
+        return contextlib.nullcontext()
+
+    return sync
+
+
+def minimal_step(loop: MinimalLoop, micro_batches: list[dict[str, torch.Tensor]]) -> tuple[float, float]:
+    """One optimizer step over this rank's micro-batches, minimising the summed loss over the global target-token
+    count as fsdp2kit does. Returns the step's loss and the tokens of all ranks."""
+    world_size = dist.get_world_size()
+    device = micro_batches[0]["input_ids"].device
+    targets_here = sum(int((mb["labels"] != -100).sum()) for mb in micro_batches)
+    counts = torch.tensor(
+        [targets_here, sum(mb["input_ids"].numel() for mb in micro_batches)], dtype=torch.float64, device=device
+    )
+    dist.all_reduce(counts)
+    targets, tokens = counts.tolist()
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for index, batch in enumerate(micro_batches):
+        with loop.sync(index == len(micro_batches) - 1):
+            micro = loss_sum(loop.model, batch)
+            loop.backward(micro * world_size / targets)
+        total += micro.detach().double()
+        if loop.tracker is not None:
+            loop.tracker.reset_mod_stats()  # per-module stats of one forward/backward (fsdp2kit does the same)
+    dist.all_reduce(total)
+    loop.clip(list(loop.model.parameters()), 1.0)
+    loop.optimizer.step()
+    loop.optimizer.zero_grad(set_to_none=True)
+    return total.item() / targets, tokens
 
 
 def main() -> None:
@@ -167,37 +220,18 @@ def main() -> None:
         tracker.__enter__()
     if args.allocator == "fsdp2kit":
         reuse_freed_memory(device)
+    loop = MinimalLoop(model, optimizer, clip, lambda last: contextlib.nullcontext(), tracker=tracker)
+    if accelerator is not None:
+        # Accelerate divides the loss by the accumulation steps itself: undo that to match the others.
+        loop.sync = lambda last: accelerator.accumulate(model)
+        loop.backward = lambda loss: accelerator.backward(loss * args.accumulation)
+    elif args.impl == "fsdp2":
+        loop.sync = fsdp2_sync(model)
     tokens_per_s, losses = [], []
     for micro_batches in steps:
         started = time.perf_counter()
-        micro_batches = [{k: v.to(device) for k, v in mb.items()} for mb in micro_batches]
-        targets_here = sum(int((mb["labels"] != -100).sum()) for mb in micro_batches)
-        counts = torch.tensor(
-            [targets_here, sum(mb["input_ids"].numel() for mb in micro_batches)], dtype=torch.float64, device=device
-        )
-        dist.all_reduce(counts)
-        targets, tokens = counts.tolist()
-        total = torch.zeros((), dtype=torch.float64, device=device)
-        for index, batch in enumerate(micro_batches):
-            last = index == len(micro_batches) - 1
-            if accelerator is not None:
-                with accelerator.accumulate(model):
-                    micro = loss_sum(model, batch)
-                    # Accelerate divides the loss by the accumulation steps itself: undo that to match the others.
-                    accelerator.backward(micro * world_size * args.accumulation / targets)
-            else:
-                if hasattr(model, "set_requires_gradient_sync"):
-                    model.set_requires_gradient_sync(last)
-                micro = loss_sum(model, batch)
-                (micro * world_size / targets).backward()
-            total += micro.detach().double()
-            if tracker is not None:
-                tracker.reset_mod_stats()  # per-module stats of one forward/backward (fsdp2kit does the same)
-        dist.all_reduce(total)
-        clip(list(model.parameters()), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(total.item() / targets)
+        loss, tokens = minimal_step(loop, [{k: v.to(device) for k, v in mb.items()} for mb in micro_batches])
+        losses.append(loss)
         tokens_per_s.append(tokens / (time.perf_counter() - started))
     if tracker is not None:
         tracker.__exit__(None, None, None)

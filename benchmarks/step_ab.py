@@ -29,51 +29,30 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import LR, NO_SHARD, REPO, Workload, _env, fsdp2kit_overrides, load_average, model_folder  # noqa: E402
 
 
-def _reference_step(model, clip, optimizer, batches: list[dict], world_size: int, no_sync) -> None:
-    """The minimal loop's step (reference_loop.py's, without its timing and logging)."""
+def _reference(model_dir: str, pair: str, lr: float):
+    """The minimal loop: torch's DistributedDataParallel with `no_sync` for `no_shard`, `fully_shard` otherwise."""
     import torch
-    import torch.distributed as dist
-    from reference_loop import loss_sum
-
-    targets = torch.tensor(float(sum(int((mb["labels"] != -100).sum()) for mb in batches)), dtype=torch.float64)
-    dist.all_reduce(targets)
-    for index, batch in enumerate(batches):
-        last = index == len(batches) - 1
-        with no_sync(last):
-            (loss_sum(model, batch) * world_size / targets).backward()
-    clip(list(model.parameters()), 1.0)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-
-
-def _reference(model_dir: str, pair: str):
-    """The minimal loop's model, clip function and per-micro-batch gradient-sync switch."""
-    import torch
-    from reference_loop import wrap
+    from reference_loop import MinimalLoop, fsdp2_sync, wrap
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.train()
     if pair == "no_shard":
         ddp = torch.nn.parallel.DistributedDataParallel(model)
+        optimizer = torch.optim.AdamW(ddp.parameters(), lr=lr, weight_decay=0.0, foreach=True)
 
-        def ddp_sync(last: bool):
+        def sync(last: bool) -> contextlib.AbstractContextManager:
             return contextlib.nullcontext() if last else ddp.no_sync()
 
-        return ddp, torch.nn.utils.clip_grad_norm_, ddp_sync
+        return MinimalLoop(ddp, optimizer, torch.nn.utils.clip_grad_norm_, sync)
     sharded, clip = wrap(model, "fsdp2", torch.device("cpu"))
-
-    def fsdp_sync(last: bool):
-        sharded.set_requires_gradient_sync(last)
-        return contextlib.nullcontext()
-
-    return sharded, clip, fsdp_sync
+    optimizer = torch.optim.AdamW(sharded.parameters(), lr=lr, weight_decay=0.0, foreach=True)
+    return MinimalLoop(sharded, optimizer, clip, fsdp2_sync(sharded))
 
 
 def worker(args: argparse.Namespace) -> None:
-    import torch
     import torch.distributed as dist
-    from reference_loop import micro_batches_per_step, synthetic_micro_batches
+    from reference_loop import micro_batches_per_step, minimal_step, synthetic_micro_batches
 
     from fsdp2kit.strategy import Strategy
 
@@ -83,8 +62,7 @@ def worker(args: argparse.Namespace) -> None:
     strategy = Strategy.from_config(REPO / "examples" / "demo.yaml", overrides=overrides)
     strategy.model.train()
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    model, clip, no_sync = _reference(args.model, args.pair)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0, foreach=True)
+    loop = _reference(args.model, args.pair, LR)
     shapes = types.SimpleNamespace(seed=42, **work.__dict__)
     if args.pipeline_batches:
         steps = micro_batches_per_step(shapes, rank, world_size)
@@ -92,7 +70,7 @@ def worker(args: argparse.Namespace) -> None:
         steps = synthetic_micro_batches(shapes, rank, strategy.sharded.source.hf_config.vocab_size)
     sides = {
         "fsdp2kit": lambda batches: strategy.step(batches),
-        "reference": lambda batches: _reference_step(model, clip, optimizer, batches, world_size, no_sync),
+        "reference": lambda batches: minimal_step(loop, batches),
     }
     seconds: dict[str, list[float]] = {name: [] for name in sides}
     for index, batches in enumerate(steps):
