@@ -20,7 +20,7 @@ train: install
 	OMP_NUM_THREADS=1 $(BIN)/fsdp2kit train examples/demo.yaml --nproc 2
 
 test: install
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q --durations=25
 
 lint: install
 	$(BIN)/ruff check .

@@ -190,10 +190,31 @@ def _page_faults_per_step(strategy, batches: list[dict], steps: int) -> float:
     return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / steps
 
 
-def test_cpu_steps_reuse_freed_memory_instead_of_faulting_it_in(tmp_path, monkeypatch):
+def test_cpu_steps_reuse_freed_memory_instead_of_faulting_it_in(tmp_path):
     """On CPU the steps keep freed buffers for the next step (distributed.reuse_freed_memory): a steady-state step
     faults almost no fresh pages in, where returning every large buffer to the OS (the setting loading keeps)
-    faults each one in again every step; after an export, which returns them, the steps reuse again."""
+    faults each one in again every step; after an export, which returns them, the steps reuse again. Measured in a
+    fresh interpreter: the allocator is process-wide, and this process's heap carries every earlier test's."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tests = Path(__file__).resolve().parent
+    probe = f"import sys; sys.path.insert(0, {str(tests)!r}); import test_memory as t; t._steps_faults(sys.argv[1])"
+    done = subprocess.run(
+        [sys.executable, "-c", probe, str(tmp_path)], cwd=tests.parent, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    faults = json.loads(done.stdout.splitlines()[-1])
+    reused = max(faults["reused"], faults["reused_after_export"])
+    assert faults["returned"] > 8 * reused, faults
+
+
+def _steps_faults(folder: str) -> None:
+    """Print the minor page faults per steady-state step of a small model in this process: reusing freed memory,
+    the same after an export, and returning large frees to the OS."""
+    from pathlib import Path
+
     import torch
 
     import fsdp2kit
@@ -201,25 +222,32 @@ def test_cpu_steps_reuse_freed_memory_instead_of_faulting_it_in(tmp_path, monkey
     from fsdp2kit.distributed import return_large_frees_to_os, shutdown
 
     # 8 MiB MLP activations and 32 MiB logits: above the 4 MiB mmap threshold loading uses
-    model = tmp_path / "model"
+    model = Path(folder) / "model"
     make_hf_folder(model, "tiny-llama", vocab_size=4096, hidden_size=256, intermediate_size=1024)
     config = {
         "model": {"name_or_path": str(model)},
-        "training": {"lr_scheduler_type": "constant", "max_steps": 100, "output_dir": str(tmp_path / "out")},
+        "training": {"lr_scheduler_type": "constant", "max_steps": 100, "output_dir": f"{folder}/out"},
     }
     batches = [{"input_ids": torch.randint(3, 4096, (4, 512), generator=torch.Generator().manual_seed(0))}]
-    try:
-        strategy = fsdp2kit.Strategy.from_config(config)
-        _page_faults_per_step(strategy, batches, 4)  # the heap grows to the step's size
-        reused = _page_faults_per_step(strategy, batches, 3)
-        strategy.export_hf(tmp_path / "hf")
-        _page_faults_per_step(strategy, batches, 2)
-        reused_after_export = _page_faults_per_step(strategy, batches, 3)
-        monkeypatch.setattr(fsdp2kit.strategy, "reuse_freed_memory", lambda device: None)
-        return_large_frees_to_os()
-        _page_faults_per_step(strategy, batches, 1)
-        returned = _page_faults_per_step(strategy, batches, 2)
-    finally:
-        shutdown()
-        return_large_frees_to_os()
-    assert returned > 8 * max(reused, reused_after_export), (returned, reused, reused_after_export)
+    strategy = fsdp2kit.Strategy.from_config(config)
+    _page_faults_per_step(strategy, batches, 4)  # the heap grows to the step's size
+    faults = {"reused": _page_faults_per_step(strategy, batches, 3)}
+    strategy.export_hf(Path(folder) / "hf")
+    _page_faults_per_step(strategy, batches, 2)
+    faults["reused_after_export"] = _page_faults_per_step(strategy, batches, 3)
+    fsdp2kit.strategy.reuse_freed_memory = lambda device: None  # the steps no longer switch back
+    return_large_frees_to_os()
+    _page_faults_per_step(strategy, batches, 1)
+    faults["returned"] = _page_faults_per_step(strategy, batches, 2)
+    shutdown()
+    print(json.dumps(faults))
+
+
+def _page_faults_per_step(strategy, batches: list[dict], steps: int) -> float:
+    """Minor page faults of this process per `train_step` (each one a fresh page the kernel zeroes)."""
+    import resource
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(steps):
+        strategy.train_step(batches)
+    return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / steps
