@@ -20,11 +20,17 @@ REPO = Path(__file__).resolve().parent.parent
 
 def run_cli(*args: str, timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
     """`python -m fsdp2kit ARGS` from the repo root, capturing text output."""
+    return run_python("-m", "fsdp2kit", *args, timeout=timeout, env=env)
+
+
+def run_python(*args: str, timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`python ARGS` in a fresh interpreter from the repo root, as a user's single process (no launcher's RANK),
+    capturing text output."""
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     full_env.pop("RANK", None)
     full_env.pop("WORLD_SIZE", None)
     return subprocess.run(
-        [sys.executable, "-m", "fsdp2kit", *map(str, args)],
+        [sys.executable, *map(str, args)],
         cwd=REPO,
         env=full_env,
         capture_output=True,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import make_hf_folder, process_group, read_metrics, run_cli, sharded_model
+from conftest import make_hf_folder, process_group, read_metrics, run_cli, run_python, sharded_model
 
 from fsdp2kit.config import load_config
 from fsdp2kit.memory_plan import ConfigSource, plan_report, predict
@@ -195,15 +195,11 @@ def test_cpu_steps_reuse_freed_memory_instead_of_faulting_it_in(tmp_path):
     faults almost no fresh pages in, where returning every large buffer to the OS (the setting loading keeps)
     faults each one in again every step; after an export, which returns them, the steps reuse again. Measured in a
     fresh interpreter: the allocator is process-wide, and this process's heap carries every earlier test's."""
-    import subprocess
-    import sys
     from pathlib import Path
 
     tests = Path(__file__).resolve().parent
     probe = f"import sys; sys.path.insert(0, {str(tests)!r}); import test_memory as t; t._steps_faults(sys.argv[1])"
-    done = subprocess.run(
-        [sys.executable, "-c", probe, str(tmp_path)], cwd=tests.parent, capture_output=True, text=True, timeout=300
-    )
+    done = run_python("-c", probe, tmp_path, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     faults = json.loads(done.stdout.splitlines()[-1])
     reused = max(faults["reused"], faults["reused_after_export"])

@@ -369,12 +369,9 @@ def test_a_run_leaves_no_thread_behind_at_exit(tmp_path, small_run, outcome):
     abort the process after its result (CI saw exit -6, "terminate called without an active exception", after the
     one-line error of a refused run). The process group must be gone and its threads joined when `main` returns,
     whether the run was refused or trained and saved, and a world of one starts no parent watcher."""
-    import os
-    import subprocess
-    import sys
     from contextlib import nullcontext
 
-    from conftest import REPO
+    from conftest import run_python
 
     from fsdp2kit.train.run_dir import OutputDirLock
 
@@ -383,14 +380,10 @@ def test_a_run_leaves_no_thread_behind_at_exit(tmp_path, small_run, outcome):
         "names = sorted(open(f'/proc/self/task/{t}/comm').read().strip() for t in os.listdir('/proc/self/task')); "
         "print(code, names, [t.name for t in threading.enumerate()])"
     )
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("RANK", None)
-    env.pop("WORLD_SIZE", None)
     steps = ["--set", "training.max_steps=2", "--set", "training.save_steps=1"]
     holder = OutputDirLock(tmp_path / "run", is_main=True) if outcome == "refused" else nullcontext()
     with holder:  # this process plays the first run
-        args = [sys.executable, "-c", probe, "train", DEMO, *small_run, *steps]
-        result = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+        result = run_python("-c", probe, "train", DEMO, *small_run, *steps, timeout=300)
     assert result.returncode == 0, result.stderr
     code = 2 if outcome == "refused" else 0
     assert result.stdout.strip().split("\n")[-1] == f"{code} ['python'] ['MainThread']", result.stdout
