@@ -71,7 +71,7 @@ class Trainer:
         )
         self.strategy.set_schedule(self.total_steps)
         if runtime.is_main:
-            for warning in schedule_warnings(self.tc, self.total_steps, steps_per_epoch):
+            for warning in schedule_warnings(self.tc, self.total_steps):
                 print(f"warning: {warning}", flush=True)
         self.checkpoints: CheckpointManager = self.strategy.checkpoint_manager(
             self.output_dir, self.tc.save_total_limit

@@ -62,6 +62,22 @@ DEMO = "examples/demo.yaml"
             "examples/demo.yaml: 'device_mapping' = 'list(rang(8))' is not valid: "
             "expected a list of device ids such as [0,1,2,3] or list(range(0,8))",
         ),
+        (
+            "training.learning_rate=.inf",
+            "examples/demo.yaml: 'training.learning_rate' = inf is not valid: expected a finite number",
+        ),
+        (
+            "training.max_grad_norm=.nan",
+            "examples/demo.yaml: 'training.max_grad_norm' = nan is not valid: expected a finite number",
+        ),
+        *[
+            (
+                f"training.max_steps={steps}",
+                f"examples/demo.yaml: 'training.max_steps' = {steps} is not valid: expected a number of steps > 0, "
+                "or -1 to run num_train_epochs (0 would not mean no steps)",
+            )
+            for steps in (0, -3)
+        ],
         ("training=[1,2]", "examples/demo.yaml: 'training' = [1, 2] is not valid: expected a mapping"),
         ("training.max_steps", "--set 'training.max_steps' must look like key.path=value"),
         ("training.max_steps.x=1", "--set 'training.max_steps.x=1': 'training.max_steps' is a value, not a section"),
@@ -200,3 +216,20 @@ def test_device_mapping_must_match_world_size(tmp_path):
     assert result.stderr.strip() == (
         "error: device_mapping lists 4 devices but the job has 2 ranks; give 2 device ids or launch 4 ranks"
     )
+
+
+@pytest.mark.parametrize(
+    ("key", "message"),
+    [
+        ("training.lr=.inf", "expected a finite number"),
+        ("training.train_iters=0", "expected a number of steps > 0, or -1"),
+        ("training.train_iters=-3", "expected a number of steps > 0, or -1"),
+    ],
+)
+def test_native_mindspeed_steps_and_learning_rate_are_refused_by_their_own_names(key, message):
+    """MindSpeed-MM's `lr: .inf` trained NaN weights to exit 0, `train_iters: 0` a whole epoch: each is one line."""
+    from test_real_configs import user_args
+
+    config, swaps, _ = user_args("mindspeed_mm/examples/qwen3_5/qwen3_5_35B_config.yaml", "tiny-qwen3.5-moe", 2)
+    with pytest.raises(UserError, match=f": '{key.split('=')[0]}' = .* is not valid: {message}"):
+        load_config(config, [*swaps, key])

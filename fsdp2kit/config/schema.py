@@ -69,7 +69,8 @@ def _tensorboard_only() -> list[ReportTarget]:
 class Section(BaseModel):
     """Base of every config section: unknown keys are errors; `ALIASES` maps other projects' spellings."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # inf and nan are never a setting: `learning_rate: .inf` would train NaN weights and end with exit 0.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
     ALIASES: ClassVar[dict[str, str]] = {}
 
     @model_validator(mode="before")
@@ -358,7 +359,7 @@ class TrainingConfig(Section):
     )
     gradient_accumulation_steps: int = Field(1, ge=1, description="micro-batches per optimizer step")
     num_train_epochs: float = Field(1.0, gt=0, description="epochs over the dataset (ignored when max_steps > 0)")
-    max_steps: int = Field(-1, description="optimizer steps to run; -1 = derive from num_train_epochs")
+    max_steps: int = Field(-1, description="optimizer steps to run (> 0); -1 = derive from num_train_epochs")
     max_grad_norm: float = Field(1.0, ge=0, description="clip the global grad norm to this (0 = no clipping)")
     seed: int = Field(42, ge=0, lt=2**63, description="seed of initial weights and data order (0 <= seed < 2**63)")
     output_dir: str = Field("runs/default", description="where metrics, checkpoints and the HF export go")
@@ -413,6 +414,13 @@ class TrainingConfig(Section):
     )
 
     ALIASES: ClassVar[dict[str, str]] = {"resume_from_checkpoint": "resume"}
+
+    @field_validator("max_steps")
+    @classmethod
+    def _steps_or_epochs(cls, value: int) -> int:
+        if value == 0 or value < -1:
+            raise ValueError("a number of steps > 0, or -1 to run num_train_epochs (0 would not mean no steps)")
+        return value
 
     @field_validator("profile_steps")
     @classmethod

@@ -56,14 +56,9 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainingConfig, total
     return LambdaLR(optimizer, lambda step: lr_factor(step, total_steps, warmup, cfg.lr_scheduler_type))
 
 
-def schedule_warnings(cfg: TrainingConfig, total_steps: int, steps_per_epoch: int) -> list[str]:
+def schedule_warnings(cfg: TrainingConfig, total_steps: int) -> list[str]:
     """Legal settings that rarely mean what they say, each as one line."""
     warnings = []
-    if cfg.max_steps == 0:
-        warnings.append(
-            f"training.max_steps = 0 does not mean no steps: the run is num_train_epochs = {cfg.num_train_epochs:g} "
-            f"epochs of {steps_per_epoch} steps, {total_steps} steps in all; give max_steps > 0 to cap it"
-        )
     warmup = warmup_steps(cfg, total_steps)
     if warmup > total_steps:
         peak = cfg.learning_rate * lr_factor(total_steps - 1, total_steps, warmup, cfg.lr_scheduler_type)
