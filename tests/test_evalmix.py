@@ -113,8 +113,10 @@ def test_eval_batches_pad_every_rank_to_the_same_forwards():
 @pytest.mark.parametrize(
     "data, message",
     [
-        ({"source": [{"path": "a.jsonl", "weight": 0}]}, "entry 0's weight to be a number > 0"),
-        ({"source": [{"path": "a.jsonl", "weight": -1}]}, "entry 0's weight to be a number > 0"),
+        ({"source": [{"path": "a.jsonl", "weight": 0}]}, "entry 0's weight to be a finite number > 0"),
+        ({"source": [{"path": "a.jsonl", "weight": -1}]}, "entry 0's weight to be a finite number > 0"),
+        ({"source": [{"path": "a.jsonl", "weight": float("inf")}]}, "entry 0's weight to be a finite number > 0"),
+        ({"source": [{"path": "a.jsonl", "weight": "heavy"}]}, "entry 0's weight to be a finite number > 0"),
         ({"source": [{"path": "a.jsonl", "wieght": 1}]}, "only the keys path, weight (not 'wieght')"),
         ({"source": [{"path": "a.jsonl"}, "b.jsonl"]}, "every entry of a mixture to be a {path, weight} mapping"),
         ({"eval_fraction": 0.1, "eval_source": "b.jsonl"}, "expected one of data.eval_source and data.eval_fraction"),
@@ -130,7 +132,13 @@ def test_bad_mixture_and_eval_settings_are_one_sentence(data, message):
 def test_bad_mixture_on_the_command_line_exits_2(tmp_path):
     result = run_cli("train", DEMO, *set_args({"data.source": [{"path": "x.jsonl", "weight": -0.5}]}))
     assert result.returncode == 2
-    assert len(result.stderr.strip().splitlines()) == 1 and "weight to be a number > 0" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and "weight to be a finite number > 0" in result.stderr
+
+
+def test_a_mixture_weight_written_1e_3_is_a_number_as_lr_1e_3_is():
+    """YAML reads `1e-3` (no dot) as a string; the learning rate takes it, so the mixture weight does too."""
+    data = validate({"data": {"source": [{"path": "a.jsonl", "weight": "1e-3"}, {"path": "b.jsonl"}]}}).data
+    assert [entry.weight for entry in data.source] == [0.001, 1.0]
 
 
 def train(tmp_path, run: str, steps: int, nproc: int = 1, **settings):

@@ -7,6 +7,7 @@ Each section is its own model so that each function receives only the section it
 from __future__ import annotations
 
 import ast
+import math
 import re
 from collections.abc import Callable
 from typing import Annotated, Any, ClassVar, Literal
@@ -225,10 +226,21 @@ def _source_entries(value: Any) -> Any:
             raise ValueError(f"entry {number} to have only the keys path, weight (not '{unknown[0]}')")
         if "path" not in item:
             raise ValueError(f"entry {number} to name its source with 'path'")
-        weight = item.get("weight", 1.0)
-        if isinstance(weight, bool) or not isinstance(weight, int | float) or not weight > 0:
-            raise ValueError(f"entry {number}'s weight to be a number > 0 (not {weight!r})")
+        if _mixture_weight(item.get("weight", 1.0)) is None:
+            raise ValueError(f"entry {number}'s weight to be a finite number > 0 (not {item['weight']!r})")
     return value
+
+
+def _mixture_weight(weight: Any) -> float | None:
+    """A weight as the other float keys take it (YAML reads `1e-3` as a string; pydantic, and so `lr: 1e-3`, takes
+    it), or None where it is no finite number > 0."""
+    if isinstance(weight, bool) or not isinstance(weight, int | float | str):
+        return None
+    try:
+        number = float(weight)
+    except ValueError:
+        return None
+    return number if math.isfinite(number) and number > 0 else None
 
 
 SourceSpec = Annotated[str | list[str] | list[WeightedSource], BeforeValidator(_source_entries)]
