@@ -7,6 +7,7 @@ import argparse
 import gc
 import json
 import logging
+import math
 import os
 import signal
 import sys
@@ -245,8 +246,8 @@ def _plan(args: argparse.Namespace, world_size: int) -> int:
     from fsdp2kit.memory_plan import GIB, ConfigSource, candidate_configs, plan_report, planned_fit, print_plan
     from fsdp2kit.parallel.mesh import mesh_layout
 
-    if args.budget_gb is not None and args.budget_gb <= 0:
-        raise UserError(f"--budget-gb {args.budget_gb}: give the memory per rank in GiB, > 0")
+    if args.budget_gb is not None and not (math.isfinite(args.budget_gb) and args.budget_gb > 0):
+        raise UserError(f"--budget-gb {args.budget_gb}: give the memory per rank in GiB, a finite number > 0")
     if args.measure and args.budget_gb is None:
         raise UserError("--measure measures the configurations that fit a budget: give --budget-gb X too")
     if args.measure and args.measure_steps < 2:

@@ -8,6 +8,7 @@ import json
 import pytest
 from conftest import make_hf_folder, process_group, read_metrics, run_cli, run_python, sharded_model
 
+from fsdp2kit.cli import main
 from fsdp2kit.config import load_config
 from fsdp2kit.memory_plan import ConfigSource, plan_report, predict
 
@@ -104,10 +105,13 @@ def test_plan_table_and_budget():
     assert chosen["peak_bytes"] == rows["FULL_SHARD", True, False] <= budget * 1024**3
 
 
-def test_plan_refuses_a_bad_budget():
-    result = run_cli("plan", "examples/demo.yaml", "--budget-gb", "0")
-    assert result.returncode == 2
-    assert result.stderr.strip() == "error: --budget-gb 0.0: give the memory per rank in GiB, > 0"
+@pytest.mark.parametrize("budget", ["0", "nan", "inf"])
+def test_plan_refuses_a_bad_budget(budget, capsys):
+    assert main(["plan", "examples/demo.yaml", "--budget-gb", budget]) == 2
+    given = float(budget)
+    assert (
+        capsys.readouterr().err == f"error: --budget-gb {given}: give the memory per rank in GiB, a finite number > 0\n"
+    )
 
 
 def test_plan_leaves_no_rank_behind_in_this_process():
