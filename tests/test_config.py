@@ -78,6 +78,11 @@ DEMO = "examples/demo.yaml"
             )
             for steps in (0, -3)
         ],
+        (
+            "device_mapping=list(range(0, 99999999999))",
+            "examples/demo.yaml: 'device_mapping' = 'list(range(0, 99999999999))' is not valid: expected at most "
+            "1048576 device ids (this range names 99999999999)",
+        ),
         ("training=[1,2]", "examples/demo.yaml: 'training' = [1, 2] is not valid: expected a mapping"),
         ("training.max_steps", "--set 'training.max_steps' must look like key.path=value"),
         ("training.max_steps.x=1", "--set 'training.max_steps.x=1': 'training.max_steps' is a value, not a section"),

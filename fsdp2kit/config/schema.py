@@ -26,6 +26,9 @@ def _pattern_list(value: Any) -> Any:
     return value
 
 
+_MAX_DEVICES = 1 << 20
+
+
 def _device_list(value: Any) -> Any:
     """ROLL writes `device_mapping: list(range(0,16))`; accept that, a list literal, or a list."""
     if not isinstance(value, str):
@@ -34,7 +37,12 @@ def _device_list(value: Any) -> Any:
     match = re.fullmatch(r"list\(\s*range\(\s*(\d+)\s*(?:,\s*(\d+)\s*)?(?:,\s*(\d+)\s*)?\)\s*\)", text)
     if match:
         numbers = [int(g) for g in match.groups() if g is not None]
-        return list(range(*numbers))
+        if len(numbers) == 3 and numbers[2] == 0:
+            raise ValueError("list(range(start, stop, step)) with a step other than 0")
+        devices = range(*numbers)
+        if len(devices) > _MAX_DEVICES:  # the list would not fit in memory long before any cluster has that many
+            raise ValueError(f"at most {_MAX_DEVICES} device ids (this range names {len(devices)})")
+        return list(devices)
     try:
         parsed = ast.literal_eval(text)
     except (ValueError, SyntaxError):
