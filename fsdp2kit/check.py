@@ -17,7 +17,13 @@ from fsdp2kit.data.dataset import conversation_form, load_tokenizer, source_file
 from fsdp2kit.distributed import Runtime
 from fsdp2kit.dtypes import torch_name
 from fsdp2kit.errors import UserError
-from fsdp2kit.models.build import attention_kernel, open_safetensors, resolve_model, safetensors_index
+from fsdp2kit.models.build import (
+    attention_kernel,
+    check_data_fits,
+    open_safetensors,
+    resolve_model,
+    safetensors_index,
+)
 from fsdp2kit.models.sharded import build_sharded_model, count_parameters
 from fsdp2kit.parallel.fsdp import describe_groups
 from fsdp2kit.parallel.plan import ShardingPlan
@@ -68,6 +74,7 @@ def checked_files(cfg: JobConfig) -> dict[str, str]:
             open_safetensors(shard).__exit__(None, None, None)  # safetensors checks the header against the size
         weights = f"{len(shards)} safetensors file(s) in {folder} ({_size(shards)}, headers whole)"
     tokenizer = load_tokenizer(source.tokenizer_path, cfg.model.trust_remote_code)
+    check_data_fits(source.hf_config, cfg.data.seq_len, tokenizer)
     conversations = _conversations(cfg, tokenizer, source.hf_config)
     output_dir = Path(cfg.training.output_dir)
     problem = output_dir_problem(output_dir)

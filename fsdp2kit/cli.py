@@ -324,10 +324,12 @@ def _prepare(cfg: JobConfig, show: int = 0) -> int:
     from fsdp2kit.data.mixture import data_lines, source_configs, split_samples
     from fsdp2kit.data.samples import marked_text
     from fsdp2kit.data.store import describe, token_store
-    from fsdp2kit.models.build import resolve_model
+    from fsdp2kit.models.build import check_data_fits, resolve_model
     from fsdp2kit.train.loggers import phase
 
-    tokenizer = load_tokenizer(resolve_model(cfg.model, cfg.data.tokenizer).tokenizer_path)
+    source = resolve_model(cfg.model, cfg.data.tokenizer)
+    tokenizer = load_tokenizer(source.tokenizer_path)
+    check_data_fits(source.hf_config, cfg.data.seq_len, tokenizer)
     for data in source_configs(cfg.data):
         with phase(f"the token store of {data.source}", is_main=True):
             store = token_store(data, tokenizer)

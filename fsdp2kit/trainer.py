@@ -19,6 +19,7 @@ from fsdp2kit.data.mixture import data_lines, describe_source, samples_taken
 from fsdp2kit.data.samples import GlobalBatches, Prefetcher
 from fsdp2kit.distributed import Runtime
 from fsdp2kit.errors import Interrupted, UserError
+from fsdp2kit.models.build import check_data_fits
 from fsdp2kit.models.sharded import count_parameters
 from fsdp2kit.strategy import Strategy
 from fsdp2kit.train.evaluate import EvalBatches
@@ -62,6 +63,7 @@ class Trainer:
         self.output_dir = Path(self.tc.output_dir)
         with phase(f"loading the model ({cfg.model.name_or_path})", runtime.is_main):
             self.strategy = Strategy(cfg, runtime)
+        check_data_fits(self.strategy.sharded.source.hf_config, cfg.data.seq_len, self.strategy.tokenizer)
         self.batches = self._global_batches()
         self.eval_set = self._eval_batches()
         self.data_files = data_files(cfg.data)  # recorded in each checkpoint: a resume refuses edited data

@@ -8,6 +8,7 @@ import pickle
 import shutil
 
 import pytest
+import torch
 from conftest import run_cli
 
 from fsdp2kit.data.builtin import tokenizer_dir
@@ -263,6 +264,24 @@ ONE_LINE_CASES = {
         DEMO,
         lambda t: ["data.seq_len=5000"],
         ["data.seq_len: 5000 is more than the model's max_position_embeddings (4096)"],
+    ),
+    "hidden_size_0": (
+        "train",
+        DEMO,
+        lambda t: ["model.config.hidden_size=0"],
+        ["model.config.hidden_size = 0: a model's sizes are whole numbers >= 1"],
+    ),
+    "layers_negative": (
+        "check",
+        DEMO,
+        lambda t: ["model.config.num_hidden_layers=-1"],
+        ["model.config.num_hidden_layers = -1: a model's sizes are whole numbers >= 1"],
+    ),
+    "vocab_below_the_tokenizer": (
+        "check",
+        DEMO,
+        lambda t: ["model.config.vocab_size=100"],
+        ["model.config.vocab_size: the model embeds 100 token ids but its tokenizer has 4096 tokens"],
     ),
     "infer_builtin_random": (
         "infer",
@@ -684,3 +703,23 @@ def test_a_run_announces_each_long_phase_with_its_duration(tmp_path, small_run):
     assert lines[-3] == f"{export} ..."
     assert re.fullmatch(re.escape(export) + r": done in \d+\.\ds", lines[-2]), lines[-2]
     assert lines[-1] == f"done: 1 steps; outputs in {tmp_path / 'run'}"
+
+
+def test_the_api_takes_a_model_with_fewer_positions_than_the_default_seq_len(tmp_path):
+    """data.seq_len (the default, or the demo's 256) is about the data fsdp2kit reads: an API caller who reads none
+    is not refused for a model of 64 positions; the train command, which reads data, still is."""
+    from conftest import make_hf_folder
+
+    import fsdp2kit
+    from fsdp2kit.distributed import shutdown
+
+    make_hf_folder(tmp_path / "model", "tiny-llama", max_position_embeddings=64)
+    config = {"model": {"name_or_path": str(tmp_path / "model")}, "training": {"output_dir": str(tmp_path / "out")}}
+    config["training"]["lr_scheduler_type"] = "constant"
+    try:
+        strategy = fsdp2kit.Strategy.from_config(config)
+        assert strategy.forward_step({"input_ids": torch.ones(1, 8, dtype=torch.long)})["log_probs"].shape == (1, 7)
+    finally:
+        shutdown()
+    result = run_cli("train", DEMO, "--set", f"model.name_or_path={tmp_path / 'model'}")
+    assert_one_line_error(result, 2, "data.seq_len: 256 is more than the model's max_position_embeddings (64)")

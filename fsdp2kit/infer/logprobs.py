@@ -17,6 +17,7 @@ from fsdp2kit.config.schema import JobConfig
 from fsdp2kit.distributed import Runtime
 from fsdp2kit.errors import UserError
 from fsdp2kit.labels import IGNORE_INDEX
+from fsdp2kit.models.build import check_data_fits
 from fsdp2kit.strategy import Strategy
 from fsdp2kit.train.loggers import phase
 
@@ -40,6 +41,7 @@ def infer(cfg: JobConfig, runtime: Runtime) -> None:
     with phase(f"loading the model ({cfg.model.name_or_path})", runtime.is_main):
         strategy = Strategy(cfg, runtime, training=False)
     sharded, tokenizer = strategy.sharded, strategy.tokenizer
+    check_data_fits(sharded.source.hf_config, cfg.data.seq_len, tokenizer)
     layout = sharded.layout
     first, step = layout.data_parallel_rank(runtime.rank), layout.data_parallel_size
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0

@@ -47,16 +47,28 @@ def _hf_config(load: Callable[..., PretrainedConfig], where: str, overrides: dic
 
     try:
         base = load()
-        if not overrides:
-            return base
         for key in overrides:
             if not hasattr(base, key):
                 raise UserError(f"model.config.{key}: the {type(base).__name__} has no such setting")
-        return load(**overrides)
+        config = load(**overrides) if overrides else base
     except (ValueError, TypeError, OSError, KeyError, StrictDataclassError) as exc:
         # transformers' configs check their fields' types (huggingface_hub's strict dataclasses): `"hidden_size": "64"`
         reason = str(exc).strip().splitlines()[-1].strip()
         raise UserError(f"{where} is not a valid transformers config: {reason}") from None
+    _check_sizes(config, where, overrides)
+    return config
+
+
+# Sizes every causal LM has; transformers builds some models with a 0 or a negative one, or fails deep inside.
+_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+
+
+def _check_sizes(config: PretrainedConfig, where: str, overrides: dict) -> None:
+    for key in _SIZES:
+        value = getattr(config.get_text_config(), key, None)
+        if isinstance(value, int) and value < 1:
+            named = f"model.config.{key}" if key in overrides else f"{where}: {key}"
+            raise UserError(f"{named} = {value}: a model's sizes are whole numbers >= 1")
 
 
 def resolve_model(cfg: ModelConfig, tokenizer: str | None = None) -> ModelSource:
@@ -99,13 +111,22 @@ def resolve_model(cfg: ModelConfig, tokenizer: str | None = None) -> ModelSource
     return ModelSource(hf_config, tokenizer_path, weights_dir, weights_format)
 
 
-def check_sequence_length(hf_config: PretrainedConfig, seq_len: int) -> None:
-    """Positions past the model's table are not an error in most attention code: they are silently garbage."""
-    limit = getattr(hf_config, "max_position_embeddings", None)
+def check_data_fits(hf_config: PretrainedConfig, seq_len: int, tokenizer: Any) -> None:
+    """What fsdp2kit's own data pipeline feeds the model must fit it; asked only where fsdp2kit reads data (an API
+    caller brings its own). Positions past the model's table are not an error in most attention code: they are
+    silently garbage; a token id past the embedding table is an IndexError deep in training (on CUDA an assert)."""
+    text_config = hf_config.get_text_config()
+    limit = getattr(text_config, "max_position_embeddings", None)
     if isinstance(limit, int) and seq_len > limit:
         raise UserError(
             f"data.seq_len: {seq_len} is more than the model's max_position_embeddings ({limit}); give at most "
             f"{limit}, or raise model.config.max_position_embeddings if the model was trained for longer"
+        )
+    vocab = getattr(text_config, "vocab_size", None)
+    if isinstance(vocab, int) and len(tokenizer) > vocab:
+        raise UserError(
+            f"model.config.vocab_size: the model embeds {vocab} token ids but its tokenizer has {len(tokenizer)} "
+            "tokens; give the model's own tokenizer (data.tokenizer) or a vocab_size of at least the tokenizer's"
         )
 
 

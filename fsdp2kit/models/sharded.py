@@ -15,7 +15,6 @@ from fsdp2kit.distributed import Runtime
 from fsdp2kit.models.build import (
     ModelSource,
     build_meta_model,
-    check_sequence_length,
     materialise,
     resolve_model,
 )
@@ -54,10 +53,9 @@ def build_sharded_model(
     -> plan -> freeze -> recompute, TiledMLP, the variant's patches (expert, vision) -> fully_shard ->
     (materialise each rank's shards). Training keeps fp32 master weights and computes in `param_dtype` (default:
     model.dtype); a LoRA base is frozen, so it stays in model.dtype. From `data`: the tokenizer (default: the model's
-    own) and seq_len, which the model's positions must cover; fresh weights come from `seed`; `compile_layers`
-    (training.compile) compiles each decoder layer when training."""
+    own; the readers of data check it against the model, `check_data_fits`); fresh weights come from `seed`;
+    `compile_layers` (training.compile) compiles each decoder layer when training."""
     source = resolve_model(model_cfg, data.tokenizer)
-    check_sequence_length(source.hf_config, data.seq_len)
     variant = pick_variant(source.hf_config, model_cfg, strategy)
     layout = mesh_layout(runtime.world_size, strategy, model_cfg.ulysses_size)
     mesh = build_mesh(runtime.device.type, layout)
