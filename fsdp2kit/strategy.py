@@ -27,6 +27,7 @@ from fsdp2kit.errors import UserError
 from fsdp2kit.labels import IGNORE_INDEX
 from fsdp2kit.models.export import export_hf, hf_tensors
 from fsdp2kit.models.sharded import ShardedModel, build_sharded_model
+from fsdp2kit.parallel.mesh import data_parallel_group
 from fsdp2kit.parallel.token_logprobs import TokenRequest, chunk_tokens, install_token_head, token_request
 from fsdp2kit.train.evaluate import EvalResult, eval_loss
 from fsdp2kit.train.grads import LossScaler, NonFiniteGuard
@@ -35,6 +36,8 @@ from fsdp2kit.train.resume import apply_settings, changed_optimizer_keys, check_
 from fsdp2kit.train.step import MicroBatchLoss, StepResult, TokenCrossEntropy, train_step, with_aux_loss
 
 Batch = dict[str, torch.Tensor]
+# What offload_states / load_states move (ROLL's OffloadStateType names): the parameters' shards, the optimizer state.
+STATE_KINDS = ("model_params", "optimizer_states")
 LossFn = Callable[[torch.Tensor, Batch], tuple[torch.Tensor, torch.Tensor]]
 
 # forward_step always works in chunks (of 256 tokens unless training.loss_chunk_tokens says otherwise): its point
@@ -63,6 +66,7 @@ class Strategy:
             compile_layers=tc.compile,
         )
         self.model = self.sharded.model
+        self._data_parallel_group = data_parallel_group(self.sharded.layout)
         install_token_head(self.model)
         self.tokenizer = load_tokenizer(self.sharded.source.tokenizer_path, cfg.model.trust_remote_code)
         hf_config = self.sharded.source.hf_config
@@ -106,11 +110,14 @@ class Strategy:
         """Warmup and decay over `total_steps` optimizer steps."""
         self.scheduler = build_scheduler(self._trainer_optimizer(), self.cfg.training, total_steps)
 
-    def train_step(self, micro_batches: Sequence[Batch], loss_fn: LossFn | None = None) -> dict[str, Any]:
+    def train_step(
+        self, micro_batches: Sequence[Batch], loss_fn: LossFn | None = None, step_scheduler: bool = True
+    ) -> dict[str, Any]:
         """One optimizer step over this rank's micro-batches (gradient sync on the last only), minimising
         sum(loss_sum) / sum(weight) over all micro-batches of all data-parallel ranks; `loss_fn(log_probs, batch)`
         gets log_probs [B, T-1] float32 (log p(input_ids[:, t+1] | ..t)) with autograd and the batch as given.
-        Default: token-mean cross-entropy over `labels` (every next token where there are none)."""
+        Default: token-mean cross-entropy over `labels` (every next token where there are none). Without
+        `step_scheduler` the learning rate stays until `scheduler_step` (several optimizer steps per RL step)."""
         if not micro_batches:
             raise UserError("train_step: give at least one micro-batch (a dict with input_ids [B, T])")
         batches = [self.device_batch(mb, f"micro-batch {i}") for i, mb in enumerate(micro_batches)]
@@ -120,7 +127,7 @@ class Strategy:
             if loss_fn is None
             else LogProbLoss(loss_fn, batches, self.sharded.sp_group, self.chunk_tokens)
         )
-        result = self.step(shifted, loss)
+        result = self.step(shifted, loss, step_scheduler=step_scheduler)
         return {
             "loss": result.loss,
             "grad_norm": result.grad_norm,
@@ -134,6 +141,7 @@ class Strategy:
         micro_batches: list[Batch],
         loss: MicroBatchLoss | None = None,
         on_micro_batch_done: Callable[[], None] | None = None,
+        step_scheduler: bool = True,
     ) -> StepResult:
         """One optimizer step over shifted micro-batches on this rank's device (the `train` command's batches)."""
         optimizer = self._trainer_optimizer()
@@ -144,7 +152,7 @@ class Strategy:
             self.model,
             micro_batches,
             optimizer,
-            self.scheduler,
+            self.scheduler if step_scheduler else None,
             self.guard,
             self.cfg.training.max_grad_norm,
             self.aux_loss_coef,
@@ -156,6 +164,29 @@ class Strategy:
         )
         self.steps_done += 1
         return result
+
+    def scheduler_step(self) -> float:
+        """Advance the learning-rate schedule by one step (after `train_step(..., step_scheduler=False)`); returns
+        the learning rate the next optimizer step uses."""
+        if self.scheduler is None:
+            raise UserError("scheduler_step: the learning-rate schedule is not set (Strategy.set_schedule)")
+        self.scheduler.step()
+        return float(self.scheduler.get_last_lr()[0])
+
+    # ---- data parallel ----------------------------------------------------------------------------------------
+
+    def data_parallel_size(self) -> int:
+        """How many ranks train different micro-batches (the ranks of a Ulysses group share theirs)."""
+        return self.sharded.layout.data_parallel_size
+
+    def data_parallel_rank(self) -> int:
+        """This rank's index among them: which share of a global batch it takes."""
+        return self.sharded.layout.data_parallel_rank(self.runtime.rank)
+
+    def data_parallel_group(self) -> dist.ProcessGroup:
+        """The process group of this rank's data-parallel peers (the world without Ulysses), for a caller's own
+        reductions over the global batch."""
+        return self._data_parallel_group if self._data_parallel_group is not None else dist.group.WORLD
 
     # ---- forward only -----------------------------------------------------------------------------------------
 
@@ -222,14 +253,16 @@ class Strategy:
             size += tensor.nbytes
         yield from bucket
 
-    def offload_states(self) -> None:
-        """Parameters, gradients and optimizer state to host memory (the accelerator's memory is freed for a rollout
-        engine); on a CPU run they are there already and nothing moves."""
-        self._move_states(torch.device("cpu"))
+    def offload_states(self, include: Iterable[str] | None = None, non_blocking: bool = False) -> None:
+        """Parameters and optimizer state to host memory (the accelerator's memory is freed for a rollout engine),
+        or only those `include` names (STATE_KINDS); gradients are never held between steps. With `non_blocking`
+        the copies may still run when it returns. On a CPU run the states are in host memory already: nothing
+        moves."""
+        self._move_states(torch.device("cpu"), _state_kinds(include), non_blocking)
 
-    def load_states(self) -> None:
-        """Back to this rank's device after `offload_states`."""
-        self._move_states(self.runtime.device)
+    def load_states(self, include: Iterable[str] | None = None, non_blocking: bool = False) -> None:
+        """Back to this rank's device after `offload_states` (all states, or those `include` names)."""
+        self._move_states(self.runtime.device, _state_kinds(include), non_blocking)
 
     def save_checkpoint(self, path: str | Path) -> None:
         """A DCP checkpoint of model, optimizer, schedule and RNG at `path`, committed atomically (a collective)."""
@@ -311,18 +344,19 @@ class Strategy:
             self.sharded.variant.checkpoint_config(self.model, self.cfg.model.name_or_path),
         )
 
-    def _move_states(self, device: torch.device) -> None:
+    def _move_states(self, device: torch.device, kinds: set[str], non_blocking: bool) -> None:
         if self.runtime.device.type == "cpu":
             return  # host memory is the device's memory: nothing to free
-        self.model.to(device)
-        if self.optimizer is not None:
+        if "model_params" in kinds:
+            self.model.to(device, non_blocking=non_blocking)
+        if "optimizer_states" in kinds and self.optimizer is not None:
             for state in self.optimizer.state.values():
                 for key, value in state.items():
                     if isinstance(value, torch.Tensor) and value.dim() > 0:
                         state[key] = value.to(device, non_blocking=True)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        else:
+        if not non_blocking:
+            torch.cuda.synchronize(self.runtime.device)
+        if device.type == "cpu":
             torch.cuda.empty_cache()
 
     def device_batch(self, batch: Batch, what: str) -> Batch:
@@ -399,6 +433,19 @@ class LogProbLoss:
                 "loss_fn must return (loss_sum, weight), two one-element tensors; it returned " + _describe(result)
             )
         return result[0].reshape(()), result[1].reshape(())
+
+
+def _state_kinds(include: Iterable[str] | None) -> set[str]:
+    """The STATE_KINDS an offload_states / load_states `include` names (all of them for None), checked."""
+    if include is None:
+        return set(STATE_KINDS)
+    kinds = {str(getattr(kind, "value", kind)) for kind in include}  # ROLL passes OffloadStateType members
+    unknown = sorted(kinds - set(STATE_KINDS))
+    if unknown:
+        raise UserError(
+            f"offload_states/load_states include: {', '.join(unknown)} is not one of {', '.join(STATE_KINDS)}"
+        )
+    return kinds
 
 
 def _describe(value: object) -> str:

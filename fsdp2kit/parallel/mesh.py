@@ -37,6 +37,10 @@ class MeshLayout:
     def sequence_parallel_groups(self) -> list[list[int]]:
         return [list(range(start, start + self.ulysses_size)) for start in range(0, self.world_size, self.ulysses_size)]
 
+    def data_parallel_groups(self) -> list[list[int]]:
+        """The ranks that train different micro-batches together: one of each sequence-parallel group."""
+        return [list(range(offset, self.world_size, self.ulysses_size)) for offset in range(self.ulysses_size)]
+
 
 def mesh_layout(world_size: int, strategy: StrategyConfig, ulysses_size: int = 1) -> MeshLayout:
     """ROLL's rule: fsdp_size auto, <= 1 or >= world -> pure FSDP; otherwise HSDP (world/fsdp_size, fsdp_size).
@@ -92,4 +96,13 @@ def sequence_parallel_group(layout: MeshLayout) -> ProcessGroup | None:
     if layout.ulysses_size == 1:
         return None
     group, _ = dist.new_subgroups_by_enumeration(layout.sequence_parallel_groups())
+    return group
+
+
+def data_parallel_group(layout: MeshLayout) -> ProcessGroup | None:
+    """This rank's data-parallel group (None: the whole world, without sequence parallel). Every rank creates every
+    group, as torch requires."""
+    if layout.ulysses_size == 1:
+        return None
+    group, _ = dist.new_subgroups_by_enumeration(layout.data_parallel_groups())
     return group
