@@ -723,3 +723,35 @@ def test_the_api_takes_a_model_with_fewer_positions_than_the_default_seq_len(tmp
         shutdown()
     result = run_cli("train", DEMO, "--set", f"model.name_or_path={tmp_path / 'model'}")
     assert_one_line_error(result, 2, "data.seq_len: 256 is more than the model's max_position_embeddings (64)")
+
+
+def test_save_checkpoint_replaces_only_an_earlier_checkpoint(tmp_path):
+    """Strategy.save_checkpoint(path) replaced whatever was at `path` (a file, a folder of the user's) without a
+    word; it now refuses those, and a path it cannot write, in one line, and still replaces its own checkpoint."""
+    import fsdp2kit
+    from fsdp2kit.distributed import shutdown
+    from fsdp2kit.errors import UserError
+
+    config = {"model": {"config": {"num_hidden_layers": 1}}, "training": {"output_dir": str(tmp_path / "out")}}
+    config["training"]["lr_scheduler_type"] = "constant"
+    a_file, a_folder = tmp_path / "a_file", tmp_path / "notes"
+    a_file.write_text("mine")
+    a_folder.mkdir()
+    (a_folder / "notes.txt").write_text("mine too")
+    try:
+        strategy = fsdp2kit.Strategy.from_config(config)
+        for target, problem in [
+            (a_file, "exists and is not a folder"),
+            (a_folder, "holds files that are not a checkpoint"),
+            (a_file / "checkpoint", "cannot be written (Not a directory)"),
+        ]:
+            with pytest.raises(UserError, match=f"save_checkpoint: '{target if problem[0] != 'c' else a_file}'"):
+                strategy.save_checkpoint(target)
+            assert problem
+        assert a_file.read_text() == "mine" and (a_folder / "notes.txt").read_text() == "mine too"
+        strategy.save_checkpoint(tmp_path / "ckpt")
+        strategy.train_step([{"input_ids": torch.arange(16).reshape(2, 8)}])
+        strategy.save_checkpoint(tmp_path / "ckpt")  # its own earlier checkpoint: replaced
+        assert strategy.load_checkpoint(tmp_path / "ckpt")["step"] == 1
+    finally:
+        shutdown()

@@ -15,6 +15,7 @@ import json
 import os
 import shutil
 import signal
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -65,6 +66,25 @@ def read_trainer_state(path: Path) -> dict:
     if not isinstance(state, dict) or not isinstance(state.get("step"), int):
         raise UserError(f"training.resume: '{state_file}' is not a trainer state (it has no step)")
     return state
+
+
+def replaceable_problem(target: Path) -> str | None:
+    """Why a checkpoint may not be written at `target` (None: it may). Only an empty folder or an earlier checkpoint
+    is replaced: anything else there (a file, a folder of the user's) would be deleted by the commit's rename."""
+    if target.is_symlink() or (target.exists() and not target.is_dir()):
+        return f"'{target}' exists and is not a folder; give a new folder or an earlier checkpoint to replace"
+    if target.is_dir() and any(target.iterdir()) and not (target / STATE_FILE).is_file():
+        return (
+            f"'{target}' holds files that are not a checkpoint; give a new folder or an earlier checkpoint to replace"
+        )
+    try:  # a real write, not os.access: root passes that on a read-only mount
+        target.parent.mkdir(parents=True, exist_ok=True)
+        probe, name = tempfile.mkstemp(prefix=".probe-", dir=target.parent)
+        os.close(probe)
+        os.unlink(name)
+    except OSError as exc:
+        return f"'{target.parent}' cannot be written ({exc.strerror or exc}): the checkpoint cannot be saved there"
+    return None
 
 
 def retire(checkpoint: Path) -> Path | None:
@@ -128,8 +148,14 @@ class CheckpointManager:
         blocking: bool = False,
         final: Path | None = None,
     ) -> None:
-        """Checkpoint `step` as checkpoints/step_N, or as the folder `final` (the Strategy API's save_checkpoint)."""
+        """Checkpoint `step` as checkpoints/step_N, or as the folder `final` (the Strategy API's save_checkpoint; rank 0
+        decides whether it may be replaced, so every rank refuses together)."""
         self.wait()
+        if final is not None:
+            problem = [replaceable_problem(final) if self.rank == 0 else None]
+            dist.broadcast_object_list(problem, src=0)
+            if problem[0] is not None:
+                raise UserError(f"save_checkpoint: {problem[0]}")
         final = final if final is not None else self.root / f"step_{step}"
         tmp = final.with_name(f".tmp-{final.name}")
         with self._writing(step, tmp):
