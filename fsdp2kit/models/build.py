@@ -373,13 +373,28 @@ def load_safetensors(model: nn.Module, folder: Path, mode: str = "sliced") -> No
                 local = param.to_local()
                 full = (
                     view[:].to(local.dtype) if dist.get_rank() == 0 else torch.empty(param.shape, dtype=local.dtype)
-                ).to(local.device)
+                ).to(param.device_mesh.device_type)  # the collective's device: shards may live on the host
                 local.copy_(distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=0).to_local())
             else:  # sliced, or a replicated (ignored) module that every rank reads whole
                 copy_to_shard(param, view)
     finally:
         for handle in handles.values():
             handle.__exit__(None, None, None)
+
+
+@torch.no_grad()
+def _move_unsharded(model: nn.Module, device: torch.device) -> None:
+    """Buffers (rotary tables) and the parameters FSDP does not manage (ignored modules) to the compute device: FSDP
+    moves only its own shards there. A parameter moves in place (tied ones stay one object); a buffer that several
+    modules share stays shared."""
+    moved: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for key, buffer in module._buffers.items():
+            if buffer is not None and buffer.device != device:
+                module._buffers[key] = moved.setdefault(id(buffer), buffer.to(device))
+        for param in module._parameters.values():
+            if param is not None and not isinstance(param, DTensor) and param.device != device:
+                param.data = param.data.to(device)
 
 
 def load_dcp(model: nn.Module, folder: Path) -> None:
@@ -393,10 +408,19 @@ def load_dcp(model: nn.Module, folder: Path) -> None:
 
 
 def materialise(
-    model: PreTrainedModel, source: ModelSource, device: torch.device, seed: int, loading: str = "sliced"
+    model: PreTrainedModel,
+    source: ModelSource,
+    device: torch.device,
+    seed: int,
+    loading: str = "sliced",
+    shard_device: torch.device | None = None,
 ) -> None:
-    """Allocate each rank's shards on `device`, then initialise them (fresh) or read them (pretrained)."""
-    model.to_empty(device=device)
+    """Allocate each rank's shards on `shard_device` (default: `device`; the host under CPU offload, which FSDP
+    refuses otherwise), buffers and replicated parameters on `device`, where the forward reads them; then initialise
+    them (fresh) or read them (pretrained): the same values wherever they live."""
+    model.to_empty(device=shard_device or device)
+    if shard_device is not None and shard_device != device:
+        _move_unsharded(model, device)
     if source.weights_dir is None:
         initialise_weights(model, seed)
     else:

@@ -20,7 +20,7 @@ from fsdp2kit.models.build import (
 )
 from fsdp2kit.models.variant import ModelVariant, pick_variant
 from fsdp2kit.parallel.compile import compile_modules
-from fsdp2kit.parallel.fsdp import apply_fsdp
+from fsdp2kit.parallel.fsdp import apply_fsdp, shard_device
 from fsdp2kit.parallel.mesh import MeshLayout, build_mesh, mesh_layout, sequence_parallel_group
 from fsdp2kit.parallel.plan import ShardingPlan, build_plan
 from fsdp2kit.parallel.recompute import apply_recompute
@@ -76,7 +76,8 @@ def build_sharded_model(
     compile_modules(model, plan.compiled_modules)
     apply_fsdp(model, mesh, plan)
     if materialize:
-        materialise(model, source, runtime.device, seed, model_cfg.weights_loading)
+        shards_on = shard_device(plan, runtime.device)
+        materialise(model, source, runtime.device, seed, model_cfg.weights_loading, shards_on)
         variant.materialise(model, seed)
     if not training:
         model.eval()

@@ -92,6 +92,12 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan) -> list[F
     return groups
 
 
+def shard_device(plan: ShardingPlan, device: torch.device) -> torch.device:
+    """Where this rank's shards live: on the host under CPU offload (FSDP copies each group to `device` for its
+    all-gather and its gradients back, and the optimizer steps the shards on the host), else on `device`."""
+    return torch.device("cpu") if plan.offload else device
+
+
 def _set_prefetch(groups: list[FSDPModule], forward: int, backward: int) -> None:
     """Explicit prefetch along the forward order (FSDP2's own default is 1 implicit backward prefetch)."""
     if len(groups) < 2:

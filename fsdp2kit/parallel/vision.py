@@ -88,14 +88,14 @@ def translate_vl_path(model: nn.Module, pattern: str) -> str | None:
     return None
 
 
-def _dummy_image(inner: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pixel rows and grid of the smallest image the tower takes: one merged patch (merge x merge patches)."""
+def _dummy_image(inner: Any, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pixel rows and grid of the smallest image the tower takes: one merged patch (merge x merge patches), on the
+    device the forward computes on (its inputs': under CPU offload the parameters live on the host)."""
     vision = inner.config.vision_config
     merge = vision.spatial_merge_size
     row = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
-    parameter = next(inner.visual.parameters())
-    pixels = torch.zeros(merge * merge, row, dtype=torch.float32, device=parameter.device)
-    grid = torch.tensor([[1, merge, merge]], device=parameter.device)
+    pixels = torch.zeros(merge * merge, row, dtype=torch.float32, device=device)
+    grid = torch.tensor([[1, merge, merge]], device=device)
     return pixels, grid
 
 
@@ -119,7 +119,8 @@ def apply_vision_patch(model: nn.Module) -> None:
 
     def before(module: Any, args: tuple, kwargs: dict[str, Any]) -> None:
         if kwargs.get("pixel_values") is None and not kwargs.get("past_key_values"):
-            pixels, grid = _dummy_image(module)
+            device = next(v.device for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor))
+            pixels, grid = _dummy_image(module, device)
             pending.append(_zero_sum(module.get_image_features(pixels, grid)))
 
     def after(module: nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> Any:
