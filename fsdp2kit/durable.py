@@ -71,3 +71,11 @@ def disk_full_message(path: Path, what: str, needed_bytes: int, intact: str) -> 
         f"no space left on device: {what} in '{path}' needs about {needed_bytes / 2**20:.1f} MiB and its disk has "
         f"{free_bytes(path) / 2**20:.1f} MiB free; {intact}"
     )
+
+
+def as_the_umask_allows(path: Path) -> None:
+    """Give a file the mode a plain `open` would (0666 less the umask): safetensors writes 0600, which leaves an
+    exported model unreadable to the other users of a shared machine, a serving engine's user among them."""
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, 0o666 & ~mask)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -35,6 +36,10 @@ def test_convert_hf_dcp_hf_is_bit_identical(tmp_path):
     assert original.keys() == back.keys()
     assert all(torch.equal(original[k], back[k]) and original[k].dtype == back[k].dtype for k in original)
     assert (folder / "config.json").read_text() == (tmp_path / "back" / "config.json").read_text()
+    # Readable as a plain `open` would leave it (0644 under the usual umask), not safetensors' 0600.
+    umask = os.umask(0)
+    os.umask(umask)
+    assert {path.stat().st_mode & 0o777 for path in (tmp_path / "back").iterdir()} == {0o666 & ~umask}
 
 
 @pytest.mark.slow

@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 
 from fsdp2kit.dtypes import torch_dtype
-from fsdp2kit.durable import disk_full_message, ran_out_of_space
+from fsdp2kit.durable import as_the_umask_allows, disk_full_message, ran_out_of_space
 from fsdp2kit.errors import RunFault
 from fsdp2kit.models.build import tied_weight_names
 from fsdp2kit.models.lora import merged_full_tensor, merged_state
@@ -80,6 +80,7 @@ class SafetensorsWriter:
             else [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
         )
         for i, name in enumerate(names):
+            as_the_umask_allows(self.out_dir / f".part-{i}.safetensors")
             os.replace(self.out_dir / f".part-{i}.safetensors", self.out_dir / name)
         if count > 1:
             weight_map = {tensor: names[i] for i, tensors in enumerate(self.files) for tensor in tensors}
