@@ -221,12 +221,21 @@ def small_run(tmp_path):
     return set_args({**SMALL_RUN, "training.output_dir": str(tmp_path / "run")})
 
 
-def make_hf_folder(path: Path, builtin: str, max_shard_size: str | None = None, layers: int = 2, **config):
+def make_hf_folder(
+    path: Path,
+    builtin: str,
+    max_shard_size: str | None = None,
+    layers: int = 2,
+    auto_class: str = "AutoModelForCausalLM",
+    **config,
+):
     """A seeded HF model folder of a built-in architecture (`config` overrides its settings), with the built-in
-    tokenizer: what a user's downloaded model looks like, without a download. Returns the model."""
+    tokenizer: what a user's downloaded model looks like, without a download. Returns the model. `auto_class`: the
+    transformers auto class that builds it (AutoModelForTokenClassification: a critic's)."""
     import shutil
 
-    from transformers import AutoConfig, AutoModelForCausalLM
+    import transformers
+    from transformers import AutoConfig
 
     from fsdp2kit.data.builtin import tokenizer_dir
     from fsdp2kit.models.builtin import BUILTIN_MODELS
@@ -234,7 +243,7 @@ def make_hf_folder(path: Path, builtin: str, max_shard_size: str | None = None, 
     settings = dict(BUILTIN_MODELS[builtin], num_hidden_layers=layers, **config)
     hf_config = AutoConfig.for_model(settings.pop("model_type"), **settings)
     torch.manual_seed(3)
-    model = AutoModelForCausalLM.from_config(hf_config)
+    model = getattr(transformers, auto_class).from_config(hf_config)
     model.save_pretrained(path, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
     for file in tokenizer_dir().iterdir():
         shutil.copy(file, path / file.name)

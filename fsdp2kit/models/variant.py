@@ -23,6 +23,7 @@ from fsdp2kit.data.samples import GlobalBatches
 from fsdp2kit.data.scoring import ConversationScoring, DocumentScoring, ScoringSource
 from fsdp2kit.data.vl import VLEncoder, VLGlobalBatches, load_conversations
 from fsdp2kit.models.build import ModelSource
+from fsdp2kit.models.heads import LanguageModelHead, OutputHead, ValueHead, pick_head
 from fsdp2kit.models.lora import LoraPart
 from fsdp2kit.models.variant_part import VariantPart
 from fsdp2kit.models.vl import is_vision_language
@@ -123,6 +124,7 @@ class ModelVariant:
 
     modality: TextModality
     parts: list[VariantPart] = field(default_factory=list)
+    head: OutputHead = field(default_factory=LanguageModelHead)  # what its forward gives the API (models/heads.py)
 
     @property
     def name(self) -> str:
@@ -201,7 +203,8 @@ class ModelVariant:
 
 def pick_variant(hf_config: Any, model_cfg: ModelConfig, strategy: StrategyConfig) -> ModelVariant:
     """The one place that decides what a model is: vision-language by its config (`is_vision_language`), LoRA by
-    model.lora, experts sharded one by one by wrap_policy.moe_experts (fused experts need nothing of their own)."""
+    model.lora, experts sharded one by one by wrap_policy.moe_experts (fused experts need nothing of their own), a
+    value or reward model by model.model_class (`pick_head`)."""
     parts: list[VariantPart] = []  # in the order their patches apply
     if strategy.wrap_policy.moe_experts:
         parts.append(ExpertsPart(strategy.wrap_policy.moe_experts))
@@ -210,4 +213,7 @@ def pick_variant(hf_config: Any, model_cfg: ModelConfig, strategy: StrategyConfi
         parts.append(VisionPart())
     if model_cfg.lora_enabled and model_cfg.lora is not None:  # adapters go onto the split experts too
         parts.append(LoraPart(model_cfg.lora))
-    return ModelVariant(VisionModality() if vision else TextModality(), parts)
+    head = pick_head(model_cfg, hf_config)
+    if isinstance(head, ValueHead):  # its build hooks and its line in check
+        parts.append(head)
+    return ModelVariant(VisionModality() if vision else TextModality(), parts, head)

@@ -1,0 +1,147 @@
+"""What a model's forward gives the back-end API, by the head on top of its decoder: a causal LM's next-token
+log-probs (its LM head answers chunked token requests, parallel/token_logprobs.py), a critic's value per token
+(`model.model_class` naming a transformers `...ForTokenClassification` with one label) or a reward model's score
+per sequence (`...ForSequenceClassification` with one label), read at the rightmost token that is not the pad token,
+as transformers reads it. `models/variant.py:pick_variant` picks the head; the Strategy asks it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.distributed import ProcessGroup
+
+from fsdp2kit.config.schema import ModelConfig
+from fsdp2kit.data.dataset import model_inputs
+from fsdp2kit.errors import UserError
+from fsdp2kit.models.variant_part import VariantPart
+from fsdp2kit.parallel.token_logprobs import install_token_head, probe_token_head
+
+Batch = dict[str, torch.Tensor]
+
+_PER_TOKEN = "_fsdp2kit_per_token_scores"
+
+
+class LanguageModelHead(VariantPart):
+    """A causal LM: forward_step gives `log_probs` [B, T-1], and the loss receives them."""
+
+    output = "log_probs"
+
+    def install(self, model: nn.Module, device: torch.device, where: str) -> None:
+        """The LM head answers chunked token requests, checked once against the model's own logits."""
+        install_token_head(model)
+        probe_token_head(model, device, where)
+
+    def require_log_probs(self, what: str) -> None:
+        """Next-token log-probs are what this head gives."""
+
+
+class ValueHead(VariantPart):
+    """A critic: one value per token, `values` [B, T] (every position, no shift), from the `score` layer of a
+    transformers `...ForTokenClassification` with one label. Its dropout before the head is off unless the config
+    names `classifier_dropout` (transformers' default would be 0.1; verl's critics turn it off too): a value target
+    that changes from one forward to the next is noise."""
+
+    output = "values"
+
+    def __init__(self, class_name: str, hf_config: Any) -> None:
+        self.class_name = class_name
+        labels = getattr(hf_config, "num_labels", None)
+        if labels != 1:
+            raise UserError(
+                f"model.config.num_labels: {class_name} gives the API one {self.output[:-1]} per "
+                f"{self._per}, so it needs num_labels: 1, not {labels}"
+            )
+
+    _per = "token"
+
+    def patch_meta(self, model: nn.Module, sp_group: ProcessGroup | None) -> None:
+        config = model.config
+        if getattr(config, "classifier_dropout", None) is None:
+            config.classifier_dropout = 0.0  # written into the export: transformers loads the same head
+        dropout = getattr(model, "dropout", None)
+        if isinstance(dropout, nn.Dropout):
+            dropout.p = float(config.classifier_dropout)
+
+    def install(self, model: nn.Module, device: torch.device, where: str) -> None:
+        if not isinstance(getattr(model, "score", None), nn.Linear):
+            raise UserError(f"model.model_class: {self.class_name} has no `score` layer to read its outputs from")
+
+    def require_log_probs(self, what: str) -> None:
+        raise UserError(
+            f"{what}: model.model_class {self.class_name} gives {self.output}, not next-token log-probs; "
+            f"use forward_step for its {self.output} and train_step with a loss_fn({self.output}, batch)"
+        )
+
+    def model_batch(self, batch: Batch, model_keys: set[str]) -> Batch:
+        """The model's inputs at every position; `labels` only mark the positions that sequence parallel slices."""
+        inputs = {k: v for k, v in batch.items() if k in model_keys and isinstance(v, torch.Tensor)}
+        inputs["labels"] = torch.zeros_like(batch["input_ids"])
+        return inputs
+
+    def local_outputs(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, Any]:
+        """This rank's per-token outputs [B, t] float32 (with autograd) and the model's outputs."""
+        outputs = model(**model_inputs(batch), use_cache=False)
+        return outputs.logits[..., 0].float(), outputs
+
+    def whole(self, per_token: torch.Tensor, batch: Batch) -> torch.Tensor:
+        """What the API returns for the batch as given, from the per-token outputs of (at least) its positions."""
+        return per_token[:, : batch["input_ids"].shape[1]]
+
+    def describe(self) -> dict[str, Any]:
+        return {"head": f"values per token ({self.class_name}; classifier_dropout 0 unless the config sets it)"}
+
+
+class ScoreHead(ValueHead):
+    """A reward model: `scores` [B], the `score` layer of a transformers `...ForSequenceClassification` (one label)
+    at each row's rightmost token that is not `pad_token_id`, as transformers picks it. The layer's per-token output
+    is kept and picked here, on the whole sequence: under sequence parallel a rank's slice has no last token."""
+
+    output = "scores"
+    _per = "sequence"
+
+    def __init__(self, class_name: str, hf_config: Any) -> None:
+        super().__init__(class_name, hf_config)
+        self.pad_token_id = hf_config.get_text_config().pad_token_id
+        if self.pad_token_id is None:
+            raise UserError(
+                f"model.config.pad_token_id: {class_name} reads its score at the last token that is not padding, "
+                "which needs the pad token's id; set it"
+            )
+
+    def patch_meta(self, model: nn.Module, sp_group: ProcessGroup | None) -> None:
+        """Nothing: a sequence classifier has no dropout before its head."""
+
+    def install(self, model: nn.Module, device: torch.device, where: str) -> None:
+        super().install(model, device, where)
+        model.score.register_forward_hook(_keep_per_token)
+
+    def describe(self) -> dict[str, Any]:
+        return {"head": f"scores per sequence ({self.class_name}; at the last token that is not pad_token_id)"}
+
+    def local_outputs(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, Any]:
+        outputs = model(**model_inputs(batch), use_cache=False)
+        return model.score.__dict__.pop(_PER_TOKEN)[..., 0].float(), outputs
+
+    def whole(self, per_token: torch.Tensor, batch: Batch) -> torch.Tensor:
+        ids = batch["input_ids"]
+        positions = torch.arange(ids.shape[1], device=ids.device, dtype=torch.int32)
+        last = (positions * (ids != self.pad_token_id).int()).argmax(-1)
+        return per_token[torch.arange(ids.shape[0], device=ids.device), last]
+
+
+def _keep_per_token(module: nn.Module, args: Any, output: torch.Tensor) -> None:
+    """The score layer's output at every position, before transformers keeps only the last token's."""
+    module.__dict__[_PER_TOKEN] = output
+
+
+HEADS = {"ForTokenClassification": ValueHead, "ForSequenceClassification": ScoreHead}
+OutputHead = LanguageModelHead | ValueHead
+
+
+def pick_head(model_cfg: ModelConfig, hf_config: Any) -> OutputHead:
+    """The head model.model_class names: a value or reward model by its class's name, else a causal LM."""
+    class_name = (model_cfg.model_class or "").rpartition(":")[2]
+    kind = next((suffix for suffix in HEADS if class_name.endswith(suffix)), None)
+    return LanguageModelHead() if kind is None else HEADS[kind](class_name, hf_config)

@@ -1,0 +1,113 @@
+"""Value and reward models through `fsdp2kit.Strategy` (`model.model_class` a transformers ...ForTokenClassification
+or ...ForSequenceClassification with one label): a PPO critic's clipped value loss and a Bradley-Terry reward loss
+train as a plain PyTorch loop does at 1 and 2 ranks (the critic under Ulysses too), forward_step gives transformers'
+values and scores, and the export loads with the same auto class and gives the same outputs."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import REPO, make_hf_folder
+from value_case import AUTO_CLASSES, config, load_reference, micro_batches, outputs, reference, train
+
+import fsdp2kit
+from fsdp2kit.distributed import free_port, shutdown
+from fsdp2kit.errors import UserError
+
+SMALL = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2}
+
+
+def value_model(folder: Path, kind: str) -> Path:
+    """A small Llama critic or reward model (one label; token 0, the batches' padding, is its pad token)."""
+    make_hf_folder(
+        folder, "tiny-llama", vocab_size=512, auto_class=AUTO_CLASSES[kind], num_labels=1, pad_token_id=0, **SMALL
+    )
+    return folder
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("value_models")
+    return {kind: value_model(root / kind, kind) for kind in AUTO_CLASSES}
+
+
+@pytest.fixture(scope="module")
+def expected(models: dict[str, Path]) -> dict[str, dict]:
+    return {kind: reference(kind, folder) for kind, folder in models.items()}
+
+
+def assert_same_training(result: dict, expected: dict) -> None:
+    assert result["losses"] == pytest.approx(expected["losses"], abs=1e-5)
+    assert sorted(result["weights"]) == sorted(expected["weights"])
+    for name, tensor in expected["weights"].items():
+        torch.testing.assert_close(result["weights"][name], tensor, rtol=0, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("kind", ["critic", "reward"])
+def test_a_value_or_reward_model_trains_as_a_plain_loop_and_exports_for_its_auto_class(
+    kind, models, expected, tmp_path
+):
+    """One rank, two micro-batches accumulated per step: the losses and weights of transformers' model under AdamW;
+    forward_step's values [B, T] / scores [B] are the trained model's; the HF export (with its `score` head) loads
+    with the same auto class and gives the same outputs."""
+    import transformers
+
+    batch = micro_batches(0, 1)[0]
+    try:
+        strategy, losses = train(kind, str(models[kind]), str(tmp_path / "run"))
+        weights = {name: tensor.clone() for name, tensor in strategy.full_weights()}
+        got = strategy.forward_step(batch)
+        strategy.export_hf(tmp_path / "hf")
+    finally:
+        shutdown()
+    assert_same_training({"losses": losses, "weights": weights}, expected[kind])
+    assert losses[0] != losses[-1]  # it trained
+    assert list(got) == [{"critic": "values", "reward": "scores"}[kind]]
+    exported = getattr(transformers, AUTO_CLASSES[kind]).from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    trained = load_reference(kind, models[kind]).eval()
+    trained.load_state_dict(expected[kind]["weights"])
+    with torch.no_grad():
+        want = outputs(trained, batch)
+        torch.testing.assert_close(outputs(exported, batch), want, rtol=0, atol=1e-5)
+    assert got[next(iter(got))].shape == want.shape == ((2, 17) if kind == "critic" else (2,))
+    torch.testing.assert_close(next(iter(got.values())), want, rtol=0, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_value_and_reward_models_at_two_ranks_and_the_critic_under_ulysses_equal_a_plain_loop(
+    models, expected, tmp_path
+):
+    """Two data-parallel ranks with a micro-batch each (critic, reward model), then a Ulysses pair that splits each
+    sequence and gathers the critic's values (and the reward model's last-token pick sees whole sequences)."""
+    out = tmp_path / "out.pt"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    command += ["--master-port", str(free_port()), str(REPO / "tests" / "value_case.py")]
+    command += [str(models["critic"]), str(models["reward"]), str(out)]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
+    result = subprocess.run(command, env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    runs = torch.load(out)
+    for name, kind in [("critic", "critic"), ("reward", "reward"), ("critic-ulysses", "critic")]:
+        assert_same_training(runs[name], expected[kind])
+
+
+def test_a_value_model_is_refused_where_log_probs_are_asked_and_its_labels_must_be_one(models, tmp_path):
+    cfg = config("critic", str(models["critic"]), str(tmp_path))
+    batch = micro_batches(0, 1)[0]
+    try:
+        s = fsdp2kit.Strategy.from_config(cfg)
+        with pytest.raises(UserError, match="gives values, not next-token log-probs"):
+            s.forward_step(batch, entropy=True)
+        with pytest.raises(UserError, match="no default loss"):
+            s.train_step([batch])
+    finally:
+        shutdown()
+    cfg["model"]["config"] = {"num_labels": 2}
+    with pytest.raises(UserError, match="model.config.num_labels: LlamaForTokenClassification .* needs num_labels: 1"):
+        fsdp2kit.Strategy.from_config(cfg)
+    shutdown()
