@@ -20,7 +20,6 @@ from fsdp2kit.data.samples import GlobalBatches, Prefetcher
 from fsdp2kit.distributed import Runtime
 from fsdp2kit.errors import Interrupted, UserError
 from fsdp2kit.models.build import check_data_fits
-from fsdp2kit.models.sharded import count_parameters
 from fsdp2kit.strategy import Strategy
 from fsdp2kit.train.evaluate import EvalBatches
 from fsdp2kit.train.interrupt import StopSignals
@@ -259,8 +258,7 @@ class StepMetrics:
     """One metrics.jsonl record per step: loss, lr, grad norm, tokens/s, MFU where the device's peak is known."""
 
     def __init__(self, cfg: JobConfig, strategy: Strategy) -> None:
-        trainable, _ = count_parameters(strategy.model)
-        self.flops_token = flops_per_token(strategy.sharded.source.hf_config, trainable, cfg.data.seq_len)
+        self.flops_token = flops_per_token(strategy.model, cfg.data.seq_len)
         self.peak_flops = device_peak_flops(strategy.runtime.device)
         self.world_size = strategy.runtime.world_size
         self.scaler = strategy.scaler

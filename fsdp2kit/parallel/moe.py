@@ -240,3 +240,22 @@ def without_moe_blocks(model: nn.Module, mlps: list[str], notes: list[str]) -> l
             "feed the auxiliary loss)"
         )
     return [name for name in mlps if name not in moe_blocks]
+
+
+ROUTED_EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts")  # the families' names for it
+
+
+def routed_shares(model: nn.Module) -> dict[int, float]:
+    """Each routed expert's parameters (by id) with the share of the tokens they compute on: a token runs
+    num_experts_per_tok of the block's experts. Parameters not listed (attention, shared experts) run on every token."""
+    text = model.config.get_text_config() if hasattr(model, "config") else None
+    top_k = getattr(text, "num_experts_per_tok", None)
+    experts = next((getattr(text, key) for key in ROUTED_EXPERT_COUNTS if getattr(text, key, None)), None)
+    if not (isinstance(top_k, int) and isinstance(experts, int) and experts > 0):
+        return {}
+    return {
+        id(param): top_k / experts
+        for module in model.modules()
+        if is_moe_block(module)
+        for param in module.experts.parameters()
+    }
