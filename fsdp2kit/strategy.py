@@ -31,6 +31,7 @@ from fsdp2kit.parallel.mesh import data_parallel_group
 from fsdp2kit.parallel.token_logprobs import TokenRequest, chunk_tokens, install_token_head, token_request
 from fsdp2kit.train.evaluate import EvalResult, eval_loss
 from fsdp2kit.train.grads import LossScaler, NonFiniteGuard
+from fsdp2kit.train.host_states import HostStates, state_tensors
 from fsdp2kit.train.optim import build_optimizer, build_scheduler
 from fsdp2kit.train.resume import apply_settings, changed_optimizer_keys, check_trainer_state, optimizer_settings
 from fsdp2kit.train.step import MicroBatchLoss, StepResult, TokenCrossEntropy, train_step, with_aux_loss
@@ -80,6 +81,7 @@ class Strategy:
         self.guard = NonFiniteGuard(tc.max_nonfinite_steps, self.scaler)
         self.scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
         self.steps_done = 0
+        self.parked: dict[str, HostStates] = {}  # offload_states' host buffers, per state kind, kept for reuse
         if self.training and total_steps is not None:
             self.set_schedule(total_steps)
 
@@ -347,14 +349,13 @@ class Strategy:
     def _move_states(self, device: torch.device, kinds: set[str], non_blocking: bool) -> None:
         if self.runtime.device.type == "cpu":
             return  # host memory is the device's memory: nothing to free
-        if "model_params" in kinds:
-            self.model.to(device, non_blocking=non_blocking)
-        if "optimizer_states" in kinds and self.optimizer is not None:
-            for state in self.optimizer.state.values():
-                for key, value in state.items():
-                    if isinstance(value, torch.Tensor) and value.dim() > 0:
-                        state[key] = value.to(device, non_blocking=True)
-        if not non_blocking:
+        for kind in sorted(kinds):  # train/host_states.py: reused pinned buffers, queued copies, bitwise
+            parked = self.parked.setdefault(kind, HostStates(self.runtime.device))
+            if device.type == "cpu":
+                parked.offload(state_tensors(self.model, self.optimizer, kind))
+            else:
+                parked.load()
+        if not non_blocking:  # one synchronisation for the whole move
             torch.cuda.synchronize(self.runtime.device)
         if device.type == "cpu":
             torch.cuda.empty_cache()

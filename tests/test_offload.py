@@ -57,7 +57,7 @@ def test_offloaded_states_come_back_bitwise_into_reused_host_buffers(model_dir, 
             kind: HostStates(torch.device("cpu"), slab_bytes=4096) for kind in ("model_params", "optimizer_states")
         }
         tensors = {kind: state_tensors(s.model, s.optimizer, kind) for kind in parked}
-        assert len(tensors["optimizer_states"]) == 3 * len(params)  # step, exp_avg, exp_avg_sq
+        assert len(tensors["optimizer_states"]) == 3 * len(s.optimizer.state) > 0  # step, exp_avg, exp_avg_sq
         assert len(tensors["model_params"]) >= 2 * len(params)  # and buffers
         before = {kind: _snapshot(ts) for kind, ts in tensors.items()}
         slabs = []
