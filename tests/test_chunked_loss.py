@@ -40,7 +40,7 @@ def batch(rows: int, length: int) -> dict[str, torch.Tensor]:
 
 
 def test_auto_chunks_only_large_vocabularies():
-    assert chunk_tokens("auto", 32000) == 0 and chunk_tokens("auto", 151936) == 1024 and chunk_tokens(64, 100) == 64
+    assert chunk_tokens("auto", 32000) == 0 and chunk_tokens("auto", 151936) == 1536 and chunk_tokens(64, 100) == 64
 
 
 def step_with_gradients(model_dir: Path, chunk: int, attention: str = "sdpa") -> tuple[dict, dict[str, torch.Tensor]]:
