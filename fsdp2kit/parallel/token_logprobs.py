@@ -5,26 +5,91 @@ The head's forward is replaced in place (`replace_forward`), so it runs inside t
 its weight gathered, and its hooks, names and checkpoints are unchanged. While a `TokenRequest` is set on the head,
 the head returns the log-probabilities of the requested target tokens instead of logits; each chunk's logits are
 recomputed in backward and turned into their own gradient in place, so backward holds one chunk's logits at a time
-too. Entropies are computed without autograd (`forward_step`)."""
+too. Entropies come with autograd too (an entropy bonus), both at a sampling temperature where one is asked.
+
+What a family does to its logits after the head (Cohere's scale, Granite's divisor, Gemma's soft-cap: `AFTER_HEAD`)
+the chunks do, and the model's own step is switched off during a request. `probe_token_head` proves it once per
+built model: a family that transforms its logits in some other way is refused, never trained wrong."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.fsdp import FSDPModule
 
+from fsdp2kit.errors import UserError
 from fsdp2kit.labels import IGNORE_INDEX
 from fsdp2kit.parallel.forward_patch import Forward, replace_forward
 from fsdp2kit.parallel.linear_cross_entropy import budget_chunk_tokens, linear_cross_entropy
 
 _REQUEST = "_fsdp2kit_token_request"
-_SOFTCAP = "_fsdp2kit_logit_softcap"
+_AFTER_HEAD = "_fsdp2kit_after_head"
+
+
+def _text_config(model: nn.Module) -> Any:
+    """The config a model reads its logit settings from (a VL model's text config)."""
+    config = getattr(model, "config", None)
+    return getattr(config, "text_config", None) or config
+
+
+@dataclass(frozen=True)
+class LogitStep:
+    """One thing a family's forward does to the logits after its LM head (from transformers' modeling files):
+    multiply or divide them by, or soft-cap them at (cap x tanh(z / cap)), the value `attribute` has on what `holder`
+    returns for the causal-LM module."""
+
+    attribute: str
+    kind: Literal["multiply", "divide", "softcap"]
+    holder: Callable[[nn.Module], Any] = _text_config
+
+    def value(self, model: nn.Module) -> float | None:
+        value = getattr(self.holder(model), self.attribute, None)
+        return None if value is None or (self.kind != "softcap" and value == 1) else float(value)
+
+    @property
+    def neutral(self) -> float | None:
+        """The value under which the model's own step does nothing."""
+        return None if self.kind == "softcap" else 1.0
+
+
+# In the order the families apply them (every scale comes before the cap). Any other transform is caught by
+# `probe_token_head` (hyperclovax multiplies by `logits_scaling`, which Granite divides by: it is refused).
+AFTER_HEAD = (
+    LogitStep("logit_scale", "multiply", holder=lambda model: model),  # cohere, cohere2: self.logit_scale
+    LogitStep("logits_scaling", "divide"),  # granite, granitemoe*, granite4_vision
+    LogitStep("lm_head_multiplier", "multiply", holder=lambda model: getattr(model, "model", None)),  # falcon_h1
+    LogitStep("output_multiplier", "multiply"),  # muse_spark, muse_glimmer (before their soft-cap)
+    LogitStep("final_logit_softcapping", "softcap"),  # gemma2, gemma3, gemma3n, vaultgemma, paligemma, ...
+)
+
+
+@dataclass(frozen=True)
+class AfterHead:
+    """What the chunks apply to their float32 logits: a scale, then a soft-cap."""
+
+    scale: float = 1.0
+    softcap: float | None = None
+
+    @classmethod
+    def of(cls, model: nn.Module) -> AfterHead:
+        scale, softcap = 1.0, None
+        for step in AFTER_HEAD:
+            value = step.value(model)
+            if value is None:
+                continue
+            if step.kind == "softcap":
+                softcap = value
+            else:
+                scale = scale * value if step.kind == "multiply" else scale / value
+        return cls(scale, softcap)
 
 
 @dataclass
@@ -34,7 +99,8 @@ class TokenRequest:
     targets: torch.Tensor  # [B, T] int64, aligned with the head's input positions
     chunk_tokens: int  # tokens per chunk; 0 = all at once
     entropy: bool = False
-    entropies: torch.Tensor | None = None  # [B, T] float32, filled when `entropy`
+    entropies: torch.Tensor | None = None  # [B, T] float32, filled when `entropy` (with autograd where enabled)
+    temperature: torch.Tensor | None = None  # float32, one [] or one per sample [B]: log-probs of logits / it
     summed: bool = False  # return the summed cross-entropy -sum(log p) instead (the training loss)
 
 
@@ -45,10 +111,10 @@ def head_name(model: nn.Module) -> str:
 
 
 def install_token_head(model: nn.Module) -> None:
-    """Let the LM head answer `TokenRequest`s; without one it computes logits as before. A model that soft-caps its
-    logits after the head (Gemma's final_logit_softcapping) gets the same cap in the chunks."""
+    """Let the LM head answer `TokenRequest`s; without one it computes logits as before. The chunks apply what the
+    model does to its logits after the head (`AFTER_HEAD`)."""
     name = head_name(model)
-    setattr(model.get_submodule(name), _SOFTCAP, getattr(_softcap_config(model), "final_logit_softcapping", None))
+    setattr(model.get_submodule(name), _AFTER_HEAD, AfterHead.of(model))
     replace_forward(model, [name], _token_forward)
 
 
@@ -58,27 +124,40 @@ def _token_forward(head: nn.Module, original: Forward) -> Forward:
         if request is None:
             return original(hidden)
         weight, bias = cast(torch.Tensor, head.weight), getattr(head, "bias", None)
-        return _chunked(hidden, weight, bias, request, getattr(head, _SOFTCAP, None))
+        return _chunked(hidden, weight, bias, request, getattr(head, _AFTER_HEAD))
 
     return forward
 
 
 def _logits(
-    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, softcap: float | None
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A chunk's float32 logits, soft-capped as the model caps them (Gemma's final_logit_softcapping: cap x
-    tanh(z / cap)), and the cap's derivative (None without one), which their gradient is multiplied by."""
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, after: AfterHead
+) -> tuple[torch.Tensor, torch.Tensor | float | None]:
+    """A chunk's float32 logits, scaled and soft-capped as the model does after its head, and the derivative of
+    that (None where it does nothing), which their gradient is multiplied by."""
     logits = F.linear(hidden, weight, bias).float()
-    if not softcap:
-        return logits, None
-    squashed = torch.tanh(logits / softcap)
-    return squashed * softcap, 1 - squashed.square()
+    if after.scale != 1:
+        logits = logits * after.scale
+    if not after.softcap:
+        return logits, None if after.scale == 1 else after.scale
+    squashed = torch.tanh(logits / after.softcap)
+    return squashed * after.softcap, (1 - squashed.square()) * after.scale
+
+
+def _tempered(
+    logits: torch.Tensor, slope: torch.Tensor | float | None, temperature: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | float | None]:
+    """Logits divided by each token's sampling temperature ([chunk], None: 1), and the slope with it."""
+    if temperature is None:
+        return logits, slope
+    inverse = temperature.reciprocal().unsqueeze(-1)
+    return logits / temperature.unsqueeze(-1), inverse if slope is None else slope * inverse
 
 
 class _ChunkLogProbs(torch.autograd.Function):
-    """log p(target) of one chunk of tokens. Backward recomputes the chunk's logits once and turns them into their
-    gradient in place (softmax, scaled, minus the target's one-hot), so it holds one [chunk, vocab] float32 tensor
-    where autograd's log-softmax and gather would hold four or five."""
+    """log p(target) of one chunk of tokens at their temperature, and with `entropy` each token's entropy
+    H = -sum p log p (else an empty tensor). Backward recomputes the chunk's logits once and turns them into their
+    gradient in place: g_lp x (one-hot - p) - g_H x p x (log p + H); so it holds one [chunk, vocab] float32 tensor
+    (two with entropy) where autograd's log-softmax and gather would hold four or five."""
 
     @staticmethod
     def forward(
@@ -87,94 +166,132 @@ class _ChunkLogProbs(torch.autograd.Function):
         weight: torch.Tensor,
         bias: torch.Tensor | None,
         targets: torch.Tensor,
-        softcap: float | None,
-    ) -> torch.Tensor:
-        logits, _ = _logits(hidden, weight, bias, softcap)
+        after: AfterHead,
+        temperature: torch.Tensor | None,
+        entropy: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        logits, _ = _tempered(*_logits(hidden, weight, bias, after), temperature)
         normaliser = torch.logsumexp(logits, dim=-1)
         picked = logits.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-        ctx.save_for_backward(hidden, weight, bias, targets, normaliser)
-        ctx.softcap = softcap
-        return (picked - normaliser).masked_fill(targets == IGNORE_INDEX, 0.0)
+        entropies = (normaliser - (torch.softmax(logits, dim=-1) * logits).sum(-1)) if entropy else logits.new_empty(0)
+        ctx.save_for_backward(hidden, weight, bias, targets, normaliser, temperature, entropies)
+        ctx.after, ctx.entropy = after, entropy
+        return (picked - normaliser).masked_fill(targets == IGNORE_INDEX, 0.0), entropies
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        hidden, weight, bias, targets, normaliser = ctx.saved_tensors
+    def backward(ctx: Any, grad: torch.Tensor, grad_entropy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        hidden, weight, bias, targets, normaliser, temperature, entropies = ctx.saved_tensors
         grad = grad.float().masked_fill(targets == IGNORE_INDEX, 0.0)
-        grad_logits, slope = _logits(hidden, weight, bias, ctx.softcap)
-        grad_logits.sub_(normaliser.unsqueeze(-1)).exp_().mul_(-grad.unsqueeze(-1))  # -grad x softmax
+        grad_logits, slope = _tempered(*_logits(hidden, weight, bias, ctx.after), temperature)
+        grad_logits.sub_(normaliser.unsqueeze(-1))  # log p
+        if ctx.entropy:
+            probs = grad_logits.exp()
+            grad_logits.add_(entropies.unsqueeze(-1)).mul_(grad_entropy.float().unsqueeze(-1))  # g_H x (log p + H)
+            grad_logits.add_(grad.unsqueeze(-1)).mul_(probs).neg_()  # -p x (g_lp + g_H x (log p + H))
+        else:
+            grad_logits.exp_().mul_(-grad.unsqueeze(-1))  # -grad x softmax
         grad_logits.scatter_add_(-1, targets.clamp(min=0).unsqueeze(-1), grad.unsqueeze(-1))  # + grad x one-hot
         if slope is not None:
             grad_logits.mul_(slope)
         grad_logits = grad_logits.to(hidden.dtype)
         grad_bias = grad_logits.sum(0) if bias is not None and ctx.needs_input_grad[2] else None
         grad_weight = grad_logits.t() @ hidden if ctx.needs_input_grad[1] else None
-        return grad_logits @ weight, grad_weight, grad_bias, None, None
-
-
-def _chunk_entropy(
-    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor, softcap: float | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probs and entropies of one chunk, without autograd (forward_step)."""
-    logits, _ = _logits(hidden, weight, bias, softcap)
-    normaliser = torch.logsumexp(logits, dim=-1)
-    picked = logits.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-    log_probs = (picked - normaliser).masked_fill(targets == IGNORE_INDEX, 0.0)
-    expected_logit = (torch.softmax(logits, dim=-1) * logits).sum(-1)
-    return log_probs, normaliser - expected_logit
+        return grad_logits @ weight, grad_weight, grad_bias, None, None, None, None
 
 
 def _chunked(
-    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, request: TokenRequest, softcap: float | None
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, request: TokenRequest, after: AfterHead
 ) -> torch.Tensor:
     """Log-probs [B, T] float32 of `request.targets` (or their negated sum), chunk by chunk over the tokens."""
     batch, length = hidden.shape[:2]
     flat_hidden, flat_targets = hidden.reshape(batch * length, -1), request.targets.reshape(-1)
     step = max(1, request.chunk_tokens or flat_targets.numel())
     if request.summed:
-        logits_of = partial(_logits, weight=weight, bias=bias, softcap=softcap)
+        logits_of = partial(_logits, weight=weight, bias=bias, after=after)
         return linear_cross_entropy(flat_hidden, weight, bias, flat_targets, step, logits_of)
+    temperature = _token_temperature(request.temperature, batch, length)
     log_probs, entropies = [], []
     for start in range(0, flat_targets.numel(), step):
-        args = (flat_hidden[start : start + step], weight, bias, flat_targets[start : start + step], softcap)
-        if request.entropy:
-            with torch.no_grad():
-                lp, entropy = _chunk_entropy(*args)
-            entropies.append(entropy)
-        else:
-            lp = _ChunkLogProbs.apply(*args)
+        part = slice(start, start + step)
+        part_temperature = temperature[part] if temperature is not None else None
+        lp, entropy = _ChunkLogProbs.apply(
+            flat_hidden[part], weight, bias, flat_targets[part], after, part_temperature, request.entropy
+        )
         log_probs.append(lp)
+        entropies.append(entropy)
     if request.entropy:
         request.entropies = torch.cat(entropies).reshape(batch, length)
     return torch.cat(log_probs).reshape(batch, length).clone()  # its own storage: FSDP hooks a view badly
 
 
+def _token_temperature(temperature: torch.Tensor | None, batch: int, length: int) -> torch.Tensor | None:
+    """Each token's temperature, flat [batch x length] float32, from one for all or one per sample ([batch])."""
+    if temperature is None:
+        return None
+    per_sample = temperature.float().reshape(-1, 1) if temperature.dim() else temperature.float()
+    return per_sample.expand(batch, length).reshape(-1)
+
+
 @contextmanager
 def token_request(model: nn.Module, request: TokenRequest) -> Iterator[TokenRequest]:
-    """Within the block, the model's forward returns `request`'s log-probs as its `logits`. A soft-capping model's
-    own cap after the head is switched off meanwhile: the chunks apply it, and it must not squash their result."""
+    """Within the block, the model's forward returns `request`'s log-probs as its `logits`. The model's own steps
+    after the head are switched off meanwhile: the chunks apply them, and they must not transform their result."""
     head = model.get_output_embeddings()  # type: ignore[operator]
-    capping = _softcap_config(model)
-    cap = getattr(capping, "final_logit_softcapping", None)
+    switched = [(step, step.holder(model)) for step in AFTER_HEAD if step.value(model) is not None]
+    kept = [getattr(holder, step.attribute) for step, holder in switched]
     setattr(head, _REQUEST, request)
-    if cap is not None:
-        capping.final_logit_softcapping = None
+    for step, holder in switched:
+        setattr(holder, step.attribute, step.neutral)
     try:
         yield request
     finally:
         setattr(head, _REQUEST, None)
-        if cap is not None:
-            capping.final_logit_softcapping = cap
+        for (step, holder), value in zip(switched, kept, strict=True):
+            setattr(holder, step.attribute, value)
 
 
-def _softcap_config(model: nn.Module) -> Any:
-    """The config a model reads final_logit_softcapping from (a VL model's text config)."""
-    config = getattr(model, "config", None)
-    return getattr(config, "text_config", None) or config
+PROBE_TOKENS = 16
+
+
+@torch.no_grad()
+def probe_token_head(model: nn.Module, device: torch.device, where: str) -> None:
+    """Once per built model: the chunked head's log-probs of a few fixed tokens must equal log_softmax of the model's
+    own logits, else the family transforms its logits after the head in a way the chunks do not, and would train on
+    wrong log-probs: refused, naming `where` (the model as the user gave it). Collective under FSDP: every rank runs
+    the same tokens and the ranks decide on the largest difference together. Eval mode, no gradients, RNG kept."""
+    head = model.get_output_embeddings()  # type: ignore[operator]
+    tokens = (torch.arange(PROBE_TOKENS + 1, device=device) * 7919 % head.weight.shape[0])[None]
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            logits = model(input_ids=inputs).logits
+            with token_request(model, TokenRequest(targets, 0)):
+                chunked = model(input_ids=inputs).logits.float()
+    finally:
+        model.train(was_training)
+    expected = torch.log_softmax(logits.float(), -1).gather(-1, targets[..., None]).squeeze(-1)
+    # The model's own steps after the head run in its dtype, the chunks' in float32: a bf16 model differs by its
+    # rounding of the largest logit; a missed transform changes every log-prob by the logits' own scale.
+    tolerance = 1e-4 + 4 * torch.finfo(logits.dtype).eps * logits.float().abs().max()
+    excess = ((chunked - expected).abs().max() - tolerance).reshape(1)
+    if dist.is_initialized():
+        dist.all_reduce(excess, op=dist.ReduceOp.MAX)
+    if excess.item() > 0:
+        family = getattr(getattr(model, "config", None), "model_type", "?")
+        name = next(c.__name__ for c in type(model).__mro__ if not issubclass(c, FSDPModule))
+        raise UserError(
+            f"model.name_or_path: '{where}' ({family}, {name}) transforms its logits after the LM head in a way "
+            f"fsdp2kit's chunked log-probs do not reproduce (they differ from its own by up to "
+            f"{excess.item() + tolerance.item():.3g}); refused rather than trained on wrong log-probs"
+        )
 
 
 def chunk_tokens(setting: int | str, vocab_size: int) -> int:
-    """`training.loss_chunk_tokens`: `auto` chunks (by 1024 tokens) above a 32k vocabulary, where the logits start
-    to dominate a step's memory; 0 computes the whole sequence at once."""
+    """`training.loss_chunk_tokens`: `auto` chunks above a 32k vocabulary, where the logits start to dominate a
+    step's memory, by as many tokens as 1 GiB of float32 logits holds (`budget_chunk_tokens`: 2048 at 128k); 0
+    computes the whole sequence at once."""
     if setting == "auto":
         return budget_chunk_tokens(vocab_size) if vocab_size > 32768 else 0
     return int(setting)
