@@ -5,6 +5,7 @@ values and scores, and the export loads with the same auto class and gives the s
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -111,3 +112,21 @@ def test_a_value_model_is_refused_where_log_probs_are_asked_and_its_labels_must_
     with pytest.raises(UserError, match="model.config.num_labels: LlamaForTokenClassification .* needs num_labels: 1"):
         fsdp2kit.Strategy.from_config(cfg)
     shutdown()
+
+
+@pytest.mark.slow
+def test_the_ppo_example_raises_the_reward_and_lowers_the_value_loss(tmp_path):
+    """examples/rl_ppo.py at 2 ranks: a policy Strategy and a critic Strategy (a value model) on the CPU."""
+    command = [sys.executable, str(REPO / "examples" / "rl_ppo.py"), "--nproc", "2", "--steps", "10"]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
+    result = subprocess.run(
+        command + ["--output-dir", str(tmp_path)], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 11))
+    first, last = records[:3], records[-3:]
+    reward = [sum(r["reward"] for r in part) / 3 for part in (first, last)]
+    value_loss = [sum(r["value_loss"] for r in part) / 3 for part in (first, last)]
+    assert reward[1] > reward[0] + 0.1, reward
+    assert value_loss[1] < value_loss[0] / 2, value_loss
