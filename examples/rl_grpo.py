@@ -1,10 +1,11 @@
-"""GRPO on the CPU with fsdp2kit as the training back-end, the way an RL framework's workers drive it.
+"""GRPO with fsdp2kit as the training back-end, the way an RL framework's workers drive it (CPU or GPUs).
 
 Each step, on every rank: a rollout model (plain transformers, its weights refreshed from the actor through
 `Strategy.full_weights`) samples a group of completions for each prompt; a rule scores them (the reward is the
 fraction of completion tokens equal to one chosen token); advantages are normalised within each group; a reference
 `fsdp2_infer` strategy gives the reference log-probs of the KL term; and the actor's `Strategy.train_step` takes the
-clipped-ratio loss. A tiny model learns this from scratch in a minute or two.
+clipped-ratio loss. A tiny model learns this from scratch in a minute or two. Every tensor lives on the actor's
+device, so the same script runs on GPUs.
 
     python examples/rl_grpo.py --nproc 2 --steps 40 --output-dir runs/rl_grpo
 
@@ -85,14 +86,16 @@ def rollout_batch(
     args: argparse.Namespace,
     generator: torch.Generator,
 ) -> dict[str, torch.Tensor]:
-    """Sample, score and annotate one batch of groups: the micro-batch that train_step gets."""
-    prompts = torch.randint(3, VOCAB, (args.prompts, PROMPT), generator=generator).repeat_interleave(args.group, 0)
-    sequences = sample(rollout, prompts, generator)
+    """Sample, score and annotate one batch of groups: the micro-batch that train_step gets, on the rollout's
+    device (the generator's)."""
+    device = generator.device
+    prompts = torch.randint(3, VOCAB, (args.prompts, PROMPT), generator=generator, device=device)
+    sequences = sample(rollout, prompts.repeat_interleave(args.group, 0), generator)
     completion = sequences[:, PROMPT:]
     reward = (completion == TARGET).float().mean(dim=1)
     groups = reward.view(args.prompts, args.group)
     advantages = ((groups - groups.mean(1, keepdim=True)) / (groups.std(1, keepdim=True) + 1e-4)).flatten()
-    mask = torch.zeros(sequences.shape[0], sequences.shape[1] - 1)
+    mask = torch.zeros(sequences.shape[0], sequences.shape[1] - 1, device=device)
     mask[:, PROMPT - 1 :] = 1.0  # log_probs[:, t] scores token t + 1: the completion's tokens
     batch = {"input_ids": sequences, "completion_mask": mask, "advantages": advantages, "reward": reward}
     batch["old_log_probs"] = actor.forward_step(batch)["log_probs"]
@@ -105,9 +108,10 @@ def train(args: argparse.Namespace) -> None:
 
     actor = fsdp2kit.Strategy.from_config(model_config("fsdp2_train", args.steps, args.output_dir))
     reference = fsdp2kit.Strategy.from_config(model_config("fsdp2_infer", args.steps, args.output_dir))
-    rollout = AutoModelForCausalLM.from_config(actor.sharded.source.hf_config).eval()
+    device = actor.runtime.device  # each rank's rollout engine shares its accelerator with the actor
+    rollout = AutoModelForCausalLM.from_config(actor.sharded.source.hf_config).to(device).eval()
     rank = dist.get_rank()
-    generator = torch.Generator().manual_seed(1234 + rank)
+    generator = torch.Generator(device).manual_seed(1234 + rank)
     out = Path(args.output_dir)
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
@@ -118,7 +122,7 @@ def train(args: argparse.Namespace) -> None:
         result = actor.train_step([batch], grpo_loss)
         mask = batch["completion_mask"]
         delta = batch["ref_log_probs"] - batch["old_log_probs"]
-        stats = torch.tensor([batch["reward"].mean(), ((delta.exp() - delta - 1) * mask).sum() / mask.sum()])
+        stats = torch.stack([batch["reward"].mean(), ((delta.exp() - delta - 1) * mask).sum() / mask.sum()])
         dist.all_reduce(stats)
         reward, kl = (stats / dist.get_world_size()).tolist()
         record = {"step": step, "reward": reward, "kl": kl, "loss": result["loss"]}
