@@ -6,6 +6,7 @@ train_on_prompt, mask_history and per-message loss_weight."""
 from __future__ import annotations
 
 import json
+import re
 from functools import cache
 from pathlib import Path
 
@@ -221,8 +222,6 @@ def test_every_record_form_reads_as_the_same_messages(tmp_path):
     expected = [("system", "S"), ("user", "hi"), ("assistant", "hello")]
     for record in (sharegpt, messages, v1):
         assert [(m["role"], m["content"]) for m in to_chat(record, "auto", "r").messages] == expected
-    with pytest.raises(UserError, match="no assistant turn"):
-        to_chat({"messages": [{"role": "user", "content": "hi"}]}, "auto", "record 7 of 'x.jsonl'")
     with pytest.raises(UserError, match="turn from 'robot'"):
         to_chat({"conversations": [{"from": "robot", "value": "hi"}]}, "auto", "record 1")
 
@@ -414,3 +413,73 @@ def test_llamafactory_v1_records_with_loss_weight_read_as_written(tmp_path):
         answers = [m["content"] for m in chat.messages if float(m.get("loss_weight", 0)) > 0]
         text = tokenizer.decode([t for t, m in zip(ids, trained, strict=True) if m])
         assert text == "".join(f"{a}<|im_end|>" for a in answers)
+
+
+ANSWER = {"role": "assistant", "content": "fine"}
+
+
+@pytest.mark.parametrize(
+    "record, message",
+    [
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": "hi"},
+                    {"role": "assistant", "content": "a", "loss_weight": "yes"},
+                ]
+            },
+            "has a message with loss_weight 'yes'; give a number >= 0",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "a", "loss_weight": -5}]},
+            "has a message with loss_weight -5; give a number >= 0",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "audio", "audio": "a.wav"}]}, ANSWER]},
+            "has a content part of type 'audio', which this model cannot read",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}, ANSWER]},
+            "has a content part of type 'image_url', which this model cannot read",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "hi"}, ANSWER], "tools": "[{oops"},
+            "has 'tools' that are not a JSON",
+        ),
+    ],
+    ids=["weight_yes", "weight_negative", "audio", "image_url_on_text", "tools_not_json"],
+)
+def test_content_that_would_be_dropped_or_misread_is_one_line(record, message):
+    """Each of these trained something else than the record says (an empty user turn, a dropped tool list, a
+    climbing loss) or crashed in prepare while check passed."""
+    with pytest.raises(UserError, match=f"^data.source: record 3 of 'x.jsonl' {re.escape(message)}"):
+        to_chat(record, "auto", "record 3 of 'x.jsonl'")
+
+
+def test_a_forced_format_whose_fields_the_record_lacks_is_one_line():
+    """`--set data.format=alpaca` on a ShareGPT file trained empty user and assistant turns for every record."""
+    sharegpt = {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]}
+    with pytest.raises(UserError, match="record 1 has no 'instruction' field, which data.format: alpaca reads "):
+        to_chat(sharegpt, "alpaca", "record 1")
+    with pytest.raises(UserError, match=r"\(it looks like sharegpt\)$"):
+        to_chat(sharegpt, "alpaca", "record 1")
+
+
+def test_empty_answers_and_system_only_conversations_train_nothing_and_are_counted(chat_folder, tmp_path, capsys):
+    """A null assistant content (or Alpaca output) trained the end-of-turn token alone; a system-only conversation
+    stopped the whole dataset, though data.md says such conversations are left out and counted."""
+    tokenizer = AutoTokenizer.from_pretrained(chat_folder)
+    rows = [
+        {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": None}]},
+        {"messages": [{"role": "system", "content": "only a system prompt"}]},
+        {"instruction": "say hi", "output": None},
+        {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a real answer"}]},
+    ]
+    source = tmp_path / "chats.jsonl"
+    source.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    samples = TrainingSamples.from_config(
+        DataConfig(source=str(source), cache_dir=str(tmp_path), pack=False), tokenizer
+    )
+    assert len(samples) == 1 and "3 conversations have no token to train on" in capsys.readouterr().out
+    trained = tokenizer.decode(samples[0].tokens[samples[0].trained])
+    assert trained.startswith("a real answer")

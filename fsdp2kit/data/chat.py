@@ -17,6 +17,7 @@ serves text and vision-language conversations (`data/vl.py`)."""
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -84,14 +85,39 @@ def record_format(record: dict, fmt: str) -> str | None:
 
 
 def _text(content: Any, where: str) -> str:
-    """A message's text: a string, or the text parts of a list (`text` or LLaMA-Factory v1's `value`) joined."""
+    """A message's text: a string, or the text parts of a list (`text` or LLaMA-Factory v1's `value`) joined. A part
+    of another kind (audio, an image on a text model) is refused: dropped, it would leave its turn empty."""
     if content is None:
         return ""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        return "".join(p.get("text") or p.get("value") or "" for p in content if isinstance(p, dict))
+        return "".join(part_text(part, where) for part in content)
     raise UserError(f"data.source: {where} has a message whose content is neither text nor a list of parts")
+
+
+def part_text(part: Any, where: str) -> str:
+    """A content part's text; a part of another kind is one line naming its type."""
+    if not isinstance(part, dict):
+        raise UserError(f"data.source: {where} has a content part that is not a JSON object")
+    kind = part.get("type", "text")
+    text = part.get("text", part.get("value"))
+    if kind != "text" or not isinstance(text, str):
+        raise UserError(
+            f"data.source: {where} has a content part of type '{kind}', which this model cannot read (text parts "
+            "only; images with a vision-language model, docs/vl.md)"
+        )
+    return text
+
+
+def _loss_weight(value: Any, where: str) -> float:
+    """LLaMA-Factory v1's per-message weight: 0 makes a message context, > 0 a target."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+        raise UserError(
+            f"data.source: {where} has a message with loss_weight {value!r}; give a number >= 0 (0: context, 1: "
+            "trained on)"
+        )
+    return float(value)
 
 
 def _json_value(value: Any) -> Any:
@@ -120,9 +146,11 @@ def _from_messages(record: dict, where: str) -> list[dict]:
         out: dict = {"role": message["role"], "content": _text(message.get("content"), where)}
         if message.get("tool_calls"):
             out["tool_calls"] = [_tool_call(c) for c in message["tool_calls"]]
-        for key in ("loss_weight", "name", "tool_call_id"):
+        for key in ("name", "tool_call_id"):
             if message.get(key) is not None:
                 out[key] = message[key]
+        if message.get("loss_weight") is not None:
+            out["loss_weight"] = _loss_weight(message["loss_weight"], where)
         messages.append(out)
     return messages
 
@@ -185,14 +213,32 @@ def to_chat(record: dict, fmt: str, where: str) -> Chat:
         )
     if form != "alpaca" and not isinstance(record.get(_FIELD[form]), list):
         raise UserError(f"data.source: {where} has no '{_FIELD[form]}' list (data.format: {fmt})")
+    missing = [key for key in _REQUIRED.get(form, ()) if key not in record]
+    if missing:
+        raise UserError(
+            f"data.source: {where} has no '{missing[0]}' field, which data.format: {form} reads"
+            + (f" (it looks like {record_format(record, 'auto')})" if record_format(record, "auto") else "")
+        )
     messages = _READERS[form](record, where)
-    if not any(m["role"] == "assistant" for m in messages):
-        raise UserError(f"data.source: {where} has no assistant turn to train on")
     tools = _json_value(record.get("tools")) or None
-    return Chat(messages, tools if isinstance(tools, list) else None, where)
+    if tools is not None and not isinstance(tools, list):
+        raise UserError(f"data.source: {where} has 'tools' that are not a JSON list of tool definitions")
+    # A conversation without an assistant turn (system-only, empty) has no target: the token store leaves it out
+    # and counts it (store.py), as it does any conversation with nothing to train on.
+    return Chat(messages, tools, where)
+
+
+# What each form reads, when data.format names it rather than detecting it from the record's fields.
+_REQUIRED = {"alpaca": ("instruction", "output")}
 
 
 _FIELD = {"messages": "messages", "sharegpt": "conversations"}
+
+
+def _has_answer(message: dict) -> bool:
+    """An assistant turn with text or tool calls; an empty one (a null `content`, Alpaca's null `output`) would
+    train the end-of-turn token alone, so it is context."""
+    return message["role"] == "assistant" and bool(_plain(message["content"]).strip() or message.get("tool_calls"))
 
 
 def _plain(content: str | list) -> str:
@@ -294,8 +340,8 @@ class ChatTemplate:
     def _targets(self, messages: list[dict]) -> list[int]:
         """Indices of the messages trained on: assistant turns (the last only with mask_history), or as each
         message's `loss_weight` says where the record gives one."""
-        weights = [m.get("loss_weight", 1.0 if m["role"] == "assistant" else 0.0) for m in messages]
-        targets = [i for i, w in enumerate(weights) if w and float(w) > 0]
+        weights = [m.get("loss_weight", 1.0 if _has_answer(m) else 0.0) for m in messages]
+        targets = [i for i, w in enumerate(weights) if w > 0]
         return targets[-1:] if self.mask_history else targets
 
     def spans(self, chat: Chat, text: str) -> list[tuple[int, int]]:

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from fsdp2kit.config.schema import DataConfig
-from fsdp2kit.data.chat import Chat, ChatTemplate, to_chat, with_messages_key
+from fsdp2kit.data.chat import Chat, ChatTemplate, part_text, to_chat, with_messages_key
 from fsdp2kit.data.dataset import json_records, single_source
 from fsdp2kit.data.samples import GlobalBatches
 from fsdp2kit.errors import UserError
@@ -76,7 +76,7 @@ def _image_path(item: dict) -> str | None:
     return path if isinstance(path, str) else None
 
 
-def _with_placeholders(record: dict) -> tuple[dict, list[str]]:
+def _with_placeholders(record: dict, where: str) -> tuple[dict, list[str]]:
     """The record with each image part of a message's content replaced by an `<image>` placeholder in its text, and
     the images in placeholder order: those parts' paths, else the record's `images` (or LLaVA's `image`)."""
     listed = record.get("images") or record.get("image") or []
@@ -92,7 +92,7 @@ def _with_placeholders(record: dict) -> tuple[dict, list[str]]:
             for part in content:
                 image = part.get("type") in ("image", "image_url") or "image" in part
                 found += [_image_path(part)] if image else []
-                text += IMAGE_PLACEHOLDER if image else (part.get("text") or part.get("value") or "")
+                text += IMAGE_PLACEHOLDER if image else part_text(part, where)
             message = {**message, "content": text}
         messages.append(message)
     paths = [p for p in found if p is not None]
@@ -151,8 +151,10 @@ def _read_conversations(source: Path, cfg: DataConfig) -> list[Conversation]:
     for where, record in json_records([source], cfg.max_document_bytes):
         if not isinstance(record, dict):
             raise UserError(f"data.source: {where} is not a JSON object")
-        record, images = _with_placeholders(with_messages_key(record, cfg.messages_key))
+        record, images = _with_placeholders(with_messages_key(record, cfg.messages_key), where)
         chat = to_chat(record, cfg.format, where)
+        if not any(m["role"] == "assistant" for m in chat.messages):
+            raise UserError(f"data.source: {where} has no assistant turn to train on")
         messages = _split_images(chat.messages, images, source.parent, where)
         conversation = Conversation(messages, where, chat.tools)
         for path in conversation.images:
