@@ -188,7 +188,10 @@ class Strategy:
     def data_parallel_group(self) -> dist.ProcessGroup:
         """The process group of this rank's data-parallel peers (the world without Ulysses), for a caller's own
         reductions over the global batch."""
-        return self._data_parallel_group if self._data_parallel_group is not None else dist.group.WORLD
+        group = self._data_parallel_group if self._data_parallel_group is not None else dist.group.WORLD
+        if group is None:
+            raise UserError("data_parallel_group: the process group has ended (Strategy used after shutdown)")
+        return group
 
     # ---- forward only -----------------------------------------------------------------------------------------
 
