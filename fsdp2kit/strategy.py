@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -26,9 +26,10 @@ from fsdp2kit.distributed import Runtime, init_distributed, returning_freed_memo
 from fsdp2kit.errors import UserError
 from fsdp2kit.labels import IGNORE_INDEX
 from fsdp2kit.models.export import export_hf, hf_tensors
+from fsdp2kit.models.heads import ValueHead
 from fsdp2kit.models.sharded import ShardedModel, build_sharded_model
 from fsdp2kit.parallel.mesh import data_parallel_group
-from fsdp2kit.parallel.token_logprobs import TokenRequest, chunk_tokens, install_token_head, token_request
+from fsdp2kit.parallel.token_logprobs import TokenRequest, chunk_tokens, token_request
 from fsdp2kit.train.evaluate import EvalResult, eval_loss
 from fsdp2kit.train.grads import LossScaler, NonFiniteGuard
 from fsdp2kit.train.host_states import HostStates, state_tensors
@@ -68,7 +69,8 @@ class Strategy:
         )
         self.model = self.sharded.model
         self._data_parallel_group = data_parallel_group(self.sharded.layout)
-        install_token_head(self.model)
+        self.head = self.sharded.variant.head  # log-probs, a critic's values or a reward model's scores
+        self.head.install(self.model, runtime.device, cfg.model.name_or_path)
         self.tokenizer = load_tokenizer(self.sharded.source.tokenizer_path, cfg.model.trust_remote_code)
         hf_config = self.sharded.source.hf_config
         self.chunk_tokens = chunk_tokens(tc.loss_chunk_tokens, _vocab_size(hf_config))
@@ -123,20 +125,26 @@ class Strategy:
         if not micro_batches:
             raise UserError("train_step: give at least one micro-batch (a dict with input_ids [B, T])")
         batches = [self.device_batch(mb, f"micro-batch {i}") for i, mb in enumerate(micro_batches)]
+        if isinstance(self.head, ValueHead):  # a value or reward model: loss_fn gets its values or scores
+            return _reported(self.step(*self._head_loss(self.head, batches, loss_fn), step_scheduler=step_scheduler))
         shifted = [self._shifted(mb, loss_fn is None) for mb in batches]
         loss: MicroBatchLoss = (
             TokenCrossEntropy(self.chunk_tokens)
             if loss_fn is None
             else LogProbLoss(loss_fn, batches, self.sharded.sp_group, self.chunk_tokens)
         )
-        result = self.step(shifted, loss, step_scheduler=step_scheduler)
-        return {
-            "loss": result.loss,
-            "grad_norm": result.grad_norm,
-            "lr": result.lr,
-            "tokens": int(result.input_tokens),
-            "applied": result.applied,
-        }
+        return _reported(self.step(shifted, loss, step_scheduler=step_scheduler))
+
+    def _head_loss(
+        self, head: ValueHead, batches: list[Batch], loss_fn: LossFn | None
+    ) -> tuple[list[Batch], MicroBatchLoss]:
+        """A value or reward model's micro-batches (every position) and its loss_fn(values or scores, batch)."""
+        if loss_fn is None:
+            raise UserError(
+                f"train_step: a model of {head.output} has no default loss; give loss_fn({head.output}, batch)"
+            )
+        model_batches = [head.model_batch(mb, self._model_keys) for mb in batches]
+        return model_batches, HeadOutputLoss(loss_fn, batches, self.sharded.sp_group, self.chunk_tokens, head=head)
 
     def step(
         self,
@@ -147,6 +155,8 @@ class Strategy:
     ) -> StepResult:
         """One optimizer step over shifted micro-batches on this rank's device (the `train` command's batches)."""
         optimizer = self._trainer_optimizer()
+        if loss is None:
+            self.head.require_log_probs("the train command (next-token cross-entropy)")
         if self.scheduler is None:
             raise UserError("train_step: the learning-rate schedule is not set (Strategy.set_schedule)")
         reuse_freed_memory(self.runtime.device)
@@ -188,10 +198,7 @@ class Strategy:
     def data_parallel_group(self) -> dist.ProcessGroup:
         """The process group of this rank's data-parallel peers (the world without Ulysses), for a caller's own
         reductions over the global batch."""
-        group = self._data_parallel_group if self._data_parallel_group is not None else dist.group.WORLD
-        if group is None:
-            raise UserError("data_parallel_group: the process group has ended (Strategy used after shutdown)")
-        return group
+        return self._data_parallel_group if self._data_parallel_group is not None else dist.group.WORLD
 
     # ---- forward only -----------------------------------------------------------------------------------------
 
@@ -199,6 +206,8 @@ class Strategy:
     def forward_step(self, batch: Batch, entropy: bool = False) -> dict[str, torch.Tensor]:
         """log_probs [B, T-1] of input_ids[:, 1:] (and their entropy [B, T-1] when asked), in chunks of tokens."""
         api_batch = self.device_batch(batch, "batch")
+        if isinstance(self.head, ValueHead):  # a value or reward model: its values or scores
+            return self._head_forward(self.head, api_batch, entropy)
         shifted = self._shifted(api_batch, default_targets=False)
         was_training = self.model.training
         self.model.eval()
@@ -210,6 +219,21 @@ class Strategy:
         if entropies is not None:
             result["entropy"] = entropies
         return result
+
+    def _head_forward(self, head: ValueHead, api_batch: Batch, entropy: bool) -> dict[str, torch.Tensor]:
+        """`values` [B, T] or `scores` [B] of the batch as given, in eval mode."""
+        if entropy:
+            head.require_log_probs("forward_step(entropy=True)")
+        model_batch = head.model_batch(api_batch, self._model_keys)
+        group = self.sharded.sp_group
+        local = self.sharded.variant.shard_batch(model_batch, group) if group is not None else model_batch
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            outputs, _ = head_outputs(self.model, head, local, api_batch, group)
+        finally:
+            self.model.train(was_training)
+        return {head.output: outputs}
 
     @torch.no_grad()
     def evaluate(self, micro_batches: Iterable[Batch]) -> EvalResult:
@@ -229,6 +253,7 @@ class Strategy:
     def token_logprobs(self, shifted: Batch, entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Log-probs of the shifted batch's `labels` (0 where IGNORE_INDEX) for its whole sequences: under sequence
         parallel each rank computes its slice and the slices are gathered (with autograd)."""
+        self.head.require_log_probs("token_logprobs")
         reuse_freed_memory(self.runtime.device)
         group = self.sharded.sp_group
         local = self.sharded.variant.shard_batch(shifted, group) if group is not None else shifted
@@ -411,20 +436,29 @@ class LogProbLoss:
 
     def weight(self, index: int, batch: Batch) -> torch.Tensor:
         with torch.no_grad():
-            zeros = torch.zeros(batch["labels"].shape, dtype=torch.float32, device=batch["labels"].device)
-            return self._checked(zeros, index)[1].detach()
+            return self._checked(self.zeros(index, batch), index)[1].detach()
 
     def __call__(
         self, model: torch.nn.Module, index: int, batch: Batch, aux_loss_weight: Any
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        log_probs, outputs = self.outputs(model, index, batch)
+        loss_sum, weight = self._checked(log_probs, index)
+        return with_aux_loss(loss_sum.float(), outputs, aux_loss_weight), weight
+
+    def outputs(self, model: torch.nn.Module, index: int, batch: Batch) -> tuple[torch.Tensor, Any]:
+        """What loss_fn receives for micro-batch `index` (log-probs [B, T-1] of its whole sequences, from this
+        rank's slice `batch`), and the model's own outputs."""
         request = TokenRequest(batch["labels"], self.chunk_tokens or FORWARD_CHUNK_TOKENS)
         with token_request(model, request):
             outputs = model(**model_inputs(batch), use_cache=False)
         log_probs = outputs.logits
         if self.sp_group is not None:
             log_probs = gather_sequence(log_probs, self.sp_group)
-        loss_sum, weight = self._checked(log_probs[:, : self.batches[index]["input_ids"].shape[1] - 1], index)
-        return with_aux_loss(loss_sum.float(), outputs, aux_loss_weight), weight
+        return log_probs[:, : self.batches[index]["input_ids"].shape[1] - 1], outputs
+
+    def zeros(self, index: int, batch: Batch) -> torch.Tensor:
+        """Zeros in the shape of what loss_fn receives for the (unsliced) micro-batch `batch`."""
+        return torch.zeros(batch["labels"].shape, dtype=torch.float32, device=batch["labels"].device)
 
     def _checked(self, log_probs: torch.Tensor, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         result = self.fn(log_probs, self.batches[index])
@@ -450,6 +484,43 @@ def _state_kinds(include: Iterable[str] | None) -> set[str]:
             f"offload_states/load_states include: {', '.join(unknown)} is not one of {', '.join(STATE_KINDS)}"
         )
     return kinds
+
+
+@dataclass
+class HeadOutputLoss(LogProbLoss):
+    """A value or reward model's `loss_fn(values or scores, batch) -> (loss_sum, weight)`: its head's outputs for
+    the batch as given (values [B, T], scores [B], float32, with autograd) in place of log-probs, under the same
+    contract."""
+
+    head: ValueHead = field(kw_only=True)
+
+    def outputs(self, model: torch.nn.Module, index: int, batch: Batch) -> tuple[torch.Tensor, Any]:
+        return head_outputs(model, self.head, batch, self.batches[index], self.sp_group)
+
+    def zeros(self, index: int, batch: Batch) -> torch.Tensor:
+        return self.head.whole(super().zeros(index, batch), self.batches[index])
+
+
+def head_outputs(
+    model: torch.nn.Module, head: ValueHead, local: Batch, api_batch: Batch, sp_group: dist.ProcessGroup | None
+) -> tuple[torch.Tensor, Any]:
+    """A value or reward model's outputs for `api_batch` from its forward over `local` (this rank's slice under
+    sequence parallel, whose per-token outputs are gathered with autograd), and the model's own outputs."""
+    per_token, outputs = head.local_outputs(model, local)
+    if sp_group is not None:
+        per_token = gather_sequence(per_token, sp_group)
+    return head.whole(per_token, api_batch), outputs
+
+
+def _reported(result: StepResult) -> dict[str, Any]:
+    """What train_step returns of a step."""
+    return {
+        "loss": result.loss,
+        "grad_norm": result.grad_norm,
+        "lr": result.lr,
+        "tokens": int(result.input_tokens),
+        "applied": result.applied,
+    }
 
 
 def _describe(value: object) -> str:
