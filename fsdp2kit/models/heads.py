@@ -57,7 +57,7 @@ class ValueHead(VariantPart):
     _per = "token"
 
     def patch_meta(self, model: nn.Module, sp_group: ProcessGroup | None) -> None:
-        config = model.config
+        config: Any = model.config
         if getattr(config, "classifier_dropout", None) is None:
             config.classifier_dropout = 0.0  # written into the export: transformers loads the same head
         dropout = getattr(model, "dropout", None)
@@ -115,14 +115,14 @@ class ScoreHead(ValueHead):
 
     def install(self, model: nn.Module, device: torch.device, where: str) -> None:
         super().install(model, device, where)
-        model.score.register_forward_hook(_keep_per_token)
+        model.get_submodule("score").register_forward_hook(_keep_per_token)
 
     def describe(self) -> dict[str, Any]:
         return {"head": f"scores per sequence ({self.class_name}; at the last token that is not pad_token_id)"}
 
     def local_outputs(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, Any]:
         outputs = model(**model_inputs(batch), use_cache=False)
-        return model.score.__dict__.pop(_PER_TOKEN)[..., 0].float(), outputs
+        return model.get_submodule("score").__dict__.pop(_PER_TOKEN)[..., 0].float(), outputs
 
     def whole(self, per_token: torch.Tensor, batch: Batch) -> torch.Tensor:
         ids = batch["input_ids"]
