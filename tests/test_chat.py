@@ -275,6 +275,7 @@ def test_long_conversations_are_cut_after_a_whole_turn_and_untrainable_ones_left
     assert sample.trained.tolist() == [False, *trained[1 : ends[1]]]
     scoring = DocumentScoring.open(cfg, tokenizer, 0)  # infer scores what training trains
     assert scoring.indices(0, 1) == ([1], [0])
+    assert scoring.truncated(0) and scoring.truncated(1)  # both are longer than seq_len + 1 tokens
     batch = scoring.batch_of([0])
     assert batch["input_ids"][0].tolist() == ids[: ends[1] - 1]
     assert (batch["labels"][0] >= 0).tolist() == trained[1 : ends[1]]

@@ -54,3 +54,21 @@ def test_infer_matches_transformers(tmp_path, builtin, shard):
         assert summary["perplexity"] == pytest.approx(
             torch.tensor(-sum(expected) / sum(r["num_tokens"] for r in samples)).exp().item(), rel=1e-5
         )
+        assert not any(r["truncated"] for r in samples)
+
+
+def test_infer_says_which_samples_it_cut_at_seq_len(tmp_path):
+    """A sample longer than data.seq_len is scored on its first seq_len tokens: marked, and counted in one line."""
+    folder = tmp_path / "model"
+    make_hf_folder(folder, "tiny-llama")
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in [TEXTS[0], "short"]))
+    given = {"model.name_or_path": str(folder), "data.source": str(data), "training.output_dir": str(tmp_path / "o")}
+    settings = {"strategy_args.strategy_name": "fsdp2_infer", "data.seq_len": 16}
+    result = run_cli("infer", "examples/demo.yaml", *set_args({**given, **settings}))
+    assert result.returncode == 0, result.stderr
+    records = [json.loads(line) for line in (tmp_path / "o" / "infer.jsonl").read_text().splitlines()][:-1]
+    assert [(r["truncated"], r["num_tokens"]) for r in records] == [(True, 15), (False, records[1]["num_tokens"])]
+    assert "infer: 1 of 2 samples are longer than data.seq_len = 16 and were scored on their first part" in (
+        result.stdout
+    )

@@ -5,7 +5,7 @@ round's collectives."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
@@ -24,6 +24,10 @@ class ScoringSource(Protocol):
         ...
 
     def batch_of(self, chunk: list[int]) -> dict[str, torch.Tensor]: ...
+
+    def truncated(self, index: int) -> bool:
+        """Whether the sample was cut at data.seq_len (asked after its batch)."""
+        ...
 
 
 @dataclass
@@ -53,6 +57,10 @@ class DocumentScoring:
             scored &= np.array([self._trained(int(i))[1:].any() for i in mine], dtype=np.bool_)
         return mine[~scored].tolist(), mine[scored].tolist()
 
+    def truncated(self, index: int) -> bool:
+        whole = int(self.store.offsets[index + 1] - self.store.offsets[index]) - int(self.store.eos_appended)
+        return whole > int(self.lengths[index])
+
     def _trained(self, index: int) -> np.ndarray:
         return conversation_window(self.store, index, int(self.lengths[index]))[1]
 
@@ -73,12 +81,17 @@ class ConversationScoring:
     encoder: VLEncoder
     conversations: list[Any]
     pad_id: int
+    cut: set[int] = field(default_factory=set)  # the samples encoding cut at data.seq_len
 
     def indices(self, first: int, step: int) -> tuple[list[int], list[int]]:
         return [], list(range(first, len(self.conversations), step))
 
+    def truncated(self, index: int) -> bool:
+        return index in self.cut
+
     def batch_of(self, chunk: list[int]) -> dict[str, torch.Tensor]:
         samples = [self.encoder.encode(self.conversations[i]) for i in chunk]
+        self.cut.update(i for i, sample in zip(chunk, samples, strict=True) if sample.cut)
         dummy = VLSample(torch.tensor([self.pad_id, self.pad_id]), torch.zeros(2) > 0)
         return self.encoder.collate(samples or [dummy], self.pad_id)
 

@@ -67,6 +67,7 @@ class VLSample:
     trained: torch.Tensor
     pixel_values: torch.Tensor | None = None
     image_grid_thw: torch.Tensor | None = None
+    cut: bool = False  # longer than data.seq_len + 1 tokens: cut there
 
 
 def _image_path(item: dict) -> str | None:
@@ -245,7 +246,7 @@ class VLEncoder:
                     f"data.seq_len: {conversation.where} needs {len(sample.tokens)} tokens and its images would be "
                     f"cut at data.seq_len = {self.seq_len}; raise data.seq_len or use smaller images"
                 )
-            sample.tokens, sample.trained = sample.tokens[:width], sample.trained[:width]
+            sample.tokens, sample.trained, sample.cut = sample.tokens[:width], sample.trained[:width], True
         return sample
 
     def collate(self, samples: list[VLSample], pad_id: int) -> dict[str, torch.Tensor]:

@@ -48,7 +48,7 @@ def infer(cfg: JobConfig, runtime: Runtime) -> None:
     with phase(f"{sharded.variant.modality.data_phase} {cfg.data.source}", runtime.is_main):
         source = sharded.variant.scoring_source(cfg.data, tokenizer, sharded.source, pad_id)
     without_terms, scored = source.indices(first, step)
-    results: list[dict] = [_record(i, 0.0, 0) for i in without_terms]
+    results: list[dict] = [_record(i, 0.0, 0, source.truncated(i)) for i in without_terms]
     size = cfg.infer_batch_size
     rounds = torch.tensor(math.ceil(len(scored) / size))
     dist.all_reduce(rounds, op=dist.ReduceOp.MAX)
@@ -58,7 +58,10 @@ def infer(cfg: JobConfig, runtime: Runtime) -> None:
         sums, counts = sample_logprobs(strategy, batch)
         if not chunk:
             continue  # the dummy batch: its forward joined the collectives, its results are no sample's
-        results += [_record(index, total, count) for index, total, count in zip(chunk, sums, counts, strict=True)]
+        results += [
+            _record(index, total, count, source.truncated(index))
+            for index, total, count in zip(chunk, sums, counts, strict=True)
+        ]
 
     gathered: list[list[dict]] = [[] for _ in range(runtime.world_size)]
     dist.all_gather_object(gathered, results if runtime.rank % layout.ulysses_size == 0 else [])  # once per SP group
@@ -84,12 +87,20 @@ def infer(cfg: JobConfig, runtime: Runtime) -> None:
         f"infer: {len(records)} samples, {tokens} tokens, perplexity {perplexity}; wrote {out / 'infer.jsonl'}",
         flush=True,
     )
+    cut = sum(r["truncated"] for r in records)
+    if cut:
+        print(
+            f"infer: {cut} of {len(records)} samples are longer than data.seq_len = {cfg.data.seq_len} and were scored "
+            'on their first part only ("truncated": true in infer.jsonl); raise data.seq_len to score them whole',
+            flush=True,
+        )
 
 
-def _record(index: int, sum_logprob: float, num_tokens: int) -> dict:
+def _record(index: int, sum_logprob: float, num_tokens: int, truncated: bool) -> dict:
     return {
         "index": index,
         "num_tokens": num_tokens,
         "sum_logprob": sum_logprob,
         "mean_logprob": sum_logprob / num_tokens if num_tokens else None,
+        "truncated": truncated,
     }
