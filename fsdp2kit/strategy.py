@@ -10,15 +10,18 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 from fsdp2kit.checkpoint.manager import CheckpointManager
-from fsdp2kit.config.load import load_config, validate
+from fsdp2kit.config.load import grant_remote_code, load_config, validate
 from fsdp2kit.config.schema import JobConfig
 from fsdp2kit.config.yaml_io import apply_overrides
 from fsdp2kit.data.dataset import load_tokenizer, model_inputs
@@ -35,12 +38,22 @@ from fsdp2kit.train.grads import LossScaler, NonFiniteGuard
 from fsdp2kit.train.host_states import HostStates, state_tensors
 from fsdp2kit.train.optim import build_optimizer, build_scheduler
 from fsdp2kit.train.resume import apply_settings, changed_optimizer_keys, check_trainer_state, optimizer_settings
-from fsdp2kit.train.step import MicroBatchLoss, StepResult, TokenCrossEntropy, train_step, with_aux_loss
+from fsdp2kit.train.step import (
+    MicroBatchLoss,
+    MicroBatchTerms,
+    StepResult,
+    TokenCrossEntropy,
+    train_step,
+    with_aux_loss,
+)
 
 Batch = dict[str, torch.Tensor]
 # What offload_states / load_states move (ROLL's OffloadStateType names): the parameters' shards, the optimizer state.
 STATE_KINDS = ("model_params", "optimizer_states")
-LossFn = Callable[[torch.Tensor, Batch], tuple[torch.Tensor, torch.Tensor]]
+# loss_fn(log_probs, batch[, entropy]) -> (loss_sum, weight[, metrics]); a value model's gets values or scores.
+LossFn = Callable[..., tuple[Any, ...]]
+# input_ids' dtypes the API takes (int32 as rollout engines and tokenizers' numpy arrays give them).
+TOKEN_DTYPES = (torch.int64, torch.int32)
 
 # forward_step always works in chunks (of 256 tokens unless training.loss_chunk_tokens says otherwise): its point
 # is log-probs and entropies without the [B, T, vocab] float32 tensor and its temporaries.
@@ -71,6 +84,7 @@ class Strategy:
         self._data_parallel_group = data_parallel_group(self.sharded.layout)
         self.head = self.sharded.variant.head  # log-probs, a critic's values or a reward model's scores
         self.head.install(self.model, runtime.device, cfg.model.name_or_path)
+        reshard(self.model)  # the install's probe forward: the optimizer must hold the sharded parameters
         self.tokenizer = load_tokenizer(self.sharded.source.tokenizer_path, cfg.model.trust_remote_code)
         hf_config = self.sharded.source.hf_config
         self.chunk_tokens = chunk_tokens(tc.loss_chunk_tokens, _vocab_size(hf_config))
@@ -89,16 +103,25 @@ class Strategy:
 
     @classmethod
     def from_config(
-        cls, config: str | Path | dict[str, Any], role: str | None = None, overrides: Sequence[str] = ()
+        cls,
+        config: str | Path | dict[str, Any],
+        role: str | None = None,
+        overrides: Sequence[str] = (),
+        trust_remote_code: bool = False,
     ) -> Strategy:
         """A config as `fsdp2kit train` takes it (a file of any dialect, or a dict in the native schema) and `--set`
         strings. Joins the process group torchrun (or the caller) set up, else runs as a world of one. The schedule
-        runs over training.max_steps."""
+        runs over training.max_steps. `trust_remote_code` (`--trust-remote-code`) lets transformers run a model
+        folder's own code; the config's model.trust_remote_code never does."""
         if isinstance(config, dict):
             cfg = validate(apply_overrides(dict(config), list(overrides)), "config")
+            grant_remote_code(cfg, trust_remote_code)
         else:
-            cfg = load_config(config, list(overrides), role=role)
-        strategy = cls(cfg, init_distributed(cfg.device_mapping))
+            cfg = load_config(config, list(overrides), role=role, trust_remote_code=trust_remote_code)
+        runtime = init_distributed(cfg.device_mapping)
+        # The build seeds torch's RNG (training.seed: fresh weights, dropout); the caller's RNG is the caller's.
+        with torch.random.fork_rng(devices=[runtime.device] if runtime.device.type == "cuda" else []):
+            strategy = cls(cfg, runtime)
         if strategy.training:
             if cfg.training.max_steps <= 0 and cfg.training.lr_scheduler_type != "constant":
                 raise UserError(
@@ -117,22 +140,31 @@ class Strategy:
     def train_step(
         self, micro_batches: Sequence[Batch], loss_fn: LossFn | None = None, step_scheduler: bool = True
     ) -> dict[str, Any]:
-        """One optimizer step over this rank's micro-batches (gradient sync on the last only), minimising
-        sum(loss_sum) / sum(weight) over all micro-batches of all data-parallel ranks; `loss_fn(log_probs, batch)`
-        gets log_probs [B, T-1] float32 (log p(input_ids[:, t+1] | ..t)) with autograd and the batch as given.
-        Default: token-mean cross-entropy over `labels` (every next token where there are none). Without
-        `step_scheduler` the learning rate stays until `scheduler_step` (several optimizer steps per RL step)."""
+        """One optimizer step over this rank's micro-batches (as many on every rank; gradient sync on the last only),
+        minimising sum(loss_sum) / sum(weight) over all micro-batches of all data-parallel ranks. `loss_fn(log_probs,
+        batch) -> (loss_sum, weight[, metrics])` is called once per micro-batch with log_probs [B, T-1] float32
+        (log p(input_ids[:, t+1] | ..t), at the batch's `temperature` if it has one) with autograd and the batch as
+        given; a `loss_fn` with a parameter named `entropy` also gets the entropy [B, T-1] with autograd; `metrics`
+        (a dict of scalars) come back averaged over the global batch's micro-batches. Default: token-mean
+        cross-entropy over `labels` (every next token where there are none). Without `step_scheduler` the learning
+        rate stays until `scheduler_step` (several optimizer steps per RL step)."""
         if not micro_batches:
             raise UserError("train_step: give at least one micro-batch (a dict with input_ids [B, T])")
         batches = [self.device_batch(mb, f"micro-batch {i}") for i, mb in enumerate(micro_batches)]
         if isinstance(self.head, ValueHead):  # a value or reward model: loss_fn gets its values or scores
             return _reported(self.step(*self._head_loss(self.head, batches, loss_fn), step_scheduler=step_scheduler))
         shifted = [self._shifted(mb, loss_fn is None) for mb in batches]
-        loss: MicroBatchLoss = (
-            TokenCrossEntropy(self.chunk_tokens)
-            if loss_fn is None
-            else LogProbLoss(loss_fn, batches, self.sharded.sp_group, self.chunk_tokens)
-        )
+        loss: MicroBatchLoss
+        if loss_fn is None:
+            if any(mb.get("temperature") is not None for mb in batches):
+                raise UserError(
+                    "train_step: a batch's temperature applies to the log-probs a loss_fn receives; the default "
+                    "cross-entropy takes none (give a loss_fn, or drop 'temperature')"
+                )
+            loss = TokenCrossEntropy(self.chunk_tokens)
+        else:
+            entropy = "entropy" in inspect.signature(loss_fn).parameters
+            loss = LogProbLoss(loss_fn, batches, self.sharded.sp_group, self.chunk_tokens, entropy=entropy)
         return _reported(self.step(shifted, loss, step_scheduler=step_scheduler))
 
     def _head_loss(
@@ -198,23 +230,29 @@ class Strategy:
     def data_parallel_group(self) -> dist.ProcessGroup:
         """The process group of this rank's data-parallel peers (the world without Ulysses), for a caller's own
         reductions over the global batch."""
-        return self._data_parallel_group if self._data_parallel_group is not None else dist.group.WORLD
+        group = self._data_parallel_group if self._data_parallel_group is not None else dist.group.WORLD
+        if group is None:
+            raise UserError("data_parallel_group: the process group has ended (Strategy used after shutdown)")
+        return group
 
     # ---- forward only -----------------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def forward_step(self, batch: Batch, entropy: bool = False) -> dict[str, torch.Tensor]:
-        """log_probs [B, T-1] of input_ids[:, 1:] (and their entropy [B, T-1] when asked), in chunks of tokens."""
+    def forward_step(
+        self, batch: Batch, entropy: bool = False, temperature: float | torch.Tensor | None = None
+    ) -> dict[str, torch.Tensor]:
+        """log_probs [B, T-1] of input_ids[:, 1:] (and their entropy [B, T-1] when asked), in chunks of tokens, at
+        `temperature` (one number or one per sample; or the batch's own `temperature`): of logits / temperature."""
+        if temperature is not None:
+            if batch.get("temperature") is not None:
+                raise UserError("forward_step: give the temperature once, as the argument or as the batch's key")
+            batch = {**batch, "temperature": temperature}
         api_batch = self.device_batch(batch, "batch")
         if isinstance(self.head, ValueHead):  # a value or reward model: its values or scores
             return self._head_forward(self.head, api_batch, entropy)
         shifted = self._shifted(api_batch, default_targets=False)
-        was_training = self.model.training
-        self.model.eval()
-        try:
-            log_probs, entropies = self.token_logprobs(shifted, entropy)
-        finally:
-            self.model.train(was_training)
+        with self._inference():
+            log_probs, entropies = self.token_logprobs(shifted, entropy, api_batch.get("temperature"))
         result = {"log_probs": log_probs}
         if entropies is not None:
             result["entropy"] = entropies
@@ -227,12 +265,8 @@ class Strategy:
         model_batch = head.model_batch(api_batch, self._model_keys)
         group = self.sharded.sp_group
         local = self.sharded.variant.shard_batch(model_batch, group) if group is not None else model_batch
-        was_training = self.model.training
-        self.model.eval()
-        try:
+        with self._inference():
             outputs, _ = head_outputs(self.model, head, local, api_batch, group)
-        finally:
-            self.model.train(was_training)
         return {head.output: outputs}
 
     @torch.no_grad()
@@ -240,25 +274,37 @@ class Strategy:
         """The token-mean cross-entropy of shifted micro-batches (the `train` command's, labels already shifted)
         over all data-parallel ranks, in eval mode, without gradients; every rank must give as many micro-batches
         (`train/evaluate.py:EvalBatches`)."""
-        was_training = self.model.training
-        self.model.eval()
         group = self.sharded.sp_group
         device = self.runtime.device
-        try:
+        with self._inference():
             on_device = ({k: v.to(device, non_blocking=True) for k, v in mb.items()} for mb in micro_batches)
             return eval_loss(lambda b: self.token_logprobs(b)[0], on_device, device, group.size() if group else 1)
+
+    @contextmanager
+    def _inference(self) -> Iterator[None]:
+        """Eval mode within the block; afterwards the mode as it was and the model resharded."""
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            yield
         finally:
             self.model.train(was_training)
+            reshard(self.model)
 
-    def token_logprobs(self, shifted: Batch, entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Log-probs of the shifted batch's `labels` (0 where IGNORE_INDEX) for its whole sequences: under sequence
-        parallel each rank computes its slice and the slices are gathered (with autograd)."""
+    def token_logprobs(
+        self, shifted: Batch, entropy: bool = False, temperature: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Log-probs of the shifted batch's `labels` (0 where IGNORE_INDEX) for its whole sequences, at `temperature`
+        (float32, [] or [B]): under sequence parallel each rank computes its slice and the slices are gathered
+        (with autograd)."""
         self.head.require_log_probs("token_logprobs")
         reuse_freed_memory(self.runtime.device)
         group = self.sharded.sp_group
         local = self.sharded.variant.shard_batch(shifted, group) if group is not None else shifted
         chunk = self.chunk_tokens or FORWARD_CHUNK_TOKENS
-        with token_request(self.model, TokenRequest(local["labels"], chunk, entropy)) as request:
+        with token_request(
+            self.model, TokenRequest(local["labels"], chunk, entropy, temperature=temperature)
+        ) as request:
             outputs = self.model(**model_inputs(local), use_cache=False)
         log_probs, entropies = outputs.logits, request.entropies
         if group is not None:
@@ -272,13 +318,17 @@ class Strategy:
     def full_weights(self, dtype: torch.dtype | None = None, bucket_bytes: int = 512 << 20) -> Iterator[Any]:
         """(hf_name, tensor) over the whole model in the names transformers and vLLM load (LoRA: merged), on every
         rank, gathered a bucket of at most `bucket_bytes` at a time (one tensor larger than that is its own
-        bucket); the caller picks who sends. Every rank must iterate it to the end: each tensor is a collective."""
+        bucket); the caller picks who sends. Every rank must iterate it to the end: each tensor is a collective. The
+        tensors are copies at every world size (a world of one would otherwise yield the live parameters, which the
+        next step changes in place under a rollout engine holding them)."""
         bucket: list[tuple[str, torch.Tensor]] = []
         size = 0
-        for name, tensor in hf_tensors(self.model, dtype):
-            if bucket and size + tensor.nbytes > bucket_bytes:
+        live = {_storage(t) for t in (*self.model.parameters(), *self.model.buffers())}
+        for name, weight in hf_tensors(self.model, dtype):
+            if bucket and size + weight.nbytes > bucket_bytes:
                 yield from bucket
                 bucket, size = [], 0
+            tensor = weight.clone() if _storage(weight) in live else weight  # after the bucket before is gone
             bucket.append((name, tensor))
             size += tensor.nbytes
         yield from bucket
@@ -369,7 +419,7 @@ class Strategy:
             self.runtime.rank,
             async_save,
             keep,
-            source.hf_config,
+            self.model.config,  # the model's own config (a value head's settings included), as export_hf writes
             source.tokenizer_path,
             self.sharded.variant.checkpoint_config(self.model, self.cfg.model.name_or_path),
         )
@@ -389,21 +439,28 @@ class Strategy:
             torch.cuda.empty_cache()
 
     def device_batch(self, batch: Batch, what: str) -> Batch:
-        """The batch on this rank's device, checked: input_ids [B, T] int64 with T >= 2, and every [B, T]-shaped
-        companion of the same shape."""
+        """The batch on this rank's device, checked: input_ids [B, T] int64 or int32 (widened to int64) with T >= 2,
+        every [B, T]-shaped companion of the same shape, a `temperature` as `temperature_of` takes it."""
         if not isinstance(batch, dict) or "input_ids" not in batch:
             raise UserError(f"{what}: a dict of tensors with 'input_ids' [B, T] (int64) is needed")
         ids = batch["input_ids"]
-        if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.dtype != torch.long or ids.shape[1] < 2:
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.dtype not in TOKEN_DTYPES or ids.shape[1] < 2:
             got = f"{tuple(ids.shape)} {ids.dtype}" if isinstance(ids, torch.Tensor) else type(ids).__name__
-            raise UserError(f"{what}: input_ids must be an int64 tensor [B, T] with T >= 2, not {got}")
+            raise UserError(f"{what}: input_ids must be an int64 or int32 tensor [B, T] with T >= 2, not {got}")
         for key in ("attention_mask", "labels"):
             value = batch.get(key)
             if value is not None and (not isinstance(value, torch.Tensor) or value.shape != ids.shape):
                 shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
                 raise UserError(f"{what}: {key} must have input_ids' shape {tuple(ids.shape)}, not {shape}")
         device = self.runtime.device
-        return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+        moved = {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+        for key in ("input_ids", "labels"):  # gathers and embeddings index with int64
+            if key in moved:
+                moved[key] = moved[key].long()
+        temperature = temperature_of(batch, what)
+        if temperature is not None:
+            moved["temperature"] = temperature.to(device, non_blocking=True)
+        return moved
 
     def _shifted(self, batch: Batch, default_targets: bool) -> Batch:
         """The model's inputs for positions 0..T-2 and each position's target: the next token, or with
@@ -425,52 +482,89 @@ class Strategy:
 
 @dataclass
 class LogProbLoss:
-    """A user's `loss_fn(log_probs, batch) -> (loss_sum, weight)` over whole sequences. Its weight must not depend on
-    the log-probs: it is read first from zeros (no forward), and the step checks it again after the real call."""
+    """A user's `loss_fn(log_probs, batch[, entropy]) -> (loss_sum, weight[, metrics])` over whole sequences,
+    called once per micro-batch. Its weight comes with the loss: the step backpropagates the summed losses and
+    divides the gradients by the global weight afterwards, so the weight is a constant to the gradient and must
+    carry none. A mixture of experts adds router_aux_loss_coef x its router loss averaged over the micro-batches
+    weighted by their weights (for one micro-batch: transformers' own sum)."""
 
     fn: LossFn
     batches: list[Batch]  # as the user gave them, on the device
     sp_group: dist.ProcessGroup | None
     chunk_tokens: int
     whole_sequence: bool = True
+    entropy: bool = False  # loss_fn takes `entropy` (with autograd)
 
-    def weight(self, index: int, batch: Batch) -> torch.Tensor:
-        with torch.no_grad():
-            return self._checked(self.zeros(index, batch), index)[1].detach()
+    def weight(self, index: int, batch: Batch) -> None:
+        return None  # it comes with the loss
 
-    def __call__(
-        self, model: torch.nn.Module, index: int, batch: Batch, aux_loss_weight: Any
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        log_probs, outputs = self.outputs(model, index, batch)
-        loss_sum, weight = self._checked(log_probs, index)
-        return with_aux_loss(loss_sum.float(), outputs, aux_loss_weight), weight
+    def __call__(self, model: torch.nn.Module, index: int, batch: Batch, aux_loss_weight: Any) -> MicroBatchTerms:
+        received, keywords, outputs = self.outputs(model, index, batch)
+        terms = _checked_terms(self.fn(received, self.batches[index], **keywords))
+        if aux_loss_weight:  # the router loss's weight per unit of the loss's weight
+            terms.loss_sum = with_aux_loss(terms.loss_sum, outputs, aux_loss_weight * terms.weight)
+        return terms
 
-    def outputs(self, model: torch.nn.Module, index: int, batch: Batch) -> tuple[torch.Tensor, Any]:
-        """What loss_fn receives for micro-batch `index` (log-probs [B, T-1] of its whole sequences, from this
-        rank's slice `batch`), and the model's own outputs."""
-        request = TokenRequest(batch["labels"], self.chunk_tokens or FORWARD_CHUNK_TOKENS)
+    def outputs(self, model: torch.nn.Module, index: int, batch: Batch) -> tuple[torch.Tensor, Batch, Any]:
+        """What loss_fn receives for micro-batch `index` from this rank's slice `batch`: log-probs [B, T-1] of its
+        whole sequences at its temperature, keyword outputs (`entropy` [B, T-1] when it takes it), and the model's
+        own outputs."""
+        api_batch = self.batches[index]
+        chunk = self.chunk_tokens or FORWARD_CHUNK_TOKENS
+        request = TokenRequest(batch["labels"], chunk, self.entropy, temperature=api_batch.get("temperature"))
         with token_request(model, request):
             outputs = model(**model_inputs(batch), use_cache=False)
-        log_probs = outputs.logits
+        length = api_batch["input_ids"].shape[1] - 1
+        received = [outputs.logits] + ([request.entropies] if self.entropy else [])
         if self.sp_group is not None:
-            log_probs = gather_sequence(log_probs, self.sp_group)
-        return log_probs[:, : self.batches[index]["input_ids"].shape[1] - 1], outputs
+            received = [gather_sequence(t, self.sp_group) for t in received]
+        received = [t[:, :length] for t in received]
+        return received[0], {"entropy": received[1]} if self.entropy else {}, outputs
 
-    def zeros(self, index: int, batch: Batch) -> torch.Tensor:
-        """Zeros in the shape of what loss_fn receives for the (unsliced) micro-batch `batch`."""
-        return torch.zeros(batch["labels"].shape, dtype=torch.float32, device=batch["labels"].device)
 
-    def _checked(self, log_probs: torch.Tensor, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        result = self.fn(log_probs, self.batches[index])
-        if not (
-            isinstance(result, tuple)
-            and len(result) == 2
-            and all(isinstance(t, torch.Tensor) and t.numel() == 1 for t in result)
-        ):
-            raise UserError(
-                "loss_fn must return (loss_sum, weight), two one-element tensors; it returned " + _describe(result)
-            )
-        return result[0].reshape(()), result[1].reshape(())
+def _checked_terms(result: Any) -> MicroBatchTerms:
+    """loss_fn's (loss_sum, weight[, metrics]) as the step takes it, or one sentence on what is wrong."""
+    if not (
+        isinstance(result, tuple)
+        and len(result) in (2, 3)
+        and all(isinstance(t, torch.Tensor) and t.numel() == 1 for t in result[:2])
+        and (len(result) == 2 or isinstance(result[2], dict))
+    ):
+        raise UserError(
+            "loss_fn must return (loss_sum, weight) or (loss_sum, weight, metrics): two one-element tensors and a "
+            "dict of scalars; it returned " + _describe(result)
+        )
+    loss_sum, weight = result[0].reshape(()).float(), result[1].reshape(())
+    if weight.requires_grad:
+        raise UserError(
+            "loss_fn: the weight it returns carries a gradient; it is the loss's normaliser, a constant to the "
+            "gradient (a token count, a sum of weights): detach it"
+        )
+    metrics = result[2] if len(result) == 3 else {}
+    for name, value in metrics.items():
+        if not (isinstance(value, torch.Tensor | float | int) and torch.as_tensor(value).numel() == 1):
+            raise UserError(f"loss_fn: metric '{name}' must be one number (a float or one-element tensor)")
+    device = loss_sum.device
+    return MicroBatchTerms(
+        loss_sum, weight, {str(k): torch.as_tensor(v, device=device).detach() for k, v in metrics.items()}
+    )
+
+
+def temperature_of(batch: Batch, what: str) -> torch.Tensor | None:
+    """A batch's sampling `temperature` (one number, or one per sample [B]) as a float32 tensor where the caller
+    gave it (checked there: a host tensor costs no wait for the device), or None."""
+    value = batch.get("temperature")
+    if value is None:
+        return None
+    rows = batch["input_ids"].shape[0]
+    temperature = torch.as_tensor(value, dtype=torch.float32)
+    if temperature.dim() > 1 or (temperature.dim() == 1 and temperature.shape[0] != rows):
+        raise UserError(
+            f"{what}: temperature must be one number or one per sample ([{rows}]), not shape {tuple(temperature.shape)}"
+        )
+    if not bool(((temperature > 0) & temperature.isfinite()).all()):
+        raise UserError(f"{what}: temperature must be finite and > 0 (the logits are divided by it)")
+    return temperature
 
 
 def _state_kinds(include: Iterable[str] | None) -> set[str]:
@@ -494,11 +588,9 @@ class HeadOutputLoss(LogProbLoss):
 
     head: ValueHead = field(kw_only=True)
 
-    def outputs(self, model: torch.nn.Module, index: int, batch: Batch) -> tuple[torch.Tensor, Any]:
-        return head_outputs(model, self.head, batch, self.batches[index], self.sp_group)
-
-    def zeros(self, index: int, batch: Batch) -> torch.Tensor:
-        return self.head.whole(super().zeros(index, batch), self.batches[index])
+    def outputs(self, model: torch.nn.Module, index: int, batch: Batch) -> tuple[torch.Tensor, Batch, Any]:
+        received, outputs = head_outputs(model, self.head, batch, self.batches[index], self.sp_group)
+        return received, {}, outputs
 
 
 def head_outputs(
@@ -520,7 +612,23 @@ def _reported(result: StepResult) -> dict[str, Any]:
         "lr": result.lr,
         "tokens": int(result.input_tokens),
         "applied": result.applied,
+        "metrics": result.metrics,
     }
+
+
+def reshard(model: torch.nn.Module) -> None:
+    """Every FSDP module's parameters back to their shards. A forward without backward leaves the root's unsharded
+    (FSDP keeps them for the backward that follows a training forward): plain stand-ins registered in place of the
+    sharded parameters, which an optimizer built then would hold, and memory a rollout engine could use."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
+def _storage(tensor: torch.Tensor) -> int:
+    """Where a tensor's values live (a sharded parameter's: its local shard's)."""
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return local.untyped_storage().data_ptr()
 
 
 def _describe(value: object) -> str:

@@ -1,6 +1,7 @@
 """A training step reads device values on the host once: the loss, the gradient norm and the token count, fetched
-together. On CUDA every such read (`.item()`, `.tolist()`, `.cpu()`, `int(t)`...) waits for the GPU to drain its
-queue, so the step must not do one per micro-batch. Counted here on CPU, where the same calls are made."""
+together (and, before its first forward, the ranks' micro-batch counts: a host tensor). On CUDA every read of a
+device value (`.item()`, `.tolist()`, `.cpu()`, `int(t)`...) waits for the GPU to drain its queue, so the step must
+not do one per micro-batch. Counted here on CPU, where the same calls are made."""
 
 from __future__ import annotations
 
@@ -55,4 +56,6 @@ def test_one_host_read_per_step_whatever_the_accumulation(micro_batches):
         with reads:
             result = train_step(model, batches, optimizer, scheduler, guard, training.max_grad_norm)
     assert result.applied and result.input_tokens == 2 * 16 * micro_batches
-    assert reads.calls == ["tolist"]
+    # The micro-batch count agreement's host tensor (exchanged over gloo, no wait for the device), then the device
+    # values: loss, gradient norm and token count together.
+    assert reads.calls == ["tolist", "tolist"]

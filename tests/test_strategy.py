@@ -232,8 +232,8 @@ def test_mistakes_are_one_sentence(model_dir, tmp_path):
             s.train_step([{**batch, "attention_mask": batch["attention_mask"][:, :-1]}])
         with pytest.raises(UserError, match="loss_fn must return"):
             s.train_step([batch], lambda log_probs, b: log_probs.sum())
-        with pytest.raises(UserError, match="weight it returns changed"):
-            s.train_step([batch], lambda log_probs, b: (log_probs.sum(), log_probs.sum().detach() + 1))
+        with pytest.raises(UserError, match="weight it returns carries a gradient"):
+            s.train_step([batch], lambda log_probs, b: (log_probs.sum(), log_probs.sum() + 1))
     infer = strategy_config(str(model_dir), str(tmp_path), 1)
     infer["strategy_args"] = {"strategy_name": "fsdp2_infer"}
     with strategy(infer) as s:

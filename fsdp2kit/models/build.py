@@ -3,6 +3,7 @@ fresh weights (seeded per module, identical at every world size and mesh) or wei
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import json
 import sys
@@ -21,10 +22,11 @@ from fsdp2kit.config.schema import ModelConfig
 from fsdp2kit.dtypes import torch_dtype
 from fsdp2kit.errors import UserError
 from fsdp2kit.models.builtin import BUILTIN_MODELS
+from fsdp2kit.models.hf_layout import StoredTensor, checkpoint_conversions, layout_of, model_views
 from fsdp2kit.models.lora import base_renamer, base_state
 from fsdp2kit.models.shards import copy_to_shard, module_seed
-from fsdp2kit.models.vl import auto_model_class, builtin_tokenizer_dir, checkpoint_renamings, model_name
-from fsdp2kit.parallel.moe import expert_views_from_other_layout
+from fsdp2kit.models.vl import auto_model_class, builtin_tokenizer_dir
+from fsdp2kit.parallel.moe import expert_views_from_fused
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
@@ -71,6 +73,27 @@ def _check_sizes(config: PretrainedConfig, where: str, overrides: dict) -> None:
             raise UserError(f"{named} = {value}: a model's sizes are whole numbers >= 1")
 
 
+def _refuse_own_code(folder: Path, trusted: bool) -> None:
+    """A folder whose config.json names its own Python (`auto_map`) needs that code, which runs only when the user
+    trusts it (docs/security.md). Untrusted, transformers would build its own class of the same model_type instead,
+    or fail deep inside: refused in one line naming the class."""
+    if trusted:
+        return
+    try:
+        auto_map = json.loads((folder / "config.json").read_text()).get("auto_map")
+    except (OSError, ValueError, AttributeError):
+        return  # an unreadable config.json is reported by _hf_config, which reads it next
+    if not isinstance(auto_map, dict) or not auto_map:
+        return
+    chosen = next((auto_map[k] for k in ("AutoModelForCausalLM", "AutoModel", "AutoConfig") if k in auto_map), None)
+    named = chosen if chosen is not None else next(iter(auto_map.values()))
+    class_name = next((c for c in named if c), named) if isinstance(named, list) else named
+    raise UserError(
+        f"model.name_or_path: '{folder}' needs its own code ({class_name}, from config.json's auto_map), which "
+        "fsdp2kit runs only when you pass --trust-remote-code (trust_remote_code=True to Strategy.from_config)"
+    )
+
+
 def resolve_model(cfg: ModelConfig, tokenizer: str | None = None) -> ModelSource:
     from transformers import AutoConfig
 
@@ -92,6 +115,7 @@ def resolve_model(cfg: ModelConfig, tokenizer: str | None = None) -> ModelSource
                 f"model.name_or_path: '{name}' is not a model folder or checkpoint with a config.json "
                 "(or a builtin: model: " + ", ".join(f"builtin:{k}" for k in BUILTIN_MODELS) + ")"
             )
+        _refuse_own_code(folder, cfg.trust_remote_code)
         hf_config = _hf_config(
             partial(AutoConfig.from_pretrained, folder, trust_remote_code=cfg.trust_remote_code),
             f"'{folder / 'config.json'}'",
@@ -184,36 +208,70 @@ def load_model_class(spec: str, hf_config: PretrainedConfig) -> type[PreTrainedM
     return model_class
 
 
-def attention_kernel(requested: str) -> tuple[str, str | None]:
-    """The attention transformers runs, and a note when it is not the one asked for: flash_attention_2 needs the
-    flash-attn package and CUDA; elsewhere SDPA computes the same attention."""
+def resolve_attention(requested: str, ulysses_size: int = 1) -> tuple[str | None, str | None]:
+    """What `model.attn_implementation` asks transformers for (None: its own choice for the family, sdpa where the
+    family has it, else eager) and a note when that is not what was asked: flash_attention_2 needs the flash-attn
+    package and CUDA, and Ulysses runs sdpa or eager over the gathered sequence; elsewhere transformers' choice
+    computes the same attention. The build refuses an implementation the family does not have (`build_meta_model`)."""
+    if requested == "auto":
+        return None, None
     if requested != "flash_attention_2":
         return requested, None
-    if torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None:
+    if ulysses_size > 1:
+        why = "does not run inside Ulysses (model.ulysses_size > 1)"
+    elif not torch.cuda.is_available():
+        why = "needs CUDA"
+    elif importlib.util.find_spec("flash_attn") is None:
+        why = "needs the flash-attn package"
+    else:
         return requested, None
-    missing = "CUDA" if not torch.cuda.is_available() else "the flash-attn package"
-    return "sdpa", f"model.attn_implementation: flash_attention_2 needs {missing}; sdpa runs the same attention"
+    return None, f"model.attn_implementation: flash_attention_2 {why}; transformers' choice runs the same attention"
+
+
+def attention_implementation(model: nn.Module) -> str:
+    """The attention implementation the model's decoder runs, as transformers resolved it (a VL model's language
+    model's; `ulysses_<inner>` under Ulysses)."""
+    return str(model.config.get_text_config()._attn_implementation)
 
 
 def build_meta_model(source: ModelSource, cfg: ModelConfig) -> PreTrainedModel:
-    """The model with every parameter and buffer on the meta device: no memory, any size. It keeps the renamings
-    between its tensor names and its family's HF folders (`checkpoint_renamings`), taken before sharding."""
-    source.hf_config._attn_implementation = attention_kernel(cfg.attn_implementation)[0]
+    """The model with every parameter and buffer on the meta device: no memory, any size. It keeps transformers'
+    conversions between its tensors and its family's HF folders (`hf_layout.checkpoint_conversions`), taken before
+    sharding."""
+    source.hf_config._attn_implementation = resolve_attention(cfg.attn_implementation, cfg.ulysses_size)[0]
+    # The model owns its config (transformers' from_config keeps the object it is given): what is switched through
+    # it (Ulysses' attention) must not reach another model built from the source's config in the same process.
+    config = copy.deepcopy(source.hf_config)
     dtype = torch_dtype(cfg.dtype)
     with torch.device("meta"):
-        if cfg.model_class:
-            model = load_model_class(cfg.model_class, source.hf_config)._from_config(source.hf_config, dtype=dtype)
-        else:
-            try:
-                model = auto_model_class(source.hf_config).from_config(
-                    source.hf_config, dtype=dtype, trust_remote_code=cfg.trust_remote_code
+        model_class = load_model_class(cfg.model_class, config) if cfg.model_class else None
+        try:
+            if model_class is not None:
+                model = model_class._from_config(config, dtype=dtype)
+            else:
+                model = auto_model_class(config).from_config(
+                    config, dtype=dtype, trust_remote_code=cfg.trust_remote_code
                 )
-            except ValueError as exc:
-                raise UserError(
-                    f"model.name_or_path: transformers cannot build a causal LM from this config: {exc}"
-                ) from None
-    model.checkpoint_renamings = checkpoint_renamings(model)
+        except ValueError as exc:
+            _refuse_attention(exc, cfg.attn_implementation)
+            if model_class is not None:
+                raise
+            raise UserError(
+                f"model.name_or_path: transformers cannot build a causal LM from this config: {exc}"
+            ) from None
+    model.checkpoint_conversions = checkpoint_conversions(model)
     return model
+
+
+def _refuse_attention(exc: ValueError, requested: str) -> None:
+    """transformers' refusal of an attention implementation the family lacks, as one line naming the key."""
+    reason = str(exc).strip()
+    if "attention implementation" in reason or "attn_implementation" in reason:
+        first = reason.split(". ")[0].split("\n")[0]
+        raise UserError(
+            f"model.attn_implementation: {requested} is not an attention this model has ({first}); "
+            "valid: auto (transformers' choice for the family) or eager"
+        ) from None
 
 
 @torch.no_grad()
@@ -308,40 +366,37 @@ def _read_index(index_file: Path) -> dict[str, Path]:
 
 @torch.no_grad()
 def _safetensors_views(model: nn.Module, folder: Path, handles: dict[Path, Any]) -> dict[str, tuple[torch.Tensor, Any]]:
-    """Each state-dict tensor with its lazy view in the files (headers only), checked against the model."""
-    renamings = getattr(model, "checkpoint_renamings", [])
+    """Each state-dict tensor with its lazy view in the files (headers only), read as transformers reads the family's
+    HF folders (`hf_layout`: renamed, per-expert tensors fused), checked against the model."""
     index = safetensors_index(folder)
-    stored = {model_name(key, renamings): key for key in index}  # model name -> name in the files
-    locations = {name: index[key] for name, key in stored.items()}
     tied = tied_weight_names(model)
     state = base_state(model)  # LoRA: the base model's tensors under their own names
 
-    def stored_view(name: str) -> Any:
-        file = locations[name]
+    def stored_view(key: str) -> Any:
+        file = index[key]
         if not file.is_file():
             raise UserError(f"model weights: file '{file}' named by the index does not exist")
         if file not in handles:
             handles[file] = open_safetensors(file)
-        return handles[file].get_slice(stored[name])
+        return handles[file].get_slice(key)
 
-    # MoE experts stored per expert while the model holds them fused, or the other way round.
-    other_layout = expert_views_from_other_layout(
-        model, [n for n in state if n not in locations], set(locations), stored_view
-    )
-    unexpected = sorted(
-        set(locations) - set(state) - {source for _, sources in other_layout.values() for source in sources}
-    )
+    available = model_views(index, stored_view, layout_of(model, state))
+    # MoE experts split into one module per expert, read from fused experts in the files.
+    split = expert_views_from_fused(model, [n for n in state if n not in available], available)
+    available.update({name: StoredTensor(*found) for name, found in split.items()})
+    consumed = {source for name in state if name in available for source in available[name].sources}
+    leftover = {source for name in set(available) - set(state) for source in available[name].sources}
+    unexpected = sorted(leftover - consumed)
     if unexpected:
         raise UserError(
-            f"model weights: tensor '{stored[unexpected[0]]}' in '{folder}' is not part of the model its "
+            f"model weights: tensor '{unexpected[0]}' in '{folder}' is not part of the model its "
             f"config.json describes ({len(unexpected)} such tensors); config and weights do not match"
         )
     views = {}
     for name, param in state.items():
-        if name in other_layout:
-            view, where = other_layout[name][0], f"'{other_layout[name][1][0]}' and the like"
-        elif name in locations:
-            view, where = stored_view(name), f"'{locations[name].name}'"
+        if name in available:
+            view, sources = available[name].open(), available[name].sources
+            where = f"'{index[sources[0]].name}'" if len(sources) == 1 else f"'{sources[0]}' and the like"
         elif name in tied:
             continue  # tied to its source, loaded under that name
         else:

@@ -271,6 +271,7 @@ def probe_token_head(model: nn.Module, device: torch.device, where: str) -> None
                 chunked = model(input_ids=inputs).logits.float()
     finally:
         model.train(was_training)
+        _reshard(model)
     expected = torch.log_softmax(logits.float(), -1).gather(-1, targets[..., None]).squeeze(-1)
     # The model's own steps after the head run in its dtype, the chunks' in float32: a bf16 model differs by its
     # rounding of the largest logit; a missed transform changes every log-prob by the logits' own scale.
@@ -286,6 +287,14 @@ def probe_token_head(model: nn.Module, device: torch.device, where: str) -> None
             f"fsdp2kit's chunked log-probs do not reproduce (they differ from its own by up to "
             f"{excess.item() + tolerance.item():.3g}); refused rather than trained on wrong log-probs"
         )
+
+
+def _reshard(model: nn.Module) -> None:
+    """Put every FSDP group back to its shards: after a forward without backward the root group keeps its gathered
+    parameters registered, and an optimizer built from `model.parameters()` then would hold those, not the shards."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def chunk_tokens(setting: int | str, vocab_size: int) -> int:

@@ -11,7 +11,12 @@ Masks: the model builds none for an implementation transformers does not know (i
 slice). The wrapper applies causal attention over the gathered sequence, which is exact for right-padded samples
 (padding comes after every real token, so no real token attends to it), narrowed to the layer's sliding window if
 it has one. Packed documents need a block-diagonal mask over the whole sequence: `shard_sequence` builds it from
-the global position ids and hands it to the model as a 4-D `attention_mask`, which transformers passes through.
+the global position ids and hands it to the model as a 4-D `attention_mask`, which transformers passes through;
+left-padded samples (RL's prompts) get one too, with the padding masked out as keys.
+
+The wrapper is registered under a name that only the models Ulysses switched use: each model owns its config
+(`models/build.py:build_meta_model`), so a plain model built from the same source config in the same process (a
+rollout or reward model) keeps its own attention.
 """
 
 from __future__ import annotations
@@ -49,6 +54,11 @@ def apply_ulysses(model: PreTrainedModel, group: ProcessGroup, sub_config: str |
             f"attends with heads / ulysses_size of them); valid here: {', '.join(map(str, valid))}"
         )
     inner = model.config._attn_implementation
+    if inner not in ("sdpa", "eager"):
+        raise UserError(
+            f"model.attn_implementation: {inner} cannot run inside Ulysses (model.ulysses_size = {size}), which "
+            "attends over the gathered sequence with sdpa or eager; set auto, sdpa or eager"
+        )
     name = f"ulysses_{inner}"
     # One SP group per process, so one registration per inner implementation serves every model of the process.
     AttentionInterface.register(name, _ulysses_attention(inner, group))
@@ -59,29 +69,55 @@ def apply_ulysses(model: PreTrainedModel, group: ProcessGroup, sub_config: str |
 
 def shard_sequence(batch: dict[str, torch.Tensor], group: ProcessGroup) -> dict[str, torch.Tensor]:
     """This rank's contiguous 1/k of every sample of a collated micro-batch: input ids, labels and the global position
-    ids (rotary embeddings need them), the sequence padded at the end to a multiple of k with non-target tokens.
-    The 2-D padding mask is dropped (right padding needs none under causal attention, see the module docstring);
-    packed documents get their block-diagonal causal mask over the whole sequence."""
+    ids (rotary embeddings need them; without them, numbered from the 2-D padding mask as generation numbers a
+    left-padded prompt: cumsum(mask) - 1), the sequence padded at the end to a multiple of k with non-target tokens.
+    Packed documents get their block-diagonal causal mask over the whole sequence, and so does padding that comes
+    before a real token (left-padded prompts): no real token attends to it. Right padding needs no mask under causal
+    attention (see the module docstring), so the 2-D mask of a right-padded batch is dropped."""
     size, rank = group.size(), group.rank()
     input_ids, labels = batch["input_ids"], batch["labels"]
     length = input_ids.shape[1]
     pad = -length % size
+    mask = batch.get("attention_mask")
+    real = mask.bool() if mask is not None and mask.dim() == 2 else None
     positions = batch.get("position_ids")
+    packed = positions is not None
     if positions is None:
-        positions = torch.arange(length, device=input_ids.device).expand(input_ids.shape[0], -1)
+        positions = (
+            (real.cumsum(-1) - 1).clamp(min=0)
+            if real is not None
+            else torch.arange(length, device=input_ids.device).expand(input_ids.shape[0], -1)
+        )
     if pad:
         input_ids = F.pad(input_ids, (0, pad))  # any token id will do: it is no target and attended by none
         labels = F.pad(labels, (0, pad), value=IGNORE_INDEX)
         # Continuing the last position keeps the padding inside the last document: no extra document to mask.
         positions = torch.cat([positions, positions[:, -1:] + torch.arange(1, pad + 1, device=positions.device)], 1)
+        real = F.pad(real, (0, pad), value=False) if real is not None else None
     local = slice(rank * (length + pad) // size, (rank + 1) * (length + pad) // size)
     shard = {"input_ids": input_ids[:, local], "position_ids": positions[:, local], "labels": labels[:, local]}
-    # transformers' rule for packed samples: a new document starts wherever the position does not grow by one.
-    documents = (torch.diff(positions, prepend=positions[:, :1] - 1) != 1).cumsum(-1)
-    if documents[:, -1].any():
-        causal = torch.ones(length + pad, length + pad, dtype=torch.bool, device=positions.device).tril()
-        shard["attention_mask"] = (causal & (documents[:, :, None] == documents[:, None, :]))[:, None]
+    attend = _sequence_mask(positions, packed, real)
+    if attend is not None:
+        shard["attention_mask"] = attend[:, None]
     return shard
+
+
+def _sequence_mask(positions: torch.Tensor, packed: bool, real: torch.Tensor | None) -> torch.Tensor | None:
+    """The boolean [B, T, T] mask over the whole sequence (True = attend) where causal attention alone is not
+    exact: documents packed by the caller's `positions` (`packed`), padding (`real` False) before a real token.
+    None otherwise. A padding token attends to itself at least (a row with nothing to attend to would be NaN)."""
+    attend = None
+    length, device = positions.shape[1], positions.device
+    causal = torch.ones(length, length, dtype=torch.bool, device=device).tril()
+    if packed:
+        # transformers' rule for packed samples: a new document starts wherever the position does not grow by one.
+        documents = (torch.diff(positions, prepend=positions[:, :1] - 1) != 1).cumsum(-1)
+        if documents[:, -1].any():
+            attend = causal & (documents[:, :, None] == documents[:, None, :])
+    if real is not None and (~real[:, :-1] & real[:, 1:]).any():
+        keys = real[:, None, :] | torch.eye(length, dtype=torch.bool, device=device)
+        attend = (causal if attend is None else attend) & keys
+    return attend
 
 
 def _all_to_all(x: torch.Tensor, group: ProcessGroup, scatter_dim: int, gather_dim: int) -> torch.Tensor:
@@ -113,6 +149,18 @@ class _RegroupedAttention:
     def __init__(self, module: torch.nn.Module, num_key_value_groups: int):
         self._module = module
         self.num_key_value_groups = num_key_value_groups
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._module, name)
+
+
+class _RankHeadSinks:
+    """The attention module as the inner implementation sees it on this rank, which attends with heads/k of the
+    heads: its per-head attention sinks (GPT-OSS's `sinks`) narrowed to those heads, their gradient kept."""
+
+    def __init__(self, module: Any, group: ProcessGroup):
+        self._module = module
+        self.sinks = module.sinks.chunk(group.size())[group.rank()]
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._module, name)
@@ -175,6 +223,8 @@ def _ulysses_attention(inner: str, group: ProcessGroup) -> Callable:
         if kv_repeats > 1:  # fewer key/value heads than ranks (GQA): repeat them so that every rank gets whole ones
             key, value = repeat_kv(key, kv_repeats), repeat_kv(value, kv_repeats)
             module = _RegroupedAttention(module, query.shape[1] // key.shape[1])
+        if isinstance(getattr(module, "sinks", None), torch.Tensor):
+            module = _RankHeadSinks(module, group)
         query, key, value = (_AllToAll.apply(t, group, 1, 2) for t in (query, key, value))  # heads out, sequence in
         mask = _full_sequence_mask(
             attention_mask,

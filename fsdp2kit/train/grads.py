@@ -32,6 +32,13 @@ def all_reduce_replicated_grads(params: Sequence[torch.Tensor], world_size: int)
         grad.div_(world_size)
 
 
+def scale_grads_(params: Sequence[torch.Tensor], factor: torch.Tensor) -> None:
+    """Multiply every gradient by `factor` (a tensor on their device: no host read), shards in place."""
+    local = [g.to_local() if isinstance(g, DTensor) else g for g in _grads(list(params))]
+    if local:
+        torch._foreach_mul_(local, factor.to(local[0].dtype))
+
+
 def clip_grad_norm(params: Sequence[torch.Tensor], max_norm: float) -> torch.Tensor:
     """Global L2 norm over sharded and replicated gradients (the same value on every rank); clip if max_norm > 0.
     The norm stays on the gradients' device (no host sync here: the step fetches it with the loss, once). A

@@ -4,8 +4,9 @@ and the tests that need a step both call `train_step`, so the step they check is
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import torch
@@ -20,7 +21,7 @@ from fsdp2kit.errors import UserError
 from fsdp2kit.labels import IGNORE_INDEX
 from fsdp2kit.parallel.token_logprobs import TokenRequest, token_request
 from fsdp2kit.parallel.ulysses import shard_sequence
-from fsdp2kit.train.grads import NonFiniteGuard, all_reduce_replicated_grads, clip_grad_norm
+from fsdp2kit.train.grads import NonFiniteGuard, all_reduce_replicated_grads, clip_grad_norm, scale_grads_
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,7 @@ class StepResult:
     lr: float  # the learning rate this step's update used
     input_tokens: float  # tokens the model read on all data-parallel ranks, padding excluded
     applied: bool  # False: the loss or gradient norm was not finite and the update was skipped
+    metrics: dict[str, float] = field(default_factory=dict)  # a loss's metrics, averaged over the global batch
 
 
 def token_loss_sum(
@@ -54,17 +56,29 @@ def with_aux_loss(loss: torch.Tensor, outputs: Any, aux_loss_weight: float | tor
     return loss
 
 
+@dataclass
+class MicroBatchTerms:
+    """What a micro-batch's loss gives the step."""
+
+    loss_sum: torch.Tensor  # the micro-batch's summed loss, with autograd
+    weight: torch.Tensor | None = None  # its weight, where the loss computes it (MicroBatchLoss.weight gave None)
+    metrics: dict[str, torch.Tensor] = field(default_factory=dict)  # scalars, averaged over the global batch
+
+
 class MicroBatchLoss(Protocol):
-    """How a micro-batch's loss is computed: its weight (the loss's normaliser, known before the forward so that
-    each micro-batch's backward is scaled right at once) and its weighted sum, with the weight as computed."""
+    """How a micro-batch's loss is computed. Its weight (the loss's normaliser) comes either before the forward,
+    from the batch alone (`weight`: each micro-batch's backward is then scaled right at once), or with the loss
+    (`weight` gives None): the step then backpropagates the unnormalised sums and divides the gradients by the global
+    weight once all are in, which is exact as gradients are linear in the loss. `aux_loss_weight` is the router
+    loss's weight in units of summed losses, or, for a loss whose weight comes with it, per unit of that weight."""
 
     whole_sequence: bool  # every rank of a sequence-parallel group computes the same, whole loss
 
-    def weight(self, index: int, batch: dict[str, torch.Tensor]) -> torch.Tensor: ...
+    def weight(self, index: int, batch: dict[str, torch.Tensor]) -> torch.Tensor | None: ...
 
     def __call__(
         self, model: torch.nn.Module, index: int, batch: dict[str, torch.Tensor], aux_loss_weight: Any
-    ) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+    ) -> MicroBatchTerms: ...
 
 
 @dataclass
@@ -80,12 +94,12 @@ class TokenCrossEntropy:
 
     def __call__(
         self, model: torch.nn.Module, index: int, batch: dict[str, torch.Tensor], aux_loss_weight: Any
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    ) -> MicroBatchTerms:
         if not self.chunk_tokens:
-            return token_loss_sum(model, batch, aux_loss_weight), None
+            return MicroBatchTerms(token_loss_sum(model, batch, aux_loss_weight))
         with token_request(model, TokenRequest(batch["labels"], self.chunk_tokens, summed=True)):
             outputs = model(**model_inputs(batch), use_cache=False)
-        return with_aux_loss(outputs.logits, outputs, aux_loss_weight), None
+        return MicroBatchTerms(with_aux_loss(outputs.logits, outputs, aux_loss_weight))
 
 
 @dataclass
@@ -93,8 +107,7 @@ class _Accumulation:
     """What a step's forward/backward passes need besides the micro-batches."""
 
     loss: MicroBatchLoss
-    weights: list[torch.Tensor]  # each micro-batch's weight, read before its forward
-    loss_factor: torch.Tensor  # world size x loss scale / global weight
+    loss_factor: torch.Tensor  # world size x loss scale (/ global weight, where it is known before the forward)
     aux_loss_weight: float | torch.Tensor
     sp_group: ProcessGroup | None
     shard_batch: Callable[[dict[str, torch.Tensor], ProcessGroup], dict[str, torch.Tensor]]
@@ -102,28 +115,68 @@ class _Accumulation:
     sync_each_batch: bool = False  # reduce-scatter after every micro-batch: no unsharded gradients held between
 
 
+@dataclass
+class _Sums:
+    """A rank's sums over its micro-batches (whole sequences counted once per sequence-parallel group)."""
+
+    loss: torch.Tensor  # float64
+    weight: torch.Tensor  # float64: the weights that came with the loss (0 where known before)
+    metrics: dict[str, torch.Tensor]  # float64, by name
+    consistent: bool  # every micro-batch gave the same metric names
+
+
 def _forward_backward(
     model: torch.nn.Module, micro_batches: list[dict[str, torch.Tensor]], run: _Accumulation
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each micro-batch's forward and backward, gradient sync on the last only; returns the summed loss (whole
-    sequences counted once per sequence-parallel group) and how far the weights computed with the loss drifted from
-    those read before (0 for a loss_fn whose weight depends on the batch alone)."""
+) -> _Sums:
+    """Each micro-batch's forward and backward, gradient sync on the last only."""
     loss, sp_size = run.loss, run.sp_group.size() if run.sp_group is not None else 1
-    loss_sum = torch.zeros((), dtype=torch.float64, device=run.loss_factor.device)
-    weight_drift = torch.zeros((), dtype=torch.float64, device=run.loss_factor.device)
+    share = sp_size if loss.whole_sequence else 1
+    device = run.loss_factor.device
+    sums = _Sums(
+        torch.zeros((), dtype=torch.float64, device=device),
+        torch.zeros((), dtype=torch.float64, device=device),
+        {},
+        True,
+    )
     for index, batch in enumerate(micro_batches):
         if isinstance(model, FSDPModule):  # reduce-scatter once per step (unless run.sync_each_batch)
             model.set_requires_gradient_sync(run.sync_each_batch or index == len(micro_batches) - 1)
         if run.sp_group is not None:
             batch = run.shard_batch(batch, run.sp_group)  # this rank's slice of the tokens
-        micro_loss, weight = loss(model, index, batch, run.aux_loss_weight)
-        (micro_loss * run.loss_factor.to(micro_loss.dtype)).backward()
-        loss_sum += micro_loss.detach() / (sp_size if loss.whole_sequence else 1)
-        if weight is not None:
-            weight_drift += (weight.double() - run.weights[index].double()).abs()
+        terms = loss(model, index, batch, run.aux_loss_weight)
+        (terms.loss_sum * run.loss_factor.to(terms.loss_sum.dtype)).backward()
+        sums.loss += terms.loss_sum.detach() / share
+        if terms.weight is not None:
+            sums.weight += terms.weight.detach().double() / share
+        if index and sorted(terms.metrics) != sorted(sums.metrics):
+            sums.consistent = False
+        for name, value in terms.metrics.items():
+            sums.metrics[name] = sums.metrics.get(name, 0.0) + value.detach().double().reshape(()) / share
         if run.on_micro_batch_done is not None:
             run.on_micro_batch_done()
-    return loss_sum, weight_drift
+    return sums
+
+
+def agree_on_micro_batch_count(count: int) -> None:
+    """Every rank must run as many micro-batches (each is a round of collectives): checked before the first, on the
+    host (a CPU tensor: no wait for the device), so that unequal counts are one error on every rank, not a hang."""
+    extremes = torch.tensor([count, -count], dtype=torch.int64)
+    dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
+    most, negated_fewest = extremes.tolist()
+    fewest = -negated_fewest
+    if most != fewest:
+        raise UserError(
+            f"train_step: the ranks were given different numbers of micro-batches (this rank {count}, between "
+            f"{fewest} and {most} over the ranks); every rank must pass as many (pad a rank's share with micro-batches "
+            "of weight 0)"
+        )
+
+
+def _metric_fingerprint(sums: _Sums) -> float:
+    """A number that equals on two ranks when their metric names do (-1: this rank's micro-batches disagree)."""
+    if not sums.consistent:
+        return -1.0
+    return float(zlib.crc32("\0".join(sorted(sums.metrics)).encode()) % (1 << 20) + 1) if sums.metrics else 0.0
 
 
 def train_step(
@@ -140,48 +193,83 @@ def train_step(
     loss: MicroBatchLoss | None = None,
     sync_each_batch: bool = False,
 ) -> StepResult:
-    """Every rank calls it with its own micro-batches (the ranks of a sequence-parallel group with the same ones,
-    each training on the slice `shard_batch` cuts for it). `model` is FSDP-sharded or, in a world of one, a plain
-    module; the guard's loss scaler scales the loss (fp16) and the guard decides whether the update is applied.
-    `loss` (default: token cross-entropy) gives each micro-batch's weight and weighted loss sum; the step minimises
-    their global ratio. `on_micro_batch_done` runs after each micro-batch's backward (the memory tracker's marks)."""
+    """Every rank calls it with as many micro-batches of its own (the ranks of a sequence-parallel group with the
+    same ones, each training on the slice `shard_batch` cuts for it). `model` is FSDP-sharded or, in a world of one,
+    a plain module; the guard's loss scaler scales the loss (fp16) and the guard decides whether the update is
+    applied. `loss` (default: token cross-entropy) gives each micro-batch's weight and weighted loss sum; the step
+    minimises their global ratio. `on_micro_batch_done` runs after each micro-batch's backward (the memory tracker's
+    marks)."""
     loss = loss if loss is not None else TokenCrossEntropy()
-    world_size = dist.get_world_size()
-    params = [p for p in model.parameters() if p.requires_grad]
-    # The loss is the sum over the global batch divided by its total weight (the target tokens): normalise by the
-    # global weight, kept on the device (reading it on the host would wait for the device before the first forward).
-    weights = [loss.weight(i, mb) for i, mb in enumerate(micro_batches)]
-    counts = torch.stack(
-        [
-            torch.stack([w.double() for w in weights]).sum(),
-            torch.stack([input_token_count(mb) for mb in micro_batches]).sum().double(),
-        ]
-    )
-    dist.all_reduce(counts)
-    # Every rank of a sequence-parallel group holds the group's whole micro-batches: count them once.
-    counts /= sp_group.size() if sp_group is not None else 1
-    target_tokens = counts[0]
-    # A mixture of experts adds router_aux_loss_coef x its load-balancing loss averaged over all micro-batches
-    # of all ranks, as transformers adds it to each batch's mean loss; in units of summed token losses:
-    aux_loss_weight = (
-        (aux_loss_coef * target_tokens / (len(micro_batches) * world_size)).float() if aux_loss_coef else 0.0
-    )
-    # FSDP averages gradients over all ranks; scale so the result is the global token mean (times the fp16 loss
-    # scale, 1 otherwise). With sequence parallel each rank of a group holds a part of the group's gradient, and
-    # the average over all ranks sums those parts.
-    loss_factor = world_size * guard.scaler.scale / target_tokens
+    world_size, sp_size = dist.get_world_size(), sp_group.size() if sp_group is not None else 1
+    agree_on_micro_batch_count(len(micro_batches))
+    tokens = torch.stack([input_token_count(mb) for mb in micro_batches]).sum().double()
+    known = [loss.weight(i, mb) for i, mb in enumerate(micro_batches)]
     run = _Accumulation(
-        loss, weights, loss_factor, aux_loss_weight, sp_group, shard_batch, on_micro_batch_done, sync_each_batch
+        loss,
+        torch.tensor(world_size * guard.scaler.scale, dtype=torch.float64, device=tokens.device),
+        aux_loss_coef,
+        sp_group,
+        shard_batch,
+        on_micro_batch_done,
+        sync_each_batch,
     )
-    loss_sum, weight_drift = _forward_backward(model, micro_batches, run)
+    before = all(w is not None for w in known)
+    if before:  # normalise each backward by the global weight, kept on the device (no host read before the forward)
+        global_weight = torch.stack([w.double() for w in known if w is not None]).sum()
+        dist.all_reduce(global_weight)
+        global_weight /= sp_size  # every rank of a sequence-parallel group holds the group's whole micro-batches
+        # FSDP averages gradients over all ranks; scale so the result is the global mean (times the fp16 loss scale,
+        # 1 otherwise). With sequence parallel each rank of a group holds a part of the group's gradient, and the
+        # average over all ranks sums those parts.
+        run.loss_factor = run.loss_factor / global_weight
+        # A mixture of experts adds router_aux_loss_coef x its load-balancing loss averaged over all micro-batches
+        # of all ranks, as transformers adds it to each batch's mean loss; in units of summed token losses:
+        run.aux_loss_weight = (
+            (aux_loss_coef * global_weight / (len(micro_batches) * world_size)).float() if aux_loss_coef else 0.0
+        )
+    sums = _forward_backward(model, micro_batches, run)
+    params = _stepped_parameters(model, optimizer)
     all_reduce_replicated_grads(params, world_size)
-    dist.all_reduce(loss_sum)
+    fingerprint = _metric_fingerprint(sums)
+    totals = torch.stack([sums.loss, sums.weight, tokens / sp_size, *tokens.new_tensor([fingerprint, fingerprint**2])])
+    dist.all_reduce(totals)
+    if not before:  # the weights came with the losses: the gradients are sums, divided by the global weight now
+        global_weight = totals[1]
+        scale_grads_(params, 1.0 / global_weight)
     guard.scaler.unscale_(params)
     norm = clip_grad_norm(params, max_grad_norm)
-    # The step's one host read (on CUDA, one wait for the device): loss, gradient norm, token count together.
-    read = torch.stack([loss_sum / target_tokens, norm.to(loss_sum), counts[1], weight_drift])
-    loss_value, grad_norm, input_tokens, drift = read.tolist()
-    return _update(optimizer, scheduler, guard, StepResult(loss_value, grad_norm, 0.0, input_tokens, False), drift)
+    # The step's one host read of device values (on CUDA, one wait for the device), all together.
+    read = torch.stack([totals[0] / global_weight, norm.to(totals), totals[2], global_weight, totals[3], totals[4]])
+    loss_value, grad_norm, input_tokens, weight, names_sum, names_square_sum = read.tolist()
+    if weight == 0:
+        optimizer.zero_grad(set_to_none=True)
+        raise UserError(
+            "train_step: the weights of every micro-batch on every rank sum to 0 (no target token, or loss_fn's "
+            "weights): the step has nothing to minimise; give at least one micro-batch a weight > 0"
+        )
+    # The ranks' metric names agree exactly when their fingerprints do: n x sum(f^2) == sum(f)^2 (Cauchy-Schwarz).
+    if world_size * names_square_sum != names_sum**2 or names_sum < 0:
+        optimizer.zero_grad(set_to_none=True)
+        raise UserError("loss_fn: the metrics it returns must have the same names for every micro-batch on every rank")
+    metrics = _averaged_metrics(sums.metrics, len(micro_batches) * world_size // sp_size) if names_sum else {}
+    result = StepResult(loss_value, grad_norm, 0.0, input_tokens, False, metrics)
+    return _update(optimizer, scheduler, guard, result)
+
+
+def _stepped_parameters(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """What the norm, clipping and scaling cover: the optimizer's parameters and every trainable one the module
+    registers now (after backward: the sharded ones), once each. A list taken before the forward could hold the
+    unsharded stand-ins a forward without backward leaves registered, whose gradients go to the sharded ones."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    return list({id(p): p for p in [*(p for g in optimizer.param_groups for p in g["params"]), *trainable]}.values())
+
+
+def _averaged_metrics(sums: dict[str, torch.Tensor], count: int) -> dict[str, float]:
+    """Each metric's mean over the micro-batches of all data-parallel ranks (a second host read, only with metrics)."""
+    names = sorted(sums)
+    values = torch.stack([sums[name] for name in names])
+    dist.all_reduce(values)
+    return dict(zip(names, (values / count).tolist(), strict=True))
 
 
 def _update(
@@ -189,15 +277,8 @@ def _update(
     scheduler: LRScheduler | None,
     guard: NonFiniteGuard,
     result: StepResult,
-    drift: float,
 ) -> StepResult:
     """The optimizer and schedule step where the loss and gradient norm are finite; the gradients are cleared."""
-    if drift:
-        optimizer.zero_grad(set_to_none=True)
-        raise UserError(
-            "loss_fn: the weight it returns changed with the log-probs; it must depend on the batch alone (e.g. "
-            "the number of tokens counted), as the step normalises by it before the backward"
-        )
     lr = float(optimizer.param_groups[0]["lr"])
     applied = guard.step_is_finite(result.loss, result.grad_norm)
     if applied:
@@ -205,4 +286,4 @@ def _update(
         if scheduler is not None:  # None: the caller steps the schedule itself (Strategy.scheduler_step)
             scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    return StepResult(result.loss, result.grad_norm, lr, result.input_tokens, applied)
+    return replace(result, lr=lr, applied=applied)

@@ -1,0 +1,214 @@
+"""`fsdp2kit.Strategy` driven the way an RL loop drives it: forward_step before train_step, left-padded prompts under
+Ulysses, a plain transformers model in the same process, weights streamed to a rollout engine, the caller's RNG,
+unequal micro-batch counts, int32 ids; and the loss contract RL algorithms use (temperature, entropy with autograd,
+metrics, the weight without a second call). Each is held against the same computation by plain transformers."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import REPO
+from rl_case import (
+    CLIP,
+    ENTROPY_COEF,
+    applied_gradients,
+    clipped_config,
+    entropy_bonus_loss,
+    largest_difference,
+    metric_loss,
+    plain_outputs,
+    plain_step,
+    update_norm,
+)
+from strategy_case import global_micro_batches, policy_loss
+from test_strategy import strategy, tiny_llama
+
+from fsdp2kit.distributed import COLLECTIVE_TIMEOUT_ENV, free_port
+from fsdp2kit.errors import UserError
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_llama(tmp_path_factory.mktemp("strategy_rl") / "model")
+
+
+def test_forward_step_then_train_step_clips_every_parameter(model_dir, tmp_path):
+    """The no-grad forward left root parameters unsharded; the step's norm and clipping missed them while the
+    optimizer updated them. The gradients the optimizer steps with are the plain model's clipped ones."""
+    batches = global_micro_batches(0, 2)
+    expected = plain_step(str(model_dir), batches, policy_loss)
+    with strategy(clipped_config(str(model_dir), str(tmp_path), 1)) as s:
+        s.forward_step(batches[0])
+        with applied_gradients(s) as grads:
+            result = s.train_step(batches, policy_loss)
+    assert expected["grad_norm"] > CLIP  # clipping acts
+    assert result["grad_norm"] == pytest.approx(expected["grad_norm"], abs=1e-5)
+    assert update_norm(grads) == pytest.approx(CLIP, abs=1e-5)
+    assert largest_difference(grads, expected["grads"]) < 1e-5
+
+
+def test_the_loss_contract_equals_plain_pytorch(model_dir, tmp_path):
+    """Per-sample temperatures, an entropy bonus with autograd and returned metrics: the loss, the clipped gradients
+    and the metrics (averaged over micro-batches) are those of transformers' whole logits; the loss is called once
+    per micro-batch."""
+    batches = global_micro_batches(1, 2)
+    batches[0]["temperature"] = torch.tensor([0.7, 1.3])
+    batches[1]["temperature"] = torch.tensor([0.9, 0.9])
+    calls = []
+
+    def loss(log_probs, batch, entropy):
+        calls.append(log_probs.detach().clone())
+        loss_sum, weight = entropy_bonus_loss(log_probs, batch, entropy)
+        return loss_sum, weight, {"entropy_mean": entropy.detach().mean()}
+
+    expected = plain_step(str(model_dir), batches, entropy_bonus_loss)
+    with strategy(clipped_config(str(model_dir), str(tmp_path), 1)) as s:
+        with applied_gradients(s) as grads:
+            result = s.train_step(batches, loss)
+    assert len(calls) == 2 and all(c.abs().sum() > 0 for c in calls)  # never on zeros
+    assert result["loss"] == pytest.approx(expected["loss"], abs=1e-5)
+    assert result["grad_norm"] == pytest.approx(expected["grad_norm"], abs=1e-5)
+    assert largest_difference(grads, expected["grads"]) < 1e-5
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        entropies = [
+            plain_outputs(model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits, b)[1]
+            for b in batches
+        ]
+    assert result["metrics"]["entropy_mean"] == pytest.approx(sum(e.mean().item() for e in entropies) / 2, abs=1e-5)
+    assert ENTROPY_COEF > 0
+
+
+def test_metrics_are_averaged_over_micro_batches(model_dir, tmp_path):
+    batches = global_micro_batches(2, 2)
+    expected = plain_step(str(model_dir), batches, metric_loss)
+    with strategy(clipped_config(str(model_dir), str(tmp_path), 1)) as s:
+        result = s.train_step(batches, metric_loss)
+    for name in ("log_prob_mean", "weight"):
+        mean = sum(m[name].item() for m in expected["metrics"]) / 2
+        assert result["metrics"][name] == pytest.approx(mean, abs=1e-5), name
+
+
+def test_forward_step_at_a_temperature(model_dir, tmp_path):
+    """A scalar and a per-sample temperature divide the logits before the softmax, for log-probs and entropy."""
+    from transformers import AutoModelForCausalLM
+
+    batch = global_micro_batches(0, 1)[0]
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    with strategy(clipped_config(str(model_dir), str(tmp_path), 1)) as s:
+        for temperature in (0.6, torch.tensor([0.5, 2.0])):
+            got = s.forward_step(batch, entropy=True, temperature=temperature)
+            log_probs, entropy = plain_outputs(logits, {**batch, "temperature": temperature})
+            torch.testing.assert_close(got["log_probs"], log_probs, rtol=0, atol=1e-5)
+            torch.testing.assert_close(got["entropy"], entropy, rtol=0, atol=1e-5)
+        with pytest.raises(UserError, match="temperature"):
+            s.forward_step({**batch, "temperature": 0.5}, temperature=0.7)
+        with pytest.raises(UserError, match="temperature"):
+            s.forward_step(batch, temperature=torch.tensor([1.0, 0.0]))
+
+
+def test_full_weights_at_one_rank_are_a_snapshot(model_dir, tmp_path):
+    """A rollout engine holding the streamed tensors must not see the next step change them in place."""
+    batch = global_micro_batches(0, 1)
+    with strategy(clipped_config(str(model_dir), str(tmp_path), 2)) as s:
+        held = dict(s.full_weights())
+        before = {name: tensor.clone() for name, tensor in held.items()}
+        s.train_step(batch, policy_loss)
+        after = dict(s.full_weights())
+    assert all(torch.equal(held[name], before[name]) for name in before)
+    assert any(not torch.equal(after[name], before[name]) for name in before)  # it trained
+
+
+def test_from_config_keeps_the_callers_rng(model_dir, tmp_path):
+    torch.manual_seed(4321)
+    state = torch.get_rng_state()
+    with strategy(clipped_config(str(model_dir), str(tmp_path), 1)):
+        assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_int32_ids_are_accepted(model_dir, tmp_path):
+    batch = global_micro_batches(0, 1)[0]
+    narrow = {**batch, "input_ids": batch["input_ids"].int()}
+    with strategy(clipped_config(str(model_dir), str(tmp_path), 2)) as s:
+        torch.testing.assert_close(s.forward_step(narrow)["log_probs"], s.forward_step(batch)["log_probs"])
+        assert s.train_step([narrow], policy_loss)["applied"]
+
+
+def test_a_step_with_nothing_to_minimise_is_refused(model_dir, tmp_path):
+    """Every weight 0 made loss = nan, applied = False, silently."""
+    batch = global_micro_batches(0, 1)[0]
+    with strategy(clipped_config(str(model_dir), str(tmp_path), 1)) as s:
+        with pytest.raises(UserError, match="weight"):
+            s.train_step([batch], lambda log_probs, b: (log_probs.sum() * 0, torch.zeros(())))
+        with pytest.raises(UserError, match="weight"):
+            s.train_step([batch], lambda log_probs, b: (log_probs.sum(), log_probs.sum()))  # a weight with gradient
+        with pytest.raises(UserError, match="temperature"):
+            s.train_step([{**batch, "temperature": 0.5}])  # the default cross-entropy takes none
+
+
+@pytest.fixture(scope="module")
+def two_ranks(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    """tests/strategy_rl_worker.py at 2 ranks (one launch for every 2-rank claim), with a collective timeout of
+    20 s: what each rank measured."""
+    out = tmp_path_factory.mktemp("strategy_rl_two") / "out"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    command += ["--master-port", str(free_port()), str(REPO / "tests" / "strategy_rl_worker.py"), str(model_dir)]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
+    env |= {"OMP_NUM_THREADS": "1", COLLECTIVE_TIMEOUT_ENV: "20"}
+    result = subprocess.run([*command, str(out)], env=env, capture_output=True, text=True, timeout=300)
+    measured = [
+        torch.load(f"{out}.rank{rank}", weights_only=False) for rank in range(2) if Path(f"{out}.rank{rank}").exists()
+    ]
+    assert len(measured) == 2, result.stderr[-3000:]
+    for rank in measured:
+        rank["returncode"], rank["stderr"] = result.returncode, result.stderr[-3000:]
+    return measured
+
+
+@pytest.mark.slow
+def test_forward_step_then_train_step_clips_every_parameter_at_two_ranks(two_ranks):
+    for rank in two_ranks:
+        assert "data_parallel_failure" not in rank, rank["data_parallel_failure"]
+        got, expected = rank["grad_norm"]
+        assert got == pytest.approx(expected, abs=1e-5)
+        assert rank["update_norm"] == pytest.approx(CLIP, abs=1e-5)
+        assert rank["grad_error"] < 1e-5
+
+
+@pytest.mark.slow
+def test_metrics_are_averaged_over_ranks(two_ranks):
+    for rank in two_ranks:
+        assert "metrics_failure" not in rank, rank["metrics_failure"]
+        got, expected = rank["metrics"]
+        assert got == pytest.approx(expected, abs=1e-5)
+
+
+@pytest.mark.slow
+def test_ulysses_with_left_padded_prompts_equals_the_padded_computation(two_ranks):
+    for rank in two_ranks:
+        assert "ulysses_failure" not in rank, rank["ulysses_failure"]
+        assert rank["left_padded_error"] < 1e-5
+
+
+@pytest.mark.slow
+def test_ulysses_leaves_other_models_of_the_process_alone(two_ranks):
+    for rank in two_ranks:
+        assert "ulysses_failure" not in rank, rank["ulysses_failure"]
+        assert rank["plain_model_error"] < 1e-5
+
+
+@pytest.mark.slow
+def test_unequal_micro_batch_counts_are_one_error_on_every_rank(two_ranks):
+    """They hung (until the collective timeout, which the launch sets to 20 s)."""
+    for rank in two_ranks:
+        assert rank.get("unequal_error") is not None, rank.get("unequal_failure") or rank["stderr"]
+        assert "micro-batch" in rank["unequal_error"] and rank["unequal_seconds"] < 10
