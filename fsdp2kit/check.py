@@ -18,9 +18,10 @@ from fsdp2kit.distributed import Runtime
 from fsdp2kit.dtypes import torch_name
 from fsdp2kit.errors import UserError
 from fsdp2kit.models.build import (
-    attention_kernel,
+    attention_implementation,
     check_data_fits,
     open_safetensors,
+    resolve_attention,
     resolve_model,
     safetensors_index,
 )
@@ -107,7 +108,7 @@ def describe(cfg: JobConfig, runtime: Runtime) -> dict:
     )
     model, plan = sharded.model, sharded.plan
     trainable, frozen = count_parameters(model)
-    attention, attention_note = attention_kernel(cfg.model.attn_implementation)
+    attention_note = resolve_attention(cfg.model.attn_implementation, cfg.model.ulysses_size)[1]
     return {
         "world_size": runtime.world_size,
         "mesh": {"shape": list(sharded.layout.shape), "dim_names": list(sharded.layout.dim_names)},
@@ -135,7 +136,7 @@ def describe(cfg: JobConfig, runtime: Runtime) -> dict:
         # The model's kind (vision_patch: the tower runs on every forward) and, for LoRA, the adapters by shard
         # group, their trainable count and the bytes they and their AdamW state take.
         **sharded.variant.describe(),
-        "attn_implementation": attention,
+        "attn_implementation": attention_implementation(model),  # as transformers resolved it
         "notes": plan.notes + ([attention_note] if attention_note else []),
         "config_notes": cfg.notes,
     }

@@ -179,10 +179,11 @@ class ModelConfig(Section):
     )
     ulysses_size: int = Field(1, ge=1, description="sequence-parallel (Ulysses) degree")
     gradient_checkpointing: bool = Field(False, description="recompute every decoder layer in backward")
-    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = Field(
-        "sdpa",
-        description="transformers attention implementation; flash_attention_2 runs where flash-attn is installed on "
-        "CUDA, else sdpa (the same attention; check notes it)",
+    attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2"] = Field(
+        "auto",
+        description="transformers attention implementation; auto: transformers' choice for the family (sdpa where it "
+        "has it, else eager); flash_attention_2 runs where flash-attn is installed on CUDA and without Ulysses, "
+        "else transformers' choice (the same attention; check notes it); one the family lacks is refused",
     )
     weights_loading: Literal["sliced", "rank0_broadcast"] = Field(
         "sliced", description="safetensors loading: each rank reads its own rows, or rank 0 reads and scatters"

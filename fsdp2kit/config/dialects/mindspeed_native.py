@@ -304,7 +304,8 @@ def _read_features(translation: Translation, values: Any, where: Written, older:
 
 def _attention(value: Any) -> str:
     """flash_attention_2/3 are kernels of the same attention: fsdp2kit runs flash_attention_2 where flash-attn is
-    installed on CUDA, else SDPA (check says which). native-sparse is another attention."""
+    installed on CUDA, else transformers' choice for the family (check says which). native-sparse is another
+    attention."""
     names = {"sdpa": "sdpa", "eager": "eager", "flash_attention_2": "flash_attention_2"}
     names["flash_attention_3"] = "flash_attention_2"
     if value not in names:

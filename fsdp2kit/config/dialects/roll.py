@@ -61,12 +61,12 @@ def _role_defaults(strategy: str, role: dict[str, Any]) -> dict[str, Any]:
 
 
 def _attention(value: str) -> str:
-    """ROLL's attention names: fa2 is flash_attention_2 (run where flash-attn is installed on CUDA, else SDPA, which
-    computes the same attention)."""
+    """ROLL's attention names: fa2 is flash_attention_2 (run where flash-attn is installed on CUDA, else
+    transformers' choice for the family, which computes the same attention); auto is transformers' choice."""
     names = {
         "sdpa": "sdpa",
         "eager": "eager",
-        "auto": "sdpa",
+        "auto": "auto",
         "fa2": "flash_attention_2",
         "flash_attention_2": "flash_attention_2",
     }
