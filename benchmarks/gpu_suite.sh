@@ -1,13 +1,19 @@
 #!/usr/bin/env bash
-# What only a GPU shows, in one command: bash benchmarks/gpu_suite.sh [OUT_DIR] (default runs/gpu_suite).
-# Needs CUDA and 1+ GPUs (NPROC, default: all visible). Every result is one JSON line in OUT_DIR/results.jsonl:
-#   - bf16 tokens/s and MFU of a ~1B Llama at seq 2048 and 4096, recompute off/on, CPU offload with pinned memory;
-#   - `fsdp2kit plan`'s predicted per-rank peak next to the CUDA allocator's measured peak for each of those runs;
-#   - the side-by-side comparisons (raw fully_shard loop, FSDP1, Accelerate) at this machine's world size.
-# Not run by `make bench` (CPU) nor in CI.
+# What only a GPU shows, in one command: bash benchmarks/gpu_suite.sh [BENCH_DIR] (default docs/bench).
+# Needs CUDA and 1+ GPUs (NPROC, default: all visible). It writes, in BENCH_DIR:
+#   - gpu_tests.txt and gpu_tests.json: `pytest -m cuda` (tests/test_cuda.py and the other cuda-marked tests) and the
+#     figures its tests measure (offload_states GB/s each way, plan against the CUDA peak);
+#   - gpu_vs_minimal.json: fsdp2kit against a minimal fully_shard loop on issue 31's 1.5B Llama shape, eager and
+#     compiled, alternately (benchmarks/gpu_vs_minimal.py), with the issue's targets and whether they are met;
+#   - gpu_cases.json: bf16 tokens/s, MFU, the CUDA peak and `fsdp2kit plan`'s prediction for it, on that shape at
+#     seq 2048 and 4096, recompute off/on, CPU offload with pinned memory, compile;
+#   - gpu_side_by_side.json: the CPU suite's comparisons (raw fully_shard loop, FSDP1, Accelerate) at this
+#     machine's world size, and memory_scaling.
+# Training runs go to RUNS (default runs/gpu_suite). Not run by `make bench` (CPU) nor in CI.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-OUT=${1:-runs/gpu_suite}
+BENCH=${1:-docs/bench}
+OUT=${RUNS:-runs/gpu_suite}
 PY=${PYTHON:-.venv/bin/python}
 if ! $PY -c 'import sys, torch; sys.exit(not torch.cuda.is_available())'; then
   echo "gpu_suite.sh: no CUDA device is visible to $PY; it measures only what a GPU shows (run the CPU set: make bench)" >&2
@@ -15,15 +21,28 @@ if ! $PY -c 'import sys, torch; sys.exit(not torch.cuda.is_available())'; then
 fi
 NPROC=${NPROC:-$($PY -c 'import torch; print(max(1, torch.cuda.device_count()))')}
 STEPS=${STEPS:-20}
-mkdir -p "$OUT"
+mkdir -p "$OUT" "$BENCH"
 RESULTS="$OUT/results.jsonl"
 : > "$RESULTS"
+as_json_array() {  # JSON lines file -> a JSON array file
+  $PY -c 'import json, sys; print(json.dumps([json.loads(l) for l in open(sys.argv[1]) if l.strip()], indent=1))' "$1" > "$2"
+}
 
-# A Llama-3-style ~1.2B model on the builtin tokenizer's vocabulary (weights are fresh: speed and memory only).
+# 1. The CUDA test suite; its measured figures as JSON lines (tests/test_cuda.py:record). A failure is reported and
+#    the measurements go on.
+: > "$OUT/gpu_tests.jsonl"
+FSDP2KIT_GPU_RESULTS="$OUT/gpu_tests.jsonl" $PY -m pytest -m cuda -q -rA tests/ 2>&1 | tee "$BENCH/gpu_tests.txt" || true
+as_json_array "$OUT/gpu_tests.jsonl" "$BENCH/gpu_tests.json"
+
+# 2. fsdp2kit against the minimal fully_shard loop on the issue's shape, eager and compiled, alternately.
+$PY benchmarks/gpu_vs_minimal.py --nproc "$NPROC" --out "$BENCH/gpu_vs_minimal.json"
+
+# 3. Issue 31's Llama-3.2-1B shape (1.50B parameters, untied 128256-token vocabulary) on the builtin tokenizer
+#    (weights are fresh: speed and memory only); fp32 master weights, bf16 compute, fp32 reduce, 4 samples a rank.
 MODEL=(
-  --set model.dtype=bf16
+  --set model.dtype=bf16 --set model.config.vocab_size=128256 --set model.config.tie_word_embeddings=false
   --set model.config.hidden_size=2048 --set model.config.intermediate_size=8192
-  --set model.config.num_hidden_layers=22 --set model.config.num_attention_heads=16
+  --set model.config.num_hidden_layers=16 --set model.config.num_attention_heads=32
   --set model.config.num_key_value_heads=8 --set model.config.max_position_embeddings=8192
   --set strategy_args.strategy_config.param_dtype=bf16 --set strategy_args.strategy_config.reduce_dtype=fp32
 )
@@ -31,7 +50,7 @@ MODEL=(
 run_case() {  # name, seq_len, then extra --set arguments
   local name=$1 seq=$2; shift 2
   local dir="$OUT/$name"
-  local common=("${MODEL[@]}" --set data.seq_len="$seq" --set training.per_device_train_batch_size=1
+  local common=("${MODEL[@]}" --set data.seq_len="$seq" --set training.per_device_train_batch_size=4
     --set training.gradient_accumulation_steps=1 --set training.max_steps="$STEPS" --set training.save_steps=0
     --set training.export_hf=false --set training.report_to=[] --set training.resume=never
     --set training.output_dir="$dir" "$@")
@@ -63,8 +82,13 @@ run_case "bf16_seq2048_offload_pinned" 2048 --set strategy_args.strategy_config.
 run_case "bf16_seq2048_compile" 2048 --set training.compile=true
 run_case "bf16_seq2048_compile_recompute" 2048 --set training.compile=true --set model.gradient_checkpointing=true
 
+as_json_array "$RESULTS" "$BENCH/gpu_cases.json"
+
+# 4. The CPU suite's side-by-side comparisons, here on the GPU.
+: > "$OUT/side_by_side.jsonl"
 for bench in vs_raw_fsdp2 vs_fsdp1 vs_accelerate; do
-  $PY "benchmarks/$bench.py" --world-sizes "$NPROC" --repeats 3 --steps 8 >> "$RESULTS"
+  $PY "benchmarks/$bench.py" --world-sizes "$NPROC" --repeats 3 --steps 8 >> "$OUT/side_by_side.jsonl"
 done
-$PY benchmarks/memory_scaling.py --world-sizes 1 >> "$RESULTS"
-echo "results: $RESULTS"
+$PY benchmarks/memory_scaling.py --world-sizes 1 >> "$OUT/side_by_side.jsonl"
+as_json_array "$OUT/side_by_side.jsonl" "$BENCH/gpu_side_by_side.json"
+echo "results: $BENCH/gpu_tests.json $BENCH/gpu_vs_minimal.json $BENCH/gpu_cases.json $BENCH/gpu_side_by_side.json"

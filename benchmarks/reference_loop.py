@@ -72,15 +72,20 @@ def loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Te
     return F.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten(), ignore_index=-100, reduction="sum")
 
 
-def wrap(model: torch.nn.Module, impl: str, device: torch.device):
-    """The model as each stack shards it, and the clip function it offers."""
+def wrap(model: torch.nn.Module, impl: str, device: torch.device, bf16: bool = False, compile_layers: bool = False):
+    """The model as each stack shards it, and the clip function it offers. fsdp2 with `bf16` computes in bf16 and
+    reduces in fp32 over fp32 weights; with `compile_layers` each decoder layer is compiled before it is sharded."""
     layer_class = type(model.model.layers[0])
     if impl == "fsdp2":
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+        bf16_compute = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32} if bf16 else {}
+        policy = MixedPrecisionPolicy(**bf16_compute)
         for layer in model.model.layers:
-            fully_shard(layer)
-        fully_shard(model)
+            if compile_layers:
+                layer.compile()
+            fully_shard(layer, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
         return model, torch.nn.utils.clip_grad_norm_
     if impl == "fsdp1":
         from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
@@ -167,6 +172,8 @@ def main() -> None:
         action="store_true",
         help="random token batches made up front instead of fsdp2kit's data pipeline (what the pipeline costs)",
     )
+    parser.add_argument("--bf16", action="store_true", help="fsdp2: bf16 compute, fp32 reduce; fused AdamW on CUDA")
+    parser.add_argument("--compile", action="store_true", help="fsdp2: each decoder layer compiled (torch.compile)")
     parser.add_argument(
         "--allocator",
         choices=["glibc", "return", "fsdp2kit"],
@@ -198,8 +205,9 @@ def main() -> None:
         steps = micro_batches_per_step(args, rank, world_size)
     model.train()
     if accelerator is None:
-        model, clip = wrap(model, args.impl, device)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0, foreach=True)
+        model, clip = wrap(model, args.impl, device, args.bf16, args.compile)
+        fused = {"fused": True} if args.bf16 and cuda else {"foreach": True}
+        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0, **fused)
     else:
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0, foreach=True)
         model, optimizer = accelerator.prepare(model, optimizer)
