@@ -1,0 +1,285 @@
+"""`fsdp2kit.integrations.roll.RollStrategy` driven by the calls ROLL's actor worker makes, in its order, equals
+plain PyTorch.
+
+Read from github.com/alibaba/ROLL at commit 8eb27cc2dc34c4d1310b169d9b86d339004d811a:
+`roll/pipeline/base_worker.py:ActorWorker` (initialize -> offload_states; compute_log_probs: load_states(include=
+[model_params]), offload of the rest, meta_info['micro_batch_size'], forward_step(batch, forward_func_log_probs),
+offload_states; train_step: load_states(include=[model_params, other_params]), offload of the rest, make_iterator
+of per_device_train_batch_size x gradient_accumulation_steps rows, train_step(batch, loss_func) each,
+scheduler.get_last_lr, offload_states; do_checkpoint: save_checkpoint(save_dir, global_step, ckpt_id,
+is_last_step=)), its `forward_func_log_probs` and `loss_func` (clipped ratio + k3 KL, `agg_loss` token-mean over
+meta_info['batch_num_tokens']), `roll/utils/context_managers.py:state_offload_manger` / `get_load_exclude_kwargs`,
+`roll/distributed/strategy/fsdp2_strategy.py:FSDP2TrainStrategy.train_step` (loss x loss_scale / accumulation,
+clip and step at each boundary) and `roll/distributed/scheduler/protocol.py:DataProto`. ROLL itself needs ray and is
+not installed; `DataProto` below holds what its strategies use of it (a TensorDict batch, non_tensor_batch,
+meta_info shared by the chunks, `chunk`, `make_iterator` in order)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+import numpy as np
+import pytest
+import torch
+from tensordict import TensorDict
+from test_strategy import tiny_llama
+
+from fsdp2kit.distributed import shutdown
+from fsdp2kit.errors import UserError
+from fsdp2kit.integrations.roll import RollStrategy
+
+ROWS, PROMPT, RESPONSE = 4, 5, 6
+MICRO, ACCUMULATION, INFER_MICRO = 1, 2, 2
+LEARNING_RATE, CLIP, KL_COEF, STEPS = 1e-3, 1.0, 0.1, 2
+OPTIMIZER_STEPS = STEPS * ROWS // (MICRO * ACCUMULATION)
+
+
+class OffloadStateType(str, Enum):  # noqa: UP042 (roll/utils/offload_states.py, as ROLL writes it)
+    model_params = "model_params"
+    optimizer_states = "optimizer_states"
+    other_params = "other_params"
+
+
+ALL_STATES = {OffloadStateType.model_params, OffloadStateType.other_params, OffloadStateType.optimizer_states}
+
+
+@dataclass
+class DataProto:
+    batch: TensorDict
+    non_tensor_batch: dict = field(default_factory=dict)
+    meta_info: dict = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return int(self.batch.batch_size[0])
+
+    def chunk(self, chunks: int) -> list[DataProto]:
+        sizes = [len(part) for part in np.array_split(np.arange(len(self)), chunks)]
+        starts = np.cumsum([0, *sizes])
+        return [
+            DataProto(self.batch[a:b].clone(), {}, self.meta_info) for a, b in zip(starts, starts[1:], strict=False)
+        ]
+
+    def make_iterator(self, mini_batch_size: int, epochs: int, **_):
+        for _ in range(epochs):
+            yield from self.chunk(len(self) // mini_batch_size)
+
+
+def rollout(step: int) -> DataProto:
+    """A batch as ROLL's pipeline gives the actor: left-padded prompts, right-padded responses, position_ids from the
+    mask, response_mask, advantages (0 outside the response) and reference log-probs."""
+    generator = torch.Generator().manual_seed(200 + step)
+    width = PROMPT + RESPONSE
+    prompt_lens = torch.randint(2, PROMPT + 1, (ROWS,), generator=generator)
+    response_lens = torch.randint(2, RESPONSE + 1, (ROWS,), generator=generator)
+    columns = torch.arange(width)[None]
+    prompt = (columns >= PROMPT - prompt_lens[:, None]) & (columns < PROMPT)
+    response = (columns >= PROMPT) & (columns < PROMPT + response_lens[:, None])
+    mask = (prompt | response).long()
+    ids = torch.randint(3, 512, (ROWS, width), generator=generator) * mask
+    target = response[:, 1:].float()
+    tensors = {
+        "input_ids": ids,
+        "attention_mask": mask,
+        "position_ids": (mask.cumsum(-1) - 1).clamp(min=0),
+        "response_mask": response.long(),
+        "advantages": torch.randn(ROWS, width - 1, generator=generator) * target,
+        "ref_noise": torch.randn(ROWS, width - 1, generator=generator) * 0.05 * target,
+    }
+    return DataProto(TensorDict(tensors, batch_size=[ROWS]), meta_info={"loss_mask_keys": ["response_mask"]})
+
+
+def k3(log_probs, ref_log_probs, mask):
+    ratio = ref_log_probs - log_probs
+    return (torch.exp(ratio) - ratio - 1) * mask
+
+
+class ActorWorker:
+    """The calls of ROLL's ActorWorker on its strategy, in its order (see the module docstring)."""
+
+    def __init__(self, strategy: RollStrategy, output_dir):
+        self.strategy, self.output_dir = strategy, output_dir
+        self.strategy.offload_states()  # end of initialize
+
+    def _offloaded_around(self, include, work):
+        self.strategy.load_states(include=include)
+        self.strategy.offload_states(include=list(ALL_STATES - set(include)))
+        try:
+            return work()
+        finally:
+            self.strategy.offload_states()
+
+    def compute_log_probs(self, data: DataProto) -> torch.Tensor:
+        def work():
+            data.meta_info["micro_batch_size"] = INFER_MICRO
+            with torch.no_grad():
+                return self.strategy.forward_step(batch=data, forward_func=self.forward_func_log_probs)
+
+        return self._offloaded_around([OffloadStateType.model_params], work)["log_probs"]
+
+    def forward_func_log_probs(self, data, output_tensor):
+        log_probs = self.strategy.op_compute_log_probs(
+            logits=output_tensor, input_ids=data.batch["input_ids"], attention_mask=data.batch["response_mask"]
+        )
+        entropy = self.strategy.op_compute_entropy(logits=output_tensor, attention_mask=data.batch["response_mask"])
+        return torch.tensor(0.0, device=output_tensor.device), {"log_probs": log_probs.detach(), "entropy": entropy}
+
+    def train_step(self, data: DataProto) -> dict:
+        def work():
+            metrics: dict = {}
+            for backward_batch in data.make_iterator(mini_batch_size=MICRO * ACCUMULATION, epochs=1):
+                for key, value in self.strategy.train_step(batch=backward_batch, loss_func=self.loss_func).items():
+                    metrics.setdefault(key, []).append(value)
+            metrics["actor/lr"] = self.strategy.scheduler.get_last_lr()[0]
+            return metrics
+
+        return self._offloaded_around([OffloadStateType.model_params, OffloadStateType.other_params], work)
+
+    def loss_func(self, data, output_tensor):
+        response_mask = data.batch["response_mask"][:, 1:].long()
+        batch_num_tokens = data.meta_info["batch_num_tokens"]["response_mask"]
+        log_probs = self.strategy.op_compute_log_probs(
+            logits=output_tensor, input_ids=data.batch["input_ids"], attention_mask=data.batch["response_mask"]
+        )
+        ratio = (log_probs - data.batch["old_log_probs"]).exp()
+        advantages = data.batch["advantages"]
+        pg_loss = -torch.min(ratio * advantages, ratio.clamp(0.8, 1.2) * advantages)
+        pg_loss = pg_loss.sum() / batch_num_tokens  # agg_loss token-mean
+        kl_loss = k3(log_probs, data.batch["ref_log_probs"], response_mask).sum() / batch_num_tokens
+        total_loss = pg_loss + kl_loss * KL_COEF
+        return total_loss, {"actor/pg_loss": pg_loss.detach().item(), "actor/kl_loss": kl_loss.detach().item()}
+
+    def do_checkpoint(self, global_step: int) -> dict:
+        ckpt_id = f"checkpoint-{global_step}"
+        return self.strategy.save_checkpoint(
+            str(self.output_dir / "actor_train" / ckpt_id), global_step, ckpt_id, is_last_step=global_step == STEPS
+        )
+
+
+class Rollout:
+    """A plain transformers rollout model fed by model_update's buckets."""
+
+    def __init__(self, model):
+        self.model, self.received, self.buckets = model, set(), 0
+
+    def update_parameter_in_bucket(self, named_weights, is_lora=False):
+        self.model.load_state_dict(dict(named_weights), strict=False)
+        self.received |= {name for name, _ in named_weights}
+        self.buckets += 1
+
+
+def plain_log_probs(model, batch) -> torch.Tensor:
+    logits = model(
+        input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"]
+    ).logits[:, :-1]
+    return torch.log_softmax(logits.float(), -1).gather(-1, batch["input_ids"][:, 1:, None]).squeeze(-1)
+
+
+def reference(model_dir) -> dict:
+    """ROLL's update in plain PyTorch: each backward batch's token-mean loss, one clipped AdamW step, the cosine
+    schedule (fsdp2kit's formula over the run's optimizer steps) stepped after each."""
+    from transformers import AutoModelForCausalLM
+
+    from fsdp2kit.train.optim import lr_factor
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, weight_decay=0.0)
+    record: dict = {"old": [], "pg": [], "grad_norm": [], "lr": []}
+    for step in range(STEPS):
+        data = rollout(step).batch
+        mask = data["response_mask"][:, 1:]
+        with torch.no_grad():
+            old = plain_log_probs(model, data) * mask
+        record["old"].append(old)
+        for start in range(0, ROWS, MICRO * ACCUMULATION):
+            rows = slice(start, start + MICRO * ACCUMULATION)
+            batch = {key: value[rows] for key, value in data.items()}
+            log_probs = plain_log_probs(model, batch) * mask[rows]
+            ratio = (log_probs - old[rows]).exp()
+            adv = batch["advantages"]
+            tokens = mask[rows].sum()
+            pg = (-torch.min(ratio * adv, ratio.clamp(0.8, 1.2) * adv)).sum() / tokens
+            kl = k3(log_probs, old[rows] + batch["ref_noise"], mask[rows]).sum() / tokens
+            (pg + KL_COEF * kl).backward()
+            record["grad_norm"].append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
+            optimizer.step()
+            optimizer.zero_grad()
+            record["pg"].append(float(pg.detach()))
+            done = len(record["grad_norm"])
+            for group in optimizer.param_groups:
+                group["lr"] = LEARNING_RATE * lr_factor(done, OPTIMIZER_STEPS, 0, "cosine")
+        record["lr"].append(optimizer.param_groups[0]["lr"])
+    record["weights"] = model.state_dict()
+    return record
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory):
+    return tiny_llama(tmp_path_factory.mktemp("roll") / "model")
+
+
+def config(model_dir, output_dir) -> dict:
+    return {
+        "model": {"name_or_path": str(model_dir)},
+        "training": {
+            "learning_rate": LEARNING_RATE,
+            "lr_scheduler_type": "cosine",
+            "max_steps": OPTIMIZER_STEPS,
+            "max_grad_norm": CLIP,
+            "per_device_train_batch_size": MICRO,
+            "gradient_accumulation_steps": ACCUMULATION,
+            "output_dir": str(output_dir),
+        },
+    }
+
+
+def test_roll_s_actor_worker_calls_equal_plain_pytorch(model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    expected = reference(model_dir)
+    rollout_model = Rollout(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32))
+    got: dict = {"old": [], "pg": [], "grad_norm": [], "lr": []}
+    try:
+        worker = ActorWorker(RollStrategy.from_config(config(model_dir, tmp_path)), tmp_path)
+        worker.strategy.setup_model_update(rollout_model, "actor_infer")
+        for step in range(STEPS):
+            data = rollout(step)
+            old = worker.compute_log_probs(data)
+            got["old"].append(old)
+            data.batch["old_log_probs"] = old
+            data.batch["ref_log_probs"] = old + data.batch["ref_noise"]
+            metrics = worker.train_step(data)
+            got["pg"] += [value for call in metrics["actor/pg_loss"] for value in call]
+            got["grad_norm"] += metrics["actor_train/grad_norm"]
+            got["lr"].append(metrics["actor/lr"])
+            worker.strategy.model_update("actor_infer", bucket_mb=1)
+            assert worker.do_checkpoint(step + 1) == {}
+    finally:
+        shutdown()
+    for old, want in zip(got["old"], expected["old"], strict=True):
+        torch.testing.assert_close(old, want, rtol=0, atol=1e-5)
+    # ROLL's pg_loss metric is per micro-batch (normalised by the backward batch's tokens): pairs sum to the batch's
+    pairs = [sum(got["pg"][i : i + ACCUMULATION]) for i in range(0, len(got["pg"]), ACCUMULATION)]
+    assert pairs == pytest.approx(expected["pg"], abs=1e-5)
+    assert got["grad_norm"] == pytest.approx(expected["grad_norm"], abs=1e-5)
+    assert got["lr"] == pytest.approx(expected["lr"], abs=1e-12)
+    assert rollout_model.received == set(expected["weights"]) and rollout_model.buckets > 1
+    for name, tensor in expected["weights"].items():
+        torch.testing.assert_close(rollout_model.model.state_dict()[name], tensor, rtol=0, atol=1e-5, msg=name)
+    assert sorted(p.name for p in (tmp_path / "actor_train").iterdir()) == ["checkpoint-1", "checkpoint-2"]
+
+
+def test_roll_batches_fsdp2kit_cannot_take_are_refused(model_dir, tmp_path):
+    try:
+        strategy = RollStrategy.from_config(config(model_dir, tmp_path))
+        data = rollout(0)
+        with pytest.raises(UserError, match="loss_mask_keys"):
+            strategy.forward_step(DataProto(data.batch, meta_info={"micro_batch_size": 2}), lambda d, o: (o, {}))
+        data.meta_info["forward_args"] = {"pixel_values": torch.zeros(1)}
+        data.meta_info["micro_batch_size"] = 2
+        with pytest.raises(UserError, match="forward_args"):
+            strategy.forward_step(data, lambda d, o: (o, {}))
+        with pytest.raises(UserError, match="not a multiple of per_device_train_batch_size"):
+            strategy.train_step(DataProto(data.batch[:0], meta_info={"loss_mask_keys": []}), lambda d, o: (o, {}))
+    finally:
+        shutdown()
