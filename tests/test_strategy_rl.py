@@ -86,6 +86,34 @@ def test_the_loss_contract_equals_plain_pytorch(model_dir, tmp_path):
     assert ENTROPY_COEF > 0
 
 
+def test_chunked_entropy_and_log_probs_have_the_plain_gradients(model_dir):
+    """Through the chunked LM head (chunks of 5 tokens, a temperature per sample), a loss of entropies and log-probs
+    gives every parameter the gradient that a log-softmax over the whole logits gives, within 1e-5."""
+    from transformers import AutoModelForCausalLM
+
+    from fsdp2kit.parallel.token_logprobs import TokenRequest, install_token_head, token_request
+
+    ids = global_micro_batches(0, 1)[0]["input_ids"]
+    temperature = torch.tensor([0.6, 1.7])
+    weights = torch.rand(ids.shape[0], ids.shape[1] - 1, generator=torch.Generator().manual_seed(5))
+    grads = []
+    for chunked in (False, True):
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        if chunked:
+            install_token_head(model)
+            request = TokenRequest(ids[:, 1:], 5, entropy=True, temperature=temperature)
+            with token_request(model, request):
+                log_probs = model(input_ids=ids[:, :-1]).logits
+            entropy = request.entropies
+        else:
+            logits = model(input_ids=ids).logits
+            log_probs, entropy = plain_outputs(logits, {"input_ids": ids, "temperature": temperature})
+        ((entropy * weights).sum() + (log_probs * weights.flip(-1)).sum()).backward()
+        grads.append({name: param.grad for name, param in model.named_parameters()})
+    assert largest_difference(grads[1], grads[0]) < 1e-5
+    assert max(g.abs().max().item() for g in grads[0].values()) > 1e-2  # gradients worth comparing
+
+
 def test_metrics_are_averaged_over_micro_batches(model_dir, tmp_path):
     batches = global_micro_batches(2, 2)
     expected = plain_step(str(model_dir), batches, metric_loss)
