@@ -20,7 +20,7 @@ from __future__ import annotations
 import importlib
 import re
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn as nn
@@ -248,7 +248,8 @@ ROUTED_EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts") 
 def routed_shares(model: nn.Module) -> dict[int, float]:
     """Each routed expert's parameters (by id) with the share of the tokens they compute on: a token runs
     num_experts_per_tok of the block's experts. Parameters not listed (attention, shared experts) run on every token."""
-    text = model.config.get_text_config() if hasattr(model, "config") else None
+    config: Any = getattr(model, "config", None)
+    text = config.get_text_config() if config is not None else None
     top_k = getattr(text, "num_experts_per_tok", None)
     experts = next((getattr(text, key) for key in ROUTED_EXPERT_COUNTS if getattr(text, key, None)), None)
     if not (isinstance(top_k, int) and isinstance(experts, int) and experts > 0):
@@ -257,5 +258,5 @@ def routed_shares(model: nn.Module) -> dict[int, float]:
         id(param): top_k / experts
         for module in model.modules()
         if is_moe_block(module)
-        for param in module.experts.parameters()
+        for param in cast(nn.Module, module.experts).parameters()
     }

@@ -150,4 +150,4 @@ class HostStates:
 
 def _bytes(storage: torch.UntypedStorage) -> torch.Tensor:
     """A storage's bytes as a flat uint8 tensor on its device."""
-    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, 0, (storage.nbytes(),))
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, 0, (storage.nbytes(),), (1,))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn as nn
 
@@ -28,13 +30,14 @@ def flops_per_token(model: nn.Module, seq_len: int) -> float:
     and attention's score and value matmuls, 12 x layers x (heads x head_dim) x seq_len (heads x head_dim is the
     hidden size in most models). The input embedding table is a lookup, not a matmul: it counts only where the
     LM head multiplies by it (tied)."""
-    head = model.get_output_embeddings()
+    hf: Any = model  # a transformers model: its embeddings and config
+    head = hf.get_output_embeddings()
     multiplied = {id(p) for p in head.parameters()} if head is not None else set()
-    lookup = {id(p) for p in model.get_input_embeddings().parameters()} - multiplied
+    lookup = {id(p) for p in hf.get_input_embeddings().parameters()} - multiplied
     shares = routed_shares(model)
     params = {id(p): p for p in model.parameters() if id(p) not in lookup}
     weights = sum((6 if p.requires_grad else 4) * p.numel() * shares.get(key, 1.0) for key, p in params.items())
-    text = model.config.get_text_config()
+    text = hf.config.get_text_config()
     heads = getattr(text, "num_attention_heads", 0) or 0
     head_dim = getattr(text, "head_dim", None) or (text.hidden_size // heads if heads else 0)
     return weights + 12.0 * getattr(text, "num_hidden_layers", 0) * heads * head_dim * seq_len
