@@ -128,3 +128,22 @@ def test_a_family_whose_logits_the_chunks_miss_is_refused_at_build(zoo: Path, tm
     message = str(refused.value)
     assert "\n" not in message and "ScaledLlama" in message and str(zoo / "llama") in message
     assert "transforms its logits after the LM head" in message
+
+
+def test_attention_is_transformers_choice_unless_one_is_named(zoo: Path, tmp_path: Path):
+    """Gemma2 has no SDPA path: by default it runs transformers' choice for it (eager), which check names; asking for
+    sdpa is one line naming the key (it was the forced default, and every Gemma2 was refused)."""
+    from conftest import process_group
+
+    from fsdp2kit.check import describe
+    from fsdp2kit.config.load import validate
+
+    config = zoo_config(zoo / "gemma2", tmp_path / "run")
+    with process_group(1) as runtime:
+        assert describe(validate(config, "config"), runtime)["attn_implementation"] == "eager"
+    config["model"]["attn_implementation"] = "sdpa"
+    with pytest.raises(UserError) as refused:
+        one_rank(config)
+    message = str(refused.value)
+    assert "\n" not in message and message.startswith("model.attn_implementation: sdpa is not an attention")
+    assert "Gemma2ForCausalLM" in message and "valid: auto" in message
