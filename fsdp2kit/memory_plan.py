@@ -143,7 +143,7 @@ def _trace(cfg: JobConfig, world_size: int) -> dict[str, object]:
                         cast(FSDPModule, model).set_requires_gradient_sync(sync)
                         if sharded.sp_group is not None:
                             batch = sharded.variant.shard_batch(batch, sharded.sp_group)
-                        loss(model, index, batch, 0.0)[0].backward()
+                        loss(model, index, batch, 0.0).loss_sum.backward()
                         tracker.reset_mod_stats()
                     for param, local in pairs:
                         local.grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -246,7 +246,7 @@ class Strategy:
         if temperature is not None:
             if batch.get("temperature") is not None:
                 raise UserError("forward_step: give the temperature once, as the argument or as the batch's key")
-            batch = {**batch, "temperature": temperature}
+            batch = {**batch, "temperature": torch.as_tensor(temperature)}
         api_batch = self.device_batch(batch, "batch")
         if isinstance(self.head, ValueHead):  # a value or reward model: its values or scores
             return self._head_forward(self.head, api_batch, entropy)
@@ -419,7 +419,7 @@ class Strategy:
             self.runtime.rank,
             async_save,
             keep,
-            self.model.config,  # the model's own config (a value head's settings included), as export_hf writes
+            cast(Any, self.model).config,  # the model's own (a value head's settings included), as export_hf writes
             source.tokenizer_path,
             self.sharded.variant.checkpoint_config(self.model, self.cfg.model.name_or_path),
         )
