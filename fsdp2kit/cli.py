@@ -75,14 +75,7 @@ def _add_config_command(sub: argparse.ArgumentParser, name: str) -> None:
         default=None,
         help="the role of a ROLL config to use (default: its first fsdp2_train/fsdp2_infer role)",
     )
-    sub.add_argument(
-        "--fsdp-config",
-        "--fsdp2-config-path",
-        "--fsdp2-config",
-        dest="fsdp_config",
-        default=None,
-        help="a MindSpeed-MM fsdp2_config.yaml or an Accelerate config replacing strategy_config",
-    )
+    _add_beside_the_config(sub)
     if name == "prepare":
         sub.add_argument(
             "--show",
@@ -112,6 +105,24 @@ def _add_config_command(sub: argparse.ArgumentParser, name: str) -> None:
             default=5,
             help="with --measure: optimizer steps per configuration (tokens/s: median after the first; default 5)",
         )
+
+
+def _add_beside_the_config(sub: argparse.ArgumentParser) -> None:
+    """What a config file cannot say for itself: a strategy file beside it, and trust in a model folder's code."""
+    sub.add_argument(
+        "--fsdp-config",
+        "--fsdp2-config-path",
+        "--fsdp2-config",
+        dest="fsdp_config",
+        default=None,
+        help="a MindSpeed-MM fsdp2_config.yaml or an Accelerate config replacing strategy_config",
+    )
+    sub.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="let transformers import and run the Python files a model folder ships (its config's auto_map); a "
+        "config file's trust_remote_code never does",
+    )
 
 
 def _add_convert(convert: argparse.ArgumentParser) -> None:
@@ -252,7 +263,7 @@ def _plan(args: argparse.Namespace, world_size: int) -> int:
         raise UserError("--measure measures the configurations that fit a budget: give --budget-gb X too")
     if args.measure and args.measure_steps < 2:
         raise UserError(f"--measure-steps {args.measure_steps}: give >= 2 (the first step warms up and is not timed)")
-    source = ConfigSource(args.config, args.overrides, args.role, args.fsdp_config)
+    source = ConfigSource(args.config, args.overrides, args.role, args.fsdp_config, args.trust_remote_code)
     cfg = source.load()
     mesh_layout(world_size, cfg.strategy_args.strategy_config, cfg.model.ulysses_size)  # the mesh must exist
     report = plan_report(source, world_size, args.budget_gb)
@@ -289,7 +300,13 @@ def _command(argv: list[str] | None) -> int:
     try:
         if args.command in ("convert", "report"):
             return _file_command(args)
-        cfg = load_config(args.config, args.overrides, role=args.role, strategy_file=args.fsdp_config)
+        cfg = load_config(
+            args.config,
+            args.overrides,
+            role=args.role,
+            strategy_file=args.fsdp_config,
+            trust_remote_code=args.trust_remote_code,
+        )
         if args.command == "prepare":
             return _prepare(cfg, args.show)
         return _config_command(args, argv, cfg)

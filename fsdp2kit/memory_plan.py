@@ -4,7 +4,8 @@ The config's own sharded model (the builder `train` uses, on the meta device) is
 (FakeTensorMode) in a fake process group of the planned world size, and two training steps run on it under torch's
 FSDPMemTracker: the same tracker `training.track_memory` measures real runs with. That peak and its categories are
 *traced*. Parameter, gradient, optimizer-state and all-gather sizes are also *computed* from the shard shapes, and CPU
-offload (which needs a GPU) is computed from a traced run without it.
+offload (which needs a GPU) is computed from a traced run without it. Activation offload is traced: the planned
+modules' saved activations leave the device in forward and come back one module ahead of their backward.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from fsdp2kit.data.dataset import Sample, collate
 from fsdp2kit.distributed import Runtime, destroy_process_group
 from fsdp2kit.errors import UserError
 from fsdp2kit.models.sharded import build_sharded_model
+from fsdp2kit.parallel.activation_offload import Departed, apply_activation_offload
 from fsdp2kit.parallel.token_logprobs import chunk_tokens, install_token_head
 from fsdp2kit.train.memory import tracker_peak
 from fsdp2kit.train.optim import build_optimizer
@@ -52,9 +54,16 @@ class ConfigSource:
     overrides: list[str]
     role: str | None
     strategy_file: str | None
+    trust_remote_code: bool = False  # --trust-remote-code
 
     def load(self, extra: list[str] = ()) -> JobConfig:  # type: ignore[assignment]
-        return load_config(self.path, [*self.overrides, *extra], role=self.role, strategy_file=self.strategy_file)
+        return load_config(
+            self.path,
+            [*self.overrides, *extra],
+            role=self.role,
+            strategy_file=self.strategy_file,
+            trust_remote_code=self.trust_remote_code,
+        )
 
 
 @contextlib.contextmanager
@@ -126,6 +135,9 @@ def _trace(cfg: JobConfig, world_size: int) -> dict[str, object]:
             materialize=False,
         )
         model = sharded.model
+        # The fake world runs on the CPU, where the build leaves activation offload out: here the planned modules'
+        # saved activations leave the device as they do on CUDA (only their shapes are kept).
+        apply_activation_offload(model, sharded.plan.activation_offload_modules, Departed(), torch.device("cpu"))
         install_token_head(model)  # the training loss as the run computes it: chunked above a 32k vocabulary
         vocab = model.get_output_embeddings().weight.shape[0]  # type: ignore[operator]
         loss = TokenCrossEntropy(chunk_tokens(cfg.training.loss_chunk_tokens, vocab))

@@ -39,6 +39,7 @@ ROLL_DENSE = {  # fsdp_size >= world: one FSDP dim; _no_split_modules; ROLL's bf
     "mixed_precision": ["bfloat16", "float32", None, False],
     "offload": [False, False],
     "recompute_modules": LAYERS,
+    "activation_offload_modules": [],
     "prefetch": [0, 1],
     "frozen_modules": [],
 }
@@ -59,6 +60,7 @@ ACCELERATE_LAYERS = {  # TRANSFORMER_BASED_WRAP of _no_split_modules, FULL_SHARD
     "mixed_precision": ["bfloat16", "bfloat16", "bfloat16", True],  # Accelerate's set_mixed_precision policy
     "offload": [False, False],
     "recompute_modules": [],
+    "activation_offload_modules": [],
     "prefetch": [0, 1],
     "frozen_modules": [],
 }
@@ -80,6 +82,7 @@ MINDSPEED_VL = {
     "mixed_precision": ["bfloat16", "float32", None, True],
     "offload": [False, False],
     "recompute_modules": [],
+    "activation_offload_modules": [],
     "prefetch": [1, 1],
     "frozen_modules": [],
 }
@@ -96,6 +99,7 @@ NATIVE_QWEN35 = {
     "mixed_precision": ["bfloat16", "float32", None, True],
     "offload": [False, False],
     "recompute_modules": [*TOWER[1:], *TEXT_LAYERS],
+    "activation_offload_modules": [*TOWER[1:], *TEXT_LAYERS],  # features.activation_offload_plan
     "prefetch": [1, 1],
     "frozen_modules": [],
 }
@@ -124,26 +128,59 @@ NATIVE_QWEN3VL = {
         *TEXT_LAYERS,
         "lm_head",
     ],
+    "activation_offload_modules": [],
     "prefetch": [0, 0],
     "frozen_modules": ["model.visual"],
 }
+# Kimi-K2.5 (its MoE language model's experts each a group, the LM head named language_model.lm_head) and Step3-VL
+# (a frozen vision model, no prefetch given, no activation offload): module paths of their own code
+# (tests/fixtures/remote_code).
+KIMI_TEXT = [f"language_model.model.layers.{i}" for i in range(2)]
+KIMI_TOWER = ["vision_tower.encoder.blocks.0", "vision_tower.encoder.blocks.1"]
+NATIVE_KIMI_K25 = {
+    **NATIVE_QWEN35,
+    "sharded_modules": [
+        "",
+        "vision_tower",
+        *KIMI_TOWER,
+        "mm_projector",
+        "language_model.model",
+        "language_model.model.embed_tokens",
+        *[group for layer in KIMI_TEXT for group in (layer, f"{layer}.mlp.experts")],
+        "language_model.lm_head",
+    ],
+    "recompute_modules": [*KIMI_TOWER, *KIMI_TEXT],
+    "activation_offload_modules": [*KIMI_TOWER, *KIMI_TEXT],
+}
+STEP3_TOWER = "model.vision_model"
+STEP3_TEXT = [f"model.language_model.layers.{i}" for i in range(2)]
+NATIVE_STEP3_VL = {
+    **NATIVE_QWEN35,
+    "sharded_modules": [
+        "",
+        STEP3_TOWER,
+        *[f"{STEP3_TOWER}.transformer.resblocks.{i}" for i in range(2)],
+        f"{STEP3_TOWER}.vit_downsampler1",
+        f"{STEP3_TOWER}.vit_downsampler2",
+        "model.vit_large_projector",
+        "model.language_model",
+        "model.language_model.embed_tokens",
+        *STEP3_TEXT,
+        "lm_head",
+    ],
+    "recompute_modules": STEP3_TEXT,
+    "activation_offload_modules": [],
+    "prefetch": [0, 0],
+    "frozen_modules": [STEP3_TOWER],
+}
 # What a user of these files on this CPU machine changes with --set (keys of the file), each refused as written.
-NO_OFFLOAD = "features.enable_activation_offload=false"
 NO_EXPERT_PARALLEL = "parallel.expert_parallel_size=1"
 NATIVE_CPU_SWAPS: dict[str, list[str]] = {
-    **{
-        f"mindspeed_mm/examples/qwen3_5/qwen3_5_{size}_config.yaml": [NO_OFFLOAD] for size in ("4B", "9B", "27B", "35B")
-    },
-    **{
-        f"mindspeed_mm/examples/qwen3_5/qwen3_5_{size}_config.yaml": [NO_OFFLOAD, NO_EXPERT_PARALLEL]
-        for size in ("122B", "397B")
-    },
-    **{
-        f"mindspeed_mm/examples/qwen3_6/qwen3_6_{size}_config.yaml": [NO_OFFLOAD, "training.load=null"]
-        for size in ("27B", "35B")
-    },
+    **{f"mindspeed_mm/examples/qwen3_5/qwen3_5_{size}_config.yaml": [NO_EXPERT_PARALLEL] for size in ("122B", "397B")},
+    **{f"mindspeed_mm/examples/qwen3_6/qwen3_6_{size}_config.yaml": ["training.load=null"] for size in ("27B", "35B")},
     "mindspeed_mm/examples/qwen3vl/qwen3vl_30B_config_v1_A5.yaml": ["training.quantization_plan.recipe_name=null"],
-    "mindspeed_mm/tests/st/run_configs/finetune_qwen3_5_35B/qwen3_5_35B_config.yaml": [NO_OFFLOAD, NO_EXPERT_PARALLEL],
+    "mindspeed_mm/tests/st/run_configs/finetune_qwen3_5_35B/qwen3_5_35B_config.yaml": [NO_EXPERT_PARALLEL],
+    "mindspeed_mm/examples/kimik2_5/kimik2_5_config.yaml": [NO_EXPERT_PARALLEL],
     "mindspeed_mm/tests/st/run_configs/finetune_qwen3vl_30B/qwen3vl_30B_config_v1.yaml": [NO_EXPERT_PARALLEL],
 }
 OFFLOAD_CPU = (
@@ -308,6 +345,9 @@ EXPECTED: dict[str, tuple[str, int, dict | str]] = {
         {**NATIVE_QWEN35_MOE, "prefetch": [0, 0]},
     ),
     "mindspeed_mm/examples/qwen3vl/qwen3vl_30B_config_v1.yaml": ("tiny-qwen3-vl-moe", 2, NATIVE_QWEN3VL),
+    # Kimi-K2.5 and Step3-VL ship their own model code: tiny stand-ins of their layout, run with --trust-remote-code.
+    "mindspeed_mm/examples/kimik2_5/kimik2_5_config.yaml": ("remote:kimi_k25", 2, NATIVE_KIMI_K25),
+    "mindspeed_mm/examples/step3_vl/step3_vl_10b_config.yaml": ("remote:step3_vl", 2, NATIVE_STEP3_VL),
     "mindspeed_mm/examples/qwen3vl/qwen3vl_30B_config_v1_A5.yaml": ("tiny-qwen3-vl-moe", 2, NATIVE_QWEN3VL),
     "mindspeed_mm/tests/st/run_configs/finetune_qwen3vl_30B/qwen3vl_30B_config_v1.yaml": (
         "tiny-qwen3-vl-moe",
@@ -360,11 +400,38 @@ EXPECTED: dict[str, tuple[str, int, dict | str]] = {
 }
 
 
+_REMOTE_FOLDERS: dict[str, Path] = {}
+
+
+def remote_code_folder(name: str) -> Path:
+    """A model folder shipping its own code (tests/fixtures/remote_code/NAME: config.json's auto_map names it) with
+    the built-in tokenizer and no weights; made once per test session."""
+    import shutil
+    import tempfile
+
+    from fsdp2kit.data.builtin import tokenizer_dir
+
+    if name not in _REMOTE_FOLDERS:
+        folder = Path(tempfile.mkdtemp(prefix="fsdp2kit-remote-")) / name
+        shutil.copytree(REPO / "tests/fixtures/remote_code" / name, folder)
+        for file in tokenizer_dir().iterdir():
+            shutil.copy(file, folder / file.name)
+        _REMOTE_FOLDERS[name] = folder
+    return _REMOTE_FOLDERS[name]
+
+
+def model_swaps(model: str) -> list[str]:
+    """`builtin:NAME`, or `remote:NAME`: a folder with its own code (planned on fresh weights)."""
+    if model.startswith("remote:"):
+        return [f"model.name_or_path={remote_code_folder(model.split(':', 1)[1])}", "model.allow_random_init=true"]
+    return [f"model.name_or_path=builtin:{model}"]
+
+
 def user_args(name: str, model: str, ranks: int) -> tuple[str, list[str], str | None]:
     """What a user types: a ROLL file is the config itself; a strategy file goes beside a job with --fsdp-config."""
     # The files' models and data are not on this machine (`check` refuses a data file that is missing): built-ins.
     swaps = [
-        f"model.name_or_path=builtin:{model}",
+        *model_swaps(model),
         f"device_mapping={list(range(ranks))}",
         "data.source=builtin:corpus",
     ]
@@ -382,7 +449,7 @@ def plan_or_refusal(name: str, model: str, ranks: int) -> dict | str:
     config, swaps, strategy_file = user_args(name, model, ranks)
     cfg = None
     try:
-        cfg = load_config(config, swaps, strategy_file=strategy_file)
+        cfg = load_config(config, swaps, strategy_file=strategy_file, trust_remote_code=model.startswith("remote:"))
         with process_group(ranks) as runtime:
             plan = describe(cfg, runtime)
     except UserError as error:
@@ -395,6 +462,7 @@ def plan_or_refusal(name: str, model: str, ranks: int) -> dict | str:
         "mixed_precision": [mixed[k] for k in ("param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs")],
         "offload": [plan["offload"], plan["pin_memory"]],
         "recompute_modules": plan["recompute_modules"],
+        "activation_offload_modules": plan["activation_offload_modules"],
         "prefetch": [plan["prefetch"]["forward"], plan["prefetch"]["backward"]],
         "frozen_modules": plan["frozen_modules"],
     }
@@ -565,18 +633,49 @@ def test_native_file_val_size_and_val_interval_are_the_evaluation():
     assert "val_size' = 100 is not supported" in str(error.value)
 
 
+@pytest.mark.parametrize("name", [n for n, (model, _, _) in EXPECTED.items() if model.startswith("remote:")])
+def test_a_model_needing_its_own_code_is_refused_though_the_file_trusts_it(name):
+    """Kimi-K2.5's and Step3-VL's files write trust_remote_code: true (model and processor): read, noted, and no
+    code runs; the model folder is refused in one line naming its class."""
+    model = EXPECTED[name][0]
+    config, swaps, _ = user_args(name, model, 2)
+    cfg = load_config(config, swaps)
+    notes = "\n".join(cfg.notes)
+    assert "model.trust_remote_code=True: read; a config file never turns on code execution" in notes
+    assert "preprocess_parameters.trust_remote_code=True: read; a config file never turns on code" in notes
+    with pytest.raises(UserError) as refused, process_group(2) as runtime:
+        describe(cfg, runtime)
+    folder = remote_code_folder(model.split(":", 1)[1])
+    assert str(refused.value).startswith(f"model.name_or_path: '{folder}' needs its own code (modeling_")
+
+
+@pytest.mark.slow
+def test_check_runs_a_model_folders_code_only_with_trust_remote_code_on_the_command_line():
+    name = "mindspeed_mm/examples/kimik2_5/kimik2_5_config.yaml"
+    config, swaps, _ = user_args(name, "remote:kimi_k25", 1)
+    args = [config, *[item for swap in swaps for item in ("--set", swap)], "--json"]
+    refused = run_cli("check", *args)
+    assert refused.returncode == 2
+    assert "needs its own code (modeling_kimi_k25.KimiK25ForConditionalGeneration" in refused.stderr
+    result = run_cli("check", *args, "--trust-remote-code")
+    assert result.returncode == 0, result.stderr[-3000:]
+    plan = json.loads(result.stdout.strip().splitlines()[-1])
+    assert plan["sharded_modules"] == NATIVE_KIMI_K25["sharded_modules"]
+    assert any("on from the caller (--trust-remote-code)" in note for note in plan["config_notes"])
+
+
 @pytest.mark.slow
 def test_native_qwen35_file_trains_two_steps_on_two_ranks(tmp_path):
-    """MindSpeed-MM's Qwen3.5-4B file as written (activation offload off on this CPU), a tiny Qwen3.5 and image+text
-    conversations in LLaMA-Factory's form (the form its `dataset_param.attr` names: `messages` with `<image>` and an
-    `images` list): 2 optimizer steps on 2 ranks, its recompute, bf16/fp32 precision and chunked loss included."""
+    """MindSpeed-MM's Qwen3.5-4B file as written (its activation offload a no-op on this CPU, noted), a tiny Qwen3.5
+    and image+text conversations in LLaMA-Factory's form (the form its `dataset_param.attr` names: `messages` with
+    `<image>` and an `images` list): 2 optimizer steps on 2 ranks, its recompute, bf16/fp32 precision and chunked
+    loss included."""
     sys.path.insert(0, str(REPO / "examples"))
     from make_vl_dataset import main as make_dataset
 
     make_dataset(tmp_path, 8, 0)
     name = "mindspeed_mm/examples/qwen3_5/qwen3_5_4B_config.yaml"
     settings = [
-        NO_OFFLOAD,
         "model.name_or_path=builtin:tiny-qwen3.5",
         f"data.source={tmp_path / 'llamafactory.json'}",
         "data.seq_len=256",

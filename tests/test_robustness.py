@@ -108,9 +108,38 @@ def test_model_folder_code_runs_only_when_trusted(tmp_path):
     (folder / "evil_config.py").write_text(f"open({str(marker)!r}, 'w')\nfrom transformers import LlamaConfig as C\n")
     config = {"model_type": "shipped", "auto_map": {"AutoConfig": "evil_config.C"}}  # only its own code builds it
     (folder / "config.json").write_text(json.dumps(config))
-    with pytest.raises(UserError, match="is not a valid transformers config: .*trust_remote_code=True"):
+    with pytest.raises(UserError) as refused:
         resolve_model(ModelConfig(name_or_path=str(folder)))
+    assert str(refused.value) == (
+        f"model.name_or_path: '{folder}' needs its own code (evil_config.C, from config.json's auto_map), which "
+        "fsdp2kit runs only when you pass --trust-remote-code (trust_remote_code=True to Strategy.from_config)"
+    )
     assert not marker.exists()
+
+
+def test_auto_map_on_a_known_model_type_is_refused_and_a_file_never_trusts_it(tmp_path):
+    """docs/security.md: a folder naming its own code is refused even where transformers knows its model_type (it
+    would build its own class instead), and `trust_remote_code: true` in a config file does not turn code on."""
+    from conftest import make_hf_folder
+
+    from fsdp2kit.config import load_config
+    from fsdp2kit.errors import UserError
+    from fsdp2kit.models.build import resolve_model
+
+    folder = tmp_path / "model"
+    make_hf_folder(folder, "tiny-llama")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "auto_map": {"AutoModelForCausalLM": "mine.MyLlama"}}))
+    job = tmp_path / "job.yaml"
+    job.write_text(f"model: {{name_or_path: {folder}, trust_remote_code: true}}\n")
+    cfg = load_config(job)
+    assert cfg.model.trust_remote_code is False
+    assert any("model.trust_remote_code=True: read, not applied" in note for note in cfg.notes)
+    with pytest.raises(UserError, match=r"needs its own code \(mine.MyLlama, from config.json's auto_map\)"):
+        resolve_model(cfg.model)
+    granted = load_config(job, trust_remote_code=True)
+    assert granted.model.trust_remote_code is True
+    assert any("trust_remote_code: on from the caller (--trust-remote-code)" in note for note in granted.notes)
 
 
 def test_saved_config_keeps_environment_interpolations_as_written(tmp_path, monkeypatch):

@@ -12,6 +12,7 @@ from pydantic import BaseModel, ValidationError
 from pydantic_core import ErrorDetails
 
 from fsdp2kit.config import dialects
+from fsdp2kit.config.dialects.translation import FILE_RUNS_NO_CODE
 from fsdp2kit.config.schema import JobConfig
 from fsdp2kit.errors import UserError, unknown_key_message
 
@@ -27,16 +28,34 @@ def validate(raw: dict[str, Any], source: str = "config", written_as: WrittenAs 
 
 
 def load_config(
-    path: str | Path, overrides: list[str] | None = None, role: str | None = None, strategy_file: str | None = None
+    path: str | Path,
+    overrides: list[str] | None = None,
+    role: str | None = None,
+    strategy_file: str | None = None,
+    trust_remote_code: bool = False,
 ) -> JobConfig:
+    """`trust_remote_code` is the user's own switch (--trust-remote-code): a file's never turns code execution on."""
     translation = dialects.read_config(path, list(overrides or []), role=role, strategy_file=strategy_file)
     cfg = validate(translation.config, str(path), translation.written_as)
     cfg.notes.extend(translation.notes)
+    grant_remote_code(cfg, trust_remote_code)
     cfg._written_as = translation.written_as
     strategy_path = cfg.strategy_args.strategy_config_path
     cfg._given_files = [str(path), *([strategy_path] if strategy_path else [])]
     cfg._as_written = translation.interpolated
     return cfg
+
+
+def grant_remote_code(cfg: JobConfig, granted: bool) -> None:
+    """model.trust_remote_code becomes the caller's switch; what the config asked for is noted (docs/security.md)."""
+    if cfg.model.trust_remote_code and not granted:
+        cfg.notes.append(f"model.trust_remote_code=True: read, not applied: {FILE_RUNS_NO_CODE}")
+    if granted:
+        cfg.notes.append(
+            "trust_remote_code: on from the caller (--trust-remote-code): transformers' remote-code path may import "
+            "and run the Python files a model folder names in its auto_map"
+        )
+    cfg.model.trust_remote_code = granted
 
 
 # Errors found after validation (the mesh, the plan) begin with the native key they are about.

@@ -90,6 +90,7 @@ class ShardingPlan:
     groups: list[tuple[str, ...]]  # each tuple is one fully_shard call; forward order; the root is not listed
     ignored_modules: list[str]
     recompute_modules: list[str]
+    activation_offload_modules: list[str]  # forward order: their saved activations wait in host memory (CUDA)
     compiled_modules: list[str]  # torch.compile on each decoder layer's forward (training.compile)
     tiled_mlp_modules: list[str]
     tiled_num_shards: int
@@ -327,6 +328,9 @@ def build_plan(
         groups=groups,
         ignored_modules=ignored,
         recompute_modules=recompute,
+        activation_offload_modules=match_modules(
+            model, strategy.activation_offload_modules, "activation_offload_modules", notes
+        ),
         compiled_modules=modules_of_classes(model, _layer_classes(model), "training.compile") if compile_layers else [],
         tiled_mlp_modules=tiled_mlps,
         tiled_num_shards=strategy.tiled_num_shards,

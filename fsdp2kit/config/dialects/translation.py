@@ -217,6 +217,20 @@ def already_read(translation: Translation, key: Written, value: Any) -> None:
     """The key was read together with related keys before its table ran (its entry names it as valid)."""
 
 
+FILE_RUNS_NO_CODE = (
+    "a config file never turns on code execution: a model folder's own code runs only with --trust-remote-code on "
+    "the command line (trust_remote_code=True to Strategy.from_config)"
+)
+
+
+def file_trust_remote_code(translation: Translation, key: Written, value: Any) -> None:
+    """`trust_remote_code` as MindSpeed-MM and ROLL files write it (for the model, its tokenizer or processor): read
+    and noted, never applied (docs/security.md)."""
+    if not isinstance(value, bool):
+        raise UserError(f"{key.file}: '{key}' = {value!r} is not valid: expected true or false")
+    translation.note(f"{key}={value!r}: read; {FILE_RUNS_NO_CODE}")
+
+
 def comma_list(value: Any) -> list[str]:
     """'A, B' or ['A', 'B'] -> ['A', 'B'] (ROLL and Accelerate both write class and prefix lists as one string)."""
     items = value.split(",") if isinstance(value, str) else value
