@@ -147,6 +147,7 @@ def _plan_fields(plan: ShardingPlan) -> dict[str, Any]:
     return {
         "ignored_modules": plan.ignored_modules,
         "recompute_modules": plan.recompute_modules,
+        "activation_offload_modules": plan.activation_offload_modules,
         "compiled_modules": plan.compiled_modules,
         "tiled_mlp": {"modules": plan.tiled_mlp_modules, "num_shards": plan.tiled_num_shards}
         if plan.tiled_mlp_modules

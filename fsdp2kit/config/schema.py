@@ -195,8 +195,9 @@ class ModelConfig(Section):
     )
     trust_remote_code: bool = Field(
         False,
-        description="let transformers run the Python files a model folder ships (its config's auto_map); "
-        "off, nothing read from a model folder runs code",
+        description="let transformers run the Python files a model folder ships (its config's auto_map): only "
+        "--trust-remote-code (Strategy.from_config(trust_remote_code=True)) turns it on; a config's value is noted, "
+        "not applied; off, nothing read from a model folder runs code",
     )
     model_class: str | None = Field(
         None,
@@ -505,6 +506,12 @@ class StrategyConfig(Section):
         "for every module of that class",
     )
     use_reentrant: bool = Field(True, description="reentrant activation checkpointing implementation")
+    activation_offload_modules: PatternList = Field(
+        default_factory=list,
+        description="module patterns whose saved activations wait in pinned host memory between forward and "
+        "backward (CUDA; one module prefetched ahead of its backward; with recompute only the recomputed module's "
+        "inputs move); on a CPU a no-op",
+    )
     offload_policy: bool = Field(False, description="CPUOffloadPolicy: sharded params, grads and optimizer step on CPU")
     pin_memory: bool = Field(False, description="pinned host memory for offloaded tensors (only with offload)")
     sync_each_batch: bool = Field(

@@ -19,6 +19,7 @@ from fsdp2kit.models.build import (
     resolve_model,
 )
 from fsdp2kit.models.variant import ModelVariant, pick_variant
+from fsdp2kit.parallel.activation_offload import PinnedHost, apply_activation_offload
 from fsdp2kit.parallel.compile import compile_modules
 from fsdp2kit.parallel.fsdp import apply_fsdp, shard_device
 from fsdp2kit.parallel.mesh import MeshLayout, build_mesh, mesh_layout, sequence_parallel_group
@@ -74,6 +75,7 @@ def build_sharded_model(
     apply_tiled_mlp(model, plan.tiled_mlp_modules, plan.tiled_num_shards)
     variant.patch_sharded(model, plan)
     compile_modules(model, plan.compiled_modules)
+    _offload_activations(model, plan, runtime.device)
     apply_fsdp(model, mesh, plan)
     if materialize:
         shards_on = shard_device(plan, runtime.device)
@@ -82,6 +84,20 @@ def build_sharded_model(
     if not training:
         model.eval()
     return ShardedModel(model, plan, layout, source, sp_group, variant)
+
+
+def _offload_activations(model: nn.Module, plan: ShardingPlan, device: torch.device) -> None:
+    """On CUDA the planned modules' saved activations go to pinned host memory; on a CPU they are in host memory
+    already, so nothing moves (noted)."""
+    if not plan.activation_offload_modules:
+        return
+    if device.type == "cuda":
+        apply_activation_offload(model, plan.activation_offload_modules, PinnedHost(device), device)
+    else:
+        plan.notes.append(
+            f"activation_offload_modules ({len(plan.activation_offload_modules)} modules): a no-op on {device.type}, "
+            "where activations already live in host memory"
+        )
 
 
 def count_parameters(model: nn.Module) -> tuple[int, int]:

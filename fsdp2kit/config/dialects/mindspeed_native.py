@@ -26,6 +26,7 @@ from fsdp2kit.config.dialects.translation import (
     already_read,
     apply_rules,
     chat_template_name,
+    file_trust_remote_code,
     ignored,
     section,
     to,
@@ -208,6 +209,11 @@ PARALLEL: dict[str, Rule] = {
 # ---------------------------------------------------------------- features (and their older place under model)
 
 
+# What MindSpeed-MM's models call their output embeddings (a path's last part): transformers' lm_head under any
+# wrapper (language_model.lm_head in Kimi-K2.5, thinker.lm_head in Qwen3-Omni), Megatron's output_layer.
+OUTPUT_EMBEDDINGS = ("lm_head", "output_layer")
+
+
 def _chunk_loss(translation: Translation, key: Written, values: dict[str, Any]) -> None:
     """MindSpeed-MM computes the LM head and loss in chunks of chunkloss_plan.chunk_size tokens (the same loss); so
     does fsdp2kit's training.loss_chunk_tokens. Off, fsdp2kit still chunks above a 32k vocabulary (`auto`)."""
@@ -216,11 +222,14 @@ def _chunk_loss(translation: Translation, key: Written, values: dict[str, Any]) 
     if not isinstance(plan, dict):
         raise UserError(f"{key.file}: '{key.child('chunkloss_plan')}' must be a mapping of keys, not {plan!r}")
     module = plan.get("apply_module", "lm_head")
-    if on and module != "lm_head":
+    if on and (not isinstance(module, str) or module.rsplit(".", 1)[-1] not in OUTPUT_EMBEDDINGS):
         raise UserError(
             f"{key.file}: '{key.child('chunkloss_plan.apply_module')}' = {module!r} is not supported: fsdp2kit "
-            "chunks the output embeddings (lm_head)"
+            "chunks the output embeddings (lm_head), named as MindSpeed-MM's models name them: lm_head, "
+            "language_model.lm_head, thinker.lm_head, output_layer"
         )
+    if on and module != "lm_head":
+        translation.note(f"{key.child('chunkloss_plan.apply_module')}={module!r}: read as the model's LM head")
     if values.get("enable_chunk_loss") is True:
         size = plan.get("chunk_size", 1024)
         to("training.loss_chunk_tokens")(translation, key.child("chunkloss_plan.chunk_size"), size)
@@ -232,15 +241,22 @@ def _chunk_loss(translation: Translation, key: Written, values: dict[str, Any]) 
 
 
 def _activation_offload(translation: Translation, key: Written, values: dict[str, Any]) -> None:
-    if values.get("enable_activation_offload") is True:
-        raise UserError(
-            f"{key.file}: '{key.child('enable_activation_offload')}' = True is not supported: activation offload to "
-            "host memory is not available in fsdp2kit; set it to false (recompute_plan keeps only each recomputed "
-            "module's inputs)"
-        )
-    for name in ("enable_activation_offload", "activation_offload_plan"):
-        if values.get(name) is not None:
-            translation.ignore(key.child(name), "activation offload is off")
+    """`enable_activation_offload: true` sends what the modules of `activation_offload_plan.apply_modules` save for
+    backward to host memory (features/memory/async_offload.py): fsdp2kit's activation_offload_modules."""
+    plan = values.get("activation_offload_plan")
+    if values.get("enable_activation_offload") is not True:
+        for name in ("enable_activation_offload", "activation_offload_plan"):
+            if values.get(name) is not None:
+                translation.ignore(key.child(name), "activation offload is off")
+        return
+    where = key.child("activation_offload_plan")
+    if not isinstance(plan, dict) or not plan.get("apply_modules"):
+        raise UserError(f"{key.file}: '{key.child('enable_activation_offload')}' = True needs {where}.apply_modules")
+    unknown = set(plan) - {"apply_modules"}
+    if unknown:
+        raise UserError(f"{key.file}: unknown key '{where.child(sorted(unknown)[0])}'")
+    modules = where.child("apply_modules")
+    to(f"{STRATEGY_CONFIG}.activation_offload_modules", _module_patterns)(translation, modules, plan["apply_modules"])
 
 
 LOSS_TYPES = {
@@ -316,7 +332,7 @@ def _attention(value: Any) -> str:
 KERNELS = "an NPU/fused-kernel choice of the same computation"
 MODEL: dict[str, Rule] = {
     "model_name_or_path": to("model.name_or_path"),
-    "trust_remote_code": to("model.trust_remote_code"),
+    "trust_remote_code": file_trust_remote_code,
     "attn_implementation": to("model.attn_implementation", _attention),
     "freeze": to("model.freeze_module_prefix", _module_patterns),
     "model_id": ignored("MindSpeed-MM's model registry name; fsdp2kit builds the class config.json names"),
@@ -424,6 +440,11 @@ BASIC_PARAMETERS: dict[str, Rule] = {
 
 PREPROCESS_PARAMETERS: dict[str, Rule] = {
     "model_name_or_path": already_read,
+    "trust_remote_code": file_trust_remote_code,
+    "fix_mistral_regex": ignored(
+        "a loading fix for some Mistral-family tokenizers' pre-tokenizer pattern; fsdp2kit loads the model "
+        "folder's tokenizer as it is saved"
+    ),
     **dict.fromkeys(
         (
             "use_fast_tokenizer",

@@ -23,6 +23,7 @@ from fsdp2kit.config.dialects.translation import (
     chat_template_name,
     comma_list,
     converted,
+    file_trust_remote_code,
     ignored,
     section,
     to,
@@ -232,6 +233,7 @@ MODEL_ARGS: dict[str, Rule] = {
     "freeze_module_prefix": to("model.freeze_module_prefix", comma_list),
     "attn_implementation": to("model.attn_implementation", _attention),
     "model_config_kwargs": to("model.config"),
+    "trust_remote_code": file_trust_remote_code,
     "model_type": unsupported(
         "ROLL's value-head (trl) and classification models are not available in fsdp2kit, which trains and serves "
         "causal language models (model_type: ~); run the actor_train or reference role"
