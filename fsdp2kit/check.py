@@ -26,6 +26,7 @@ from fsdp2kit.models.build import (
     safetensors_index,
 )
 from fsdp2kit.models.sharded import build_sharded_model, count_parameters
+from fsdp2kit.parallel.document_attention import document_route
 from fsdp2kit.parallel.fsdp import describe_groups
 from fsdp2kit.parallel.plan import ShardingPlan
 from fsdp2kit.train.run_dir import output_dir_problem
@@ -137,6 +138,8 @@ def describe(cfg: JobConfig, runtime: Runtime) -> dict:
         # group, their trainable count and the bytes they and their AdamW state take.
         **sharded.variant.describe(),
         "attn_implementation": attention_implementation(model),  # as transformers resolved it
+        # How packed documents are kept apart: FlexAttention's block mask, varlen flash, or a dense [T, T] mask.
+        "document_attention": document_route(model, cfg.model, cfg.data, runtime.device)[1],
         "notes": plan.notes + ([attention_note] if attention_note else []),
         "config_notes": cfg.notes,
     }

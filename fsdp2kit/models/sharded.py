@@ -21,6 +21,7 @@ from fsdp2kit.models.build import (
 from fsdp2kit.models.variant import ModelVariant, pick_variant
 from fsdp2kit.parallel.activation_offload import PinnedHost, apply_activation_offload
 from fsdp2kit.parallel.compile import compile_modules
+from fsdp2kit.parallel.document_attention import attend_documents
 from fsdp2kit.parallel.fsdp import apply_fsdp, shard_device
 from fsdp2kit.parallel.mesh import MeshLayout, build_mesh, mesh_layout, sequence_parallel_group
 from fsdp2kit.parallel.plan import ShardingPlan, build_plan
@@ -63,6 +64,7 @@ def build_sharded_model(
     sp_group = sequence_parallel_group(layout)
     master_dtype = variant.master_dtype(training, model_cfg.dtype)
     model = build_meta_model(source, model_cfg.model_copy(update={"dtype": master_dtype}))
+    attend_documents(model, model_cfg, data, runtime.device, variant.attention_config)
     if sp_group is not None:
         apply_ulysses(model, sp_group, variant.attention_config)
     variant.patch_meta(model, sp_group)

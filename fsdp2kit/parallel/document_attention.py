@@ -1,0 +1,166 @@
+"""Attention over packed documents without a dense mask (`data.document_mask`).
+
+Packed windows restart their position ids at each document. Under sdpa or eager, transformers turns that into a
+dense [batch, 1, T, T] mask, which keeps SDPA off its fast kernels (the issue-31 H100 run lost 8-10% at T = 2048).
+`DOCUMENT_FLEX` is a transformers attention implementation on torch's FlexAttention instead: transformers composes
+the same mask *function* it would have expanded (causal, the documents it finds in the position ids, padding, a
+sliding window) and hands it to `document_block_mask`, which makes a BlockMask of it — per 128 x 128 block: skipped,
+full or partial — so attention computes only the blocks inside documents and no [T, T] tensor exists.
+
+On CUDA the block mask and the attention are compiled (Triton kernels). On a CPU they run eagerly and forward only
+(torch has no CPU backward for FlexAttention), so a CPU run keeps the dense mask; `document_path` decides, the build
+applies it and `check` prints it. Under Ulysses the dense block-diagonal mask stays (`parallel/ulysses.py` builds it
+over the gathered sequence), and flash_attention_2 needs nothing: transformers runs it variable-length from the
+position ids.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import cache
+from typing import Any, cast
+
+import torch
+
+from fsdp2kit.config.schema import DataConfig, ModelConfig
+
+DOCUMENT_FLEX = "document_flex"
+
+
+def document_path(
+    requested: str, documents: bool, ulysses_size: int, device: torch.device, current: str, supports_flex: bool
+) -> tuple[bool, str | None]:
+    """Whether a run switches to DOCUMENT_FLEX, and how its packed documents are attended (None: no documents).
+    `requested` is model.attn_implementation as written, `current` what the model resolved it to."""
+    if not documents:
+        return False, None
+    if current == DOCUMENT_FLEX:
+        return False, "FlexAttention with a document block mask (no [T, T] mask)"
+    if current.startswith("flash_attention"):
+        return False, f"{current}, variable-length from the position ids (no [T, T] mask)"
+    dense = f"{current} with a dense [T, T] document mask"
+    if ulysses_size > 1:
+        return False, f"{dense} over the gathered sequence (Ulysses)"
+    if requested != "auto":
+        return False, f"{dense} (model.attn_implementation: {requested}; auto picks FlexAttention on CUDA)"
+    if not supports_flex:
+        return False, f"{dense} (the family has no FlexAttention)"
+    if device.type != "cuda":
+        return False, f"{dense} (FlexAttention has no backward on {device.type})"
+    return True, "FlexAttention with a document block mask (no [T, T] mask)"
+
+
+def document_route(model: Any, cfg: ModelConfig, data: DataConfig, device: torch.device) -> tuple[bool, str | None]:
+    """`document_path` for a built model: what its decoder's attention resolved to, and whether its family has
+    FlexAttention."""
+    current = str(model.config.get_text_config()._attn_implementation)
+    supports_flex = bool(getattr(model, "_supports_flex_attn", False))
+    documents = data.pack and data.document_mask
+    return document_path(cfg.attn_implementation, documents, cfg.ulysses_size, device, current, supports_flex)
+
+
+def attend_documents(
+    model: Any, cfg: ModelConfig, data: DataConfig, device: torch.device, sub_config: str | None
+) -> None:
+    """The build's step (before Ulysses): switch to DOCUMENT_FLEX where `document_path` says so."""
+    if document_route(model, cfg, data, device)[0]:
+        use_document_attention(model, sub_config)
+
+
+def use_document_attention(model: Any, sub_config: str | None) -> None:
+    """Switch the model's attention (or its `sub_config` part's: a VL model's language model) to DOCUMENT_FLEX."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(DOCUMENT_FLEX, document_flex_attention)
+    AttentionMaskInterface.register(DOCUMENT_FLEX, document_block_mask)
+    model.set_attn_implementation({sub_config: DOCUMENT_FLEX} if sub_config else DOCUMENT_FLEX)
+
+
+def document_block_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int = 0,
+    kv_offset: int = 0,
+    mask_function: Callable | None = None,
+    attention_mask: torch.Tensor | None = None,
+    device: torch.device | str = "cpu",
+    **_: Any,
+) -> Any:
+    """transformers' mask function (documents, causality, window) and its 2-D padding mask as a BlockMask."""
+    from torch.nn.attention.flex_attention import create_block_mask
+    from transformers.masking_utils import (
+        add_offsets_to_mask_function,
+        and_masks,
+        causal_mask_function,
+        padding_mask_function,
+        prepare_padding_mask,
+    )
+
+    function = mask_function if mask_function is not None else causal_mask_function
+    if attention_mask is not None and not bool(attention_mask.all()):
+        padding = cast(torch.Tensor, prepare_padding_mask(attention_mask, kv_length, kv_offset))
+        function = and_masks(function, padding_mask_function(padding))
+    function = add_offsets_to_mask_function(function, q_offset, kv_offset)
+    compiled = torch.device(device).type == "cuda"  # eager evaluates the whole [T, T] grid once: CPU tests only
+    return create_block_mask(function, batch_size, None, q_length, kv_length, device=device, _compile=compiled)
+
+
+def document_flex_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Any,
+    scaling: float | None = None,
+    softcap: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """A transformers attention function: query [batch, heads, T, dim], key/value [batch, kv_heads, T, dim] in,
+    [batch, T, heads, dim] out, through the BlockMask `document_block_mask` made. What FlexAttention cannot do here
+    (dropout, attention sinks, position biases) is refused rather than ignored."""
+    refused = [name for name in ("s_aux", "position_bias") if kwargs.get(name) is not None]
+    if dropout:
+        refused.append(f"attention dropout {dropout}")
+    if refused or attention_mask is None:
+        raise ValueError(
+            f"{DOCUMENT_FLEX} attention of {type(module).__name__} cannot apply "
+            f"{', '.join(refused) or 'a missing block mask'}; set model.attn_implementation: sdpa"
+        )
+    heads = query.shape[1]
+    if heads & (heads - 1):  # FlexAttention's grouped-query kernels want a power-of-two head count
+        repeats = heads // key.shape[1]
+        key, value = (t.repeat_interleave(repeats, dim=1) for t in (key, value))
+
+    def capped(score: torch.Tensor, *_: torch.Tensor) -> torch.Tensor:
+        return softcap * torch.tanh(score / softcap)  # type: ignore[operator]
+
+    output = _flex_attention(query.device.type)(
+        query,
+        key,
+        value,
+        score_mod=capped if softcap is not None else None,
+        block_mask=attention_mask,
+        scale=scaling,
+        enable_gqa=key.shape[1] != heads,
+    )
+    return output.transpose(1, 2).contiguous(), None
+
+
+def _flex_attention(device_type: str) -> Callable:
+    """torch's FlexAttention: compiled once on CUDA (inlined where the caller is being compiled already), eager
+    elsewhere."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if device_type != "cuda" or torch.compiler.is_compiling():
+        return flex_attention
+    return _compiled_flex_attention()
+
+
+@cache
+def _compiled_flex_attention() -> Callable:
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)

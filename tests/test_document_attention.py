@@ -1,0 +1,175 @@
+"""Packed documents without a dense mask (parallel/document_attention.py): FlexAttention through the block mask made
+from transformers' own mask function equals the dense-mask path and each document run alone (fp32, 1e-5), on a model
+built and sharded by fsdp2kit, with padding, and for a family with sliding windows and soft-capped scores; the choice
+(FlexAttention on CUDA, the dense mask on a CPU, under Ulysses or where sdpa is named) is what check prints.
+torch has no CPU backward for FlexAttention: the gradients are compared by the cuda-marked test."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import make_hf_folder, process_group, sharded_model
+
+from fsdp2kit.parallel.document_attention import (
+    DOCUMENT_FLEX,
+    attend_documents,
+    document_flex_attention,
+    document_path,
+    use_document_attention,
+)
+
+VOCAB, LENGTH = 256, 64
+DOCUMENTS = [[20, 30, 14], [40, 24]]  # document lengths of each packed row
+
+
+def packed_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    """Two packed rows of LENGTH tokens whose position ids restart at every document, as the data pipeline packs."""
+    ids = torch.randint(3, VOCAB, (len(DOCUMENTS), LENGTH), generator=torch.Generator().manual_seed(1))
+    positions = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in DOCUMENTS])
+    return ids, positions
+
+
+def each_document_alone(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """The logits of every document run as a sequence of its own, joined back into the packed layout."""
+    rows = []
+    for row, lengths in zip(ids, DOCUMENTS, strict=True):
+        pieces = row.split(lengths)
+        rows.append(torch.cat([model(input_ids=piece[None], use_cache=False).logits[0] for piece in pieces]))
+    return torch.stack(rows)
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("documents") / "model"
+    small = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2}
+    make_hf_folder(folder, "tiny-llama", layers=2, vocab_size=VOCAB, **small)
+    return folder
+
+
+def job(model_dir: Path, **model: object) -> object:
+    from fsdp2kit.config.load import validate
+
+    return validate({"model": {"name_or_path": str(model_dir), **model}}, "config")
+
+
+@torch.no_grad()
+def test_the_block_mask_equals_the_dense_mask_and_each_document_alone(llama_dir):
+    """fsdp2kit's sharded model (FSDP, one rank): packed logits through FlexAttention equal the dense document mask's
+    and those of every document on its own."""
+    ids, positions = packed_batch()
+    with process_group(1) as runtime:
+        model = sharded_model(job(llama_dir, attn_implementation="sdpa"), runtime, training=False).model
+        dense = model(input_ids=ids, position_ids=positions, use_cache=False).logits
+        alone = each_document_alone(model, ids)
+        use_document_attention(model, None)
+        assert model.config._attn_implementation == DOCUMENT_FLEX
+        flex = model(input_ids=ids, position_ids=positions, use_cache=False).logits
+        mixed = model(input_ids=ids, use_cache=False).logits  # one causal sequence: documents attend to each other
+    torch.testing.assert_close(flex, dense, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(flex, alone, rtol=1e-5, atol=1e-5)
+    assert (mixed - alone).abs().max() > 1e-2  # the documents' boundaries are what the comparison sees
+
+
+@torch.no_grad()
+def test_padding_and_a_sliding_window_with_soft_capped_scores():
+    """A Gemma-2 (sliding-window layers, soft-capped attention scores) on left-padded rows: FlexAttention equals
+    transformers' eager attention on every real token."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        "gemma2",
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=8,
+        attn_logit_softcapping=5.0,
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    ids, positions = packed_batch()
+    padding = torch.ones_like(ids)
+    padding[1, :10] = 0
+    dense_packed = model(input_ids=ids, position_ids=positions, use_cache=False).logits
+    dense_padded = model(input_ids=ids, attention_mask=padding, use_cache=False).logits
+    use_document_attention(model, None)
+    torch.testing.assert_close(
+        model(input_ids=ids, position_ids=positions, use_cache=False).logits, dense_packed, rtol=1e-5, atol=1e-5
+    )
+    flex_padded = model(input_ids=ids, attention_mask=padding, use_cache=False).logits
+    real = padding.bool()
+    torch.testing.assert_close(flex_padded[real], dense_padded[real], rtol=1e-5, atol=1e-5)
+
+
+def test_what_flex_attention_cannot_apply_is_refused():
+    query = torch.zeros(1, 2, 4, 8)
+    with pytest.raises(ValueError, match="attention dropout 0.1"):
+        document_flex_attention(torch.nn.Linear(1, 1), query, query, query, object(), dropout=0.1)
+    with pytest.raises(ValueError, match="s_aux"):
+        document_flex_attention(torch.nn.Linear(1, 1), query, query, query, object(), s_aux=torch.zeros(2))
+
+
+CUDA, CPU = torch.device("cuda"), torch.device("cpu")
+
+
+@pytest.mark.parametrize(
+    "requested, documents, ulysses, device, current, flex, switch, says",
+    [
+        ("auto", True, 1, CUDA, "sdpa", True, True, "FlexAttention with a document block mask"),
+        ("auto", True, 1, CPU, "sdpa", True, False, "dense [T, T] document mask (FlexAttention has no backward"),
+        ("auto", True, 2, CUDA, "ulysses_sdpa", True, False, "over the gathered sequence (Ulysses)"),
+        ("sdpa", True, 1, CUDA, "sdpa", True, False, "model.attn_implementation: sdpa; auto picks FlexAttention"),
+        ("auto", True, 1, CUDA, "eager", False, False, "the family has no FlexAttention"),
+        ("flash_attention_2", True, 1, CUDA, "flash_attention_2", True, False, "variable-length"),
+        ("auto", False, 1, CUDA, "sdpa", True, False, None),
+    ],
+)
+def test_the_path_is_chosen_by_platform_and_request(requested, documents, ulysses, device, current, flex, switch, says):
+    chosen, description = document_path(requested, documents, ulysses, device, current, flex)
+    assert chosen == switch
+    assert description is None if says is None else says in description
+
+
+def test_check_names_the_path(llama_dir):
+    """On this CPU: transformers' sdpa with the dense mask, and why; without document masking, nothing."""
+    from fsdp2kit.check import describe
+
+    with process_group(1) as runtime:
+        described = describe(job(llama_dir), runtime)
+    assert (
+        described["document_attention"]
+        == "sdpa with a dense [T, T] document mask (FlexAttention has no backward on cpu)"
+    )
+    no_documents = job(llama_dir)
+    no_documents.data.document_mask = False
+    with process_group(1) as runtime:
+        assert describe(no_documents, runtime)["document_attention"] is None
+
+
+@pytest.mark.cuda
+def test_flex_attention_trains_as_the_dense_mask_on_cuda(llama_dir):
+    """bf16 on CUDA: loss and gradients of a packed batch through compiled FlexAttention equal the dense mask's
+    within bf16 rounding; the build picks it by default there."""
+    from transformers import AutoModelForCausalLM
+
+    ids, positions = (t.cuda() for t in packed_batch())
+    cfg = job(llama_dir)
+    results = []
+    for flex in (False, True):
+        model = AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.bfloat16, attn_implementation="sdpa").cuda()
+        if flex:  # the build's own step, with the defaults (model.attn_implementation: auto)
+            attend_documents(model, cfg.model, cfg.data, torch.device("cuda"), None)
+            assert model.config._attn_implementation == DOCUMENT_FLEX
+        loss = model(input_ids=ids, position_ids=positions, labels=ids, use_cache=False).loss
+        loss.backward()
+        results.append((loss.detach().float(), {n: p.grad.float() for n, p in model.named_parameters()}))
+    (dense_loss, dense_grads), (flex_loss, flex_grads) = results
+    torch.testing.assert_close(flex_loss, dense_loss, rtol=1e-2, atol=1e-2)
+    for name, grad in dense_grads.items():
+        scale = float(grad.abs().max()) or 1.0
+        torch.testing.assert_close(flex_grads[name], grad, rtol=0, atol=3e-2 * scale, msg=name)
