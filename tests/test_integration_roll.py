@@ -31,7 +31,7 @@ from fsdp2kit.integrations.roll import RollStrategy
 
 ROWS, PROMPT, RESPONSE = 4, 5, 6
 MICRO, ACCUMULATION, INFER_MICRO = 1, 2, 2
-LEARNING_RATE, CLIP, KL_COEF, STEPS = 1e-3, 1.0, 0.1, 2
+LEARNING_RATE, CLIP, KL_COEF, ENTROPY_COEF, STEPS = 1e-3, 1.0, 0.1, 0.01, 2
 OPTIMIZER_STEPS = STEPS * ROWS // (MICRO * ACCUMULATION)
 
 
@@ -147,6 +147,9 @@ class ActorWorker:
         pg_loss = pg_loss.sum() / batch_num_tokens  # agg_loss token-mean
         kl_loss = k3(log_probs, data.batch["ref_log_probs"], response_mask).sum() / batch_num_tokens
         total_loss = pg_loss + kl_loss * KL_COEF
+        if ENTROPY_COEF > 0:  # ROLL's entropy_loss_coef branch
+            entropy = self.strategy.op_compute_entropy(logits=output_tensor, attention_mask=data.batch["response_mask"])
+            total_loss = total_loss - entropy.sum() / batch_num_tokens * ENTROPY_COEF
         return total_loss, {"actor/pg_loss": pg_loss.detach().item(), "actor/kl_loss": kl_loss.detach().item()}
 
     def do_checkpoint(self, global_step: int) -> dict:
@@ -168,11 +171,14 @@ class Rollout:
         self.buckets += 1
 
 
-def plain_log_probs(model, batch) -> torch.Tensor:
+def plain_outputs(model, batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next-token log-probs and entropies [B, T-1] from the whole logits, with autograd."""
     logits = model(
         input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"]
     ).logits[:, :-1]
-    return torch.log_softmax(logits.float(), -1).gather(-1, batch["input_ids"][:, 1:, None]).squeeze(-1)
+    log_softmax = torch.log_softmax(logits.float(), -1)
+    entropy = -(log_softmax.exp() * log_softmax).sum(-1)
+    return log_softmax.gather(-1, batch["input_ids"][:, 1:, None]).squeeze(-1), entropy
 
 
 def reference(model_dir) -> dict:
@@ -189,18 +195,19 @@ def reference(model_dir) -> dict:
         data = rollout(step).batch
         mask = data["response_mask"][:, 1:]
         with torch.no_grad():
-            old = plain_log_probs(model, data) * mask
+            old = plain_outputs(model, data)[0] * mask
         record["old"].append(old)
         for start in range(0, ROWS, MICRO * ACCUMULATION):
             rows = slice(start, start + MICRO * ACCUMULATION)
             batch = {key: value[rows] for key, value in data.items()}
-            log_probs = plain_log_probs(model, batch) * mask[rows]
+            log_probs, entropy = plain_outputs(model, batch)
+            log_probs = log_probs * mask[rows]
             ratio = (log_probs - old[rows]).exp()
             adv = batch["advantages"]
             tokens = mask[rows].sum()
             pg = (-torch.min(ratio * adv, ratio.clamp(0.8, 1.2) * adv)).sum() / tokens
             kl = k3(log_probs, old[rows] + batch["ref_noise"], mask[rows]).sum() / tokens
-            (pg + KL_COEF * kl).backward()
+            (pg + KL_COEF * kl - ENTROPY_COEF * (entropy * mask[rows]).sum() / tokens).backward()
             record["grad_norm"].append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
             optimizer.step()
             optimizer.zero_grad()
@@ -240,7 +247,7 @@ def test_roll_s_actor_worker_calls_equal_plain_pytorch(model_dir, tmp_path):
     rollout_model = Rollout(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32))
     got: dict = {"old": [], "pg": [], "grad_norm": [], "lr": []}
     try:
-        worker = ActorWorker(RollStrategy.from_config(config(model_dir, tmp_path)), tmp_path)
+        worker = ActorWorker(RollStrategy.from_config(config(model_dir, tmp_path), entropy_loss=True), tmp_path)
         worker.strategy.setup_model_update(rollout_model, "actor_infer")
         for step in range(STEPS):
             data = rollout(step)
@@ -281,5 +288,10 @@ def test_roll_batches_fsdp2kit_cannot_take_are_refused(model_dir, tmp_path):
             strategy.forward_step(data, lambda d, o: (o, {}))
         with pytest.raises(UserError, match="not a multiple of per_device_train_batch_size"):
             strategy.train_step(DataProto(data.batch[:0], meta_info={"loss_mask_keys": []}), lambda d, o: (o, {}))
+        data = rollout(0)
+        data.batch["old_log_probs"] = data.batch["ref_log_probs"] = data.batch["ref_noise"]
+        worker = ActorWorker(strategy, tmp_path)  # built without entropy_loss, its loss_func asks for the entropy
+        with pytest.raises(UserError, match="entropy_loss=True"):
+            worker.train_step(data)
     finally:
         shutdown()

@@ -27,7 +27,7 @@ from fsdp2kit.distributed import shutdown
 from fsdp2kit.errors import UserError
 from fsdp2kit.integrations.verl import VerlEngine, balanced_ranges, register, token_budget_ranges
 
-LEARNING_RATE, CLIP = 1e-3, 1.0
+LEARNING_RATE, CLIP, ENTROPY_COEF = 1e-3, 1.0, 0.01
 ROWS, MINI_BATCH_ROWS, RL_STEPS = 4, 2, 2
 
 # verl 0.9.1's BaseEngine / FSDPEngine methods: (parameter names after self, their defaults), from the source above.
@@ -109,15 +109,17 @@ def verl_batch(step: int, **settings) -> TensorDict:
 
 
 def verl_ppo_loss(model_output, data, dp_group=None):
-    """A clipped-ratio loss in verl's form (verl/workers/utils/losses.py:ppo_loss with agg_loss 'token-mean'):
-    the masked token sum over the global batch's loss tokens, x dp_size."""
+    """A clipped-ratio loss with an entropy bonus in verl's form (verl/workers/utils/losses.py:ppo_loss with agg_loss
+    'token-mean'): masked token sums over the global batch's loss tokens, x dp_size."""
     log_prob = model_output["log_probs"].values()
     old, advantages = data["old_log_probs"].values(), data["advantages"].values()
     mask = data["loss_mask"].values()
     ratio = torch.exp(log_prob - old)
     pg = -torch.minimum(ratio * advantages, ratio.clamp(0.8, 1.2) * advantages)
     loss = (pg * mask).sum() / data["batch_num_tokens"] * data["dp_size"]
-    return loss, {"actor/pg_loss": float(loss.detach()), "actor/ratio_max": float(ratio.max().detach())}
+    metrics = {"actor/pg_loss": float(loss.detach()), "actor/ratio_max": float(ratio.max().detach())}
+    entropy = (model_output["entropy"].values() * mask).sum() / data["batch_num_tokens"] * data["dp_size"]
+    return loss - ENTROPY_COEF * entropy, metrics
 
 
 def padded(data: TensorDict) -> dict[str, torch.Tensor]:
@@ -132,9 +134,12 @@ def padded(data: TensorDict) -> dict[str, torch.Tensor]:
     }
 
 
-def plain_log_probs(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+def plain_outputs(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next-token log-probs and entropies [B, T-1] from the whole logits, with autograd."""
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1].float()
-    return torch.log_softmax(logits, -1).gather(-1, batch["input_ids"][:, 1:, None]).squeeze(-1)
+    log_softmax = torch.log_softmax(logits, -1)
+    entropy = -(log_softmax.exp() * log_softmax).sum(-1)
+    return log_softmax.gather(-1, batch["input_ids"][:, 1:, None]).squeeze(-1), entropy
 
 
 def reference(model_dir) -> dict:
@@ -150,14 +155,15 @@ def reference(model_dir) -> dict:
             group["lr"] = LEARNING_RATE * 0.5 * (1 + math.cos(math.pi * step / RL_STEPS))
         batch = padded(verl_batch(step))
         with torch.no_grad():
-            old = plain_log_probs(model, batch)
+            old = plain_outputs(model, batch)[0]
         record["old"].append(old)
         for start in range(0, ROWS, MINI_BATCH_ROWS):
             mini = {key: value[start : start + MINI_BATCH_ROWS] for key, value in batch.items()}
-            ratio = torch.exp(plain_log_probs(model, mini) - old[start : start + MINI_BATCH_ROWS])
+            log_probs, entropy = plain_outputs(model, mini)
+            ratio = torch.exp(log_probs - old[start : start + MINI_BATCH_ROWS])
             adv, mask = mini["advantages"][:, :-1], mini["loss_mask"][:, :-1]
             pg = -torch.minimum(ratio * adv, ratio.clamp(0.8, 1.2) * adv)
-            loss = (pg * mask).sum() / mask.sum()
+            loss = (pg * mask).sum() / mask.sum() - ENTROPY_COEF * (entropy * mask).sum() / mask.sum()
             loss.backward()
             record["grad_norms"].append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
             optimizer.step()
@@ -183,6 +189,7 @@ def train_as_verl_does(engine: VerlEngine) -> dict:
                 tokens = int(mini["input_ids"].offsets()[-1])
                 mini.set_non_tensor("use_dynamic_bsz", True)
                 mini.set_non_tensor("max_token_len_per_gpu", tokens - 1)  # one row per micro-batch
+                mini.set_non_tensor("calculate_entropy", True)  # the entropy bonus, with autograd
                 output = engine.train_batch(mini, loss_function=verl_ppo_loss)
                 record["losses"].append(sum(output["loss"]))
                 record["grad_norms"].append(output["metrics"]["grad_norm"])
@@ -232,8 +239,14 @@ def test_engine_calls_beside_the_step(model_dir, tmp_path):
             engine.to("cpu", model=False, grad=True)
         with pytest.raises(UserError, match="call train_batch"):
             engine.forward_backward_batch(verl_batch(0), verl_ppo_loss, forward_only=False)
-        with pytest.raises(UserError, match="temperature 0.7"):
-            engine.infer_batch(verl_batch(0, temperature=0.7, use_dynamic_bsz=False, micro_batch_size_per_gpu=4))
+        data = verl_batch(0, temperature=0.7, use_dynamic_bsz=False, micro_batch_size_per_gpu=4)
+        cooled = engine.infer_batch(data)["model_output"]["log_probs"].to_padded_tensor(0.0)[:, :-1]
+        plain = {key: value for key, value in padded(data).items() if key in ("input_ids", "attention_mask")}
+        direct = engine.strategy.forward_step(plain, temperature=0.7)["log_probs"]
+        lengths = data["input_ids"].offsets().diff()
+        predicting = torch.arange(direct.shape[1])[None] < lengths[:, None] - 1
+        torch.testing.assert_close(cooled, direct * predicting, rtol=0, atol=1e-6)
+        assert not torch.allclose(cooled, engine.strategy.forward_step(plain)["log_probs"] * predicting)
         for step in (1, 2, 3):
             engine.save_checkpoint(str(tmp_path / f"global_step_{step}"), global_step=step, max_ckpt_to_keep=2)
         assert sorted(p.name for p in tmp_path.glob("global_step_*")) == ["global_step_2", "global_step_3"]

@@ -44,8 +44,13 @@ class RollStrategy:
     `meta_info['micro_batch_size']` rows (forward) or `per_device_train_batch_size` rows with an optimizer step every
     `gradient_accumulation_steps` (train), ROLL's loss scaling (`apply_loss_scale`), metrics as ROLL collects them."""
 
-    def __init__(self, strategy: Strategy, name: str = "actor_train", apply_loss_scale: bool = True) -> None:
+    def __init__(
+        self, strategy: Strategy, name: str = "actor_train", apply_loss_scale: bool = True, entropy_loss: bool = False
+    ) -> None:
+        """`entropy_loss`: train_step's loss_func takes the entropy (op_compute_entropy, with autograd), as ROLL's
+        actor does where entropy_loss_coef > 0; it costs a chunked pass over the vocabulary, so it is asked for."""
         self.strategy, self.name, self.apply_loss_scale = strategy, name, apply_loss_scale
+        self.entropy_loss = entropy_loss
         self.model, self.tokenizer = strategy.model, strategy.tokenizer
         self.offload_nccl = False  # ROLL's workers read it; gloo/NCCL groups stay up
         self._receivers: dict[str, Any] = {}
@@ -57,11 +62,12 @@ class RollStrategy:
         role: str | None = None,
         overrides: tuple[str, ...] = (),
         apply_loss_scale: bool = True,
+        entropy_loss: bool = False,
     ) -> RollStrategy:
         """A Strategy from a ROLL pipeline YAML's `role` (actor_train, critic, reference...) or a native config;
-        `apply_loss_scale` as ROLL's worker config says (its default: True)."""
+        `apply_loss_scale` as ROLL's worker config says (its default: True); `entropy_loss` as in __init__."""
         strategy = Strategy.from_config(config, role=role, overrides=overrides)
-        return cls(strategy, name=role or "actor_train", apply_loss_scale=apply_loss_scale)
+        return cls(strategy, role or "actor_train", apply_loss_scale, entropy_loss)
 
     @property
     def optimizer(self) -> torch.optim.Optimizer | None:
@@ -121,7 +127,7 @@ class RollStrategy:
             weight = accumulation / (len(group) * scale)
             result = self.strategy.train_step(
                 [_strategy_batch(data, index) for index, data in enumerate(group)],
-                _RollLoss(loss_func, group, weight, metrics),
+                _RollLoss(loss_func, group, weight, metrics).strategy_loss_fn(self.entropy_loss),
             )
             metrics[f"{self.name}/grad_norm"] = result["grad_norm"]
         return metrics
@@ -135,7 +141,9 @@ class RollStrategy:
     def op_compute_entropy(self, logits: TokenOutputs, attention_mask: torch.Tensor) -> torch.Tensor:
         """ROLL's op: the entropy [B, T-1] of each position's next-token distribution, 0 outside the mask."""
         if logits.entropy is None:
-            raise UserError("ROLL strategy: entropy inside train_step's loss_func is not supported yet (forward only)")
+            raise UserError(
+                "ROLL strategy: train_step's loss_func asked for the entropy; build the strategy with entropy_loss=True"
+            )
         return logits.entropy * attention_mask[:, 1:].to(logits.entropy.dtype)
 
     def _global_counts(self, batch: Any) -> None:
@@ -217,11 +225,17 @@ class _RollLoss:
     def __init__(self, loss_func: RollFunc, group: list[Any], weight: float, metrics: dict[str, Any]) -> None:
         self.loss_func, self.group, self.weight, self.metrics = loss_func, group, weight, metrics
 
-    def __call__(self, log_probs: torch.Tensor, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def strategy_loss_fn(self, entropy: bool) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+        """The loss_fn the Strategy calls: one taking `entropy` (computed with autograd) only where it is wanted."""
+        if entropy:
+            return lambda log_probs, batch, entropy: self(log_probs, batch, entropy)
+        return lambda log_probs, batch: self(log_probs, batch)
+
+    def __call__(
+        self, log_probs: torch.Tensor, batch: dict[str, torch.Tensor], entropy: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         weight = torch.tensor(self.weight, device=log_probs.device)
-        if not log_probs.requires_grad:  # a Strategy that reads the weight first, on zeros: ROLL's is not called
-            return log_probs.sum() * 0.0, weight
-        loss, reduced = self.loss_func(self.group[int(batch[MICRO_BATCH_KEY])], TokenOutputs(log_probs))
+        loss, reduced = self.loss_func(self.group[int(batch[MICRO_BATCH_KEY])], TokenOutputs(log_probs, entropy))
         for key, value in reduced.items():
             self.metrics.setdefault(key, []).append(value)
         return loss.reshape(()), weight

@@ -146,8 +146,9 @@ class VerlEngine:
         `metrics['grad_norm']`."""
         strategy = self.strategy
         run = _LossRun(loss_function, self.get_data_parallel_group(), self.get_data_parallel_size())
-        parts = run.prepare(data, self._micro_ranges(data), training=True)
-        result = strategy.train_step([part.batch for part in parts], run.loss_fn(parts), step_scheduler=False)
+        parts = run.prepare(data, self._micro_ranges(data))
+        loss_fn = run.loss_fn(parts, entropy=bool(_setting(data, "calculate_entropy", False)))
+        result = strategy.train_step([part.batch for part in parts], loss_fn, step_scheduler=False)
         metrics: dict[str, Any] = dict(run.metrics)
         metrics["grad_norm"] = result["grad_norm"]
         return {"model_output": {}, "loss": run.losses, "metrics": metrics}
@@ -157,7 +158,7 @@ class VerlEngine:
         tensor like `input_ids`, position t holding log p(token t+1), 0 at each sequence's last position; with a
         loss function, its loss and metrics per micro-batch too."""
         run = _LossRun(loss_function, self.get_data_parallel_group(), self.get_data_parallel_size())
-        parts = run.prepare(data, self._micro_ranges(data), training=False)
+        parts = run.prepare(data, self._micro_ranges(data))
         entropy = bool(_setting(data, "calculate_entropy", False))
         outputs: dict[str, list[torch.Tensor]] = {"log_probs": [], **({"entropy": []} if entropy else {})}
         for part in parts:
@@ -355,6 +356,9 @@ class _MicroBatch:
         position_ids = data.get("position_ids", None)
         if isinstance(position_ids, torch.Tensor) and position_ids.is_nested and position_ids.dim() == 2:
             self.batch["position_ids"] = position_ids.to_padded_tensor(0, output_size=(len(self.lengths), width))
+        temperature = _setting(data, "temperature", None)  # one number, or one per sample (this micro-batch's rows)
+        if temperature is not None:
+            self.batch["temperature"] = torch.as_tensor(temperature, dtype=torch.float32)
 
     def jagged(self, per_position: torch.Tensor) -> torch.Tensor:
         """A [b, T-1] result (position t: about token t+1) as verl's jagged [b, j] tensor, 0 at each last position;
@@ -372,13 +376,8 @@ class _LossRun:
         self.losses: list[float] = []
         self.metrics: dict[str, list[Any]] = {}
 
-    def prepare(self, data: Any, ranges: list[range], training: bool) -> list[_MicroBatch]:
+    def prepare(self, data: Any, ranges: list[range]) -> list[_MicroBatch]:
         """The micro-batches of `data`, each with verl's global settings."""
-        if training and _setting(data, "calculate_entropy", False):
-            raise UserError("verl batch: calculate_entropy in train_batch (an entropy bonus) is not supported yet")
-        temperature = _setting(data, "temperature", 1.0)
-        if not bool(torch.all(torch.as_tensor(temperature) == 1.0)):
-            raise UserError(f"verl batch: temperature {temperature} is not supported yet (only 1.0)")
         # verl's engine: the loss-mask tokens of the global batch (global_batch_size comes from verl's trainer)
         tokens = data["loss_mask"].values().sum() if "loss_mask" in data.keys() else torch.zeros((), dtype=torch.long)
         tokens = tokens.detach().clone()
@@ -401,21 +400,25 @@ class _LossRun:
             self.metrics.setdefault(key, []).append(value)
         return loss
 
-    def loss_fn(self, parts: list[_MicroBatch]) -> Callable[[torch.Tensor, dict[str, torch.Tensor]], Any]:
+    def loss_fn(self, parts: list[_MicroBatch], entropy: bool) -> Callable[..., Any]:
         """The Strategy's loss_fn: verl's loss of micro-batch i with weight 1 / (this rank's micro-batches), so that
         the Strategy's sum(loss) / sum(weight) is verl's objective, the mean over data-parallel ranks of each rank's
-        summed micro-batch losses (verl's losses carry x dp_size and the global token count already)."""
+        summed micro-batch losses (verl's losses carry x dp_size and the global token count already). With
+        `entropy` (verl's calculate_entropy: an entropy bonus) the model output has the entropy, with autograd."""
         weight = torch.tensor(1.0 / len(parts))
 
-        def strategy_loss(log_probs: torch.Tensor, batch: dict[str, torch.Tensor]) -> Any:
-            if not log_probs.requires_grad:  # a Strategy that reads the weight first, on zeros: no call of verl's
-                return log_probs.sum() * 0.0, weight.to(log_probs.device)
+        def verl_loss(log_probs: torch.Tensor, batch: dict[str, torch.Tensor], entropies: Any = None) -> Any:
             part = parts[int(batch[MICRO_BATCH_KEY])]
-            loss = self.call(part, {"log_probs": part.jagged(log_probs)})
+            outputs = {"log_probs": part.jagged(log_probs)}
+            if entropies is not None:
+                outputs["entropy"] = part.jagged(entropies)
+            loss = self.call(part, outputs)
             assert loss is not None  # train_batch always has a loss function
             return loss.reshape(()), weight.to(log_probs.device)
 
-        return strategy_loss
+        if entropy:  # the Strategy computes the entropy for a loss_fn that takes `entropy`
+            return lambda log_probs, batch, entropy: verl_loss(log_probs, batch, entropy)
+        return lambda log_probs, batch: verl_loss(log_probs, batch)
 
 
 def register(model_type: str = "language_model", backend: str = "fsdp2kit", device: Any = ("cuda", "cpu")) -> type:
