@@ -25,7 +25,8 @@ from fsdp2kit.checkpoint.lora_convert import lora_conversion
 from fsdp2kit.errors import UserError
 from fsdp2kit.models.build import open_safetensors, safetensors_index, tied_weight_names
 from fsdp2kit.models.export import TOKENIZER_FILES, SafetensorsWriter, copy_present_files
-from fsdp2kit.models.vl import auto_model_class, checkpoint_renamings, model_name, stored_name
+from fsdp2kit.models.hf_layout import ModelShapes, checkpoint_conversions, model_views, stored_tensors
+from fsdp2kit.models.vl import auto_model_class
 
 MODEL_FILES = ("config.json", "generation_config.json", *TOKENIZER_FILES)  # copied verbatim, so round trips are exact
 
@@ -69,9 +70,9 @@ def _convert(src: Path, dst: Path, to: str, dtype: torch.dtype | None, adapter: 
     dst.mkdir(parents=True, exist_ok=True)
     if to == "hf":
         writer = SafetensorsWriter(dst)
-        renamings = checkpoint_renamings(model)  # stored under the names of the family's HF folders
-        for name, tensor in read_dcp_model(src, names, tensors):
-            writer.add(stored_name(name, renamings), cast(tensor))
+        layout = ModelShapes(checkpoint_conversions(model), model.config, {n: t.size for n, t in tensors.items()})
+        for name, tensor in stored_tensors(read_dcp_model(src, names, tensors), names, layout):  # save_pretrained's
+            writer.add(name, cast(tensor))
         writer.close()
     else:  # torch
         state = {name: cast(tensor) for name, tensor in read_dcp_model(src, list(tensors), tensors)}
@@ -100,13 +101,13 @@ def _hf_to_dcp(src: Path, dst: Path, dtype: torch.dtype | None) -> None:
     if not (src / "config.json").is_file() or not any(src.glob("*.safetensors")):
         raise UserError(f"convert --to dcp: '{src}' is not an HF model folder (config.json + *.safetensors)")
     model = _meta_model(src)
-    renamings = checkpoint_renamings(model)  # DCP holds the model's own names
+    expected = {name: tensor.shape for name, tensor in model.state_dict().items()}
+    layout = ModelShapes(checkpoint_conversions(model), model.config, expected)  # DCP holds the model's own names
     index = safetensors_index(src)  # the index decides; a tensor in two files is refused
-    state: dict[str, torch.Tensor] = {}
     handles = {file: open_safetensors(file) for file in sorted(set(index.values()))}
-    try:  # safetensors memory-maps: pages are read as DCP writes them
-        for key, file in index.items():
-            state[model_name(key, renamings)] = handles[file].get_tensor(key)
+    try:  # safetensors memory-maps: pages are read as DCP writes them (converted tensors: when converted)
+        views = model_views(index, lambda key: handles[index[key]].get_slice(key), layout)
+        state = {name: view.open()[:] for name, view in views.items()}
         _check_against_config(src, state, model)
         if dtype is not None:
             state = {key: tensor.to(dtype) for key, tensor in state.items()}

@@ -20,8 +20,8 @@ from fsdp2kit.dtypes import torch_dtype
 from fsdp2kit.durable import as_the_umask_allows, disk_full_message, ran_out_of_space
 from fsdp2kit.errors import RunFault
 from fsdp2kit.models.build import tied_weight_names
+from fsdp2kit.models.hf_layout import layout_of, stored_tensors
 from fsdp2kit.models.lora import merged_full_tensor, merged_state
-from fsdp2kit.models.vl import stored_name
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -109,17 +109,19 @@ def write_config_and_tokenizer(
 def hf_tensors(
     model: nn.Module, dtype: torch.dtype | None = None, device: torch.device | str | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of the model whole, under the names of the family's HF folders (`save_pretrained`'s): a LoRA
-    model's with its adapters merged into the base weights, a tied output weight once, under its source. A
-    collective: all ranks iterate it to the end, each tensor all-gathered in turn."""
+    """Every tensor of the model whole, as the family's `save_pretrained` writes it (`hf_layout`: fused experts as
+    per-expert tensors, renamed keys): a LoRA model's with its adapters merged into the base weights, a tied output
+    weight once, under its source. A collective: all ranks iterate it to the end, each tensor all-gathered in turn
+    (a conversion group, such as one layer's fused experts, is held until it is whole)."""
     state = merged_state(model)
-    tied = tied_weight_names(model)
-    renamings = getattr(model, "checkpoint_renamings", [])
-    for name in state:
-        if name in tied:
-            continue
-        full = merged_full_tensor(*state[name]).detach()
-        yield stored_name(name, renamings), full.to(device=device or full.device, dtype=dtype or full.dtype)
+    names = [name for name in state if name not in tied_weight_names(model)]
+
+    def gathered() -> Iterator[tuple[str, torch.Tensor]]:
+        for name in names:
+            full = merged_full_tensor(*state[name]).detach()
+            yield name, full.to(device=device or full.device, dtype=dtype or full.dtype)
+
+    yield from stored_tensors(gathered(), names, layout_of(model, {n: t for n, (t, _) in state.items()}))
 
 
 @torch.no_grad()

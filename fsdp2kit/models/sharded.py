@@ -24,6 +24,7 @@ from fsdp2kit.parallel.compile import compile_modules
 from fsdp2kit.parallel.document_attention import attend_documents
 from fsdp2kit.parallel.fsdp import apply_fsdp, shard_device
 from fsdp2kit.parallel.mesh import MeshLayout, build_mesh, mesh_layout, sequence_parallel_group
+from fsdp2kit.parallel.moe import gather_router_logits
 from fsdp2kit.parallel.plan import ShardingPlan, build_plan
 from fsdp2kit.parallel.recompute import apply_recompute
 from fsdp2kit.parallel.tiled_mlp import apply_tiled_mlp
@@ -67,6 +68,7 @@ def build_sharded_model(
     attend_documents(model, model_cfg, data, runtime.device, variant.attention_config)
     if sp_group is not None:
         apply_ulysses(model, sp_group, variant.attention_config)
+        gather_router_logits(model, sp_group)  # the MoE load-balancing loss over the whole sequence
     variant.patch_meta(model, sp_group)
     plan = build_plan(model, strategy, model_cfg, compile_layers=training and compile_layers)
     variant.after_plan(model, plan)

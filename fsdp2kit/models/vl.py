@@ -2,9 +2,8 @@
 Qwen3-VL, ...), their checkpoint names, and the built-in tiny ones with a processor folder beside them.
 
 transformers 5 holds a VL model as `model.visual.*` + `model.language_model.*` + `lm_head`, while the HF folders of
-some families store other names (Qwen2.5-VL: `visual.*`, `model.layers.*`). transformers renames on load and back on
-save with the family's `WeightRenaming`s; we use the same renamings, so our sliced loading reads those folders and our
-exports carry exactly the names `save_pretrained` writes (those of the published checkpoints)."""
+some families store other names (Qwen2.5-VL: `visual.*`, `model.layers.*`): `models/hf_layout.py` reads and writes
+them through transformers' own conversions, as it does for every family."""
 
 from __future__ import annotations
 
@@ -179,29 +178,3 @@ def auto_model_class(hf_config: Any) -> Any:
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     return AutoModelForImageTextToText if is_vision_language(hf_config) else AutoModelForCausalLM
-
-
-def checkpoint_renamings(model: Any) -> list:
-    """A VL family's renamings from its HF folders' tensor names to the model's (transformers' own table; empty for
-    families stored as they are built, and for text models, whose names we keep). Needs the unsharded model:
-    transformers looks its classes up by name."""
-    from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import WeightRenaming
-
-    if not is_vision_language(model.config):
-        return []
-    return [t for t in get_model_conversion_mapping(model, add_legacy=False) if type(t) is WeightRenaming]
-
-
-def model_name(stored: str, renamings: list) -> str:
-    """The model's name of a tensor stored in an HF folder under `stored`."""
-    from transformers.core_model_loading import apply_renamings
-
-    return apply_renamings(stored, renamings)
-
-
-def stored_name(name: str, renamings: list) -> str:
-    """The name `save_pretrained` stores the model's tensor `name` under."""
-    from transformers.core_model_loading import apply_renamings
-
-    return apply_renamings(name, [r.reverse_transform() for r in reversed(renamings)])

@@ -1,4 +1,4 @@
-"""Mixture of experts under FSDP2 (Qwen3-MoE).
+"""Mixture of experts under FSDP2 (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, DeepSeek-V3, GPT-OSS).
 
 transformers 5 keeps the experts of a MoE block in one fused module (`Qwen3MoeExperts`: 3-D `gate_up_proj` and
 `down_proj` parameters). `wrap_policy.moe_experts: [Qwen3MoeExperts]` shards that module as its own group: it is
@@ -18,20 +18,32 @@ unpatched block.
 from __future__ import annotations
 
 import importlib
+import inspect
 import re
 from collections.abc import Callable
+from functools import partial
 from typing import Any, cast
 
 import torch
 import torch.nn as nn
+from torch.distributed import ProcessGroup
 
 from fsdp2kit.errors import UserError
+from fsdp2kit.parallel.forward_patch import Forward, replace_forward
 from fsdp2kit.parallel.module_paths import modules_of_classes
+from fsdp2kit.parallel.ulysses import real_tokens
 
 # Fused experts class -> the class of one expert, as the checkpoints of the model family store it.
-SPLITTABLE_EXPERTS = {"Qwen3MoeExperts": "Qwen3MoeMLP"}
+# Each per-expert class computes what one expert of the fused module does (down(act(gate(x)) * up(x)), no bias) and
+# has the parameter names of the family's per-expert checkpoints. Mixtral (`w1`/`w2`/`w3` in its checkpoints) and
+# GPT-OSS (biases, a clamped activation) have no such class in transformers: their experts shard as one group.
+SPLITTABLE_EXPERTS = {
+    "Qwen3MoeExperts": "Qwen3MoeMLP",
+    "Qwen2MoeExperts": "Qwen2MoeMLP",
+    "OlmoeExperts": "OlmoeMLP",
+    "DeepseekV3Experts": "DeepseekV3MLP",
+}
 
-_FUSED_NAME = re.compile(r"(?P<experts>.*\.experts)\.(?P<kind>gate_up_proj|down_proj)")
 _SPLIT_NAME = re.compile(r"(?P<experts>.*\.experts)\.(?P<index>\d+)\.(?P<kind>gate_proj|up_proj|down_proj)\.weight")
 
 
@@ -77,9 +89,11 @@ def split_experts(model: nn.Module, class_names: list[str]) -> None:
             importlib.import_module(type(module).__module__), SPLITTABLE_EXPERTS[type(module).__name__]
         )
         parameter = module.gate_up_proj
+        # OlmoeMLP takes its size from the config (Olmoe's intermediate_size is the experts'); the others are told
+        sized = "intermediate_size" in inspect.signature(expert_class).parameters
         with torch.device(parameter.device):
             experts = ExpertList(
-                expert_class(module.config, intermediate_size=module.intermediate_dim)
+                expert_class(module.config, **({"intermediate_size": module.intermediate_dim} if sized else {}))
                 for _ in range(module.num_experts)
             )
         parent, _, attribute = name.rpartition(".")
@@ -110,33 +124,14 @@ def separately_wrapped_experts(model: nn.Module, names: list[str]) -> list[str]:
     return [n for n in names if "." in n and isinstance(model.get_submodule(n.rpartition(".")[0]), ExpertList)]
 
 
-# Checkpoints store a Qwen3-MoE block's experts one by one (as transformers writes them); a model may hold them
-# fused or split. These read one layout as the other, lazily, with the slice interface of safetensors.
+# A model whose experts are split reads fused experts tensors (a fused model's export, a fused checkpoint): each
+# expert's weight is its rows of the fused tensor, read lazily with the slice interface of safetensors. Per-expert
+# files need nothing of this: they hold the split model's own names.
 
 
 def _full_index(index: Any, ndim: int) -> tuple[slice, ...]:
     index = index if isinstance(index, tuple) else (index,)
     return tuple(index) + (slice(None),) * (ndim - len(index))
-
-
-class _FusedFromExperts:
-    """A fused [experts, rows, cols] tensor stacked from per-expert tensors (gate and up concatenated by rows)."""
-
-    def __init__(self, per_expert: list[list]):
-        self.per_expert = per_expert
-
-    def get_shape(self) -> list[int]:
-        first = [view.get_shape() for view in self.per_expert[0]]
-        return [len(self.per_expert), sum(shape[0] for shape in first), first[0][1]]
-
-    def __getitem__(self, index: Any) -> torch.Tensor:
-        experts, rows, cols = _full_index(index, 3)
-        return torch.stack(
-            [
-                torch.cat([view[:] for view in self.per_expert[e]])[rows, cols]
-                for e in range(len(self.per_expert))[experts]
-            ]
-        )
 
 
 class _ExpertOfFused:
@@ -154,34 +149,29 @@ class _ExpertOfFused:
         return self.fused[self.expert : self.expert + 1, self.first_row + start : self.first_row + stop, cols][0]
 
 
-def expert_views_from_other_layout(
-    model: nn.Module, missing: list[str], stored: set[str], view: Callable[[str], Any]
-) -> dict[str, tuple]:
-    """For each expert weight in `missing` (model tensors the files lack under that name), a view that reads it from
-    the other layout's tensors in `stored`, and the names it reads. `view(name)` opens one stored tensor."""
+def expert_views_from_fused(model: nn.Module, missing: list[str], available: dict[str, Any]) -> dict[str, tuple]:
+    """For each split expert's weight in `missing` (model tensors the files do not give), (an opener of a view that
+    reads it from the fused tensor in `available`, the stored names it reads). `available` maps model names to
+    what the files give (`.open()`, `.sources`)."""
     found: dict[str, tuple] = {}
     for name in missing:
-        if (match := _FUSED_NAME.fullmatch(name)) and type(
-            model.get_submodule(match["experts"])
-        ).__name__ in SPLITTABLE_EXPERTS:
-            prefix = match["experts"]
-            kinds = ["gate_proj", "up_proj"] if match["kind"] == "gate_up_proj" else ["down_proj"]
-            sources = [
-                [f"{prefix}.{e}.{kind}.weight" for kind in kinds] for e in range(model.get_parameter(name).shape[0])
-            ]
-            if all(source in stored for names in sources for source in names):
-                found[name] = (
-                    _FusedFromExperts([[view(source) for source in names] for names in sources]),
-                    [source for names in sources for source in names],
-                )
-        elif (match := _SPLIT_NAME.fullmatch(name)) and isinstance(model.get_submodule(match["experts"]), ExpertList):
-            source = f"{match['experts']}.{'down_proj' if match['kind'] == 'down_proj' else 'gate_up_proj'}"
-            if source in stored:
-                fused = view(source)
-                rows = fused.get_shape()[1] // (1 if match["kind"] == "down_proj" else 2)
-                first_row = rows if match["kind"] == "up_proj" else 0
-                found[name] = (_ExpertOfFused(fused, int(match["index"]), first_row, rows), [source])
+        match = _SPLIT_NAME.fullmatch(name)
+        if match is None or not isinstance(model.get_submodule(match["experts"]), ExpertList):
+            continue
+        fused = available.get(f"{match['experts']}.{'down_proj' if match['kind'] == 'down_proj' else 'gate_up_proj'}")
+        if fused is not None:
+            halves = 1 if match["kind"] == "down_proj" else 2
+            found[name] = (
+                partial(_expert_of_fused, fused.open, int(match["index"]), match["kind"], halves),
+                fused.sources,
+            )
     return found
+
+
+def _expert_of_fused(open_fused: Callable[[], Any], expert: int, kind: str, halves: int) -> _ExpertOfFused:
+    fused = open_fused()
+    rows = fused.get_shape()[1] // halves
+    return _ExpertOfFused(fused, expert, rows if kind == "up_proj" else 0, rows)
 
 
 def expert_modules(model: nn.Module, class_names: list[str]) -> list[str]:
@@ -260,3 +250,53 @@ def routed_shares(model: nn.Module) -> dict[int, float]:
         if is_moe_block(module)
         for param in cast(nn.Module, module.experts).parameters()
     }
+
+
+def gather_router_logits(model: nn.Module, group: ProcessGroup) -> None:
+    """Under Ulysses each rank routes its slice of the sequence, but the load-balancing loss multiplies per-expert
+    means over all of a micro-batch's tokens: slices' losses do not average to the sequence's. Each router (the
+    module transformers records `router_logits` from) hands the recorder the whole sequence's logits, all-gathered
+    with autograd (the gradient of each rank's own logits comes back summed over the ranks, as every rank adds the
+    same loss), while its routing stays on this rank's tokens: every rank computes the sequence's loss, as 1 rank."""
+    from torch.distributed.nn.functional import all_gather
+    from transformers import PreTrainedModel
+
+    recorders = [
+        getattr(module, "_can_record_outputs", None) or {}
+        for module in model.modules()
+        if isinstance(module, PreTrainedModel)
+    ]
+    for recorder in (r["router_logits"] for r in recorders if "router_logits" in r):
+        routers = [
+            name
+            for name, m in model.named_modules()
+            if (
+                isinstance(m, recorder.target_class)
+                if recorder.target_class
+                else type(m).__name__ == recorder.class_name
+            )
+        ]
+
+        def gathering(module: nn.Module, forward: Forward, index: int = recorder.index) -> Forward:
+            def forward_gathered(*args: Any, **kwargs: Any) -> Any:
+                outputs = list(cast(tuple, forward(*args, **kwargs)))
+                outputs[index] = _sequence_rows(
+                    torch.stack(all_gather(outputs[index].contiguous(), group=group)), group
+                )
+                return tuple(outputs)
+
+            return forward_gathered
+
+        replace_forward(model, routers, gathering)
+
+
+def _sequence_rows(gathered: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """The ranks' router logits [ranks, B x T/ranks, experts] as the rows of the micro-batch's real tokens, in
+    sequence order (padding left out: one rank counts no padding where the batch brings none, and masks the batch's
+    own, as transformers does with an attention mask)."""
+    real = real_tokens(group)
+    if real is None or real.numel() != gathered.shape[0] * gathered.shape[1]:
+        return gathered.flatten(0, 1)  # not a sequence this group cut: every row as it came
+    rows, length = real.shape
+    by_sequence = gathered.unflatten(1, (rows, length // gathered.shape[0])).transpose(0, 1).flatten(1, 2)
+    return by_sequence[real.to(gathered.device)]

@@ -96,10 +96,24 @@ def shard_sequence(batch: dict[str, torch.Tensor], group: ProcessGroup) -> dict[
         real = F.pad(real, (0, pad), value=False) if real is not None else None
     local = slice(rank * (length + pad) // size, (rank + 1) * (length + pad) // size)
     shard = {"input_ids": input_ids[:, local], "position_ids": positions[:, local], "labels": labels[:, local]}
+    tokens = torch.ones_like(input_ids, dtype=torch.bool)
+    tokens[:, length:] = False
+    _REAL_TOKENS[group] = tokens if real is None else tokens & real
     attend = _sequence_mask(positions, packed, real)
     if attend is not None:
         shard["attention_mask"] = attend[:, None]
     return shard
+
+
+# The real tokens ([B, T + padding], False at padding) of the micro-batch each sequence-parallel group shards last:
+# what a whole-sequence statistic over the group's tokens (MoE's load-balancing loss, parallel/moe.py) counts.
+_REAL_TOKENS: dict[ProcessGroup, torch.Tensor] = {}
+
+
+def real_tokens(group: ProcessGroup) -> torch.Tensor | None:
+    """Which tokens of the whole (padded) sequence the micro-batch `shard_sequence` last cut for `group` holds, as
+    [B, T + padding] booleans; None before any."""
+    return _REAL_TOKENS.get(group)
 
 
 def _sequence_mask(positions: torch.Tensor, packed: bool, real: torch.Tensor | None) -> torch.Tensor | None:
