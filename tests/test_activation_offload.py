@@ -174,3 +174,16 @@ def test_cuda_offload_lowers_the_peak_at_the_same_loss_and_near_the_speed():
     assert offloaded_loss == loss
     assert peak - offloaded_peak >= 0.4 * activations
     assert offloaded_speed >= 0.85 * speed
+
+
+def test_plan_traces_the_offloaded_activations_leaving_the_device():
+    """`fsdp2kit plan` traces activation offload as it runs on CUDA: the planned layers' saved activations leave the
+    device in forward (only the last layer's stay), so the predicted peak falls by most of the activations' share."""
+    from fsdp2kit.memory_plan import ConfigSource, predict
+
+    tiny = ["data.seq_len=512", "training.per_device_train_batch_size=2", "training.gradient_accumulation_steps=1"]
+    offload = ['strategy_args.strategy_config.activation_offload_modules=["model.layers.{*}"]']
+    plain = predict(ConfigSource("examples/demo.yaml", tiny, None, None), 1)
+    offloaded = predict(ConfigSource("examples/demo.yaml", [*tiny, *offload], None, None), 1)
+    activations = plain["categories"]["activation"]  # type: ignore[index]
+    assert offloaded["peak_bytes"] <= plain["peak_bytes"] - 0.4 * activations  # type: ignore[operator]
