@@ -4,6 +4,7 @@ loss, and weights in and out in both expert layouts (transformers loads the expo
 
 from __future__ import annotations
 
+import shutil
 import time
 
 import pytest
@@ -120,10 +121,11 @@ def logits_of(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
 
 
 def test_weights_move_between_expert_layouts_and_transformers(tmp_path):
-    """A split model's export (per-expert names, as Qwen3-MoE checkpoints store them) loads in transformers, which
-    fuses the experts, with the same logits. Our loader reads either layout into either kind of model, each rank
-    only its own rows (checked as rank 1 of 2)."""
+    """A split or fused model's export holds per-expert names, as Qwen3-MoE checkpoints store them and
+    save_pretrained writes them; transformers loads it, fusing the experts, with the same logits. Our loader reads
+    per-expert or fused files into either kind of model, each rank only its own rows (checked as rank 1 of 2)."""
     from safetensors import safe_open
+    from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
     input_ids = token_batch(2, 12)["input_ids"]
@@ -138,12 +140,18 @@ def test_weights_move_between_expert_layouts_and_transformers(tmp_path):
         "model.layers.1.mlp.experts.gate_up_proj"
     ]  # [experts, gate + up rows, hidden]
 
-    with process_group() as runtime:  # per-expert files into a fused model, exported with fused names
+    with process_group() as runtime:  # per-expert files into a fused model, exported as save_pretrained writes it
         fused = sharded_model(job({}, str(tmp_path / "per_expert"), config={}), runtime, training=False)
         torch.testing.assert_close(logits_of(fused.model, input_ids), logits, rtol=1e-5, atol=1e-5)
-        export_hf(fused.model, tmp_path / "fused", fused.source.tokenizer_path, "fp32", is_main=True)
-    with safe_open(tmp_path / "fused" / "model.safetensors", "pt") as handle:
-        assert "model.layers.1.mlp.experts.gate_up_proj" in handle.keys()
+        export_hf(fused.model, tmp_path / "fused_export", fused.source.tokenizer_path, "fp32", is_main=True)
+    with (
+        safe_open(tmp_path / "fused_export" / "model.safetensors", "pt") as exported,
+        safe_open(tmp_path / "per_expert" / "model.safetensors", "pt") as per_expert,
+    ):
+        assert sorted(exported.keys()) == sorted(per_expert.keys())  # per-expert names, whatever the model holds
+    shutil.copytree(tmp_path / "per_expert", tmp_path / "fused")  # a folder holding fused tensors
+    (tmp_path / "fused" / "model.safetensors").unlink()
+    save_file(hf_model.state_dict(), str(tmp_path / "fused" / "model.safetensors"))
     with process_group() as runtime:  # fused files into a split model
         model = sharded_model(job(PER_EXPERT, str(tmp_path / "fused"), config={}), runtime, training=False).model
         torch.testing.assert_close(logits_of(model, input_ids), logits, rtol=1e-5, atol=1e-5)
