@@ -484,3 +484,28 @@ def test_empty_answers_and_system_only_conversations_train_nothing_and_are_count
     assert len(samples) == 1 and "3 conversations have no token to train on" in capsys.readouterr().out
     trained = tokenizer.decode(samples[0].tokens[samples[0].trained])
     assert trained.startswith("a real answer")
+
+
+@pytest.mark.parametrize(
+    "template, seconds, message",
+    [
+        (
+            "{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}",
+            1,
+            "took more than 1 s; the template loops without bound",
+        ),
+        ("{{ 'x' * 3000000 }}", 60, "more than 1,000,000; it writes text of its own without bound"),
+    ],
+    ids=["nested_loops", "huge_string"],
+)
+def test_a_template_that_renders_without_bound_is_one_line(template, seconds, message, monkeypatch):
+    """Jinja's sandbox blocks escapes, not work: nested range(100000) loops ran for hours and a huge string was
+    killed for memory. Each rendering is bounded in time (10 s; 1 s here for the loops) and in length (256M
+    characters; 1M here)."""
+    import fsdp2kit.data.chat as chat
+
+    monkeypatch.setattr(chat, "RENDER_SECONDS", seconds)
+    monkeypatch.setattr(chat, "MAX_RENDERED_CHARS", 1_000_000)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir())
+    with pytest.raises(UserError, match=re.escape(message)):
+        ChatTemplate(tokenizer, template + "{% for m in messages %}{{ m['content'] }}{% endfor %}")

@@ -18,7 +18,11 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,6 +41,41 @@ _SHAREGPT_ROLES = {
     "observation": "tool",
     "tool": "tool",
 }
+# A template is code from a file: what one rendering may cost. Jinja's sandbox blocks escapes, not loops (nested
+# range(100000) runs for hours) nor {{ 'x' * 10**9 }}; a conversation is at most data.max_document_bytes of JSON.
+RENDER_SECONDS = 10
+MAX_RENDERED_CHARS = 256 << 20
+
+
+class _RenderTimeout(BaseException):
+    """Raised by the alarm inside a rendering; a BaseException so that no `except Exception` in between eats it."""
+
+
+@contextmanager
+def _time_limit(seconds: int) -> Iterator[None]:
+    """An alarm that interrupts the block after `seconds`, where signals can be used (the main thread). An alarm set
+    by someone else (a harness's timeout) is kept: it is re-armed afterwards with what was left of it, and where it
+    comes first, it alone bounds the block."""
+    start = time.monotonic()
+    remaining, interval = signal.getitimer(signal.ITIMER_REAL)
+    if threading.current_thread() is not threading.main_thread() or 0 < remaining <= seconds:
+        yield
+        return
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise _RenderTimeout
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        if remaining:
+            signal.setitimer(signal.ITIMER_REAL, max(remaining - (time.monotonic() - start), 1e-3), interval)
+
+
 _PROBE_QUESTION, _PROBE_ANSWER = "fsdp2kit-probe-question", "fsdp2kit-probe-answer"
 
 # ROLL's, MindSpeed-MM's and LLaMA-Factory's template names, and the model types (config.json) whose own template
@@ -319,15 +358,27 @@ class ChatTemplate:
 
     def render(self, messages: list[dict], tools: list | None = None, generation_prompt: bool = False) -> str:
         try:
-            return self.tokenizer.apply_chat_template(
-                messages,
-                tools=tools,
-                chat_template=self.template,
-                tokenize=False,
-                add_generation_prompt=generation_prompt,
-            )
+            with _time_limit(RENDER_SECONDS):
+                text = self.tokenizer.apply_chat_template(
+                    messages,
+                    tools=tools,
+                    chat_template=self.template,
+                    tokenize=False,
+                    add_generation_prompt=generation_prompt,
+                )
+        except _RenderTimeout:
+            raise UserError(
+                f"data.chat_template: rendering one conversation took more than {RENDER_SECONDS} s; the template "
+                "loops without bound"
+            ) from None
         except Exception as exc:  # jinja raises TemplateError, and templates raise_exception with their own words
             raise UserError(f"data.chat_template: rendering a conversation failed: {exc}") from None
+        if len(text) > MAX_RENDERED_CHARS:
+            raise UserError(
+                f"data.chat_template: the template renders one conversation as {len(text):,} characters, more than "
+                f"{MAX_RENDERED_CHARS:,}; it writes text of its own without bound"
+            )
+        return text
 
     def _end_of_turn(self) -> str:
         """What the template writes after an assistant turn's text (`<|im_end|>`, `<|eot_id|>`, EOS), without the
