@@ -4,6 +4,7 @@ samples, max_samples, and one-sentence errors for a bad source."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -311,3 +312,21 @@ def test_a_folder_of_data_files_is_read_as_load_dataset_reads_it(tmp_path):
     write_jsonl(folder / ".cache.jsonl", [{"text": "hidden"}])
     texts = [str(d) for d in load_documents(DataConfig(source=str(folder)))]
     assert texts == ["one", "two"]
+
+
+def test_a_llamafactory_data_folder_is_named_not_trained_as_its_registry(tmp_path):
+    """A LLaMA-Factory data folder (dataset_info.json naming its datasets, as LLaMA-Factory's own `data/` folder)
+    was taken for a `save_to_disk` folder (FileNotFoundError); read as a folder of files it would train on the
+    registry itself. It is one line naming its datasets."""
+    import shutil
+
+    fixtures = Path(__file__).parent / "fixtures" / "llamafactory"
+    shutil.copy(fixtures / "alpaca_en_demo.json", tmp_path / "alpaca_en_demo.json")
+    registry = {"alpaca_en_demo": {"file_name": "alpaca_en_demo.json"}, "itself": {"file_name": "dataset_info.json"}}
+    (tmp_path / "dataset_info.json").write_text(json.dumps(registry))
+    with pytest.raises(UserError) as error:
+        load_documents(DataConfig(source=str(tmp_path)))
+    assert str(error.value) == (
+        f"data.source: '{tmp_path}' is a LLaMA-Factory data folder (its dataset_info.json names datasets: "
+        "alpaca_en_demo, itself); give the data file of the dataset to train on, and data.format for its form"
+    )

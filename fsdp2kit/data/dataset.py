@@ -60,6 +60,7 @@ def _files_of(source: str | list[str]) -> list[Path]:
     elif _saved_dataset(source):
         return sorted(f for f in Path(source).rglob("*") if f.is_file())
     elif Path(source).is_dir():
+        _refuse_dataset_registry(Path(source))
         files = _folder_files(Path(source))
     else:
         files = sorted(glob.glob(source)) if any(c in source for c in "*?[") else [source]
@@ -73,10 +74,32 @@ def _files_of(source: str | list[str]) -> list[Path]:
 
 
 def _saved_dataset(source: object) -> bool:
-    """A folder written by `Dataset.save_to_disk` (read with load_from_disk), not a folder of data files."""
+    """A folder written by `Dataset.save_to_disk` (read with load_from_disk), not a folder of data files: its
+    dataset_info.json comes with a state.json (a DatasetDict's folder has dataset_dict.json)."""
     if not isinstance(source, str) or not Path(source).is_dir():
         return False
-    return (Path(source) / "dataset_info.json").exists() or (Path(source) / "dataset_dict.json").exists()
+    folder = Path(source)
+    return ((folder / "dataset_info.json").exists() and (folder / "state.json").exists()) or (
+        folder / "dataset_dict.json"
+    ).exists()
+
+
+def _refuse_dataset_registry(folder: Path) -> None:
+    """A LLaMA-Factory data folder: its dataset_info.json names datasets by key (file_name, formatting, columns),
+    which fsdp2kit does not read; read whole, the registry itself would be trained on as data."""
+    registry = folder / "dataset_info.json"
+    if not registry.is_file():
+        return
+    try:  # only to name a few of its datasets: a file too large or too deep to read names none
+        raw = registry.read_bytes() if registry.stat().st_size <= 1 << 20 else b""
+        names = list(json.loads(raw))[:5] if raw and not json_depth_exceeds(raw, MAX_JSON_DEPTH) else []
+    except (ValueError, TypeError, OSError):
+        names = []
+    raise UserError(
+        f"data.source: '{folder}' is a LLaMA-Factory data folder (its dataset_info.json names datasets"
+        + (f": {', '.join(map(str, names))}" if names else "")
+        + "); give the data file of the dataset to train on, and data.format for its form"
+    )
 
 
 _SPLIT_WORDS = re.compile(r"(?:^|[-_./])(test|testing|eval|valid|validation|dev)(?:$|[-_./\d])")
