@@ -151,11 +151,9 @@ def test_missing_or_unreadable_images_and_packing_are_refused(dataset, tmp_path)
     (tmp_path / "images" / "000.png").write_bytes(b"not a png")
     broken = tmp_path / "broken.jsonl"
     broken.write_text(lines[0] + "\n")
-    with process_group() as runtime:
-        sharded = sharded_model(job(), runtime, training=False, materialize=False)
-    encoder, conversations = encoder_and_conversations(sharded, broken)
+    # Found when the data is read (prepare, the start of a run), not first when the sample is drawn.
     with pytest.raises(UserError, match=r"record 1 of '.*broken.jsonl': image '.*images/000.png' cannot be read"):
-        encoder.encode(conversations[0])
+        load_conversations(DataConfig(source=str(broken), pack=False))
     with pytest.raises(UserError, match="data.pack: vision-language samples are not packed"):
         load_conversations(DataConfig(source=str(broken), pack=True))
 

@@ -161,6 +161,7 @@ def _read_conversations(source: Path, cfg: DataConfig) -> list[Conversation]:
         for path in conversation.images:
             if not path.is_file():
                 raise UserError(f"data.source: {where} names image '{path}', which does not exist")
+            _read_image(path, where, decode=False)
         conversations.append(conversation)
     return conversations
 
@@ -172,7 +173,9 @@ MAX_IMAGE_PIXELS = 100_000_000
 MAX_IMAGE_ASPECT = 200
 
 
-def _read_image(path: Path, where: str) -> Any:
+def _read_image(path: Path, where: str, decode: bool = True) -> Any:
+    """The image as RGB; without `decode`, only its header is read and checked (every image a dataset names is
+    checked so when the data is read, not first when a sample is drawn)."""
     from PIL import Image, UnidentifiedImageError
 
     try:
@@ -188,7 +191,7 @@ def _read_image(path: Path, where: str) -> Any:
                     f"data.source: {where}: image '{path}' is {width} x {height} pixels, one side more than "
                     f"{MAX_IMAGE_ASPECT} times the other; crop or pad it"
                 )
-            return image.convert("RGB")
+            return image.convert("RGB") if decode else None
     except (OSError, UnidentifiedImageError, Image.DecompressionBombError) as exc:
         raise UserError(f"data.source: {where}: image '{path}' cannot be read: {exc}") from None
 
