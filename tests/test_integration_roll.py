@@ -32,7 +32,7 @@ from fsdp2kit.integrations.roll import RollStrategy
 ROWS, PROMPT, RESPONSE = 4, 5, 6
 MICRO, ACCUMULATION, INFER_MICRO = 1, 2, 2
 LEARNING_RATE, CLIP, KL_COEF, ENTROPY_COEF, STEPS = 1e-3, 1.0, 0.1, 0.01, 2
-OPTIMIZER_STEPS = STEPS * ROWS // (MICRO * ACCUMULATION)
+BACKWARD_ROWS = MICRO * ACCUMULATION  # the rows of one optimizer step on one rank
 
 
 class OffloadStateType(str, Enum):  # noqa: UP042 (roll/utils/offload_states.py, as ROLL writes it)
@@ -181,9 +181,13 @@ def plain_outputs(model, batch) -> tuple[torch.Tensor, torch.Tensor]:
     return log_softmax.gather(-1, batch["input_ids"][:, 1:, None]).squeeze(-1), entropy
 
 
-def reference(model_dir) -> dict:
-    """ROLL's update in plain PyTorch: each backward batch's token-mean loss, one clipped AdamW step, the cosine
-    schedule (fsdp2kit's formula over the run's optimizer steps) stepped after each."""
+def optimizer_steps(ranks: int) -> int:
+    return STEPS * ROWS // (BACKWARD_ROWS * ranks)
+
+
+def reference(model_dir, ranks: int = 1) -> dict:
+    """ROLL's update in plain PyTorch: each global backward batch's (BACKWARD_ROWS x ranks rows) token-mean loss, one
+    clipped AdamW step, the cosine schedule (fsdp2kit's formula over the run's optimizer steps) stepped after each."""
     from transformers import AutoModelForCausalLM
 
     from fsdp2kit.train.optim import lr_factor
@@ -197,8 +201,8 @@ def reference(model_dir) -> dict:
         with torch.no_grad():
             old = plain_outputs(model, data)[0] * mask
         record["old"].append(old)
-        for start in range(0, ROWS, MICRO * ACCUMULATION):
-            rows = slice(start, start + MICRO * ACCUMULATION)
+        for start in range(0, ROWS, BACKWARD_ROWS * ranks):
+            rows = slice(start, start + BACKWARD_ROWS * ranks)
             batch = {key: value[rows] for key, value in data.items()}
             log_probs, entropy = plain_outputs(model, batch)
             log_probs = log_probs * mask[rows]
@@ -214,7 +218,7 @@ def reference(model_dir) -> dict:
             record["pg"].append(float(pg.detach()))
             done = len(record["grad_norm"])
             for group in optimizer.param_groups:
-                group["lr"] = LEARNING_RATE * lr_factor(done, OPTIMIZER_STEPS, 0, "cosine")
+                group["lr"] = LEARNING_RATE * lr_factor(done, optimizer_steps(ranks), 0, "cosine")
         record["lr"].append(optimizer.param_groups[0]["lr"])
     record["weights"] = model.state_dict()
     return record
@@ -225,13 +229,13 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory):
     return tiny_llama(tmp_path_factory.mktemp("roll") / "model")
 
 
-def config(model_dir, output_dir) -> dict:
+def config(model_dir, output_dir, ranks: int = 1) -> dict:
     return {
         "model": {"name_or_path": str(model_dir)},
         "training": {
             "learning_rate": LEARNING_RATE,
             "lr_scheduler_type": "cosine",
-            "max_steps": OPTIMIZER_STEPS,
+            "max_steps": optimizer_steps(ranks),
             "max_grad_norm": CLIP,
             "per_device_train_batch_size": MICRO,
             "gradient_accumulation_steps": ACCUMULATION,
@@ -240,39 +244,55 @@ def config(model_dir, output_dir) -> dict:
     }
 
 
-def test_roll_s_actor_worker_calls_equal_plain_pytorch(model_dir, tmp_path):
+def replay(model_dir, output_dir, rank: int = 0, ranks: int = 1, checkpoints: bool = True) -> dict:
+    """The ActorWorker's calls for STEPS RL steps on this rank's contiguous share of each rollout (with
+    do_checkpoint after each where `checkpoints`): what it saw, and the rollout model that model_update fed."""
     from transformers import AutoModelForCausalLM
 
-    expected = reference(model_dir)
     rollout_model = Rollout(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32))
     got: dict = {"old": [], "pg": [], "grad_norm": [], "lr": []}
-    try:
-        worker = ActorWorker(RollStrategy.from_config(config(model_dir, tmp_path), entropy_loss=True), tmp_path)
-        worker.strategy.setup_model_update(rollout_model, "actor_infer")
-        for step in range(STEPS):
-            data = rollout(step)
-            old = worker.compute_log_probs(data)
-            got["old"].append(old)
-            data.batch["old_log_probs"] = old
-            data.batch["ref_log_probs"] = old + data.batch["ref_noise"]
-            metrics = worker.train_step(data)
-            got["pg"] += [value for call in metrics["actor/pg_loss"] for value in call]
-            got["grad_norm"] += metrics["actor_train/grad_norm"]
-            got["lr"].append(metrics["actor/lr"])
-            worker.strategy.model_update("actor_infer", bucket_mb=1)
+    worker = ActorWorker(RollStrategy.from_config(config(model_dir, output_dir, ranks), entropy_loss=True), output_dir)
+    worker.strategy.setup_model_update(rollout_model, "actor_infer")
+    share = ROWS // ranks
+    for step in range(STEPS):
+        whole = rollout(step)
+        data = DataProto(whole.batch[rank * share : (rank + 1) * share], meta_info=whole.meta_info)
+        old = worker.compute_log_probs(data)
+        got["old"].append(old)
+        data.batch["old_log_probs"] = old
+        data.batch["ref_log_probs"] = old + data.batch["ref_noise"]
+        metrics = worker.train_step(data)
+        got["pg"] += [value for call in metrics["actor/pg_loss"] for value in call]
+        got["grad_norm"] += metrics["actor_train/grad_norm"]
+        got["lr"].append(metrics["actor/lr"])
+        worker.strategy.model_update("actor_infer", bucket_mb=1)
+        if checkpoints:
             assert worker.do_checkpoint(step + 1) == {}
+    got.update(received=rollout_model.received, buckets=rollout_model.buckets, rollout=rollout_model.model.state_dict())
+    return got
+
+
+def assert_same_as_plain(got: dict, expected: dict, rows: slice) -> None:
+    """Old log-probs (of these rows), gradient norms, learning rates and the rollout model's weights."""
+    for old, want in zip(got["old"], expected["old"], strict=True):
+        torch.testing.assert_close(old, want[rows], rtol=0, atol=1e-5)
+    assert got["grad_norm"] == pytest.approx(expected["grad_norm"], abs=1e-5)
+    assert got["lr"] == pytest.approx(expected["lr"], abs=1e-12)
+    assert got["received"] == set(expected["weights"]) and got["buckets"] > 1
+    for name, tensor in expected["weights"].items():
+        torch.testing.assert_close(got["rollout"][name], tensor, rtol=0, atol=1e-5, msg=name)
+
+
+def test_roll_s_actor_worker_calls_equal_plain_pytorch(model_dir, tmp_path):
+    expected = reference(model_dir)
+    try:
+        got = replay(model_dir, tmp_path)
     finally:
         shutdown()
-    for old, want in zip(got["old"], expected["old"], strict=True):
-        torch.testing.assert_close(old, want, rtol=0, atol=1e-5)
+    assert_same_as_plain(got, expected, slice(None))
     # ROLL's pg_loss metric is per micro-batch (normalised by the backward batch's tokens): pairs sum to the batch's
     pairs = [sum(got["pg"][i : i + ACCUMULATION]) for i in range(0, len(got["pg"]), ACCUMULATION)]
     assert pairs == pytest.approx(expected["pg"], abs=1e-5)
-    assert got["grad_norm"] == pytest.approx(expected["grad_norm"], abs=1e-5)
-    assert got["lr"] == pytest.approx(expected["lr"], abs=1e-12)
-    assert rollout_model.received == set(expected["weights"]) and rollout_model.buckets > 1
-    for name, tensor in expected["weights"].items():
-        torch.testing.assert_close(rollout_model.model.state_dict()[name], tensor, rtol=0, atol=1e-5, msg=name)
     assert sorted(p.name for p in (tmp_path / "actor_train").iterdir()) == ["checkpoint-1", "checkpoint-2"]
 
 

@@ -173,29 +173,44 @@ def reference(model_dir) -> dict:
     return record
 
 
-def train_as_verl_does(engine: VerlEngine) -> dict:
-    """engine_workers.py's calls per RL step: infer_batch (old log-probs) in eval_mode; in train_mode, train_batch per
-    mini-batch (two micro-batches each, by token budget), lr_scheduler_step after the last."""
+def train_as_verl_does(engine: VerlEngine, rank: int = 0, ranks: int = 1) -> dict:
+    """engine_workers.py's calls per RL step on this rank's rows (every ranks-th; so each global mini-batch is the
+    ranks' local mini-batches): infer_batch (old log-probs) in eval_mode; in train_mode, train_batch per mini-batch
+    (one micro-batch per row, by token budget), lr_scheduler_step after the last. Losses: the global mini-batch's."""
     record: dict = {"old": [], "losses": [], "grad_norms": [], "metrics": []}
+    local_rows = MINI_BATCH_ROWS // ranks
     for step in range(RL_STEPS):
-        data = verl_batch(step, use_dynamic_bsz=False, micro_batch_size_per_gpu=2)
+        data = verl_batch(step, use_dynamic_bsz=False, micro_batch_size_per_gpu=2)[rank::ranks]
         with engine.eval_mode():
             old = engine.infer_batch(data)["model_output"]["log_probs"]
         record["old"].append(old)
         data["old_log_probs"] = old
         with engine.train_mode():
-            for start in range(0, ROWS, MINI_BATCH_ROWS):
-                mini = data[start : start + MINI_BATCH_ROWS]
+            for start in range(0, len(data), local_rows):
+                mini = data[start : start + local_rows]
                 tokens = int(mini["input_ids"].offsets()[-1])
                 mini.set_non_tensor("use_dynamic_bsz", True)
                 mini.set_non_tensor("max_token_len_per_gpu", tokens - 1)  # one row per micro-batch
                 mini.set_non_tensor("calculate_entropy", True)  # the entropy bonus, with autograd
                 output = engine.train_batch(mini, loss_function=verl_ppo_loss)
-                record["losses"].append(sum(output["loss"]))
+                loss = torch.tensor(sum(output["loss"]), dtype=torch.float64)
+                torch.distributed.all_reduce(loss)  # verl's worker averages the ranks' summed losses
+                record["losses"].append(float(loss) / ranks)
                 record["grad_norms"].append(output["metrics"]["grad_norm"])
                 record["metrics"].append(output["metrics"])
         record["lr"] = engine.lr_scheduler_step()
+    record["weights"] = {name: tensor.clone() for name, tensor in engine.get_per_tensor_param()[0]}
     return record
+
+
+def assert_same_as_plain(got: dict, expected: dict) -> None:
+    """Losses, gradient norms, the learning rate after the run and the final weights."""
+    assert got["losses"] == pytest.approx(expected["losses"], abs=1e-5)
+    assert got["grad_norms"] == pytest.approx(expected["grad_norms"], abs=1e-5)
+    assert got["lr"] == pytest.approx(0.0)  # the cosine over 2 RL steps, stepped twice
+    assert sorted(got["weights"]) == sorted(expected["weights"])
+    for name, tensor in expected["weights"].items():
+        torch.testing.assert_close(got["weights"][name], tensor, rtol=0, atol=1e-5, msg=name)
 
 
 @pytest.fixture(scope="module")
@@ -209,7 +224,6 @@ def test_verl_s_training_calls_equal_plain_pytorch(model_dir, tmp_path):
     try:
         engine.initialize()
         got = train_as_verl_does(engine)
-        weights = {name: tensor.clone() for name, tensor in engine.get_per_tensor_param()[0]}
     finally:
         shutdown()
     for old, want in zip(got["old"], expected["old"], strict=True):
@@ -217,13 +231,8 @@ def test_verl_s_training_calls_equal_plain_pytorch(model_dir, tmp_path):
         assert torch.all(old.to_padded_tensor(1.0)[torch.arange(ROWS), lengths - 1] == 0)  # last position: 0
         predicting = torch.arange(want.shape[1])[None] < lengths[:, None] - 1
         torch.testing.assert_close(old.to_padded_tensor(0.0)[:, :-1], want * predicting, atol=1e-5, rtol=0)
-    assert got["losses"] == pytest.approx(expected["losses"], abs=1e-5)
-    assert got["grad_norms"] == pytest.approx(expected["grad_norms"], abs=1e-5)
+    assert_same_as_plain(got, expected)
     assert all(len(m["actor/pg_loss"]) == 2 for m in got["metrics"])  # one per micro-batch, from the real call
-    assert got["lr"] == pytest.approx(0.0)  # the cosine over 2 RL steps, stepped twice
-    assert sorted(weights) == sorted(expected["weights"])
-    for name, tensor in expected["weights"].items():
-        torch.testing.assert_close(weights[name], tensor, rtol=0, atol=1e-5, msg=name)
 
 
 def test_engine_calls_beside_the_step(model_dir, tmp_path):

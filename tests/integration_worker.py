@@ -1,0 +1,28 @@
+"""One rank of the verl and ROLL adapters for tests/test_integration_ranks.py, launched as `python
+tests/integration_worker.py MODEL_DIR OUT` under torchrun's environment: the rank replays verl's TrainingWorker and
+ROLL's ActorWorker calls on its share of each batch; rank 0 saves what both saw to OUT."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+from test_integration_roll import replay
+from test_integration_verl import RL_STEPS, VerlEngine, train_as_verl_does, verl_configs
+
+
+def run(model_dir: str, out: str) -> None:
+    rank, ranks = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    engine = VerlEngine(**verl_configs(model_dir, RL_STEPS), overrides=(f"training.output_dir={out}.verl",))
+    engine.initialize()
+    verl = train_as_verl_does(engine, rank, ranks)
+    verl.update(old=None, metrics=None, dp=(engine.get_data_parallel_rank(), engine.get_data_parallel_size()))
+    roll = replay(model_dir, Path(out + ".roll"), rank, ranks, checkpoints=False)  # saves: tested at one rank
+    if rank == 0:
+        torch.save({"verl": verl, "roll": roll}, out)
+
+
+if __name__ == "__main__":
+    run(*sys.argv[1:3])
