@@ -10,7 +10,13 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from fsdp2kit.parallel.linear_cross_entropy import LOGITS_BUDGET_BYTES, budget_chunk_tokens, linear_cross_entropy
+from fsdp2kit.parallel import linear_cross_entropy as module
+from fsdp2kit.parallel.linear_cross_entropy import (
+    LOGITS_BUDGET_BYTES,
+    Cap,
+    budget_chunk_tokens,
+    linear_cross_entropy,
+)
 
 TOKENS, HIDDEN, VOCAB = 70, 24, 300
 
@@ -103,3 +109,50 @@ def test_chunks_are_sized_by_memory():
     for vocab in (40000, 128256, 262144):
         assert 4 * vocab * budget_chunk_tokens(vocab) <= LOGITS_BUDGET_BYTES
     assert budget_chunk_tokens(10**9) == 1
+
+
+def test_a_cpu_keeps_the_exact_chunks_where_a_fused_kernel_is_installed(monkeypatch):
+    """liger's kernel (the `cuda` extra) is for CUDA tensors only: here the chunks run even when it is importable."""
+    calls = []
+    monkeypatch.setattr(module, "_liger_kernel", lambda: lambda *a, **k: calls.append(a))
+    hidden, weight, bias, targets = head_case()
+    loss = linear_cross_entropy(hidden, weight, bias, targets, 16, plain_linear(weight, bias), Cap())
+    assert not calls and float(loss) == pytest.approx(float(reference(hidden, weight, bias, targets)[0]), rel=1e-6)
+
+
+def softcapped_linear(weight: torch.Tensor, cap: float):
+    def logits_of(part: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        squashed = torch.tanh(F.linear(part, weight).float() / cap)
+        return squashed * cap, 1 - squashed.square()
+
+    return logits_of
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("softcap", [None, 30.0])
+def test_bf16_on_cuda_is_the_float32_loss_within_bf16(fused, softcap):
+    """bf16 on CUDA, a 128k-vocabulary head: the chunks (no Cap) and liger's fused kernel (a Cap; skipped where
+    liger-kernel is not installed) give the float32 whole-logits loss and gradients within bf16 rounding."""
+    if fused:
+        pytest.importorskip("liger_kernel")
+    generator = torch.Generator().manual_seed(0)
+    hidden32 = torch.randn(4096, 512, generator=generator).cuda()
+    weight32 = (torch.randn(128256, 512, generator=generator) * 512**-0.5).cuda()
+    targets = torch.randint(0, 128256, (4096,), generator=generator).cuda()
+    targets[::7] = -100
+    hidden, weight = (t.bfloat16().requires_grad_() for t in (hidden32, weight32))
+    logits_of = plain_linear(weight, None) if softcap is None else softcapped_linear(weight, softcap)
+    cap = Cap(softcap) if fused else None
+    loss = linear_cross_entropy(hidden, weight, None, targets, budget_chunk_tokens(128256), logits_of, cap)
+    loss.backward()
+    reference32 = [t.clone().requires_grad_() for t in (hidden32, weight32)]
+    logits = F.linear(*reference32).float()
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    expected = F.cross_entropy(logits, targets, reduction="sum")
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), rtol=2e-3, atol=1.0)
+    for got, want in ((hidden.grad, reference32[0].grad), (weight.grad, reference32[1].grad)):
+        scale = float(want.abs().max())
+        torch.testing.assert_close(got.float(), want, rtol=0, atol=2e-2 * scale)

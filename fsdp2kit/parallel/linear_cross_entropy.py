@@ -7,11 +7,19 @@ What keeps it as fast as the unchunked loss: chunks are sized by memory (`LOGITS
 chunk), not by a fixed token count, so a step has few of them; the weight's gradient is accumulated in place in the
 weight's own dtype (`addmm_` into one buffer: exact for float32 weights, one rounding a chunk for bf16 ones, as a
 bf16 matmul rounds anyway) instead of a float32 copy per chunk; backward scales the buffers in place; and a forward
-without autograd (evaluation) computes no gradients at all."""
+without autograd (evaluation) computes no gradients at all.
+
+On CUDA, where liger-kernel is installed (`pip install fsdp2kit[cuda]`), its fused linear cross-entropy computes the
+same thing with one Triton kernel a chunk for the softmax, loss and gradient (where the chunks here make five passes
+over a chunk's logits), for heads whose logits go through at most a soft-cap (`Cap`); elsewhere, and on a CPU, the
+chunks here run."""
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cache
 from typing import Any
 
 import torch
@@ -28,6 +36,14 @@ LOGITS_BUDGET_BYTES = 1 << 30
 ChunkLogits = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor | float | None]]
 
 
+@dataclass(frozen=True)
+class Cap:
+    """The head's logits go through at most a soft-cap (cap x tanh(z / cap); None: nothing), which a fused kernel can
+    apply. A head whose logits are scaled has no Cap: only the chunks here reproduce it."""
+
+    softcap: float | None = None
+
+
 def budget_chunk_tokens(vocab_size: int, budget_bytes: int = LOGITS_BUDGET_BYTES) -> int:
     """Tokens a chunk of a `vocab_size` head may hold within `budget_bytes` of float32 logits, rounded down to a
     multiple of 256 (matmul-friendly) where the budget allows that many."""
@@ -42,13 +58,30 @@ def linear_cross_entropy(
     targets: torch.Tensor,
     chunk: int,
     logits_of: ChunkLogits,
+    cap: Cap | None = None,
 ) -> torch.Tensor:
     """-sum(log p(targets)) of the flat hidden states [N, H] (IGNORE_INDEX targets count nothing), float32, `chunk`
-    tokens at a time; with autograd on, its gradients come from the same pass."""
+    tokens at a time; with autograd on, its gradients come from the same pass (liger's kernel where `cap` allows)."""
     gradients = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
     if not gradients:
         return _LinearCrossEntropy.forward(None, hidden, weight, bias, targets, chunk, logits_of)
+    fused = _liger_kernel() if hidden.is_cuda and hidden.dtype == weight.dtype else None
+    if fused is not None and cap is not None:
+        loss = fused(
+            hidden, weight, targets, bias=bias, ignore_index=IGNORE_INDEX, reduction="sum", softcap=cap.softcap
+        )
+        return loss.float()
     return _LinearCrossEntropy.apply(hidden, weight, bias, targets, chunk, logits_of)
+
+
+@cache
+def _liger_kernel() -> Callable | None:
+    """liger-kernel's fused linear cross-entropy, where the package is installed (the `cuda` extra)."""
+    if importlib.util.find_spec("liger_kernel") is None:
+        return None
+    from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+    return liger_fused_linear_cross_entropy
 
 
 class _LinearCrossEntropy(torch.autograd.Function):

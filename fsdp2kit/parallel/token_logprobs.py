@@ -28,7 +28,7 @@ from torch.distributed.fsdp import FSDPModule
 from fsdp2kit.errors import UserError
 from fsdp2kit.labels import IGNORE_INDEX
 from fsdp2kit.parallel.forward_patch import Forward, replace_forward
-from fsdp2kit.parallel.linear_cross_entropy import budget_chunk_tokens, linear_cross_entropy
+from fsdp2kit.parallel.linear_cross_entropy import Cap, budget_chunk_tokens, linear_cross_entropy
 
 _REQUEST = "_fsdp2kit_token_request"
 _AFTER_HEAD = "_fsdp2kit_after_head"
@@ -208,7 +208,8 @@ def _chunked(
     step = max(1, request.chunk_tokens or flat_targets.numel())
     if request.summed:
         logits_of = partial(_logits, weight=weight, bias=bias, after=after)
-        return linear_cross_entropy(flat_hidden, weight, bias, flat_targets, step, logits_of)
+        cap = Cap(after.softcap) if after.scale == 1 else None  # a fused kernel knows soft-caps, not scales
+        return linear_cross_entropy(flat_hidden, weight, bias, flat_targets, step, logits_of, cap)
     temperature = _token_temperature(request.temperature, batch, length)
     log_probs, entropies = [], []
     for start in range(0, flat_targets.numel(), step):
