@@ -78,10 +78,10 @@ def family_folder(root: Path, family: Family) -> Path:
     return folder
 
 
-def zoo_config(folder: Path, output_dir: Path) -> dict[str, Any]:
+def zoo_config(folder: Path, output_dir: Path, ulysses: int = 1) -> dict[str, Any]:
     """The Strategy config every family trains with: one AdamW step at a constant learning rate."""
     return {
-        "model": {"name_or_path": str(folder)},
+        "model": {"name_or_path": str(folder), "ulysses_size": ulysses},
         "training": {
             "learning_rate": LEARNING_RATE,
             "lr_scheduler_type": "constant",
