@@ -163,4 +163,4 @@ def _flex_attention(device_type: str) -> Callable:
 def _compiled_flex_attention() -> Callable:
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention, dynamic=False)
+    return torch.compile(flex_attention)  # shapes that change (API batches) turn dynamic after one recompile
