@@ -157,10 +157,12 @@ def _forward_backward(
     return sums
 
 
-def agree_on_micro_batch_count(count: int) -> None:
-    """Every rank must run as many micro-batches (each is a round of collectives): checked before the first, on the
-    host (a CPU tensor: no wait for the device), so that unequal counts are one error on every rank, not a hang."""
-    extremes = torch.tensor([count, -count], dtype=torch.int64)
+def agree_on_micro_batch_count(count: int, device: torch.device) -> None:
+    """Every rank must run as many micro-batches (each is a round of collectives): checked before the first, so that
+    unequal counts are one error on every rank, not a hang. On the host (a CPU tensor: no wait for the device) where
+    the process group has a CPU backend (ours: gloo beside NCCL), else on `device` (a caller's NCCL-only group)."""
+    on_host = any(name in str(dist.get_backend()) for name in ("gloo", "fake"))
+    extremes = torch.tensor([count, -count], dtype=torch.int64, device="cpu" if on_host else device)
     dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
     most, negated_fewest = extremes.tolist()
     fewest = -negated_fewest
@@ -201,7 +203,7 @@ def train_step(
     marks)."""
     loss = loss if loss is not None else TokenCrossEntropy()
     world_size, sp_size = dist.get_world_size(), sp_group.size() if sp_group is not None else 1
-    agree_on_micro_batch_count(len(micro_batches))
+    agree_on_micro_batch_count(len(micro_batches), micro_batches[0]["input_ids"].device)
     tokens = torch.stack([input_token_count(mb) for mb in micro_batches]).sum().double()
     known = [loss.weight(i, mb) for i, mb in enumerate(micro_batches)]
     run = _Accumulation(
