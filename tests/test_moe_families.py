@@ -174,6 +174,21 @@ def test_a_save_pretrained_folder_loads_trains_and_exports_as_transformers_write
     torch.testing.assert_close(result["log_probs"], probe, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])  # renamed and fused; fused
+def test_convert_to_dcp_and_back_gives_the_save_pretrained_tensors(family, folders, tmp_path):
+    """`convert --to dcp` fuses the experts into the model's own names (a DCP checkpoint holds those); `--to hf`
+    writes save_pretrained's per-expert tensors again, bit for bit."""
+    from fsdp2kit.checkpoint.convert import convert
+    from fsdp2kit.checkpoint.dcp_io import model_tensors
+
+    convert(folders[family], tmp_path / "dcp", "dcp")
+    assert "model.layers.1.mlp.experts.gate_up_proj" in model_tensors(tmp_path / "dcp")
+    convert(tmp_path / "dcp", tmp_path / "back", "hf")
+    back, saved = stored(tmp_path / "back"), stored(folders[family])
+    assert sorted(back) == sorted(saved)
+    assert all(torch.equal(back[key], saved[key]) for key in saved)
+
+
 @pytest.mark.slow
 def test_two_ranks_and_ulysses_train_every_family_like_one_rank(folders, one_rank, tmp_path):
     """2 data-parallel ranks with a micro-batch each (each rank reading only its experts' files), and a Ulysses pair
