@@ -158,8 +158,8 @@ def test_compile_trains_like_eager():
     ids=["moe", "lora", "vl"],
 )
 def test_moe_lora_and_vl_models_learn_on_cuda(model):
-    run = losses(job(model=model, learning_rate=1e-2), 8)
-    assert all(torch.isfinite(torch.tensor(run))) and run[-1] < run[0], run
+    run = losses(job(model=model, learning_rate=3e-3), 8)
+    assert all(torch.isfinite(torch.tensor(run))) and run[-1] < run[0] - 0.5, run  # 8.3 to 4.3-7.5 on a CPU
 
 
 def test_the_chunked_loss_matches_the_unchunked_one_in_bf16():
