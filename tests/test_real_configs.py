@@ -633,6 +633,57 @@ def test_native_file_val_size_and_val_interval_are_the_evaluation():
     assert "val_size' = 100 is not supported" in str(error.value)
 
 
+# Issue 34's seven native files: Qwen3.5 4B/9B/35B, Qwen3.6 27B, Kimi-K2.5, Qwen3-VL 30B, Step3-VL 10B.
+SEVEN_NATIVE = [
+    f"mindspeed_mm/examples/{name}"
+    for name in (
+        "qwen3_5/qwen3_5_4B_config.yaml",
+        "qwen3_5/qwen3_5_9B_config.yaml",
+        "qwen3_5/qwen3_5_35B_config.yaml",
+        "qwen3_6/qwen3_6_27B_config.yaml",
+        "kimik2_5/kimik2_5_config.yaml",
+        "qwen3vl/qwen3vl_30B_config_v1.yaml",
+        "step3_vl/step3_vl_10b_config.yaml",
+    )
+]
+
+
+def _value_at(node: object, key: str) -> object:
+    for part in key.split("."):
+        node = node[part]  # type: ignore[index]
+    return node
+
+
+def _leaf_keys(node: object, prefix: str = "") -> list[str]:
+    if isinstance(node, dict) and node:
+        return [key for k, v in node.items() for key in _leaf_keys(v, f"{prefix}.{k}" if prefix else str(k))]
+    return [prefix]
+
+
+@pytest.mark.parametrize("name", SEVEN_NATIVE)
+def test_every_key_of_the_native_files_is_applied_or_noted(name):
+    """Each key of the file (or a section holding it) went into a native key, or check's notes name it: what it
+    does, or why it is ignored. A key silently dropped would be in neither."""
+    import re
+
+    from fsdp2kit.config import dialects
+
+    config, swaps, _ = user_args(name, EXPECTED[name][0], 2)
+    translation = dialects.read_config(config, swaps)
+    applied, notes = translation.written_keys(), "\n".join(translation.notes)
+
+    def accounted(key: str) -> bool:
+        parts = key.split(".")
+        sections = [".".join(parts[:i]) for i in range(len(parts), 1, -1)]  # the key, then sections below the top
+        return any(k in applied or re.search(rf"(?<![\w.]){re.escape(k)}(?![\w.])", notes) for k in sections)
+
+    raw = yaml.safe_load((CORPUS / name).read_text())
+    keys = _leaf_keys(raw)
+    assert len(keys) > 80
+    unset = [key for key in keys if _value_at(raw, key) is None]  # `max_samples: null`: not written (translation.py)
+    assert [key for key in keys if not accounted(key) and key not in unset] == []
+
+
 @pytest.mark.parametrize("name", [n for n, (model, _, _) in EXPECTED.items() if model.startswith("remote:")])
 def test_a_model_needing_its_own_code_is_refused_though_the_file_trusts_it(name):
     """Kimi-K2.5's and Step3-VL's files write trust_remote_code: true (model and processor): read, noted, and no

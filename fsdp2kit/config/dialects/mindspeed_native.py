@@ -182,6 +182,7 @@ def _recompute_pair(translation: Translation, key: Written, values: dict[str, An
         translation, where.child("apply_modules"), plan["apply_modules"]
     )
     to(f"{STRATEGY_CONFIG}.use_reentrant")(translation, where.child("use_reentrant"), plan.get("use_reentrant", False))
+    translation.note(f"{key.child('recompute')}=True: the modules of {where.child('apply_modules')} are recomputed")
     unknown = set(plan) - {"apply_modules", "use_reentrant"}
     if unknown:
         raise UserError(f"{key.file}: unknown key '{where.child(sorted(unknown)[0])}'")
@@ -228,11 +229,14 @@ def _chunk_loss(translation: Translation, key: Written, values: dict[str, Any]) 
             "chunks the output embeddings (lm_head), named as MindSpeed-MM's models name them: lm_head, "
             "language_model.lm_head, thinker.lm_head, output_layer"
         )
-    if on and module != "lm_head":
-        translation.note(f"{key.child('chunkloss_plan.apply_module')}={module!r}: read as the model's LM head")
     if values.get("enable_chunk_loss") is True:
         size = plan.get("chunk_size", 1024)
         to("training.loss_chunk_tokens")(translation, key.child("chunkloss_plan.chunk_size"), size)
+        head = "" if module == "lm_head" else ", read as the model's LM head"
+        translation.note(
+            f"{key.child('enable_chunk_loss')}=True: the LM head ({key.child('chunkloss_plan.apply_module')}="
+            f"{module!r}{head}) and the loss run in chunks of training.loss_chunk_tokens tokens"
+        )
     elif values.get("enable_dynamic_chunk_loss") is True:
         translation.ignore(key.child("enable_dynamic_chunk_loss"), "fsdp2kit sizes its chunks itself (auto)")
     for name in ("chunkloss_plan", "enable_chunk_loss"):
@@ -257,6 +261,10 @@ def _activation_offload(translation: Translation, key: Written, values: dict[str
         raise UserError(f"{key.file}: unknown key '{where.child(sorted(unknown)[0])}'")
     modules = where.child("apply_modules")
     to(f"{STRATEGY_CONFIG}.activation_offload_modules", _module_patterns)(translation, modules, plan["apply_modules"])
+    translation.note(
+        f"{key.child('enable_activation_offload')}=True: what the modules of {modules} save for backward waits in "
+        "pinned host memory (CUDA; a no-op on a CPU)"
+    )
 
 
 LOSS_TYPES = {
@@ -680,9 +688,11 @@ def _processor(translation: Translation, data: dict[str, Any], top: Written) -> 
     """preprocess_parameters.model_name_or_path names the tokenizer/processor; the model's own when it is the same."""
     dataset = (data.get("data") or {}).get("dataset_param") or {}
     path = (dataset.get("preprocess_parameters") or {}).get("model_name_or_path")
+    key = top.child("data.dataset_param.preprocess_parameters.model_name_or_path")
     if path is not None and path != data["model"].get("model_name_or_path"):
-        key = top.child("data.dataset_param.preprocess_parameters.model_name_or_path")
         to("data.tokenizer")(translation, key, path)
+    elif path is not None:
+        translation.note(f"{key}: the model folder's own tokenizer and processor (model.model_name_or_path)")
 
 
 def _weight_decay(translation: Translation, training: dict[str, Any], top: Written) -> None:

@@ -103,6 +103,10 @@ class Translation:
                 return Written(origin.file, ".".join(p for p in (origin.path, native_key[len(prefix) + 1 :]) if p))
         return Written(self.source, native_key)
 
+    def written_keys(self) -> frozenset[str]:
+        """The foreign keys whose values went into native keys (as written, dotted)."""
+        return frozenset(origin.path for origin in self._origins.values())
+
     def note(self, text: str) -> None:
         self._notes.append(text)
 
