@@ -684,6 +684,34 @@ def test_every_key_of_the_native_files_is_applied_or_noted(name):
     assert [key for key in keys if not accounted(key) and key not in unset] == []
 
 
+def test_chunk_loss_module_names_the_lm_head_or_is_refused():
+    """chunkloss_plan.apply_module: the LM head as MindSpeed-MM's models name it is the model's LM head (Kimi-K2.5's
+    language_model.lm_head plans above); a module that is not the output embeddings is one line."""
+    name = "mindspeed_mm/examples/qwen3_5/qwen3_5_4B_config.yaml"
+    config, swaps, _ = user_args(name, "tiny-qwen3.5", 2)
+    cfg = load_config(config, [*swaps, "features.chunkloss_plan.apply_module=thinker.lm_head"])
+    assert cfg.training.loss_chunk_tokens == 1024
+    assert "chunkloss_plan.apply_module='thinker.lm_head', read as the model's LM head" in "\n".join(cfg.notes)
+    with pytest.raises(UserError) as refused:
+        load_config(config, [*swaps, "features.chunkloss_plan.apply_module=model.language_model.norm"])
+    assert str(refused.value) == (
+        f"{CORPUS / name}: 'features.chunkloss_plan.apply_module' = 'model.language_model.norm' is not supported: "
+        "fsdp2kit chunks the output embeddings (lm_head), named as MindSpeed-MM's models name them: lm_head, "
+        "language_model.lm_head, thinker.lm_head, output_layer"
+    )
+
+
+def test_activation_offload_on_a_cpu_is_one_note():
+    name = "mindspeed_mm/examples/qwen3_5/qwen3_5_4B_config.yaml"
+    config, swaps, _ = user_args(name, "tiny-qwen3.5", 2)
+    with process_group(2) as runtime:
+        plan = describe(load_config(config, swaps), runtime)
+    offload_notes = [note for note in plan["notes"] if note.startswith("activation_offload_modules")]
+    assert offload_notes == [
+        "activation_offload_modules (4 modules): a no-op on cpu, where activations already live in host memory"
+    ]
+
+
 @pytest.mark.parametrize("name", [n for n, (model, _, _) in EXPECTED.items() if model.startswith("remote:")])
 def test_a_model_needing_its_own_code_is_refused_though_the_file_trusts_it(name):
     """Kimi-K2.5's and Step3-VL's files write trust_remote_code: true (model and processor): read, noted, and no
