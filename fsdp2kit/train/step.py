@@ -215,47 +215,59 @@ def train_step(
         on_micro_batch_done,
         sync_each_batch,
     )
-    before = all(w is not None for w in known)
-    if before:  # normalise each backward by the global weight, kept on the device (no host read before the forward)
-        global_weight = torch.stack([w.double() for w in known if w is not None]).sum()
-        dist.all_reduce(global_weight)
-        global_weight /= sp_size  # every rank of a sequence-parallel group holds the group's whole micro-batches
-        # FSDP averages gradients over all ranks; scale so the result is the global mean (times the fp16 loss scale,
-        # 1 otherwise). With sequence parallel each rank of a group holds a part of the group's gradient, and the
-        # average over all ranks sums those parts.
-        run.loss_factor = run.loss_factor / global_weight
-        # A mixture of experts adds router_aux_loss_coef x its load-balancing loss averaged over all micro-batches
-        # of all ranks, as transformers adds it to each batch's mean loss; in units of summed token losses:
-        run.aux_loss_weight = (
-            (aux_loss_coef * global_weight / (len(micro_batches) * world_size)).float() if aux_loss_coef else 0.0
-        )
+    known_weight = _normalise_before(run, known, sp_size)
     sums = _forward_backward(model, micro_batches, run)
     params = _stepped_parameters(model, optimizer)
     all_reduce_replicated_grads(params, world_size)
     fingerprint = _metric_fingerprint(sums)
     totals = torch.stack([sums.loss, sums.weight, tokens / sp_size, *tokens.new_tensor([fingerprint, fingerprint**2])])
     dist.all_reduce(totals)
-    if not before:  # the weights came with the losses: the gradients are sums, divided by the global weight now
-        global_weight = totals[1]
+    global_weight = totals[1] if known_weight is None else known_weight
+    if known_weight is None:  # the weights came with the losses: the gradients are sums, divided by it now
         scale_grads_(params, 1.0 / global_weight)
     guard.scaler.unscale_(params)
     norm = clip_grad_norm(params, max_grad_norm)
     # The step's one host read of device values (on CUDA, one wait for the device), all together.
     read = torch.stack([totals[0] / global_weight, norm.to(totals), totals[2], global_weight, totals[3], totals[4]])
     loss_value, grad_norm, input_tokens, weight, names_sum, names_square_sum = read.tolist()
-    if weight == 0:
+    _refuse_unusable(optimizer, weight, world_size * names_square_sum != names_sum**2 or names_sum < 0)
+    metrics = _averaged_metrics(sums.metrics, len(micro_batches) * world_size // sp_size) if names_sum else {}
+    result = StepResult(loss_value, grad_norm, 0.0, input_tokens, False, metrics)
+    return _update(optimizer, scheduler, guard, result)
+
+
+def _normalise_before(run: _Accumulation, known: list[torch.Tensor | None], sp_size: int) -> torch.Tensor | None:
+    """Where every micro-batch's weight is known before its forward: the global weight (on the device: no host read
+    before the forward), which each backward is then normalised by. None where the weights come with the losses."""
+    if any(w is None for w in known):
+        return None
+    global_weight = torch.stack([w.double() for w in known if w is not None]).sum()
+    dist.all_reduce(global_weight)
+    global_weight /= sp_size  # every rank of a sequence-parallel group holds the group's whole micro-batches
+    # FSDP averages gradients over all ranks; scale so the result is the global mean (times the fp16 loss scale,
+    # 1 otherwise). With sequence parallel each rank of a group holds a part of the group's gradient, and the
+    # average over all ranks sums those parts.
+    run.loss_factor = run.loss_factor / global_weight
+    # A mixture of experts adds router_aux_loss_coef x its load-balancing loss averaged over all micro-batches of all
+    # ranks, as transformers adds it to each batch's mean loss; in units of summed token losses:
+    coef, world_size = float(run.aux_loss_weight), dist.get_world_size()
+    run.aux_loss_weight = (coef * global_weight / (len(known) * world_size)).float() if coef else 0.0
+    return global_weight
+
+
+def _refuse_unusable(optimizer: torch.optim.Optimizer, weight: float, metric_names_differ: bool) -> None:
+    """A step whose weights sum to 0 has nothing to minimise; metrics must be named alike on every micro-batch of every
+    rank (the ranks' fingerprints agree exactly when n x sum(f^2) == sum(f)^2, Cauchy-Schwarz). Both are decided
+    from all-reduced values: every rank raises. The gradients are cleared."""
+    if weight == 0 or metric_names_differ:
         optimizer.zero_grad(set_to_none=True)
+    if weight == 0:
         raise UserError(
             "train_step: the weights of every micro-batch on every rank sum to 0 (no target token, or loss_fn's "
             "weights): the step has nothing to minimise; give at least one micro-batch a weight > 0"
         )
-    # The ranks' metric names agree exactly when their fingerprints do: n x sum(f^2) == sum(f)^2 (Cauchy-Schwarz).
-    if world_size * names_square_sum != names_sum**2 or names_sum < 0:
-        optimizer.zero_grad(set_to_none=True)
+    if metric_names_differ:
         raise UserError("loss_fn: the metrics it returns must have the same names for every micro-batch on every rank")
-    metrics = _averaged_metrics(sums.metrics, len(micro_batches) * world_size // sp_size) if names_sum else {}
-    result = StepResult(loss_value, grad_norm, 0.0, input_tokens, False, metrics)
-    return _update(optimizer, scheduler, guard, result)
 
 
 def _stepped_parameters(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
