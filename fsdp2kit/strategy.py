@@ -150,6 +150,7 @@ class Strategy:
         rate stays until `scheduler_step` (several optimizer steps per RL step)."""
         if not micro_batches:
             raise UserError("train_step: give at least one micro-batch (a dict with input_ids [B, T])")
+        self._require_loaded(STATE_KINDS, "train_step")
         batches = [self.device_batch(mb, f"micro-batch {i}") for i, mb in enumerate(micro_batches)]
         if isinstance(self.head, ValueHead):  # a value or reward model: loss_fn gets its values or scores
             return _reported(self.step(*self._head_loss(self.head, batches, loss_fn), step_scheduler=step_scheduler))
@@ -247,6 +248,7 @@ class Strategy:
             if batch.get("temperature") is not None:
                 raise UserError("forward_step: give the temperature once, as the argument or as the batch's key")
             batch = {**batch, "temperature": torch.as_tensor(temperature)}
+        self._require_loaded(("model_params",), "forward_step")
         api_batch = self.device_batch(batch, "batch")
         if isinstance(self.head, ValueHead):  # a value or reward model: its values or scores
             return self._head_forward(self.head, api_batch, entropy)
@@ -437,6 +439,14 @@ class Strategy:
             torch.cuda.synchronize(self.runtime.device)
         if device.type == "cpu":
             torch.cuda.empty_cache()
+
+    def _require_loaded(self, kinds: Sequence[str], what: str) -> None:
+        """An offloaded state's tensors have no device memory until load_states: a kernel would read garbage."""
+        parked = [kind for kind in kinds if kind in self.parked and self.parked[kind].offloaded]
+        if parked:
+            raise UserError(
+                f"{what}: {', '.join(parked)} are in host memory (offload_states); call load_states() first"
+            )
 
     def device_batch(self, batch: Batch, what: str) -> Batch:
         """The batch on this rank's device, checked: input_ids [B, T] int64 or int32 (widened to int64) with T >= 2,

@@ -16,6 +16,7 @@ from torch.distributed.tensor import DTensor
 import fsdp2kit.models.sharded as sharded_module
 import fsdp2kit.parallel.fsdp as fsdp_module
 from fsdp2kit.config.load import validate
+from fsdp2kit.errors import UserError
 from fsdp2kit.train.host_states import HostStates, copy_plan, slab_sizes, state_tensors
 
 
@@ -112,3 +113,22 @@ def test_offload_policy_materialises_the_shards_on_the_host(model_dir, monkeypat
                 weights.append(shards)
         assert weights[0].keys() == weights[1].keys()
         assert all(torch.equal(weights[0][n], weights[1][n]) for n in weights[0]), name_or_path
+
+
+def test_steps_refuse_offloaded_states_until_they_are_loaded(model_dir, tmp_path):
+    """Offloaded tensors keep no device memory: a step on them would read freed memory. What a CUDA offload does,
+    done here on the CPU through the same buffers: forward_step needs the parameters, train_step every state."""
+    with strategy(strategy_config(str(model_dir), str(tmp_path), 3)) as s:
+        batch = global_micro_batches(0, 1)
+        s.train_step(batch, policy_loss)
+        for kind in ("optimizer_states", "model_params"):
+            s.parked[kind] = HostStates(torch.device("cpu"))
+            s.parked[kind].offload(state_tensors(s.model, s.optimizer, kind))
+        with pytest.raises(UserError, match=r"forward_step: model_params are in host memory .* load_states\(\)"):
+            s.forward_step(batch[0])
+        s.parked["model_params"].load()
+        s.forward_step(batch[0])  # the optimizer's state is not needed for a forward
+        with pytest.raises(UserError, match="train_step: optimizer_states are in host memory"):
+            s.train_step(batch, policy_loss)
+        s.parked["optimizer_states"].load()
+        s.train_step(batch, policy_loss)
