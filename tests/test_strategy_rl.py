@@ -240,3 +240,29 @@ def test_unequal_micro_batch_counts_are_one_error_on_every_rank(two_ranks):
     for rank in two_ranks:
         assert rank.get("unequal_error") is not None, rank.get("unequal_failure") or rank["stderr"]
         assert "micro-batch" in rank["unequal_error"] and rank["unequal_seconds"] < 10
+
+
+def test_a_loss_fn_on_a_mixture_of_experts_adds_transformers_router_loss(tmp_path):
+    """One micro-batch with a loss_fn: the loss and gradient norm are transformers' loss_sum / weight plus
+    router_aux_loss_coef x its load-balancing loss (its weight comes with the loss, so the router term is scaled by
+    it, not by a weight read before the forward)."""
+    from transformers import AutoModelForCausalLM
+
+    config = {
+        "model": {"name_or_path": "builtin:tiny-qwen3-moe", "config": {"num_hidden_layers": 1}},
+        "training": {"max_steps": 1, "lr_scheduler_type": "constant", "output_dir": str(tmp_path / "run")},
+    }
+    batch = global_micro_batches(0, 1)[0]
+    with strategy(config) as s:
+        s.export_hf(tmp_path / "hf")
+        coef = s.aux_loss_coef
+        result = s.train_step([batch], policy_loss)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    outputs = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], output_router_logits=True)
+    loss_sum, weight = policy_loss(plain_outputs(outputs.logits, batch)[0], batch)
+    loss = loss_sum / weight + coef * outputs.aux_loss
+    loss.backward()
+    norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
+    assert coef > 0 and outputs.aux_loss > 0
+    assert result["loss"] == pytest.approx(loss.item(), abs=1e-5)
+    assert result["grad_norm"] == pytest.approx(norm.item(), abs=1e-5)
