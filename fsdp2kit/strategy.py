@@ -37,6 +37,14 @@ from fsdp2kit.train.evaluate import EvalResult, eval_loss
 from fsdp2kit.train.grads import LossScaler, NonFiniteGuard
 from fsdp2kit.train.host_states import HostStates, state_tensors
 from fsdp2kit.train.optim import build_optimizer, build_scheduler
+from fsdp2kit.train.packing import (
+    PackedRows,
+    WithEmptyMicroBatches,
+    agreed_count,
+    empty_micro_batch,
+    pack_rows,
+    split_rows,
+)
 from fsdp2kit.train.resume import apply_settings, changed_optimizer_keys, check_trainer_state, optimizer_settings
 from fsdp2kit.train.step import (
     MicroBatchLoss,
@@ -83,6 +91,11 @@ class Strategy:
         self.model = self.sharded.model
         self._data_parallel_group = data_parallel_group(self.sharded.layout)
         self.head = self.sharded.variant.head  # log-probs, a critic's values or a reward model's scores
+        if cfg.model.remove_padding and isinstance(self.head, ValueHead):
+            raise UserError(
+                f"model.remove_padding: packs a causal LM's rows; model.model_class {self.head.class_name} gives "
+                f"{self.head.output} of the padded rows (turn remove_padding off)"
+            )
         self.head.install(self.model, runtime.device, cfg.model.name_or_path)
         reshard(self.model)  # the install's probe forward: the optimizer must hold the sharded parameters
         self.tokenizer = load_tokenizer(self.sharded.source.tokenizer_path, cfg.model.trust_remote_code)
@@ -138,7 +151,11 @@ class Strategy:
         self.scheduler = build_scheduler(self._trainer_optimizer(), self.cfg.training, total_steps)
 
     def train_step(
-        self, micro_batches: Sequence[Batch], loss_fn: LossFn | None = None, step_scheduler: bool = True
+        self,
+        micro_batches: Sequence[Batch],
+        loss_fn: LossFn | None = None,
+        step_scheduler: bool = True,
+        max_tokens: int | None = None,
     ) -> dict[str, Any]:
         """One optimizer step over this rank's micro-batches (as many on every rank; gradient sync on the last only),
         minimising sum(loss_sum) / sum(weight) over all micro-batches of all data-parallel ranks. `loss_fn(log_probs,
@@ -147,14 +164,52 @@ class Strategy:
         given; a `loss_fn` with a parameter named `entropy` also gets the entropy [B, T-1] with autograd; `metrics`
         (a dict of scalars) come back averaged over the global batch's micro-batches. Default: token-mean
         cross-entropy over `labels` (every next token where there are none). Without `step_scheduler` the learning
-        rate stays until `scheduler_step` (several optimizer steps per RL step)."""
+        rate stays until `scheduler_step` (several optimizer steps per RL step). With `max_tokens` each micro-batch's
+        rows are cut into runs of at most that many real tokens (`_budgeted`); with model.remove_padding each
+        micro-batch is packed (train/packing.py) and loss_fn gets the same [B, T-1] layout, 0 at padding."""
         if not micro_batches:
             raise UserError("train_step: give at least one micro-batch (a dict with input_ids [B, T])")
         self._require_loaded(STATE_KINDS, "train_step")
         batches = [self.device_batch(mb, f"micro-batch {i}") for i, mb in enumerate(micro_batches)]
+        batches, empty = self._budgeted(batches, max_tokens, "train_step")
         if isinstance(self.head, ValueHead):  # a value or reward model: loss_fn gets its values or scores
-            return _reported(self.step(*self._head_loss(self.head, batches, loss_fn), step_scheduler=step_scheduler))
+            model_batches, loss = self._head_loss(self.head, batches, loss_fn)
+        else:
+            model_batches, loss = self._log_prob_loss(batches, loss_fn)
+        if empty:
+            model_batches += [empty_micro_batch(model_batches[0]) for _ in range(empty)]
+            loss = WithEmptyMicroBatches(loss, len(batches))
+        return _reported(self.step(model_batches, loss, step_scheduler=step_scheduler))
+
+    def _budgeted(self, batches: list[Batch], max_tokens: int | None, what: str) -> tuple[list[Batch], int]:
+        """The micro-batches within a token budget, and how many empty ones this rank adds so that every
+        data-parallel rank runs as many (the most any rank needs, agreed in one all_reduce)."""
+        if max_tokens is None:
+            return batches, 0
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise UserError(f"{what}: max_tokens must be a whole number >= 1 (real tokens per micro-batch)")
+        parts = [part for batch in batches for part in split_rows(batch, max_tokens)]
+        return parts, agreed_count(len(parts), self._data_parallel_group) - len(parts)
+
+    def _packed(self, batch: Batch, shifted: Batch, what: str) -> PackedRows | None:
+        """The batch packed into one stream of its real tokens under model.remove_padding, else None."""
+        if not self.cfg.model.remove_padding:
+            return None
+        temperature = batch.get("temperature")
+        if self.sharded.sp_group is not None and temperature is not None and temperature.dim():
+            raise UserError(
+                f"{what}: model.remove_padding under Ulysses takes one temperature for the batch, not one per sample"
+            )
+        return pack_rows(batch, shifted, what)
+
+    def _log_prob_loss(self, batches: list[Batch], loss_fn: LossFn | None) -> tuple[list[Batch], MicroBatchLoss]:
+        """A causal LM's micro-batches as the model reads them (packed under model.remove_padding) and their loss:
+        loss_fn's over log-probs, or the default cross-entropy."""
         shifted = [self._shifted(mb, loss_fn is None) for mb in batches]
+        packing = [
+            self._packed(mb, s, f"micro-batch {i}") for i, (mb, s) in enumerate(zip(batches, shifted, strict=True))
+        ]
+        model_batches = [p.stream if p is not None else s for p, s in zip(packing, shifted, strict=True)]
         loss: MicroBatchLoss
         if loss_fn is None:
             if any(mb.get("temperature") is not None for mb in batches):
@@ -165,8 +220,10 @@ class Strategy:
             loss = TokenCrossEntropy(self.chunk_tokens)
         else:
             entropy = "entropy" in inspect.signature(loss_fn).parameters
-            loss = LogProbLoss(loss_fn, batches, self.sharded.sp_group, self.chunk_tokens, entropy=entropy)
-        return _reported(self.step(shifted, loss, step_scheduler=step_scheduler))
+            loss = LogProbLoss(
+                loss_fn, batches, self.sharded.sp_group, self.chunk_tokens, entropy=entropy, packing=packing
+            )
+        return model_batches, loss
 
     def _head_loss(
         self, head: ValueHead, batches: list[Batch], loss_fn: LossFn | None
@@ -240,10 +297,16 @@ class Strategy:
 
     @torch.no_grad()
     def forward_step(
-        self, batch: Batch, entropy: bool = False, temperature: float | torch.Tensor | None = None
+        self,
+        batch: Batch,
+        entropy: bool = False,
+        temperature: float | torch.Tensor | None = None,
+        max_tokens: int | None = None,
     ) -> dict[str, torch.Tensor]:
         """log_probs [B, T-1] of input_ids[:, 1:] (and their entropy [B, T-1] when asked), in chunks of tokens, at
-        `temperature` (one number or one per sample; or the batch's own `temperature`): of logits / temperature."""
+        `temperature` (one number or one per sample; or the batch's own `temperature`): of logits / temperature.
+        With `max_tokens`, forwards of at most that many real tokens (as many on every data-parallel rank); with
+        model.remove_padding, of the packed real tokens, 0 where token t or t+1 is padding."""
         if temperature is not None:
             if batch.get("temperature") is not None:
                 raise UserError("forward_step: give the temperature once, as the argument or as the batch's key")
@@ -252,13 +315,33 @@ class Strategy:
         api_batch = self.device_batch(batch, "batch")
         if isinstance(self.head, ValueHead):  # a value or reward model: its values or scores
             return self._head_forward(self.head, api_batch, entropy)
+        parts, empty = self._budgeted([api_batch], max_tokens, "forward_step")
+        results = [self._token_outputs(part, entropy) for part in parts]
+        for _ in range(empty):  # as many forwards (rounds of parameter all-gathers, resharded after) as other ranks
+            with self._inference():
+                self.model(**model_inputs(self._sequence_slice(empty_micro_batch(parts[0]))), use_cache=False)
+        return {key: torch.cat([result[key] for result in results]) for key in results[0]}
+
+    def _token_outputs(self, api_batch: Batch, entropy: bool) -> dict[str, torch.Tensor]:
+        """forward_step's log-probs (and entropies) of one batch, packed under model.remove_padding."""
         shifted = self._shifted(api_batch, default_targets=False)
+        packed = self._packed(api_batch, shifted, "forward_step")
+        temperature = api_batch.get("temperature")
         with self._inference():
-            log_probs, entropies = self.token_logprobs(shifted, entropy, api_batch.get("temperature"))
-        result = {"log_probs": log_probs}
-        if entropies is not None:
-            result["entropy"] = entropies
-        return result
+            if packed is None:
+                log_probs, entropies = self.token_logprobs(shifted, entropy, temperature)
+            else:
+                log_probs, entropies = self.token_logprobs(
+                    packed.stream, entropy, packed.token_temperature(temperature)
+                )
+                log_probs = packed.unpack(log_probs)
+                entropies = packed.unpack(entropies) if entropies is not None else None
+        return {"log_probs": log_probs} | ({"entropy": entropies} if entropies is not None else {})
+
+    def _sequence_slice(self, batch: Batch) -> Batch:
+        """This rank's slice of a shifted batch under sequence parallel; the batch itself otherwise."""
+        group = self.sharded.sp_group
+        return self.sharded.variant.shard_batch(batch, group) if group is not None else batch
 
     def _head_forward(self, head: ValueHead, api_batch: Batch, entropy: bool) -> dict[str, torch.Tensor]:
         """`values` [B, T] or `scores` [B] of the batch as given, in eval mode."""
@@ -504,6 +587,7 @@ class LogProbLoss:
     chunk_tokens: int
     whole_sequence: bool = True
     entropy: bool = False  # loss_fn takes `entropy` (with autograd)
+    packing: list[PackedRows | None] | None = None  # per micro-batch, its stream under model.remove_padding
 
     def weight(self, index: int, batch: Batch) -> None:
         return None  # it comes with the loss
@@ -520,15 +604,18 @@ class LogProbLoss:
         whole sequences at its temperature, keyword outputs (`entropy` [B, T-1] when it takes it), and the model's
         own outputs."""
         api_batch = self.batches[index]
+        packed = self.packing[index] if self.packing is not None else None
         chunk = self.chunk_tokens or FORWARD_CHUNK_TOKENS
-        request = TokenRequest(batch["labels"], chunk, self.entropy, temperature=api_batch.get("temperature"))
+        temperature = api_batch.get("temperature")
+        temperature = packed.token_temperature(temperature) if packed is not None else temperature
+        request = TokenRequest(batch["labels"], chunk, self.entropy, temperature=temperature)
         with token_request(model, request):
             outputs = model(**model_inputs(batch), use_cache=False)
-        length = api_batch["input_ids"].shape[1] - 1
+        length = packed.length if packed is not None else api_batch["input_ids"].shape[1] - 1
         received = [outputs.logits] + ([request.entropies] if self.entropy else [])
         if self.sp_group is not None:
             received = [gather_sequence(t, self.sp_group) for t in received]
-        received = [t[:, :length] for t in received]
+        received = [t[:, :length] if packed is None else packed.unpack(t[:, :length]) for t in received]
         return received[0], {"entropy": received[1]} if self.entropy else {}, outputs
 
 

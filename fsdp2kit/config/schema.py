@@ -179,6 +179,12 @@ class ModelConfig(Section):
     )
     ulysses_size: int = Field(1, ge=1, description="sequence-parallel (Ulysses) degree")
     gradient_checkpointing: bool = Field(False, description="recompute every decoder layer in backward")
+    remove_padding: bool = Field(
+        False,
+        description="the Strategy API packs each padded micro-batch's real tokens into one stream of documents (one "
+        "per row, positions from 0) and puts the outputs back at their padded positions, 0 at padding (verl's "
+        "use_remove_padding); worth it where documents need no dense mask: FlexAttention or flash_attention_2 on CUDA",
+    )
     attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2"] = Field(
         "auto",
         description="transformers attention implementation; auto: transformers' choice for the family (sdpa where it "

@@ -55,7 +55,7 @@ def document_route(model: Any, cfg: ModelConfig, data: DataConfig, device: torch
     FlexAttention."""
     current = str(model.config.get_text_config()._attn_implementation)
     supports_flex = bool(getattr(model, "_supports_flex_attn", False))
-    documents = data.pack and data.document_mask
+    documents = (data.pack and data.document_mask) or cfg.remove_padding  # the API's packed rows (train/packing.py)
     return document_path(cfg.attn_implementation, documents, cfg.ulysses_size, device, current, supports_flex)
 
 

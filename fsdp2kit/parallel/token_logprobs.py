@@ -226,9 +226,12 @@ def _chunked(
 
 
 def _token_temperature(temperature: torch.Tensor | None, batch: int, length: int) -> torch.Tensor | None:
-    """Each token's temperature, flat [batch x length] float32, from one for all or one per sample ([batch])."""
+    """Each token's temperature, flat [batch x length] float32, from one for all, one per sample ([batch]) or one
+    per token ([batch, length]: packed rows, train/packing.py)."""
     if temperature is None:
         return None
+    if temperature.dim() == 2:
+        return temperature.float().reshape(-1)
     per_sample = temperature.float().reshape(-1, 1) if temperature.dim() else temperature.float()
     return per_sample.expand(batch, length).reshape(-1)
 

@@ -63,6 +63,7 @@ class MicroBatchTerms:
     loss_sum: torch.Tensor  # the micro-batch's summed loss, with autograd
     weight: torch.Tensor | None = None  # its weight, where the loss computes it (MicroBatchLoss.weight gave None)
     metrics: dict[str, torch.Tensor] = field(default_factory=dict)  # scalars, averaged over the global batch
+    counted: bool = True  # False: an empty micro-batch that evens the ranks' counts, left out of the metrics' mean
 
 
 class MicroBatchLoss(Protocol):
@@ -123,6 +124,7 @@ class _Sums:
     weight: torch.Tensor  # float64: the weights that came with the loss (0 where known before)
     metrics: dict[str, torch.Tensor]  # float64, by name
     consistent: bool  # every micro-batch gave the same metric names
+    counted: float = 0.0  # the micro-batches the metrics' mean is over (per sequence-parallel group)
 
 
 def _forward_backward(
@@ -148,13 +150,20 @@ def _forward_backward(
         sums.loss += terms.loss_sum.detach() / share
         if terms.weight is not None:
             sums.weight += terms.weight.detach().double() / share
-        if index and sorted(terms.metrics) != sorted(sums.metrics):
-            sums.consistent = False
-        for name, value in terms.metrics.items():
-            sums.metrics[name] = sums.metrics.get(name, 0.0) + value.detach().double().reshape(()) / share
+        if terms.counted:
+            _add_metrics(sums, terms.metrics, share)
         if run.on_micro_batch_done is not None:
             run.on_micro_batch_done()
     return sums
+
+
+def _add_metrics(sums: _Sums, metrics: dict[str, torch.Tensor], share: int) -> None:
+    """A micro-batch's metrics into the rank's sums (its names must be those of the micro-batches before)."""
+    if sums.counted and sorted(metrics) != sorted(sums.metrics):
+        sums.consistent = False
+    for name, value in metrics.items():
+        sums.metrics[name] = sums.metrics.get(name, 0.0) + value.detach().double().reshape(()) / share
+    sums.counted += 1 / share
 
 
 def agree_on_micro_batch_count(count: int, device: torch.device) -> None:
@@ -231,7 +240,7 @@ def train_step(
     read = torch.stack([totals[0] / global_weight, norm.to(totals), totals[2], global_weight, totals[3], totals[4]])
     loss_value, grad_norm, input_tokens, weight, names_sum, names_square_sum = read.tolist()
     _refuse_unusable(optimizer, weight, world_size * names_square_sum != names_sum**2 or names_sum < 0)
-    metrics = _averaged_metrics(sums.metrics, len(micro_batches) * world_size // sp_size) if names_sum else {}
+    metrics = _averaged_metrics(sums.metrics, sums.counted) if names_sum else {}
     result = StepResult(loss_value, grad_norm, 0.0, input_tokens, False, metrics)
     return _update(optimizer, scheduler, guard, result)
 
@@ -278,12 +287,13 @@ def _stepped_parameters(model: torch.nn.Module, optimizer: torch.optim.Optimizer
     return list({id(p): p for p in [*(p for g in optimizer.param_groups for p in g["params"]), *trainable]}.values())
 
 
-def _averaged_metrics(sums: dict[str, torch.Tensor], count: int) -> dict[str, float]:
-    """Each metric's mean over the micro-batches of all data-parallel ranks (a second host read, only with metrics)."""
+def _averaged_metrics(sums: dict[str, torch.Tensor], counted: float) -> dict[str, float]:
+    """Each metric's mean over the counted micro-batches of all data-parallel ranks (a second host read, only with
+    metrics)."""
     names = sorted(sums)
-    values = torch.stack([sums[name] for name in names])
+    values = torch.stack([*(sums[name] for name in names), sums[names[0]].new_tensor(counted)])
     dist.all_reduce(values)
-    return dict(zip(names, (values / count).tolist(), strict=True))
+    return dict(zip(names, (values[:-1] / values[-1]).tolist(), strict=True))
 
 
 def _update(

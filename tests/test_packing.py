@@ -1,0 +1,130 @@
+"""Remove-padding (`model.remove_padding`) and token-budget micro-batches (`max_tokens`) in the Strategy API, held
+to the padded computation of plain transformers (fp32, 1e-5): log-probs (0 where token t or t+1 is padding),
+entropies, a per-sample temperature, the loss and every parameter's gradient; at 1 rank in-process, and at 2 ranks
+(data-parallel, Ulysses 2, and token budgets that give the ranks unequal micro-batch counts) in one launch."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import REPO
+from packing_worker import BUDGET, config, padded_batch, step_gradients
+from strategy_case import policy_loss
+from test_strategy import strategy, tiny_llama
+
+from fsdp2kit.distributed import free_port
+from fsdp2kit.errors import UserError
+from fsdp2kit.train.packing import split_rows
+
+Batch = dict[str, torch.Tensor]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_llama(tmp_path_factory.mktemp("packing") / "model")
+
+
+def scored(batch: Batch) -> torch.Tensor:
+    """Where a shifted output is defined without padding: token t and t+1 both real."""
+    mask = batch["attention_mask"].bool()
+    return mask[:, :-1] & mask[:, 1:]
+
+
+def reference(model_dir: Path, batches: list[Batch], temperature: torch.Tensor | None = None) -> dict:
+    """The padded computation in plain transformers: each batch's log-probs and entropies (at `temperature`, one
+    per sample), and the loss sum(loss_sum) / sum(weight) over the batches with its gradients."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    sums, weights, log_probs, entropies = [], [], [], []
+    for batch in batches:
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1].float()
+        if temperature is not None:
+            logits = logits / temperature[:, None, None]
+        log_softmax = torch.log_softmax(logits, -1)
+        picked = log_softmax.gather(-1, batch["input_ids"][:, 1:, None]).squeeze(-1)
+        loss_sum, weight = policy_loss(picked, batch)
+        sums.append(loss_sum)
+        weights.append(weight)
+        log_probs.append(picked.detach())
+        entropies.append(-(log_softmax.exp() * log_softmax).sum(-1).detach())
+    loss = torch.stack(sums).sum() / torch.stack(weights).sum()
+    loss.backward()
+    grads = {name: p.grad for name, p in model.named_parameters()}
+    return {"loss": loss.item(), "grads": grads, "log_probs": log_probs, "entropy": entropies}
+
+
+def assert_outputs(got: torch.Tensor, expected: torch.Tensor, batch: Batch) -> None:
+    """Equal where defined, exactly 0 at padding (the padded computation has values there)."""
+    torch.testing.assert_close(got, expected * scored(batch), rtol=0, atol=1e-5)
+
+
+def assert_step(step: tuple[dict, dict[str, torch.Tensor]], expected: dict) -> None:
+    result, grads = step
+    assert result["loss"] == pytest.approx(expected["loss"], abs=1e-5)
+    assert sorted(grads) == sorted(expected["grads"])
+    for name, grad in expected["grads"].items():
+        torch.testing.assert_close(grads[name], grad, rtol=0, atol=1e-5, msg=name)
+
+
+def test_packed_and_budgeted_steps_equal_the_padded_computation(model_dir, tmp_path):
+    batches = [padded_batch(0), padded_batch(1)]
+    expected = reference(model_dir, batches)
+    temperature = torch.tensor([0.5, 1.0, 2.0, 0.7])
+    tempered = reference(model_dir, batches[:1], temperature)
+    parts = sum(len(split_rows(batch, BUDGET)) for batch in batches)
+    assert parts > len(batches)  # the budget does cut the batches
+    with strategy(config(str(model_dir), str(tmp_path), remove_padding=True)) as s:
+        widths: list[tuple[int, ...]] = []
+        s.model.register_forward_pre_hook(
+            lambda _, args, kwargs: widths.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True
+        )
+        out = s.forward_step(batches[0], entropy=True)
+        assert widths == [(1, int(batches[0]["attention_mask"].sum()))]  # one stream of the real tokens
+        assert_outputs(out["log_probs"], expected["log_probs"][0], batches[0])
+        assert_outputs(out["entropy"], expected["entropy"][0], batches[0])
+        assert_outputs(
+            s.forward_step(batches[0], temperature=temperature)["log_probs"], tempered["log_probs"][0], batches[0]
+        )
+        assert_step(step_gradients(s, lambda: s.train_step(batches, policy_loss)), expected)
+        widths.clear()
+        assert_step(step_gradients(s, lambda: s.train_step(batches, policy_loss, max_tokens=BUDGET)), expected)
+        assert len(widths) == parts and all(shape[1] <= BUDGET or shape[0] == 1 for shape in widths)
+        budgeted = s.forward_step(batches[0], max_tokens=BUDGET)["log_probs"]
+        assert_outputs(budgeted, expected["log_probs"][0], batches[0])
+        s.cfg.model.remove_padding = False  # the same model, padded: a budget alone cuts the rows
+        assert_step(step_gradients(s, lambda: s.train_step(batches, policy_loss, max_tokens=BUDGET)), expected)
+        s.cfg.model.remove_padding = True
+        holed = {**batches[0], "attention_mask": batches[0]["attention_mask"].clone()}
+        holed["attention_mask"][1, 7] = 0
+        with pytest.raises(UserError, match="one run of 1s per row"):
+            s.forward_step(holed)
+
+
+@pytest.mark.slow
+def test_packed_and_budgeted_steps_at_two_ranks_and_ulysses(model_dir, tmp_path):
+    """One launch: remove-padding at 2 data-parallel ranks (a share each) and under Ulysses 2 (the whole batch), and
+    token budgets where rank 0 needs more micro-batches than rank 1 (no hang; the global loss and gradients)."""
+    whole, second = padded_batch(0), padded_batch(1, rows=2)
+    assert len(split_rows(whole, BUDGET)) > len(split_rows(second, BUDGET))
+    out = tmp_path / "out.pt"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port"]
+    command += [str(free_port()), str(REPO / "tests" / "packing_worker.py"), str(model_dir), str(out)]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
+    result = subprocess.run(command, env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    seen = torch.load(out, weights_only=False)
+    expected = reference(model_dir, [whole])
+    rank_zero = {k: v[:2] for k, v in whole.items()}
+    assert_outputs(seen["dp_log_probs"], expected["log_probs"][0][:2], rank_zero)
+    assert_step(seen["dp"], expected)
+    assert_outputs(seen["sp_log_probs"]["log_probs"], expected["log_probs"][0], whole)
+    assert_outputs(seen["sp_log_probs"]["entropy"], expected["entropy"][0], whole)
+    assert_step(seen["sp"], expected)
+    assert_outputs(seen["budget_log_probs"], expected["log_probs"][0], whole)
+    assert_step(seen["budget"], reference(model_dir, [whole, second]))
