@@ -16,7 +16,16 @@ from typing import Any
 import pytest
 import torch
 from conftest import REPO
-from zoo_case import FAMILIES, Family, family_folder, probe_batch, train_and_score, zoo_batches, zoo_config
+from zoo_case import (
+    FAMILIES,
+    Family,
+    family_folder,
+    next_token_loss,
+    probe_batch,
+    train_and_score,
+    zoo_batches,
+    zoo_config,
+)
 
 import fsdp2kit
 from fsdp2kit.distributed import free_port, shutdown
@@ -35,10 +44,11 @@ def zoo(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def one_rank(config: dict[str, Any], export: Path | None = None) -> dict[str, Any]:
-    """The family trained one step in this process (a world of one) accumulating both micro-batches."""
+    """The family trained one step in this process (a world of one) accumulating both micro-batches, with the
+    default loss written as a loss_fn (the 2-rank run takes the default: both backward paths of the chunked head)."""
     try:
         strategy = fsdp2kit.Strategy.from_config(config)
-        result = train_and_score(strategy, zoo_batches(2))
+        result = train_and_score(strategy, zoo_batches(2), next_token_loss)
         if export is not None:
             strategy.export_hf(export)
         return result

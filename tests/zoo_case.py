@@ -87,6 +87,10 @@ def zoo_config(folder: Path, output_dir: Path, ulysses: int = 1) -> dict[str, An
             "lr_scheduler_type": "constant",
             "max_steps": 1,
             "max_grad_norm": 1.0,
+            "loss_chunk_tokens": 8,  # every path through the chunked head, as a large vocabulary takes it
+            # AdamW's first step is lr x sign(g) where |g| >> eps: a gradient of float32 noise would move its weight a
+            # whole lr, and the comparisons of trained models would compare noise.
+            "adam_epsilon": 1e-3,
             "output_dir": str(output_dir),
         },
     }
@@ -111,9 +115,17 @@ def probe_batch() -> dict[str, torch.Tensor]:
     return zoo_batches(3)[-1]
 
 
-def train_and_score(strategy: Any, micro_batches: list[dict[str, torch.Tensor]]) -> dict[str, Any]:
-    """The probe's log-probs, one optimizer step over this rank's micro-batches (default loss), the log-probs after."""
+def next_token_loss(log_probs: torch.Tensor, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The default loss as a user's loss_fn: -log p summed over the real next tokens, and their count. The same
+    number, through the chunked head's per-token log-probs and their backward (the default takes the summed
+    cross-entropy's own)."""
+    real = batch["attention_mask"][:, 1:].to(log_probs.dtype)
+    return -(log_probs * real).sum(), real.sum()
+
+
+def train_and_score(strategy: Any, micro_batches: list[dict[str, torch.Tensor]], loss_fn: Any = None) -> dict[str, Any]:
+    """The probe's log-probs, one optimizer step over this rank's micro-batches, the log-probs after."""
     before = strategy.forward_step(probe_batch())["log_probs"]
-    step = strategy.train_step(micro_batches)
+    step = strategy.train_step(micro_batches, loss_fn)
     after = strategy.forward_step(probe_batch())["log_probs"]
     return {"before": before, "loss": step["loss"], "grad_norm": step["grad_norm"], "after": after}
