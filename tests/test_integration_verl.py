@@ -327,3 +327,72 @@ def test_register_puts_the_engine_in_verl_s_registry(monkeypatch, model_dir):
     register()
     engine = EngineRegistry.new("language_model", "fsdp2kit", **verl_configs(model_dir, 1))
     assert isinstance(engine, VerlEngine) and isinstance(engine, BaseEngine)
+
+
+def verl_value_loss(model_output, data, dp_group=None):
+    """A clipped value loss in verl's form (a critic's values per token, token-mean over the global batch's loss
+    tokens, x dp_size)."""
+    values, old = model_output["values"].values(), data["old_values"].values()
+    returns, mask = data["returns"].values(), data["loss_mask"].values()
+    clipped = old + (values - old).clamp(-0.5, 0.5)
+    losses = 0.5 * torch.maximum((values - returns) ** 2, (clipped - returns) ** 2)
+    loss = (losses * mask).sum() / data["batch_num_tokens"] * data["dp_size"]
+    return loss, {"critic/vf_loss": float(loss.detach())}
+
+
+def test_verl_s_critic_calls_equal_plain_pytorch(model_dir, tmp_path):
+    """model_type value_model on a critic checkpoint: the family's ForTokenClassification with one label;
+    infer_batch's values and two train_batch steps with a clipped value loss equal transformers'
+    LlamaForTokenClassification with AdamW."""
+    import shutil
+
+    from transformers import AutoConfig, LlamaForTokenClassification
+
+    critic_dir = tmp_path / "critic"
+    torch.manual_seed(5)
+    critic = AutoConfig.from_pretrained(model_dir, num_labels=1)
+    critic.classifier_dropout = 0.0  # transformers' default is 0.1: training would not be deterministic
+    LlamaForTokenClassification(critic).save_pretrained(critic_dir)
+    for file in model_dir.glob("tokenizer*"):
+        shutil.copy(file, critic_dir / file.name)
+    configs = verl_configs(critic_dir, RL_STEPS)
+    configs["model_config"].model_type = "value_model"
+    engine = VerlEngine(**configs, overrides=(f"training.output_dir={tmp_path}",))
+    data = verl_batch(0, use_dynamic_bsz=False, micro_batch_size_per_gpu=1)
+    generator = torch.Generator().manual_seed(7)
+    data["returns"] = torch.nested.as_nested_tensor(
+        [torch.randn(len(row), generator=generator) for row in data["input_ids"].unbind()], layout=torch.jagged
+    )
+    try:
+        engine.initialize()
+        initial = {name: tensor.clone() for name, tensor in engine.get_per_tensor_param()[0]}
+        with engine.eval_mode():
+            values = engine.infer_batch(data)["model_output"]["values"]
+        data["old_values"] = values
+        with engine.train_mode():
+            norms = [engine.train_batch(data[i : i + 2], verl_value_loss)["metrics"]["grad_norm"] for i in (0, 2)]
+        final = {name: tensor.clone() for name, tensor in engine.get_per_tensor_param()[0]}
+    finally:
+        shutdown()
+    plain = LlamaForTokenClassification(AutoConfig.from_pretrained(critic_dir))
+    plain.load_state_dict(initial, strict=True)
+    optimizer = torch.optim.AdamW(plain.parameters(), lr=LEARNING_RATE, weight_decay=0.0)
+    batch = padded(data)
+    pad = lambda key: data[key].to_padded_tensor(0.0, output_size=batch["input_ids"].shape)  # noqa: E731
+    old, returns = pad("old_values"), pad("returns")
+    with torch.no_grad():
+        want = plain(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.squeeze(-1)
+    torch.testing.assert_close(old, want * batch["attention_mask"], rtol=0, atol=1e-5)
+    expected_norms = []
+    for rows in (slice(0, 2), slice(2, 4)):
+        out = plain(input_ids=batch["input_ids"][rows], attention_mask=batch["attention_mask"][rows]).logits[..., 0]
+        clipped = old[rows] + (out - old[rows]).clamp(-0.5, 0.5)
+        losses = 0.5 * torch.maximum((out - returns[rows]) ** 2, (clipped - returns[rows]) ** 2)
+        mask = batch["loss_mask"][rows]
+        ((losses * mask).sum() / mask.sum()).backward()
+        expected_norms.append(float(torch.nn.utils.clip_grad_norm_(plain.parameters(), CLIP)))
+        optimizer.step()
+        optimizer.zero_grad()
+    assert norms == pytest.approx(expected_norms, abs=1e-5)
+    for name, tensor in plain.state_dict().items():
+        torch.testing.assert_close(final[name], tensor, rtol=0, atol=1e-5, msg=name)

@@ -9,6 +9,7 @@ verl's batches are made of, is imported where a batch is built."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
@@ -59,6 +60,7 @@ def job_config(model_config: Any, engine_config: Any, optimizer_config: Any) -> 
             "name_or_path": str(model_config.path),
             "trust_remote_code": bool(getattr(model_config, "trust_remote_code", False)),
             "ulysses_size": int(engine_config.ulysses_sequence_parallel_size),
+            **model_head(model_config),
         },
         "strategy_args": {"strategy_name": "fsdp2_infer" if engine_config.forward_only else "fsdp2_train"},
         "training": {
@@ -73,6 +75,24 @@ def job_config(model_config: Any, engine_config: Any, optimizer_config: Any) -> 
             "seed": int(getattr(engine_config, "seed", 42)),
         },
     }
+
+
+def model_head(model_config: Any) -> dict[str, Any]:
+    """The model section's head for verl's model_type: a causal LM ("language_model"), or for a critic
+    ("value_model") the family's ...ForTokenClassification with one label, as verl builds its critic."""
+    model_type = getattr(model_config, "model_type", None) or "language_model"
+    if model_type == "language_model":
+        return {}
+    if model_type != "value_model":
+        raise UserError(f"verl model_type: {model_type} (fsdp2kit's verl engine has language_model, value_model)")
+    from transformers.models.auto.modeling_auto import MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES
+
+    config_file = Path(model_config.path) / "config.json"
+    family = json.loads(config_file.read_text()).get("model_type") if config_file.is_file() else None
+    class_name = MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES.get(family or "")
+    if class_name is None:
+        raise UserError(f"verl value_model: {config_file} names no model family with a token-classification class")
+    return {"model_class": f"transformers:{class_name}", "config": {"num_labels": 1}}
 
 
 class VerlEngine:
@@ -147,7 +167,8 @@ class VerlEngine:
         strategy = self.strategy
         run = _LossRun(loss_function, self.get_data_parallel_group(), self.get_data_parallel_size())
         parts = run.prepare(data, self._micro_ranges(data))
-        loss_fn = run.loss_fn(parts, entropy=bool(_setting(data, "calculate_entropy", False)))
+        entropy = bool(_setting(data, "calculate_entropy", False))
+        loss_fn = run.loss_fn(parts, self.strategy.head.output, entropy)
         result = strategy.train_step([part.batch for part in parts], loss_fn, step_scheduler=False)
         metrics: dict[str, Any] = dict(run.metrics)
         metrics["grad_norm"] = result["grad_norm"]
@@ -155,15 +176,16 @@ class VerlEngine:
 
     def infer_batch(self, data: Any, loss_function: VerlLoss | None = None) -> dict[str, Any]:
         """Log-probs (and entropy where `calculate_entropy`) of every token as verl's engine gives them: a jagged
-        tensor like `input_ids`, position t holding log p(token t+1), 0 at each sequence's last position; with a
-        loss function, its loss and metrics per micro-batch too."""
+        tensor like `input_ids`, position t holding log p(token t+1), 0 at each sequence's last position; a critic's
+        `values`, one per token; with a loss function, its loss and metrics per micro-batch too."""
         run = _LossRun(loss_function, self.get_data_parallel_group(), self.get_data_parallel_size())
         parts = run.prepare(data, self._micro_ranges(data))
         entropy = bool(_setting(data, "calculate_entropy", False))
-        outputs: dict[str, list[torch.Tensor]] = {"log_probs": [], **({"entropy": []} if entropy else {})}
+        kinds = [self.strategy.head.output, *(["entropy"] if entropy else [])]
+        outputs: dict[str, list[torch.Tensor]] = {kind: [] for kind in kinds}
         for part in parts:
             result = self.strategy.forward_step(part.batch, entropy=entropy)
-            model_output = {key: part.jagged(result[key]) for key in outputs}
+            model_output = {key: part.as_verl(key, result[key]) for key in outputs}
             for key, value in model_output.items():
                 outputs[key] += list(value.unbind())
             run.call(part, model_output)
@@ -360,11 +382,12 @@ class _MicroBatch:
         if temperature is not None:
             self.batch["temperature"] = torch.as_tensor(temperature, dtype=torch.float32)
 
-    def jagged(self, per_position: torch.Tensor) -> torch.Tensor:
-        """A [b, T-1] result (position t: about token t+1) as verl's jagged [b, j] tensor, 0 at each last position;
-        with autograd."""
-        padded = F.pad(per_position, (0, 1)) * self.predicting
-        return torch.nested.nested_tensor_from_jagged(padded[self.mask], self.offsets)
+    def as_verl(self, kind: str, result: torch.Tensor) -> torch.Tensor:
+        """A Strategy result as verl's jagged [b, j] tensor, with autograd: `values` [b, T] one per token as they
+        are; log-probs and entropy [b, T-1] (position t: about token t+1) with 0 at each sequence's last position."""
+        if kind != "values":
+            result = F.pad(result, (0, 1)) * self.predicting
+        return torch.nested.nested_tensor_from_jagged(result[self.mask], self.offsets)
 
 
 class _LossRun:
@@ -400,30 +423,32 @@ class _LossRun:
             self.metrics.setdefault(key, []).append(value)
         return loss
 
-    def loss_fn(self, parts: list[_MicroBatch], entropy: bool) -> Callable[..., Any]:
+    def loss_fn(self, parts: list[_MicroBatch], output: str, entropy: bool) -> Callable[..., Any]:
         """The Strategy's loss_fn: verl's loss of micro-batch i with weight 1 / (this rank's micro-batches), so that
         the Strategy's sum(loss) / sum(weight) is verl's objective, the mean over data-parallel ranks of each rank's
-        summed micro-batch losses (verl's losses carry x dp_size and the global token count already). With
-        `entropy` (verl's calculate_entropy: an entropy bonus) the model output has the entropy, with autograd."""
+        summed micro-batch losses (verl's losses carry x dp_size and the global token count already). Its model
+        output is the model's `output` (log_probs, or a critic's values); with `entropy` (verl's calculate_entropy:
+        an entropy bonus) the entropy too, with autograd."""
         weight = torch.tensor(1.0 / len(parts))
 
-        def verl_loss(log_probs: torch.Tensor, batch: dict[str, torch.Tensor], entropies: Any = None) -> Any:
+        def verl_loss(received: torch.Tensor, batch: dict[str, torch.Tensor], entropies: Any = None) -> Any:
             part = parts[int(batch[MICRO_BATCH_KEY])]
-            outputs = {"log_probs": part.jagged(log_probs)}
+            outputs = {output: part.as_verl(output, received)}
             if entropies is not None:
-                outputs["entropy"] = part.jagged(entropies)
+                outputs["entropy"] = part.as_verl("entropy", entropies)
             loss = self.call(part, outputs)
             assert loss is not None  # train_batch always has a loss function
-            return loss.reshape(()), weight.to(log_probs.device)
+            return loss.reshape(()), weight.to(received.device)
 
         if entropy:  # the Strategy computes the entropy for a loss_fn that takes `entropy`
             return lambda log_probs, batch, entropy: verl_loss(log_probs, batch, entropy)
-        return lambda log_probs, batch: verl_loss(log_probs, batch)
+        return lambda received, batch: verl_loss(received, batch)
 
 
 def register(model_type: str = "language_model", backend: str = "fsdp2kit", device: Any = ("cuda", "cpu")) -> type:
     """Register the engine in verl's EngineRegistry as verl registers its own (a BaseEngine subclass under
-    `model_type` and `backend`, for each device); verl then builds it for `engine.strategy: <backend>`."""
+    `model_type`, "language_model" or "value_model", and `backend`, for each device); verl then builds it where its
+    engine config's `strategy` is the backend."""
     from verl.workers.engine.base import BaseEngine, EngineRegistry
 
     engine_class = type("Fsdp2kitVerlEngine", (VerlEngine, BaseEngine), {"__module__": __name__})
