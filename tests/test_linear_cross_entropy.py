@@ -156,3 +156,20 @@ def test_bf16_on_cuda_is_the_float32_loss_within_bf16(fused, softcap):
     for got, want in ((hidden.grad, reference32[0].grad), (weight.grad, reference32[1].grad)):
         scale = float(want.abs().max())
         torch.testing.assert_close(got.float(), want, rtol=0, atol=2e-2 * scale)
+
+
+def test_dynamo_traces_the_loss_in_one_graph():
+    """Compile-friendly: torch.compile(fullgraph=True) traces the chunks, forward and backward, without a graph break
+    (dynamo's tracing alone, backend eager, to keep this fast), and gives what eager gives."""
+    hidden, weight, bias, targets = head_case()
+
+    def loss_of(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return linear_cross_entropy(h, w, b, targets, 16, plain_linear(w, b))
+
+    compiled = torch.compile(loss_of, backend="eager", fullgraph=True)
+    got = compiled(hidden, weight, bias)
+    got_grads = torch.autograd.grad(got, [hidden, weight, bias])
+    expected = loss_of(hidden, weight, bias)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    for a, b in zip(got_grads, torch.autograd.grad(expected, [hidden, weight, bias]), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
