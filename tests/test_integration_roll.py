@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 import torch
 from tensordict import TensorDict
+from test_integration_verl import critic_checkpoint
 from test_strategy import tiny_llama
 
 from fsdp2kit.distributed import shutdown
@@ -315,3 +316,50 @@ def test_roll_batches_fsdp2kit_cannot_take_are_refused(model_dir, tmp_path):
             worker.train_step(data)
     finally:
         shutdown()
+
+
+def roll_value_loss(data, output_tensor):
+    """ROLL's CriticWorker.loss_func with value_clip 0.5: its forward_func_values reading of the logits
+    (`output_tensor[:, :-1].squeeze(-1)`), the clipped squared error, 0.5 x agg_loss token-mean."""
+    response_mask = data.batch["response_mask"][:, 1:]
+    values = output_tensor[:, :-1].squeeze(dim=-1)
+    old_values, returns = data.batch["values"], data.batch["returns"]
+    clipped = torch.clip(values, old_values - 0.5, old_values + 0.5)
+    loss = torch.max((values - returns) ** 2, (clipped - returns) ** 2) * response_mask
+    vf_loss = 0.5 * loss.sum() / data.meta_info["batch_num_tokens"]["response_mask"]
+    return vf_loss, {"critic/vf_loss": vf_loss.detach().item()}
+
+
+def test_roll_s_critic_worker_calls_equal_plain_pytorch(model_dir, tmp_path):
+    """A critic (LlamaForTokenClassification, one label): ROLL's compute_values (forward_step with
+    forward_func_values) and a train_step with its clipped value loss equal transformers' model with AdamW."""
+    from transformers import LlamaForTokenClassification
+
+    critic_dir = critic_checkpoint(model_dir, tmp_path / "critic")
+    settings = config(critic_dir, tmp_path)
+    settings["model"] |= {"model_class": "transformers:LlamaForTokenClassification", "config": {"num_labels": 1}}
+    data = rollout(0)
+    data.meta_info["micro_batch_size"] = INFER_MICRO
+    forward_func_values = lambda d, output: (None, {"values": output[:, :-1].squeeze(dim=-1)})  # noqa: E731
+    try:
+        strategy = RollStrategy.from_config(settings, role="critic")
+        with torch.no_grad():
+            values = strategy.forward_step(data, forward_func_values)["values"]
+        data.batch["values"], data.batch["returns"] = values, values + data.batch["advantages"]
+        backward = DataProto(data.batch[:BACKWARD_ROWS], meta_info=data.meta_info)
+        grad_norm = strategy.train_step(backward, roll_value_loss)["critic/grad_norm"]
+        weights = {name: tensor.clone() for name, tensor in strategy.strategy.full_weights()}
+    finally:
+        shutdown()
+    plain = LlamaForTokenClassification.from_pretrained(critic_dir, dtype=torch.float32)
+    inputs = {key: data.batch[key] for key in ("input_ids", "attention_mask", "position_ids")}
+    with torch.no_grad():
+        torch.testing.assert_close(values, plain(**inputs).logits[:, :-1, 0], rtol=0, atol=1e-5)
+    optimizer = torch.optim.AdamW(plain.parameters(), lr=LEARNING_RATE, weight_decay=0.0)
+    rows = {key: value[:BACKWARD_ROWS] for key, value in inputs.items()}
+    loss, _ = roll_value_loss(DataProto(data.batch[:BACKWARD_ROWS], meta_info=data.meta_info), plain(**rows).logits)
+    loss.backward()
+    assert grad_norm == pytest.approx(float(torch.nn.utils.clip_grad_norm_(plain.parameters(), CLIP)), abs=1e-5)
+    optimizer.step()
+    for name, tensor in plain.state_dict().items():
+        torch.testing.assert_close(weights[name], tensor, rtol=0, atol=1e-5, msg=name)

@@ -340,21 +340,29 @@ def verl_value_loss(model_output, data, dp_group=None):
     return loss, {"critic/vf_loss": float(loss.detach())}
 
 
-def test_verl_s_critic_calls_equal_plain_pytorch(model_dir, tmp_path):
-    """model_type value_model on a critic checkpoint: the family's ForTokenClassification with one label;
-    infer_batch's values and two train_batch steps with a clipped value loss equal transformers'
-    LlamaForTokenClassification with AdamW."""
+def critic_checkpoint(model_dir, folder):
+    """A seeded LlamaForTokenClassification (one label, no classifier dropout) of model_dir's shape, saved with its
+    tokenizer: a critic's checkpoint."""
     import shutil
 
     from transformers import AutoConfig, LlamaForTokenClassification
 
-    critic_dir = tmp_path / "critic"
     torch.manual_seed(5)
     critic = AutoConfig.from_pretrained(model_dir, num_labels=1)
     critic.classifier_dropout = 0.0  # transformers' default is 0.1: training would not be deterministic
-    LlamaForTokenClassification(critic).save_pretrained(critic_dir)
+    LlamaForTokenClassification(critic).save_pretrained(folder)
     for file in model_dir.glob("tokenizer*"):
-        shutil.copy(file, critic_dir / file.name)
+        shutil.copy(file, folder / file.name)
+    return folder
+
+
+def test_verl_s_critic_calls_equal_plain_pytorch(model_dir, tmp_path):
+    """model_type value_model on a critic checkpoint: the family's ForTokenClassification with one label;
+    infer_batch's values and two train_batch steps with a clipped value loss equal transformers'
+    LlamaForTokenClassification with AdamW."""
+    from transformers import AutoConfig, LlamaForTokenClassification
+
+    critic_dir = critic_checkpoint(model_dir, tmp_path / "critic")
     configs = verl_configs(critic_dir, RL_STEPS)
     configs["model_config"].model_type = "value_model"
     engine = VerlEngine(**configs, overrides=(f"training.output_dir={tmp_path}",))

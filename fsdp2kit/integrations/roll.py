@@ -90,16 +90,25 @@ class RollStrategy:
     # ---- forward and train ----------------------------------------------------------------------------------
 
     def forward_step(self, batch: Any, forward_func: RollFunc) -> dict[str, Any]:
-        """No grad: `forward_func(micro_batch, TokenOutputs)` per micro-batch of meta_info['micro_batch_size'] rows;
-        what it returns second is collated as ROLL collates it (tensors concatenated along the rows)."""
+        """No grad: `forward_func(micro_batch, outputs)` per micro-batch of meta_info['micro_batch_size'] rows (a
+        language model's TokenOutputs, a critic's values as its logits [B, T, 1]); what the function returns second
+        is collated as ROLL collates it (tensors concatenated along the rows)."""
         micro_size = int(batch.meta_info["micro_batch_size"])
         self._global_counts(batch)
+        output = self._output()
         results = []
         for data in batch.chunk(chunks=max(len(batch) // micro_size, 1)):
-            outputs = self.strategy.forward_step(_strategy_batch(data), entropy=True)
-            _, reduced = forward_func(data, TokenOutputs(outputs["log_probs"], outputs["entropy"]))
+            result = self.strategy.forward_step(_strategy_batch(data), entropy=output == "log_probs")
+            _, reduced = forward_func(data, _roll_output(output, result[output], result.get("entropy")))
             results.append(reduced)
         return _collated(results)
+
+    def _output(self) -> str:
+        """What the model gives ROLL's functions: log-probs (a causal LM) or a critic's values."""
+        output = str(self.strategy.head.output)
+        if output not in ("log_probs", "values"):
+            raise UserError(f"ROLL strategy: a model of {output} (a reward model) is not supported; its critic is")
+        return output
 
     def train_step(self, batch: Any, loss_func: RollFunc, no_sync: bool = False) -> dict[str, Any]:
         """ROLL's step: micro-batches of per_device_train_batch_size rows, an optimizer step (clipping, schedule)
@@ -127,7 +136,7 @@ class RollStrategy:
             weight = accumulation / (len(group) * scale)
             result = self.strategy.train_step(
                 [_strategy_batch(data, index) for index, data in enumerate(group)],
-                _RollLoss(loss_func, group, weight, metrics).strategy_loss_fn(self.entropy_loss),
+                _RollLoss(loss_func, group, weight, metrics, self._output()).strategy_loss_fn(self.entropy_loss),
             )
             metrics[f"{self.name}/grad_norm"] = result["grad_norm"]
         return metrics
@@ -222,23 +231,33 @@ class _RollLoss:
     """ROLL's loss_func as the Strategy's loss_fn: micro-batch i of `group` (its index passed with the batch) with
     the weight that turns the Strategy's ratio into ROLL's scaled sum; ROLL's metrics appended per micro-batch."""
 
-    def __init__(self, loss_func: RollFunc, group: list[Any], weight: float, metrics: dict[str, Any]) -> None:
+    def __init__(
+        self, loss_func: RollFunc, group: list[Any], weight: float, metrics: dict[str, Any], output: str
+    ) -> None:
         self.loss_func, self.group, self.weight, self.metrics = loss_func, group, weight, metrics
+        self.output = output
 
     def strategy_loss_fn(self, entropy: bool) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
         """The loss_fn the Strategy calls: one taking `entropy` (computed with autograd) only where it is wanted."""
         if entropy:
             return lambda log_probs, batch, entropy: self(log_probs, batch, entropy)
-        return lambda log_probs, batch: self(log_probs, batch)
+        return lambda received, batch: self(received, batch)
 
     def __call__(
-        self, log_probs: torch.Tensor, batch: dict[str, torch.Tensor], entropy: torch.Tensor | None = None
+        self, received: torch.Tensor, batch: dict[str, torch.Tensor], entropy: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        weight = torch.tensor(self.weight, device=log_probs.device)
-        loss, reduced = self.loss_func(self.group[int(batch[MICRO_BATCH_KEY])], TokenOutputs(log_probs, entropy))
+        weight = torch.tensor(self.weight, device=received.device)
+        data = self.group[int(batch[MICRO_BATCH_KEY])]
+        loss, reduced = self.loss_func(data, _roll_output(self.output, received, entropy))
         for key, value in reduced.items():
             self.metrics.setdefault(key, []).append(value)
         return loss.reshape(()), weight
+
+
+def _roll_output(output: str, received: torch.Tensor, entropy: torch.Tensor | None) -> Any:
+    """What ROLL's functions get for the logits: TokenOutputs of a language model; a critic's values [B, T] as the
+    token classifier's logits [B, T, 1], which ROLL's critic reads (`output_tensor[:, :-1].squeeze(-1)`)."""
+    return TokenOutputs(received, entropy) if output == "log_probs" else received.unsqueeze(-1)
 
 
 # The key of a Strategy batch that tells the adapter's loss which ROLL micro-batch it has.
