@@ -52,7 +52,7 @@ FAMILIES: dict[str, tuple[dict[str, Any], str, bool]] = {
         "Qwen2MoeMLP",
         True,
     ),
-    "mixtral": ({"num_local_experts": 4, "num_experts_per_tok": 2}, "MixtralExperts", True),
+    "mixtral": ({"num_local_experts": 4, "num_experts_per_tok": 2}, "MixtralBlockSparseTop2MLP", True),
     "olmoe": ({"num_experts": 4, "num_experts_per_tok": 2}, "OlmoeMLP", True),
     "deepseek_v3": (
         {
@@ -111,7 +111,7 @@ def runs(
             "folder": str(folder),
             "out": str(out / f"{family}-{accumulation}x{ulysses}.pt"),
             "experts": FAMILIES[family][1],
-            "per_expert": not FAMILIES[family][1].endswith("Experts"),
+            "per_expert": not FAMILIES[family][1].endswith("Experts"),  # the fused classes' names end so
             "accumulation": accumulation,
             "ulysses": ulysses,
             "steps": STEPS,

@@ -33,18 +33,54 @@ from fsdp2kit.parallel.forward_patch import Forward, replace_forward
 from fsdp2kit.parallel.module_paths import modules_of_classes
 from fsdp2kit.parallel.ulysses import real_tokens
 
-# Fused experts class -> the class of one expert, as the checkpoints of the model family store it.
-# Each per-expert class computes what one expert of the fused module does (down(act(gate(x)) * up(x)), no bias) and
-# has the parameter names of the family's per-expert checkpoints. Mixtral (`w1`/`w2`/`w3` in its checkpoints) and
-# GPT-OSS (biases, a clamped activation) have no such class in transformers: their experts shard as one group.
-SPLITTABLE_EXPERTS = {
+
+class MixtralBlockSparseTop2MLP(nn.Module):
+    """One Mixtral expert as transformers 4 held it and Mixtral checkpoints store it (`w1` gate, `w3` up, `w2`
+    down), under the class name ROLL's Mixtral settings give; transformers 5 has only the fused `MixtralExperts`."""
+
+    def __init__(self, config: Any, intermediate_size: int) -> None:
+        from transformers.activations import ACT2FN
+
+        super().__init__()
+        self.w1 = nn.Linear(config.hidden_size, intermediate_size, bias=False)
+        self.w2 = nn.Linear(intermediate_size, config.hidden_size, bias=False)
+        self.w3 = nn.Linear(config.hidden_size, intermediate_size, bias=False)
+        self.act_fn = ACT2FN[config.hidden_act]
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.w2(self.act_fn(self.w1(hidden_states)) * self.w3(hidden_states))
+
+
+# Fused experts class -> the class of one expert (a name in the fused class's modeling file, or ours): each computes
+# what one expert of the fused module does (down(act(gate(x)) * up(x)), no bias) with the parameter names of the
+# family's per-expert checkpoints. GPT-OSS (biases, a clamped activation) has none: its experts shard as one group.
+SPLITTABLE_EXPERTS: dict[str, str | type[nn.Module]] = {
     "Qwen3MoeExperts": "Qwen3MoeMLP",
     "Qwen2MoeExperts": "Qwen2MoeMLP",
     "OlmoeExperts": "OlmoeMLP",
     "DeepseekV3Experts": "DeepseekV3MLP",
+    "MixtralExperts": MixtralBlockSparseTop2MLP,
 }
+# A split expert's weight -> (its fused experts tensor, which half of the fused rows: 0 first, 1 second, None all)
+_FUSED_ROWS = {
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+    "down_proj": ("down_proj", None),
+    "w1": ("gate_up_proj", 0),
+    "w3": ("gate_up_proj", 1),
+    "w2": ("down_proj", None),
+}
+_SPLIT_NAME = re.compile(rf"(?P<experts>.*\.experts)\.(?P<index>\d+)\.(?P<kind>{'|'.join(_FUSED_ROWS)})\.weight")
 
-_SPLIT_NAME = re.compile(r"(?P<experts>.*\.experts)\.(?P<index>\d+)\.(?P<kind>gate_proj|up_proj|down_proj)\.weight")
+
+def _per_expert_class_name(fused: str) -> str | None:
+    expert = SPLITTABLE_EXPERTS.get(fused)
+    return expert if isinstance(expert, str) or expert is None else expert.__name__
+
+
+def _per_expert_class(module: nn.Module) -> type[nn.Module]:
+    expert = SPLITTABLE_EXPERTS[type(module).__name__]
+    return expert if isinstance(expert, type) else getattr(importlib.import_module(type(module).__module__), expert)
 
 
 class ExpertList(nn.ModuleList):
@@ -82,12 +118,10 @@ def split_experts(model: nn.Module, class_names: list[str]) -> None:
     fused = [
         (name, module)
         for name, module in model.named_modules()
-        if SPLITTABLE_EXPERTS.get(type(module).__name__) in class_names
+        if _per_expert_class_name(type(module).__name__) in class_names
     ]
     for name, module in fused:
-        expert_class = getattr(
-            importlib.import_module(type(module).__module__), SPLITTABLE_EXPERTS[type(module).__name__]
-        )
+        expert_class = _per_expert_class(module)
         parameter = module.gate_up_proj
         # OlmoeMLP takes its size from the config (Olmoe's intermediate_size is the experts'); the others are told
         sized = "intermediate_size" in inspect.signature(expert_class).parameters
@@ -112,7 +146,7 @@ def expert_class_choices(model: nn.Module) -> str | None:
         if type(module).__name__ in SPLITTABLE_EXPERTS:
             return (
                 f"'{type(module).__name__}' (each layer's experts as one shard group) or "
-                f"'{SPLITTABLE_EXPERTS[type(module).__name__]}' (each expert alone, with apply_expert_patch: true)"
+                f"'{_per_expert_class_name(type(module).__name__)}' (each expert alone, with apply_expert_patch: true)"
             )
         if isinstance(module, ExpertList):
             return f"'{type(module[0]).__name__}' (each expert alone, with apply_expert_patch: true)"
@@ -158,20 +192,17 @@ def expert_views_from_fused(model: nn.Module, missing: list[str], available: dic
         match = _SPLIT_NAME.fullmatch(name)
         if match is None or not isinstance(model.get_submodule(match["experts"]), ExpertList):
             continue
-        fused = available.get(f"{match['experts']}.{'down_proj' if match['kind'] == 'down_proj' else 'gate_up_proj'}")
+        tensor, half = _FUSED_ROWS[match["kind"]]
+        fused = available.get(f"{match['experts']}.{tensor}")
         if fused is not None:
-            halves = 1 if match["kind"] == "down_proj" else 2
-            found[name] = (
-                partial(_expert_of_fused, fused.open, int(match["index"]), match["kind"], halves),
-                fused.sources,
-            )
+            found[name] = (partial(_expert_of_fused, fused.open, int(match["index"]), half), fused.sources)
     return found
 
 
-def _expert_of_fused(open_fused: Callable[[], Any], expert: int, kind: str, halves: int) -> _ExpertOfFused:
+def _expert_of_fused(open_fused: Callable[[], Any], expert: int, half: int | None) -> _ExpertOfFused:
     fused = open_fused()
-    rows = fused.get_shape()[1] // halves
-    return _ExpertOfFused(fused, expert, rows if kind == "up_proj" else 0, rows)
+    rows = fused.get_shape()[1] // (1 if half is None else 2)
+    return _ExpertOfFused(fused, expert, rows * (half or 0), rows)
 
 
 def expert_modules(model: nn.Module, class_names: list[str]) -> list[str]:
