@@ -12,6 +12,7 @@ import pytest
 import torch
 from conftest import make_hf_folder, process_group, sharded_model
 
+from fsdp2kit.parallel import document_attention
 from fsdp2kit.parallel.document_attention import (
     DOCUMENT_FLEX,
     attend_documents,
@@ -55,18 +56,21 @@ def job(model_dir: Path, **model: object) -> object:
 
 
 @torch.no_grad()
-def test_the_block_mask_equals_the_dense_mask_and_each_document_alone(llama_dir):
-    """fsdp2kit's sharded model (FSDP, one rank): packed logits through FlexAttention equal the dense document mask's
-    and those of every document on its own."""
+def test_the_block_mask_equals_the_dense_mask_and_each_document_alone(llama_dir, monkeypatch):
+    """fsdp2kit's sharded model (FSDP, one rank), switched at build time as on CUDA: packed logits through
+    FlexAttention equal the dense document mask's and those of every document on its own."""
     ids, positions = packed_batch()
     with process_group(1) as runtime:
-        model = sharded_model(job(llama_dir, attn_implementation="sdpa"), runtime, training=False).model
+        model = sharded_model(job(llama_dir), runtime, training=False).model
+        assert model.config._attn_implementation == "sdpa"  # a CPU keeps the dense mask
         dense = model(input_ids=ids, position_ids=positions, use_cache=False).logits
         alone = each_document_alone(model, ids)
-        use_document_attention(model, None)
+        mixed = model(input_ids=ids, use_cache=False).logits  # one causal sequence: documents attend to each other
+    monkeypatch.setattr(document_attention, "document_path", lambda *_: (True, "as on CUDA"))
+    with process_group(1) as runtime:
+        model = sharded_model(job(llama_dir), runtime, training=False).model
         assert model.config._attn_implementation == DOCUMENT_FLEX
         flex = model(input_ids=ids, position_ids=positions, use_cache=False).logits
-        mixed = model(input_ids=ids, use_cache=False).logits  # one causal sequence: documents attend to each other
     torch.testing.assert_close(flex, dense, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(flex, alone, rtol=1e-5, atol=1e-5)
     assert (mixed - alone).abs().max() > 1e-2  # the documents' boundaries are what the comparison sees
