@@ -313,10 +313,12 @@ class Strategy:
             batch = {**batch, "temperature": torch.as_tensor(temperature)}
         self._require_loaded(("model_params",), "forward_step")
         api_batch = self.device_batch(batch, "batch")
-        if isinstance(self.head, ValueHead):  # a value or reward model: its values or scores
-            return self._head_forward(self.head, api_batch, entropy)
         parts, empty = self._budgeted([api_batch], max_tokens, "forward_step")
-        results = [self._token_outputs(part, entropy) for part in parts]
+        head = self.head
+        if isinstance(head, ValueHead):  # a value or reward model: its values or scores
+            results = [self._head_forward(head, part, entropy) for part in parts]
+        else:
+            results = [self._token_outputs(part, entropy) for part in parts]
         for _ in range(empty):  # as many forwards (rounds of parameter all-gathers, resharded after) as other ranks
             with self._inference():
                 self.model(**model_inputs(self._sequence_slice(empty_micro_batch(parts[0]))), use_cache=False)

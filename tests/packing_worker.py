@@ -74,6 +74,11 @@ def step_gradients(strategy: fsdp2kit.Strategy, step: Callable[[], dict]) -> tup
     return result, seen
 
 
+def policy_loss_with_rows(log_probs: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """policy_loss, and the micro-batch's row count as a metric (its mean: rows / real micro-batches)."""
+    return (*policy_loss(log_probs, batch), {"rows": float(batch["input_ids"].shape[0])})
+
+
 def run(model_dir: str, out: str) -> None:
     strategy = fsdp2kit.Strategy.from_config(config(model_dir, out + ".dp", True))
     rank = dist.get_rank()
@@ -86,7 +91,9 @@ def run(model_dir: str, out: str) -> None:
     # empty ones); the step still minimises the global sum(loss_sum) / sum(weight).
     budgeted = [whole, padded_batch(1, rows=2)][rank]
     seen["budget_log_probs"] = strategy.forward_step(budgeted, max_tokens=BUDGET)["log_probs"]
-    seen["budget"] = step_gradients(strategy, lambda: strategy.train_step([budgeted], policy_loss, max_tokens=BUDGET))
+    seen["budget"] = step_gradients(
+        strategy, lambda: strategy.train_step([budgeted], policy_loss_with_rows, max_tokens=BUDGET)
+    )
     strategy = fsdp2kit.Strategy.from_config(config(model_dir, out + ".sp", True, ulysses=2))
     seen["sp_log_probs"] = strategy.forward_step(whole, entropy=True)
     seen["sp"] = step_gradients(strategy, lambda: strategy.train_step([whole], policy_loss))

@@ -99,7 +99,10 @@ def test_packed_and_budgeted_steps_equal_the_padded_computation(model_dir, tmp_p
         assert_outputs(budgeted, expected["log_probs"][0], batches[0])
         s.cfg.model.remove_padding = False  # the same model, padded: a budget alone cuts the rows
         assert_step(step_gradients(s, lambda: s.train_step(batches, policy_loss, max_tokens=BUDGET)), expected)
+        right_padded = {key: batches[1][key][2:] for key in ("input_ids", "attention_mask")}  # no left pad
+        padded_loss = s.train_step([right_padded])["loss"]  # the default cross-entropy
         s.cfg.model.remove_padding = True
+        assert s.train_step([right_padded])["loss"] == pytest.approx(padded_loss, abs=1e-6)
         holed = {**batches[0], "attention_mask": batches[0]["attention_mask"].clone()}
         holed["attention_mask"][1, 7] = 0
         with pytest.raises(UserError, match="one run of 1s per row"):
@@ -128,3 +131,5 @@ def test_packed_and_budgeted_steps_at_two_ranks_and_ulysses(model_dir, tmp_path)
     assert_step(seen["sp"], expected)
     assert_outputs(seen["budget_log_probs"], expected["log_probs"][0], whole)
     assert_step(seen["budget"], reference(model_dir, [whole, second]))
+    parts = len(split_rows(whole, BUDGET)) + len(split_rows(second, BUDGET))  # rank 1's empty ones not counted
+    assert seen["budget"][0]["metrics"]["rows"] == pytest.approx(6 / parts)

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from fsdp2kit.dtypes import short_name, torch_dtype
 from fsdp2kit.errors import UserError
 from fsdp2kit.strategy import Strategy
+from fsdp2kit.train.packing import token_budget_ranges
 
 # verl's loss function: loss_function(model_output=, data=, dp_group=) -> (loss, metrics).
 VerlLoss = Callable[..., tuple[torch.Tensor, dict[str, Any]]]
@@ -312,17 +313,6 @@ class VerlEngine:
         count = torch.tensor(len(token_budget_ranges(lengths, budget)))
         dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.get_data_parallel_group())
         return balanced_ranges(lengths, int(count))
-
-
-def token_budget_ranges(lengths: list[int], budget: int) -> list[range]:
-    """Consecutive rows whose token counts sum to at most `budget` (a longer row is alone)."""
-    ranges, start, tokens = [], 0, 0
-    for row, length in enumerate(lengths):
-        if row > start and tokens + length > budget:
-            ranges.append(range(start, row))
-            start, tokens = row, 0
-        tokens += length
-    return ranges + [range(start, len(lengths))]
 
 
 def balanced_ranges(lengths: list[int], count: int) -> list[range]:

@@ -86,19 +86,25 @@ def split_rows(batch: Batch, max_tokens: int) -> list[Batch]:
     rows = ids.shape[0]
     mask = batch.get("attention_mask")
     lengths = mask.sum(1).tolist() if mask is not None else [ids.shape[1]] * rows
-    bounds, tokens = [0], 0
+    return [_rows(batch, part, rows) for part in token_budget_ranges(lengths, max_tokens)]
+
+
+def token_budget_ranges(lengths: list[int], budget: int) -> list[range]:
+    """Consecutive rows whose token counts sum to at most `budget` (a longer row is alone)."""
+    ranges, start, tokens = [], 0, 0
     for row, length in enumerate(lengths):
-        if row > bounds[-1] and tokens + length > max_tokens:
-            bounds.append(row)
-            tokens = 0
+        if row > start and tokens + length > budget:
+            ranges.append(range(start, row))
+            start, tokens = row, 0
         tokens += length
-    bounds.append(rows)
-    return [_rows(batch, slice(start, stop), rows) for start, stop in zip(bounds, bounds[1:], strict=False)]
+    return ranges + [range(start, len(lengths))]
 
 
-def _rows(batch: Batch, part: slice, rows: int) -> Batch:
+def _rows(batch: Batch, part: range, rows: int) -> Batch:
+    """The rows `part` of every tensor whose first dimension is the batch's `rows`; anything else as it is."""
+    cut = slice(part.start, part.stop)
     return {
-        k: v[part] if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == rows else v for k, v in batch.items()
+        k: v[cut] if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == rows else v for k, v in batch.items()
     }
 
 
