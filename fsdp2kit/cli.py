@@ -342,13 +342,17 @@ def _prepare(cfg: JobConfig, show: int = 0) -> int:
     from fsdp2kit.data.samples import marked_text
     from fsdp2kit.data.store import describe, token_store
     from fsdp2kit.models.build import check_data_fits, resolve_model
+    from fsdp2kit.train.interrupt import stopping_at_once
     from fsdp2kit.train.loggers import phase
 
     source = resolve_model(cfg.model, cfg.data.tokenizer)
     tokenizer = load_tokenizer(source.tokenizer_path)
     check_data_fits(source.hf_config, cfg.data.seq_len, tokenizer)
     for data in source_configs(cfg.data):
-        with phase(f"the token store of {data.source}", is_main=True):
+        with (
+            stopping_at_once(f"the token store of {data.source} was not written"),
+            phase(f"the token store of {data.source}", is_main=True),
+        ):
             store = token_store(data, tokenizer)
         print(f"token store {describe(store)}")
     samples, eval_samples = split_samples(cfg.data, tokenizer, cfg.training.seed)  # the stores are built: cheap

@@ -34,6 +34,17 @@ class Interrupted(Exception):
         self.exit_code = 128 + signum
 
 
+# An interrupt raised by a signal handler where it cannot propagate (inside a finaliser or weakref callback, whose
+# exceptions Python prints and drops), kept so that the work raises it again at its next boundary.
+PENDING_INTERRUPTS: list[Interrupted] = []
+
+
+def raise_pending_interrupt() -> None:
+    """Raise the interrupt a signal handler raised, if any: called at the boundaries of long work (a range of rows)."""
+    if PENDING_INTERRUPTS:
+        raise PENDING_INTERRUPTS[0]
+
+
 def unknown_key_message(
     file: str, key: str, leaf: str, valid: list[str], spell: Callable[[str], str], listed: list[str] | None = None
 ) -> str:

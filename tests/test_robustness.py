@@ -784,3 +784,39 @@ def test_save_checkpoint_replaces_only_an_earlier_checkpoint(tmp_path):
         assert strategy.load_checkpoint(tmp_path / "ckpt")["step"] == 1
     finally:
         shutdown()
+
+
+def test_sigint_to_prepare_stops_it_with_one_line(tmp_path):
+    """SIGINT to `prepare`'s process alone (a Ctrl-C, or a job scheduler) was a KeyboardInterrupt traceback, then a
+    wait on a thread until killed; a second one, another traceback. Now: one line and 130, nothing committed, for
+    one Ctrl-C or two (two in a row may arrive as one)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from conftest import REPO
+
+    data = tmp_path / "docs.jsonl"
+    data.write_text("".join(json.dumps({"text": f"document number {i} " * 60}) + "\n" for i in range(60_000)))
+    cache = tmp_path / "cache"
+    command = [sys.executable, "-m", "fsdp2kit", "prepare", DEMO, "--set", f"data.source={data}"]
+    command += ["--set", f"data.cache_dir={cache}"]
+    prepare = subprocess.Popen(
+        command, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, stderr=subprocess.PIPE, text=True
+    )
+    deadline = time.monotonic() + 120
+    while not list(cache.glob("*.tmp-*")) and prepare.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)  # until the store is being written: what prepare itself shows
+    prepare.send_signal(signal.SIGINT)
+    time.sleep(0.01)
+    if prepare.poll() is None:
+        prepare.send_signal(signal.SIGINT)
+    _, stderr = prepare.communicate(timeout=60)
+    line = assert_one_line_error(subprocess.CompletedProcess(command, prepare.returncode, "", stderr), 130, "SIGINT")
+    assert line in (
+        f"error: interrupted by SIGINT: the token store of {data} was not written",
+        "error: SIGINT again: stopped at once",
+    )
+    assert not [p for p in cache.iterdir() if ".tmp-" not in p.name and not p.name.endswith(".lock")]

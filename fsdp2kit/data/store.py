@@ -39,7 +39,7 @@ from fsdp2kit.data.builtin import cache_root
 from fsdp2kit.data.chat import Chat, ChatTemplate, given_template
 from fsdp2kit.data.dataset import SourceDocuments, open_source, single_source, source_files
 from fsdp2kit.durable import disk_full_message, folder_bytes, fsync_dir, ran_out_of_space, write_durable
-from fsdp2kit.errors import RunFault, UserError
+from fsdp2kit.errors import RunFault, UserError, raise_pending_interrupt
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -258,6 +258,7 @@ def _write_store(
         for (start, stop), (tokens, lengths, prompt_lengths, text_bytes, masks, untrained) in zip(
             ranges, encoded, strict=True
         ):
+            raise_pending_interrupt()  # a Ctrl-C whose exception a finaliser swallowed
             tokens_file.write(tokens.tobytes())
             masks_file.write(masks.tobytes())
             counts["untrainable"] += untrained

@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import os
 import signal
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from fsdp2kit.errors import report_error
+from fsdp2kit.errors import PENDING_INTERRUPTS, Interrupted, report_error
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -49,4 +51,39 @@ class StopSignals:
 
     def __exit__(self, *exc_info: object) -> None:
         for signum, handler in self.previous.items():
+            signal.signal(signum, handler)
+
+
+@contextmanager
+def stopping_at_once(outcome: str) -> Iterator[None]:
+    """For work with no step boundary to stop at (`prepare`, `convert`): the first SIGINT or SIGTERM raises
+    `Interrupted` ("interrupted by SIGINT: `outcome`") where the main thread is, so the work unwinds (its partial
+    files removed as on any error) and the command ends with one line; a second one during the unwinding exits at
+    once. Raised inside a finaliser, the interrupt is not printed there but raised again at the work's next boundary
+    (`raise_pending_interrupt`)."""
+    if signal.getsignal(signal.SIGINT) is None:  # not the main thread of the interpreter
+        yield
+        return
+
+    def again(signum: int, frame: object) -> None:
+        os._exit(report_error(f"{signal.Signals(signum).name} again: stopped at once", 128 + signum))
+
+    def first(signum: int, frame: object) -> None:
+        for stop in STOP_SIGNALS:
+            signal.signal(stop, again)
+        PENDING_INTERRUPTS.append(Interrupted(f"interrupted by {signal.Signals(signum).name}: {outcome}", signum))
+        raise PENDING_INTERRUPTS[-1]
+
+    def unraisable(info: Any) -> None:  # raised in a finaliser: still pending, raised again at the next boundary
+        if not isinstance(info.exc_value, Interrupted):
+            previous_hook(info)
+
+    previous = {signum: signal.signal(signum, first) for signum in STOP_SIGNALS}
+    previous_hook, sys.unraisablehook = sys.unraisablehook, unraisable
+    try:
+        yield
+    finally:
+        PENDING_INTERRUPTS.clear()
+        sys.unraisablehook = previous_hook
+        for signum, handler in previous.items():
             signal.signal(signum, handler)
