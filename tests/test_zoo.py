@@ -18,6 +18,7 @@ import torch
 from conftest import REPO
 from zoo_case import (
     FAMILIES,
+    TINY,
     Family,
     family_folder,
     next_token_loss,
@@ -161,3 +162,24 @@ def test_attention_is_transformers_choice_unless_one_is_named(zoo: Path, tmp_pat
     message = str(refused.value)
     assert "\n" not in message and message.startswith("model.attn_implementation: sdpa is not an attention")
     assert "Gemma2ForCausalLM" in message and "valid: auto" in message
+
+
+def test_ulysses_refuses_an_attention_it_cannot_wrap():
+    """Ulysses attends over the gathered sequence with the family's sdpa or eager; any other implementation the model
+    runs (here flex_attention) is one line, not a wrapper that would call eager without its mask."""
+    import torch.distributed as dist
+    from conftest import process_group
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from fsdp2kit.parallel.ulysses import apply_ulysses
+
+    config = AutoConfig.for_model("llama", vocab_size=64, head_dim=8, **TINY)
+    config._attn_implementation = "flex_attention"
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    with process_group(2), pytest.raises(UserError) as refused:
+        apply_ulysses(model, dist.new_group([0, 1]))
+    assert str(refused.value) == (
+        "model.attn_implementation: flex_attention cannot run inside Ulysses (model.ulysses_size = 2), which attends "
+        "over the gathered sequence with sdpa or eager; set auto, sdpa or eager"
+    )
