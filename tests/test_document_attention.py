@@ -153,6 +153,9 @@ def test_check_names_the_path(llama_dir):
     no_documents.data.document_mask = False
     with process_group(1) as runtime:
         assert describe(no_documents, runtime)["document_attention"] is None
+    no_documents.model.remove_padding = True  # the Strategy API packs its padded rows into documents
+    with process_group(1) as runtime:
+        assert describe(no_documents, runtime)["document_attention"] == described["document_attention"]
 
 
 @pytest.mark.cuda

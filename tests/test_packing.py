@@ -19,6 +19,8 @@ from test_strategy import strategy, tiny_llama
 
 from fsdp2kit.distributed import free_port
 from fsdp2kit.errors import UserError
+from fsdp2kit.parallel import document_attention
+from fsdp2kit.parallel.document_attention import DOCUMENT_FLEX
 from fsdp2kit.train.packing import split_rows
 
 Batch = dict[str, torch.Tensor]
@@ -107,6 +109,19 @@ def test_packed_and_budgeted_steps_equal_the_padded_computation(model_dir, tmp_p
         holed["attention_mask"][1, 7] = 0
         with pytest.raises(UserError, match="one run of 1s per row"):
             s.forward_step(holed)
+
+
+def test_packed_rows_through_flex_attention_equal_the_padded_computation(model_dir, tmp_path, monkeypatch):
+    """Where the build picks FlexAttention for packed documents (CUDA; forced here, forward only: torch has no CPU
+    backward for it), forward_step's stream goes through its block mask and equals the padded computation."""
+    monkeypatch.setattr(document_attention, "document_path", lambda *_: (True, "as on CUDA"))
+    batch = padded_batch(0)
+    expected = reference(model_dir, [batch])
+    with strategy(config(str(model_dir), str(tmp_path), remove_padding=True)) as s:
+        assert s.model.config._attn_implementation == DOCUMENT_FLEX
+        out = s.forward_step(batch, entropy=True)
+    assert_outputs(out["log_probs"], expected["log_probs"][0], batch)
+    assert_outputs(out["entropy"], expected["entropy"][0], batch)
 
 
 @pytest.mark.slow
