@@ -42,6 +42,24 @@ class Family:
         return self.model_type
 
 
+MOE = {"num_experts": 4, "num_experts_per_tok": 2}
+# Multi-head latent attention (low-rank queries and keys/values), one shared expert, layer 0 dense.
+DEEPSEEK_V3 = {
+    "num_key_value_heads": 4,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 16,
+    "n_shared_experts": 1,
+    "first_k_dense_replace": 1,
+    "kv_lora_rank": 16,
+    "q_lora_rank": 16,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 8,
+    "v_head_dim": 8,
+    "n_group": 1,
+    "topk_group": 1,
+}
+
 FAMILIES: list[Family] = [
     Family("llama", {"head_dim": 8}),
     Family("mistral", {"head_dim": 8}),
@@ -58,6 +76,13 @@ FAMILIES: list[Family] = [
     Family("smollm3"),
     Family("cohere", {"logit_scale": 0.5}),
     Family("stablelm"),
+    # Mixtures of experts (4 experts, 2 a token), as their checkpoints store the experts (docs/moe.md)
+    Family("qwen2_moe", {**MOE, "moe_intermediate_size": 16, "shared_expert_intermediate_size": 32}),
+    Family("qwen3_moe", {**MOE, "head_dim": 8, "moe_intermediate_size": 16}),
+    Family("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2, "head_dim": 8}),
+    Family("olmoe", MOE),
+    Family("deepseek_v3", DEEPSEEK_V3),
+    Family("gpt_oss", {"num_local_experts": 4, "num_experts_per_tok": 2, "head_dim": 8, "sliding_window": 8}),
 ]
 
 
@@ -70,7 +95,7 @@ def family_folder(root: Path, family: Family) -> Path:
     folder = root / family.name
     if (folder / "config.json").is_file():
         return folder
-    config = AutoConfig.for_model(family.model_type, vocab_size=VOCAB_SIZE, **TINY, **family.config)
+    config = AutoConfig.for_model(family.model_type, vocab_size=VOCAB_SIZE, **{**TINY, **family.config})
     torch.manual_seed(5)
     AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(folder)
     for file in tokenizer_dir().iterdir():
