@@ -67,7 +67,11 @@ def infer(cfg: JobConfig, runtime: Runtime) -> None:
     dist.all_gather_object(gathered, results if runtime.rank % layout.ulysses_size == 0 else [])  # once per SP group
     if not runtime.is_main:
         return
-    records = sorted((r for part in gathered for r in part), key=lambda r: r["index"])
+    _write_records(sorted((r for part in gathered for r in part), key=lambda r: r["index"]), cfg)
+
+
+def _write_records(records: list[dict], cfg: JobConfig) -> None:
+    """infer.jsonl (the records, then a summary) and what they add up to, in a line or two."""
     tokens = sum(r["num_tokens"] for r in records)
     total = sum(r["sum_logprob"] for r in records)
     out = Path(cfg.training.output_dir)
