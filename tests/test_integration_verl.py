@@ -248,6 +248,10 @@ def test_engine_calls_beside_the_step(model_dir, tmp_path):
             engine.to("cpu", model=False, grad=True)
         with pytest.raises(UserError, match="call train_batch"):
             engine.forward_backward_batch(verl_batch(0), verl_ppo_loss, forward_only=False)
+        with pytest.raises(UserError, match="part of train_batch"):
+            engine.optimizer_step()
+        engine.optimizer_zero_grad()
+        assert all(p.grad is None for p in engine.strategy.model.parameters())
         data = verl_batch(0, temperature=0.7, use_dynamic_bsz=False, micro_batch_size_per_gpu=4)
         cooled = engine.infer_batch(data)["model_output"]["log_probs"].to_padded_tensor(0.0)[:, :-1]
         plain = {key: value for key, value in padded(data).items() if key in ("input_ids", "attention_mask")}

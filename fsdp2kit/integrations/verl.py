@@ -207,7 +207,11 @@ class VerlEngine:
         return self.infer_batch(data, loss_function)
 
     def optimizer_zero_grad(self) -> None:
-        self.strategy._trainer_optimizer().zero_grad(set_to_none=True)
+        """Gradients cleared (fsdp2kit's step clears them after each update too)."""
+        optimizer = self.strategy.optimizer
+        if optimizer is None:
+            raise UserError("verl engine: optimizer_zero_grad on a forward-only engine (engine_config.forward_only)")
+        optimizer.zero_grad(set_to_none=True)
 
     def optimizer_step(self) -> float:
         """Refused on its own: `train_batch` clips and steps (see forward_backward_batch)."""
