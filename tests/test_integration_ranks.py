@@ -1,6 +1,7 @@
 """The verl and ROLL adapters at two data-parallel ranks (one launch runs both): each rank replays the framework's
 worker calls on its share of every batch, and the run equals the plain PyTorch reference over the global batches —
-verl's global loss-mask token count and dp_size, ROLL's loss scale over ranks and its global token counts."""
+verl's global loss-mask token count and dp_size, ROLL's loss scale over ranks and its global token counts; and ROLL's
+with the two ranks as one Ulysses group (whole sequences gathered for its functions, the counts not divided)."""
 
 from __future__ import annotations
 
@@ -33,3 +34,4 @@ def test_both_adapters_at_two_ranks_equal_plain_pytorch(tmp_path):
     assert got["verl"]["dp"] == (0, 2)
     assert_verl_as_plain(got["verl"], verl_reference(model_dir))
     assert_roll_as_plain(got["roll"], roll_reference(model_dir, ranks=2), slice(0, 2))  # rank 0's rows
+    assert_roll_as_plain(got["roll_ulysses"], roll_reference(model_dir), slice(None))

@@ -230,9 +230,9 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory):
     return tiny_llama(tmp_path_factory.mktemp("roll") / "model")
 
 
-def config(model_dir, output_dir, ranks: int = 1) -> dict:
+def config(model_dir, output_dir, ranks: int = 1, ulysses: int = 1) -> dict:
     return {
-        "model": {"name_or_path": str(model_dir)},
+        "model": {"name_or_path": str(model_dir), "ulysses_size": ulysses},
         "training": {
             "learning_rate": LEARNING_RATE,
             "lr_scheduler_type": "cosine",
@@ -245,14 +245,16 @@ def config(model_dir, output_dir, ranks: int = 1) -> dict:
     }
 
 
-def replay(model_dir, output_dir, rank: int = 0, ranks: int = 1, checkpoints: bool = True) -> dict:
-    """The ActorWorker's calls for STEPS RL steps on this rank's contiguous share of each rollout (with
-    do_checkpoint after each where `checkpoints`): what it saw, and the rollout model that model_update fed."""
+def replay(model_dir, output_dir, rank: int = 0, ranks: int = 1, checkpoints: bool = True, ulysses: int = 1) -> dict:
+    """The ActorWorker's calls for STEPS RL steps on this rank's contiguous share of each rollout (`ranks`
+    data-parallel ranks; the `ulysses` ranks of a sequence-parallel group share theirs), with do_checkpoint after
+    each where `checkpoints`: what it saw, and the rollout model that model_update fed."""
     from transformers import AutoModelForCausalLM
 
     rollout_model = Rollout(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32))
     got: dict = {"old": [], "pg": [], "grad_norm": [], "lr": []}
-    worker = ActorWorker(RollStrategy.from_config(config(model_dir, output_dir, ranks), entropy_loss=True), output_dir)
+    strategy = RollStrategy.from_config(config(model_dir, output_dir, ranks, ulysses), entropy_loss=True)
+    worker = ActorWorker(strategy, output_dir)
     worker.strategy.setup_model_update(rollout_model, "actor_infer")
     share = ROWS // ranks
     for step in range(STEPS):

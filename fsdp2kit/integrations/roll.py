@@ -157,11 +157,13 @@ class RollStrategy:
 
     def _global_counts(self, batch: Any) -> None:
         """ROLL's meta_info['batch_num_tokens'] and ['global_valid_samples'] for the keys in
-        meta_info['loss_mask_keys']: over all data-parallel ranks, per Ulysses rank as ROLL divides them."""
+        meta_info['loss_mask_keys'], over the data-parallel ranks. ROLL sums over every rank and divides by its
+        context-parallel size; the data-parallel group holds one rank of each Ulysses group, and the functions see
+        whole sequences (the Strategy gathers them), so these are the global counts as they are."""
         keys = batch.meta_info.get("loss_mask_keys")
         if not isinstance(keys, list):
             raise UserError("ROLL batch: meta_info['loss_mask_keys'] must be a list of str ([] when none is needed)")
-        group, sp = self.strategy.data_parallel_group(), self.strategy.sharded.layout.ulysses_size
+        group = self.strategy.data_parallel_group()
         rows = torch.tensor(len(batch))
         tokens, valid = {}, {"default": rows}
         for key in (k for k in keys if k in batch.batch.keys()):
@@ -172,10 +174,8 @@ class RollStrategy:
         summed = counts.tolist()
         token_sums = dict(zip(tokens, summed[: len(tokens)], strict=True))
         valid_sums = dict(zip(valid, summed[len(tokens) :], strict=True))
-        batch.meta_info["batch_num_tokens"] = {k: max(n, 1) // sp for k, n in token_sums.items()}
-        batch.meta_info["global_valid_samples"] = {
-            k: (max(n, 1) if k != "default" else n) // sp for k, n in valid_sums.items()
-        }
+        batch.meta_info["batch_num_tokens"] = {k: max(n, 1) for k, n in token_sums.items()}
+        batch.meta_info["global_valid_samples"] = {k: max(n, 1) if k != "default" else n for k, n in valid_sums.items()}
 
     # ---- states, weights, checkpoints -----------------------------------------------------------------------
 
