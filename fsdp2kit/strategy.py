@@ -91,11 +91,6 @@ class Strategy:
         self.model = self.sharded.model
         self._data_parallel_group = data_parallel_group(self.sharded.layout)
         self.head = self.sharded.variant.head  # log-probs, a critic's values or a reward model's scores
-        if cfg.model.remove_padding and isinstance(self.head, ValueHead):
-            raise UserError(
-                f"model.remove_padding: packs a causal LM's rows; model.model_class {self.head.class_name} gives "
-                f"{self.head.output} of the padded rows (turn remove_padding off)"
-            )
         self.head.install(self.model, runtime.device, cfg.model.name_or_path)
         reshard(self.model)  # the install's probe forward: the optimizer must hold the sharded parameters
         self.tokenizer = load_tokenizer(self.sharded.source.tokenizer_path, cfg.model.trust_remote_code)
@@ -191,8 +186,9 @@ class Strategy:
         parts = [part for batch in batches for part in split_rows(batch, max_tokens)]
         return parts, agreed_count(len(parts), self._data_parallel_group) - len(parts)
 
-    def _packed(self, batch: Batch, shifted: Batch, what: str) -> PackedRows | None:
-        """The batch packed into one stream of its real tokens under model.remove_padding, else None."""
+    def _packed(self, batch: Batch, inputs: Batch, what: str, targets: torch.Tensor | None = None) -> PackedRows | None:
+        """The batch (its model `inputs`, and a causal LM's shifted `targets`) packed into one stream of its real
+        tokens under model.remove_padding, else None."""
         if not self.cfg.model.remove_padding:
             return None
         temperature = batch.get("temperature")
@@ -200,14 +196,15 @@ class Strategy:
             raise UserError(
                 f"{what}: model.remove_padding under Ulysses takes one temperature for the batch, not one per sample"
             )
-        return pack_rows(batch, shifted, what)
+        return pack_rows(batch, inputs, what, targets)
 
     def _log_prob_loss(self, batches: list[Batch], loss_fn: LossFn | None) -> tuple[list[Batch], MicroBatchLoss]:
         """A causal LM's micro-batches as the model reads them (packed under model.remove_padding) and their loss:
         loss_fn's over log-probs, or the default cross-entropy."""
         shifted = [self._shifted(mb, loss_fn is None) for mb in batches]
         packing = [
-            self._packed(mb, s, f"micro-batch {i}") for i, (mb, s) in enumerate(zip(batches, shifted, strict=True))
+            self._packed(mb, s, f"micro-batch {i}", s["labels"])
+            for i, (mb, s) in enumerate(zip(batches, shifted, strict=True))
         ]
         model_batches = [p.stream if p is not None else s for p, s in zip(packing, shifted, strict=True)]
         loss: MicroBatchLoss
@@ -234,7 +231,11 @@ class Strategy:
                 f"train_step: a model of {head.output} has no default loss; give loss_fn({head.output}, batch)"
             )
         model_batches = [head.model_batch(mb, self._model_keys) for mb in batches]
-        return model_batches, HeadOutputLoss(loss_fn, batches, self.sharded.sp_group, self.chunk_tokens, head=head)
+        pairs = enumerate(zip(batches, model_batches, strict=True))
+        packing = [self._packed(mb, m, f"micro-batch {i}") for i, (mb, m) in pairs]
+        model_batches = [p.stream if p is not None else m for p, m in zip(packing, model_batches, strict=True)]
+        group, chunk = self.sharded.sp_group, self.chunk_tokens
+        return model_batches, HeadOutputLoss(loss_fn, batches, group, chunk, packing=packing, head=head)
 
     def step(
         self,
@@ -327,7 +328,7 @@ class Strategy:
     def _token_outputs(self, api_batch: Batch, entropy: bool) -> dict[str, torch.Tensor]:
         """forward_step's log-probs (and entropies) of one batch, packed under model.remove_padding."""
         shifted = self._shifted(api_batch, default_targets=False)
-        packed = self._packed(api_batch, shifted, "forward_step")
+        packed = self._packed(api_batch, shifted, "forward_step", shifted["labels"])
         temperature = api_batch.get("temperature")
         with self._inference():
             if packed is None:
@@ -350,10 +351,11 @@ class Strategy:
         if entropy:
             head.require_log_probs("forward_step(entropy=True)")
         model_batch = head.model_batch(api_batch, self._model_keys)
+        packed = self._packed(api_batch, model_batch, "forward_step")
+        model_batch = packed.stream if packed is not None else model_batch
         group = self.sharded.sp_group
-        local = self.sharded.variant.shard_batch(model_batch, group) if group is not None else model_batch
         with self._inference():
-            outputs, _ = head_outputs(self.model, head, local, api_batch, group)
+            outputs, _ = head_outputs(self.model, head, self._sequence_slice(model_batch), api_batch, group, packed)
         return {head.output: outputs}
 
     @torch.no_grad()
@@ -688,18 +690,27 @@ class HeadOutputLoss(LogProbLoss):
     head: ValueHead = field(kw_only=True)
 
     def outputs(self, model: torch.nn.Module, index: int, batch: Batch) -> tuple[torch.Tensor, Batch, Any]:
-        received, outputs = head_outputs(model, self.head, batch, self.batches[index], self.sp_group)
+        packed = self.packing[index] if self.packing is not None else None
+        received, outputs = head_outputs(model, self.head, batch, self.batches[index], self.sp_group, packed)
         return received, {}, outputs
 
 
 def head_outputs(
-    model: torch.nn.Module, head: ValueHead, local: Batch, api_batch: Batch, sp_group: dist.ProcessGroup | None
+    model: torch.nn.Module,
+    head: ValueHead,
+    local: Batch,
+    api_batch: Batch,
+    sp_group: dist.ProcessGroup | None,
+    packed: PackedRows | None = None,
 ) -> tuple[torch.Tensor, Any]:
     """A value or reward model's outputs for `api_batch` from its forward over `local` (this rank's slice under
-    sequence parallel, whose per-token outputs are gathered with autograd), and the model's own outputs."""
+    sequence parallel, whose per-token outputs are gathered with autograd; of the `packed` stream under
+    model.remove_padding, put back at the padded positions), and the model's own outputs."""
     per_token, outputs = head.local_outputs(model, local)
     if sp_group is not None:
         per_token = gather_sequence(per_token, sp_group)
+    if packed is not None:
+        per_token = packed.unpack_tokens(per_token[:, : packed.length])
     return head.whole(per_token, api_batch), outputs
 
 

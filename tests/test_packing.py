@@ -124,6 +124,36 @@ def test_packed_rows_through_flex_attention_equal_the_padded_computation(model_d
     assert_outputs(out["entropy"], expected["entropy"][0], batch)
 
 
+def test_packed_value_and_reward_models_equal_the_padded_computation(tmp_path):
+    """A critic's values [B, T] (0 at padding) and its clipped value loss's gradients, a reward model's scores [B]
+    (read at each row's last real token), packed, equal transformers' padded forward."""
+    from test_value_models import value_model
+    from value_case import MODEL_CLASSES, load_reference, outputs, value_loss
+
+    batch = padded_batch(0)
+    generator = torch.Generator().manual_seed(5)
+    batch["returns"] = torch.randn(batch["token_weights"].shape, generator=generator)
+    batch["old_values"] = batch["returns"] + 0.5 * torch.randn(batch["token_weights"].shape, generator=generator)
+    for kind, output in (("critic", "values"), ("reward", "scores")):
+        folder = value_model(tmp_path / kind, kind)
+        model = load_reference(kind, folder)
+        padded = outputs(model, batch)
+        cfg = config(str(folder), str(tmp_path / f"{kind}-run"), remove_padding=True)
+        cfg["model"]["model_class"] = MODEL_CLASSES[kind]
+        with strategy(cfg) as s:
+            got = s.forward_step(batch)[output]
+            if kind == "critic":
+                step = step_gradients(s, lambda: s.train_step([batch], value_loss))
+        if kind == "reward":
+            torch.testing.assert_close(got, padded, rtol=0, atol=1e-5)
+            continue
+        torch.testing.assert_close(got, padded * batch["attention_mask"], rtol=0, atol=1e-5)
+        loss_sum, weight = value_loss(padded, batch)
+        (loss_sum / weight).backward()
+        grads = {name: p.grad for name, p in model.named_parameters()}
+        assert_step(step, {"loss": (loss_sum / weight).item(), "grads": grads})
+
+
 @pytest.mark.slow
 def test_packed_and_budgeted_steps_at_two_ranks_and_ulysses(model_dir, tmp_path):
     """One launch: remove-padding at 2 data-parallel ranks (a share each) and under Ulysses 2 (the whole batch), and

@@ -38,11 +38,16 @@ class PackedRows:
     def length(self) -> int:
         return int(self.stream["input_ids"].shape[1])
 
+    def unpack_tokens(self, outputs: torch.Tensor) -> torch.Tensor:
+        """The stream's per-token outputs [1, N] at the padded batch's positions [B, T], 0 at padding; with
+        autograd."""
+        return outputs.new_zeros(self.real.shape).masked_scatter(self.real, outputs.reshape(-1))
+
     def unpack(self, outputs: torch.Tensor) -> torch.Tensor:
-        """The stream's per-token outputs [1, N] at the padded batch's shifted positions [B, T-1] (position t: the
+        """The stream's next-token outputs [1, N] at the padded batch's shifted positions [B, T-1] (position t: the
         prediction of token t+1), 0 where token t or t+1 is padding; with autograd."""
-        placed = outputs.new_zeros(self.real.shape).masked_scatter(self.real, outputs.reshape(-1))
-        return placed[:, :-1].masked_fill(~(self.real[:, :-1] & self.real[:, 1:]), 0.0)  # a document's last token
+        placed = self.unpack_tokens(outputs)[:, :-1]
+        return placed.masked_fill(~(self.real[:, :-1] & self.real[:, 1:]), 0.0)  # a document's last token
 
     def token_temperature(self, temperature: torch.Tensor | None) -> torch.Tensor | None:
         """The batch's temperature for the stream: one number as it is, one per sample [B] as one per token [1, N]."""
@@ -51,11 +56,12 @@ class PackedRows:
         return temperature[:, None].expand(self.real.shape)[self.real][None]
 
 
-def pack_rows(batch: Batch, shifted: Batch, what: str) -> PackedRows:
-    """The stream of `batch` (input_ids [B, T] with an attention_mask that is one run of 1s per row) whose targets
-    are `shifted`'s labels [B, T-1] where the next token is real. A target at a padding position (a left pad's
-    prediction of the first real token) has no document and is left out."""
-    extra = sorted(set(shifted) - set(PACKED_INPUTS))
+def pack_rows(batch: Batch, inputs: Batch, what: str, targets: torch.Tensor | None = None) -> PackedRows:
+    """The stream of `batch` (input_ids [B, T] with an attention_mask that is one run of 1s per row), for the model
+    `inputs` made of it. Its labels are `targets` [B, T-1] (a causal LM's next tokens) where the next token is real,
+    else 0 at every token (a value head's: they only mark the positions). A target at a padding position (a left
+    pad's prediction of the first real token) has no document and is left out."""
+    extra = sorted(set(inputs) - set(PACKED_INPUTS))
     if extra:
         raise UserError(
             f"{what}: model.remove_padding packs input_ids, attention_mask and position_ids; the batch also gives the "
@@ -73,8 +79,11 @@ def pack_rows(batch: Batch, shifted: Batch, what: str) -> PackedRows:
             "one run of 1s per row (left and right padding only), with a real token somewhere, and position_ids "
             "(if given) must count each row's real tokens from 0 (cumsum(attention_mask) - 1)"
         )
-    targets = F.pad(shifted["labels"].masked_fill(~real[:, 1:], IGNORE_INDEX), (0, 1), value=IGNORE_INDEX)
-    stream = {"input_ids": ids[real][None], "position_ids": positions[real][None], "labels": targets[real][None]}
+    if targets is None:
+        labels = torch.zeros_like(ids)
+    else:
+        labels = F.pad(targets.masked_fill(~real[:, 1:], IGNORE_INDEX), (0, 1), value=IGNORE_INDEX)
+    stream = {"input_ids": ids[real][None], "position_ids": positions[real][None], "labels": labels[real][None]}
     return PackedRows(stream, real)
 
 
