@@ -174,6 +174,40 @@ def test_a_save_pretrained_folder_loads_trains_and_exports_as_transformers_write
     torch.testing.assert_close(result["log_probs"], probe, atol=1e-5, rtol=0)
 
 
+def test_a_slice_of_fused_experts_reads_only_those_experts_tensors(folders):
+    """Loading is streamed: the rows of experts 2 and 3 of a fused tensor (rank 1 of 2's shard) come from those
+    experts' stored tensors alone, converted as transformers converts them."""
+    from transformers import AutoModelForCausalLM
+
+    from fsdp2kit.models.hf_layout import ModelShapes, checkpoint_conversions, model_views
+
+    model = AutoModelForCausalLM.from_pretrained(folders["mixtral"], dtype=torch.float32)
+    state = model.state_dict()
+    read: list[str] = []
+    layout = ModelShapes(checkpoint_conversions(model), model.config, {n: t.shape for n, t in state.items()})
+    name = "model.layers.1.mlp.experts.gate_up_proj"
+    with safe_open(folders["mixtral"] / "model.safetensors", "pt") as handle:
+
+        class Recorded:  # a stored tensor's lazy slice that records which tensors are read
+            def __init__(self, key: str) -> None:
+                self.key, self.slice = key, handle.get_slice(key)
+
+            def get_shape(self) -> list[int]:
+                return self.slice.get_shape()
+
+            def __getitem__(self, index: Any) -> torch.Tensor:
+                read.append(self.key)
+                return self.slice[index]
+
+        def open_stored(key: str) -> Recorded:
+            return Recorded(key)
+
+        rows = model_views(handle.keys(), open_stored, layout)[name].open()[2:4]
+    expected = [f"model.layers.1.block_sparse_moe.experts.{e}.{w}.weight" for e in (2, 3) for w in ("w1", "w3")]
+    assert sorted(read) == expected
+    assert torch.equal(rows, state[name][2:4])
+
+
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])  # renamed and fused; fused
 def test_convert_to_dcp_and_back_gives_the_save_pretrained_tensors(family, folders, tmp_path):
     """`convert --to dcp` fuses the experts into the model's own names (a DCP checkpoint holds those); `--to hf`

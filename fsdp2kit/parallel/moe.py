@@ -292,6 +292,9 @@ def gather_router_logits(model: nn.Module, group: ProcessGroup) -> None:
     from torch.distributed.nn.functional import all_gather
     from transformers import PreTrainedModel
 
+    config: Any = model.config
+    if not getattr(config.get_text_config(), "output_router_logits", False):
+        return  # no loss reads them: routers keep their own tokens' logits, with no collective
     recorders = [
         getattr(module, "_can_record_outputs", None) or {}
         for module in model.modules()
