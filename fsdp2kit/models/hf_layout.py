@@ -13,6 +13,7 @@ reads only the experts of the rows asked for, so each rank reads its own experts
 from __future__ import annotations
 
 import copy
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
@@ -147,11 +148,12 @@ def model_views(
         stored_names = [key for keys in members.values() for key in keys]
         for name in names:
             view = ConvertedView(copy.deepcopy(converter), first_name, name, sources, model)
-            views[name] = StoredTensor(partial(_itself, view), stored_names)
+            views[name] = StoredTensor(partial(_opened, view), stored_names)
     return views
 
 
-def _itself(view: ConvertedView) -> ConvertedView:
+def _opened(view: ConvertedView) -> ConvertedView:
+    """A converted view opens its stored tensors itself, as it reads them."""
     return view
 
 
@@ -170,7 +172,7 @@ def stored_tensors(named: Iterable[tuple[str, torch.Tensor]], names: list[str], 
     for name in names:
         renamed, pattern = apply_converters(name, reverse_converters)
         group_of[name] = renamed if pattern is not None else name
-    left = {group: sum(1 for g in group_of.values() if g == group) for group in set(group_of.values())}
+    left = Counter(group_of.values())  # tensors still to come, per group
     pending: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in named:
         group = group_of[name]
