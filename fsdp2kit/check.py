@@ -57,7 +57,7 @@ def checked_files(cfg: JobConfig) -> dict[str, str]:
     fail on them after its model has loaded: the data files exist and are of one kind, the weights are whole
     (safetensors headers against file sizes, or a checkpoint's metadata and shard sizes), the tokenizer loads, and
     output_dir can be written. A problem is a UserError naming the key and the file; otherwise what was checked."""
-    data = source_files(cfg.data.source)
+    data = source_files(cfg.data.source, cfg.data.dataset_dir)
     kinds = ", ".join(sorted({f.suffix or f.name for f in data}))
     source = resolve_model(cfg.model, cfg.data.tokenizer)  # config.json readable; weights present or refused
     folder = source.weights_dir
@@ -84,7 +84,7 @@ def checked_files(cfg: JobConfig) -> dict[str, str]:
         raise UserError(problem)
     checked = {"data.source": f"{len(data)} file(s) of one kind ({kinds}), {_size(data)}"}
     if cfg.data.eval_source is not None:
-        evaluated = source_files(cfg.data.eval_source)
+        evaluated = source_files(cfg.data.eval_source, cfg.data.dataset_dir)
         checked["data.eval_source"] = f"{len(evaluated)} file(s), {_size(evaluated)}"
     return checked | {
         "model weights": weights,
@@ -122,7 +122,7 @@ def describe(cfg: JobConfig, runtime: Runtime) -> dict:
         "strategy": cfg.strategy_args.strategy_name,
         "model": {
             "name_or_path": cfg.model.name_or_path,
-            "class": next(c.__name__ for c in type(model).__mro__ if not issubclass(c, FSDPModule)),
+            "class": model_class_name(model),
         },
         # Read back from the live modules, so this is what fully_shard did, not what we meant it to do.
         "sharded_modules": [name for name, module in model.named_modules() if isinstance(module, FSDPModule)],

@@ -43,9 +43,10 @@ def train(cfg: JobConfig, runtime: Runtime) -> None:
 
 def run_inputs(cfg: JobConfig) -> dict[str, Path]:
     """The files and folders a run reads, by the key that names them."""
-    inputs = {f"data.source ({path.name})": path for path in source_files(cfg.data.source)}
-    if cfg.data.eval_source is not None:
-        inputs |= {f"data.eval_source ({path.name})": path for path in source_files(cfg.data.eval_source)}
+    data = cfg.data
+    inputs = {f"data.source ({path.name})": path for path in source_files(data.source, data.dataset_dir)}
+    if data.eval_source is not None:
+        inputs |= {f"data.eval_source ({p.name})": p for p in source_files(data.eval_source, data.dataset_dir)}
     if not cfg.model.name_or_path.startswith("builtin:"):
         inputs["model.name_or_path"] = Path(cfg.model.name_or_path)
     if cfg.data.tokenizer:

@@ -274,6 +274,12 @@ class DataConfig(Section):
         "source), a local HF dataset folder, or a mixture: a list of {path, weight} whose samples interleave in "
         "those proportions",
     )
+    dataset_dir: str | None = Field(
+        None,
+        description="a LLaMA-Factory data folder: its dataset_info.json names datasets, and `source` (and "
+        "`eval_source`) give their names (a name, `a,b`, a list, or a mixture of {path: name, weight}); each is "
+        "read as its entry's formatting, columns and tags say; several without weights are concatenated",
+    )
     eval_source: SourceSpec | None = Field(
         None,
         description="evaluation data, in any form `source` takes (a mixture's entries are evaluated whole, weights "

@@ -16,6 +16,7 @@ import torch
 
 from fsdp2kit.config.schema import DataConfig, WeightedSource, is_mixture
 from fsdp2kit.data.chat import MEDIA_FIELDS, Chat, record_format, to_chat, with_messages_key
+from fsdp2kit.data.registry import RegistryEntry, dataset_names, registry_entry
 from fsdp2kit.errors import UserError
 from fsdp2kit.labels import IGNORE_INDEX
 
@@ -39,13 +40,29 @@ def single_source(source: str | list[str] | list[WeightedSource], key: str = "da
     return source  # type: ignore[return-value]
 
 
-def source_files(source: str | list[str] | list[WeightedSource]) -> list[Path]:
-    """The files a `data.source` names (a glob or a list; for a saved HF dataset folder, every file in it), checked
-    to exist and to be of one readable kind (the built-in corpus: its cached file); a mixture's entries' files, in
-    turn. Cheap: nothing is read."""
+def source_files(source: str | list[str] | list[WeightedSource], dataset_dir: str | None = None) -> list[Path]:
+    """The files a `data.source` names (a glob or a list; for a saved HF dataset folder, every file in it; with
+    `data.dataset_dir`, the files of the datasets it names), checked to exist and to be of one readable kind (the
+    built-in corpus: its cached file); a mixture's entries' files, in turn. Cheap: no data file is read."""
     if is_mixture(source):
-        return [file for entry in source for file in source_files(entry.path)]  # type: ignore[union-attr]
+        return [file for entry in source for file in source_files(entry.path, dataset_dir)]  # type: ignore[union-attr]
+    if dataset_dir is not None:
+        return [registry_entry(dataset_dir, name).file for name in dataset_names(single_source(source))]
     return _files_of(single_source(source))
+
+
+def named_dataset(cfg: DataConfig) -> tuple[DataConfig, RegistryEntry | None]:
+    """With `data.dataset_dir`: the config of the one dataset its source names (source: the entry's file, format:
+    the entry's formatting) and the entry; else the config as it is."""
+    if cfg.dataset_dir is None:
+        return cfg, None
+    names = dataset_names(single_source(cfg.source))
+    if len(names) != 1:
+        raise UserError(
+            f"data.source: '{cfg.source}' names {len(names)} datasets of data.dataset_dir where one is read here"
+        )
+    entry = registry_entry(cfg.dataset_dir, names[0])
+    return cfg.model_copy(update={"source": str(entry.file), "format": entry.formatting, "dataset_dir": None}), entry
 
 
 def _files_of(source: str | list[str]) -> list[Path]:
@@ -85,8 +102,8 @@ def _saved_dataset(source: object) -> bool:
 
 
 def _refuse_dataset_registry(folder: Path) -> None:
-    """A LLaMA-Factory data folder: its dataset_info.json names datasets by key (file_name, formatting, columns),
-    which fsdp2kit does not read; read whole, the registry itself would be trained on as data."""
+    """A LLaMA-Factory data folder given as data.source: its datasets are named through data.dataset_dir; read
+    whole, the registry itself would be trained on as data."""
     registry = folder / "dataset_info.json"
     if not registry.is_file():
         return
@@ -98,7 +115,7 @@ def _refuse_dataset_registry(folder: Path) -> None:
     raise UserError(
         f"data.source: '{folder}' is a LLaMA-Factory data folder (its dataset_info.json names datasets"
         + (f": {', '.join(map(str, names))}" if names else "")
-        + "); give the data file of the dataset to train on, and data.format for its form"
+        + f"); set data.dataset_dir: '{folder}' and data.source to the names of the datasets to train on"
     )
 
 
@@ -233,6 +250,7 @@ class SourceDocuments:
     kind: str
     chat_format: str | None = None  # conversations: data.format (rows hold a record's JSON in `record`)
     config: DataConfig | None = None  # conversations: the options that render and mask them
+    entry: RegistryEntry | None = None  # a dataset named in data.dataset_dir: how its records are written
 
     def undecodable(self) -> UserError:
         """The error for text that is not UTF-8, which Arrow finds only when a row is read: where it is."""
@@ -260,16 +278,22 @@ class SourceDocuments:
             places = [f"record {first + i + 1} of '{self.source}'" for i in range(count)]
         chats = []
         for where, record in zip(places, records, strict=True):
+            record = self._canonical(record, where)
             media = [k for k in MEDIA_FIELDS if record.get(k)]
             if media:
                 raise UserError(
                     f"data.source: {where} has '{media[0]}', which a text-only model cannot read; train it with a "
                     "vision-language model (docs/vl.md) or drop the field"
                 )
-            chats.append(
-                to_chat(with_messages_key(record, self.config.messages_key) if self.config else record, fmt, where)
-            )
+            chats.append(to_chat(record, fmt, where))
         return chats
+
+    def _canonical(self, record: dict, where: str) -> dict:
+        """The record in the fields the chat readers take: as its registry entry writes it, or renamed by
+        data.messages_key."""
+        if self.entry is not None:
+            return self.entry.canonical(record, where)
+        return with_messages_key(record, self.config.messages_key) if self.config else record
 
     def documents(self, rows: dict[str, list]) -> list[str] | list[PromptResponse]:
         """The documents of a batch of rows (column -> values); empty texts and responses are dropped."""
@@ -347,7 +371,10 @@ def _chat_form(cfg: DataConfig, record: dict) -> str | None:
 
 def conversation_form(cfg: DataConfig) -> str | None:
     """Whether the source holds conversations (their form, or None), from its first json record or its parquet
-    columns, without reading it whole: what `check` asks before a run."""
+    columns, without reading it whole: what `check` asks before a run (of several named datasets: the first's)."""
+    if cfg.dataset_dir is not None:
+        first = dataset_names(single_source(cfg.source))[:1]
+        return named_dataset(cfg.model_copy(update={"source": first}))[0].format if first else None
     files = source_files(cfg.source)
     if cfg.source == "builtin:corpus" or _saved_dataset(cfg.source) or _FILE_KINDS[files[0].suffix] == "text":
         return None
@@ -379,11 +406,12 @@ def open_source(cfg: DataConfig) -> SourceDocuments:
     texts of `text_key`."""
     import datasets
 
+    cfg, entry = named_dataset(cfg)
     source = single_source(cfg.source)
     files = source_files(source)
     chat = _chat_table(cfg, files)
     if chat is not None:
-        return SourceDocuments(chat, None, "", "", None, source, files, "json", cfg.format, cfg)
+        return SourceDocuments(chat, None, "", "", None, source, files, "json", cfg.format, cfg, entry)
     if source == "builtin:corpus":
         from fsdp2kit.data.builtin import corpus_documents
 
@@ -395,7 +423,7 @@ def open_source(cfg: DataConfig) -> SourceDocuments:
     text_key = "text" if kind == "text" else cfg.text_key  # a text file's lines have no field names to choose from
     chat_format = _chat_form(cfg, dict.fromkeys(table.column_names, "")) if kind != "text" else None
     if chat_format is not None:
-        return SourceDocuments(table, None, "", "", None, source, files, kind, cfg.format, cfg)
+        return SourceDocuments(table, None, "", "", None, source, files, kind, cfg.format, cfg, entry)
     if cfg.prompt_key in table.column_names and cfg.response_key in table.column_names:
         return SourceDocuments(table, None, cfg.prompt_key, cfg.response_key, cfg.query_key, source, files, kind)
     if text_key not in table.column_names:

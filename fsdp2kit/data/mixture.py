@@ -21,6 +21,7 @@ import torch
 
 from fsdp2kit.config.schema import DataConfig, WeightedSource, is_mixture
 from fsdp2kit.data.dataset import Sample
+from fsdp2kit.data.registry import dataset_names
 from fsdp2kit.data.samples import TrainingSamples
 from fsdp2kit.errors import UserError
 
@@ -144,10 +145,13 @@ class MixedSamples:
         return lines
 
 
-def _entries(source: str | list[str] | list[WeightedSource]) -> list[WeightedSource]:
-    """A source's entries: those of a mixture, or the source itself with weight 1."""
+def _entries(source: str | list[str] | list[WeightedSource], dataset_dir: str | None = None) -> list[WeightedSource]:
+    """A source's entries: those of a mixture, each dataset it names in data.dataset_dir, or the source itself with
+    weight 1."""
     if is_mixture(source):
         return list(source)  # type: ignore[arg-type]
+    if dataset_dir is not None:
+        return [WeightedSource(path=name) for name in dataset_names(source)]  # type: ignore[arg-type]
     return [WeightedSource(path=source)]
 
 
@@ -168,9 +172,9 @@ def describe_source(source: str | list[str] | list[WeightedSource]) -> str:
 def source_configs(data: DataConfig) -> list[DataConfig]:
     """One data config per source a run reads (a mixture's entries, then the evaluation source's): the token stores
     `prepare` builds ahead of a run."""
-    paths = [e.path for e in _entries(data.source)]
+    paths = [e.path for e in _entries(data.source, data.dataset_dir)]
     if data.eval_source is not None:
-        paths += [e.path for e in _entries(data.eval_source)]
+        paths += [e.path for e in _entries(data.eval_source, data.dataset_dir)]
     return [data.model_copy(update={"source": path, "eval_source": None}) for path in paths]
 
 
@@ -188,8 +192,9 @@ def hold_out(samples: Any, fraction: float, seed: int, source: int = 0) -> tuple
 
 
 def split_samples(data: DataConfig, tokenizer: PreTrainedTokenizerBase, seed: int) -> tuple[Any, Any]:
-    """The training samples (one source's, or a mixture) and the evaluation set (None without one)."""
-    entries = _entries(data.source)
+    """The training samples (one source's, a mixture, or several named datasets one after another as LLaMA-Factory's
+    mix_strategy concat reads them) and the evaluation set (None without one)."""
+    entries = _entries(data.source, data.dataset_dir)
     parts: list[Any] = [
         TrainingSamples.from_config(data.model_copy(update={"source": e.path}), tokenizer) for e in entries
     ]
@@ -200,12 +205,14 @@ def split_samples(data: DataConfig, tokenizer: PreTrainedTokenizerBase, seed: in
     train = (
         MixedSamples(parts, [e.weight for e in entries], [source_name(e.path) for e in entries])
         if is_mixture(data.source)
+        else ConcatSamples(parts)
+        if len(parts) > 1
         else parts[0]
     )
     if data.eval_source is not None:
         held = [
             TrainingSamples.from_config(data.model_copy(update={"source": e.path}), tokenizer)
-            for e in _entries(data.eval_source)
+            for e in _entries(data.eval_source, data.dataset_dir)
         ]
     if not held:
         return train, None

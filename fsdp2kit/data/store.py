@@ -37,7 +37,7 @@ import tokenizers
 from fsdp2kit.config.schema import DataConfig
 from fsdp2kit.data.builtin import cache_root
 from fsdp2kit.data.chat import Chat, ChatTemplate, given_template
-from fsdp2kit.data.dataset import SourceDocuments, open_source, single_source, source_files
+from fsdp2kit.data.dataset import SourceDocuments, named_dataset, open_source, single_source, source_files
 from fsdp2kit.durable import disk_full_message, folder_bytes, fsync_dir, ran_out_of_space, write_durable
 from fsdp2kit.errors import RunFault, UserError, raise_pending_interrupt
 
@@ -90,10 +90,12 @@ def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
 def store_fingerprint(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> dict:
     """Everything that changes a store's tokens; seq_len, packing and shuffling do not (samples are cut at read)."""
     source = single_source(cfg.source)
-    files = [(f.resolve(), f.stat()) for f in source_files(source)]
+    files = [(f.resolve(), f.stat()) for f in source_files(source, cfg.dataset_dir)]
+    entry = named_dataset(cfg)[1]
     return {
         "format": STORE_FORMAT,
         "source": source,
+        "registry": None if entry is None else [str(entry.file), entry.attrs],  # how its records are read
         "files": [[str(path), stat.st_size, stat.st_mtime_ns] for path, stat in files],
         "tokenizer": tokenizer_fingerprint(tokenizer),
         "text_key": cfg.text_key,

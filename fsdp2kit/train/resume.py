@@ -13,6 +13,7 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from fsdp2kit.config.schema import DataConfig
 from fsdp2kit.data.dataset import source_files
+from fsdp2kit.data.registry import registry_path
 from fsdp2kit.errors import UserError
 
 _MISSING = object()
@@ -111,8 +112,12 @@ def check_trainer_state(state: dict, path: Path) -> None:
 
 
 def data_files(data: DataConfig) -> list[list[Any]]:
-    """The data source's files as a checkpoint records them: path, size and modification time (cheap to compare)."""
-    return [[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in source_files(data.source)]
+    """The data source's files as a checkpoint records them: path, size and modification time (cheap to compare);
+    with data.dataset_dir, its dataset_info.json too (it says how the files are read)."""
+    files = source_files(data.source, data.dataset_dir)
+    if data.dataset_dir is not None:
+        files.append(registry_path(data.dataset_dir))
+    return [[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in files]
 
 
 def check_data_unchanged(checkpoint: Path, saved: dict, data: DataConfig, allow_changes: bool) -> None:
