@@ -54,6 +54,7 @@ from fsdp2kit.train.step import (
     train_step,
     with_aux_loss,
 )
+from fsdp2kit.train.token_checks import check_token_batch
 
 Batch = dict[str, torch.Tensor]
 # What offload_states / load_states move (ROLL's OffloadStateType names): the parameters' shards, the optimizer state.
@@ -95,7 +96,10 @@ class Strategy:
         reshard(self.model)  # the install's probe forward: the optimizer must hold the sharded parameters
         self.tokenizer = load_tokenizer(self.sharded.source.tokenizer_path, cfg.model.trust_remote_code)
         hf_config = self.sharded.source.hf_config
-        self.chunk_tokens = chunk_tokens(tc.loss_chunk_tokens, _vocab_size(hf_config))
+        self.vocab_size = _vocab_size(hf_config)
+        self.max_positions = getattr(hf_config.get_text_config(), "max_position_embeddings", None)
+        self.open_weight_streams = 0  # full_weights iterators started and neither finished nor closed on this rank
+        self.chunk_tokens = chunk_tokens(tc.loss_chunk_tokens, self.vocab_size)
         self.aux_loss_coef = float(getattr(hf_config, "router_aux_loss_coef", 0.0) or 0.0)
         self._model_keys = set(inspect.signature(self.model.forward).parameters) - {"labels"}
         self.optimizer = build_optimizer(self.model, tc) if self.training else None
@@ -121,6 +125,11 @@ class Strategy:
         strings. Joins the process group torchrun (or the caller) set up, else runs as a world of one. The schedule
         runs over training.max_steps. `trust_remote_code` (`--trust-remote-code`) lets transformers run a model
         folder's own code; the config's model.trust_remote_code never does."""
+        if not isinstance(config, str | Path | dict):
+            raise UserError(
+                "Strategy.from_config: config must be a path to a config file or a dict in the native schema, "
+                f"not {type(config).__name__}"
+            )
         if isinstance(config, dict):
             cfg = validate(apply_overrides(dict(config), list(overrides)), "config")
             grant_remote_code(cfg, trust_remote_code)
@@ -246,6 +255,12 @@ class Strategy:
     ) -> StepResult:
         """One optimizer step over shifted micro-batches on this rank's device (the `train` command's batches)."""
         optimizer = self._trainer_optimizer()
+        if self.open_weight_streams:
+            raise UserError(
+                "train_step: a full_weights() iterator on this rank is half-read; every rank must read it to the end "
+                "(or close() it) before a step: the other ranks wait in its gathers, and its rest would be the "
+                "stepped weights"
+            )
         if loss is None:
             self.head.require_log_probs("the train command (next-token cross-entropy)")
         if self.scheduler is None:
@@ -409,7 +424,23 @@ class Strategy:
         rank, gathered a bucket of at most `bucket_bytes` at a time (one tensor larger than that is its own
         bucket); the caller picks who sends. Every rank must iterate it to the end: each tensor is a collective. The
         tensors are copies at every world size (a world of one would otherwise yield the live parameters, which the
-        next step changes in place under a rollout engine holding them)."""
+        next step changes in place under a rollout engine holding them). A step while it is half-read is refused
+        (`step`), and so is reading on after one: its tensors would mix weights from before and after."""
+        started = self.steps_done
+        self.open_weight_streams += 1
+        try:
+            for name, tensor in self._weight_buckets(dtype, bucket_bytes):
+                if self.steps_done != started:
+                    raise UserError(
+                        f"full_weights: the model stepped (step {started} -> {self.steps_done}) while this iterator "
+                        "was half-read; its rest would mix weights from before and after: start a new one"
+                    )
+                yield name, tensor
+        finally:
+            self.open_weight_streams -= 1
+
+    def _weight_buckets(self, dtype: torch.dtype | None, bucket_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
+        """full_weights' copies, gathered a bucket at a time."""
         bucket: list[tuple[str, torch.Tensor]] = []
         size = 0
         live = {_storage(t) for t in (*self.model.parameters(), *self.model.buffers())}
@@ -549,6 +580,7 @@ class Strategy:
             if value is not None and (not isinstance(value, torch.Tensor) or value.shape != ids.shape):
                 shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
                 raise UserError(f"{what}: {key} must have input_ids' shape {tuple(ids.shape)}, not {shape}")
+        check_token_batch(batch, what, self.vocab_size, self.max_positions)  # before the move: see its docstring
         device = self.runtime.device
         moved = {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
         for key in ("input_ids", "labels"):  # gathers and embeddings index with int64
@@ -636,6 +668,11 @@ def _checked_terms(result: Any) -> MicroBatchTerms:
             "dict of scalars; it returned " + _describe(result)
         )
     loss_sum, weight = result[0].reshape(()).float(), result[1].reshape(())
+    if not loss_sum.requires_grad:
+        raise UserError(
+            "loss_fn: the loss_sum it returns carries no gradient (detached, or not computed from the outputs it "
+            "receives): the step would change nothing; build it from those outputs"
+        )
     if weight.requires_grad:
         raise UserError(
             "loss_fn: the weight it returns carries a gradient; it is the loss's normaliser, a constant to the "

@@ -1,0 +1,119 @@
+"""An API caller's mistakes (fourth adversarial pass, issue 34): each is one UserError sentence at the call, never a
+raw exception from deep in the forward, and never a silent run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fsdp2kit
+from fsdp2kit.errors import UserError
+from fsdp2kit.strategy import reshard
+
+POSITIONS = 64
+
+
+@pytest.fixture(scope="module")
+def strategy(tmp_path_factory):
+    from fsdp2kit.distributed import shutdown
+
+    model = {"config": {"num_hidden_layers": 1, "max_position_embeddings": POSITIONS}}
+    output_dir = str(tmp_path_factory.mktemp("api") / "out")
+    config = {"model": model, "training": {"output_dir": output_dir, "lr_scheduler_type": "constant"}}
+    try:
+        yield fsdp2kit.Strategy.from_config(config)
+    finally:
+        shutdown()
+
+
+def _local_weights(strategy) -> list[torch.Tensor]:
+    return [p.to_local().clone() for p in strategy.model.parameters()]
+
+
+def _ids(value: int, length: int = 8) -> torch.Tensor:
+    return torch.full((1, length), value, dtype=torch.long)
+
+
+def _detached_loss(log_probs, batch):
+    return log_probs.detach().sum(), torch.tensor(1.0)
+
+
+def _constant_loss(log_probs, batch):
+    return torch.tensor(3.0), torch.tensor(1.0)
+
+
+# case: (call on the strategy, the fragment its one sentence holds)
+API_MISTAKES = {
+    "id_past_the_vocabulary": (
+        lambda s: s.forward_step({"input_ids": _ids(s.vocab_size)}),
+        "batch: input_ids holds 4096, outside the model's vocabulary (token ids 0..4095)",
+    ),
+    "negative_id": (
+        lambda s: s.train_step([{"input_ids": _ids(-1)}]),
+        "micro-batch 0: input_ids holds -1, outside the model's vocabulary",
+    ),
+    "negative_label": (
+        lambda s: s.train_step([{"input_ids": _ids(1), "labels": _ids(-5)}]),
+        "micro-batch 0: labels holds -5, outside the model's vocabulary (token ids 0..4095 or -100)",
+    ),
+    "float_labels": (
+        lambda s: s.train_step([{"input_ids": _ids(1), "labels": torch.ones(1, 8)}]),
+        "micro-batch 0: labels must be whole token ids (int64 or int32, -100 where not trained), not torch.float32",
+    ),
+    "detached_loss": (
+        lambda s: s.train_step([{"input_ids": _ids(1)}], loss_fn=_detached_loss),
+        "loss_fn: the loss_sum it returns carries no gradient",
+    ),
+    "constant_loss": (
+        lambda s: s.train_step([{"input_ids": _ids(1)}], loss_fn=_constant_loss),
+        "loss_fn: the loss_sum it returns carries no gradient",
+    ),
+    "forward_past_the_positions": (
+        lambda s: s.forward_step({"input_ids": _ids(1, POSITIONS + 1)}),
+        f"batch: input_ids has {POSITIONS + 1} positions, more than the model's max_position_embeddings ({POSITIONS})",
+    ),
+    "train_past_the_positions": (
+        lambda s: s.train_step([{"input_ids": _ids(1, POSITIONS + 1)}]),
+        f"micro-batch 0: input_ids has {POSITIONS + 1} positions, more than the model's max_position_embeddings",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(API_MISTAKES))
+def test_api_mistakes_are_one_sentence_and_change_nothing(strategy, case):
+    call, fragment = API_MISTAKES[case]
+    before = _local_weights(strategy)
+    with pytest.raises(UserError) as raised:
+        call(strategy)
+    assert fragment in str(raised.value) and "\n" not in str(raised.value)
+    reshard(strategy.model)  # a loss_fn refused mid-step leaves the root's forward gathered
+    assert all(torch.equal(a, b) for a, b in zip(before, _local_weights(strategy), strict=True))
+    full = strategy.forward_step({"input_ids": _ids(1, POSITIONS)})["log_probs"]  # the limit itself still runs
+    assert full.shape == (1, POSITIONS - 1)
+
+
+@pytest.mark.parametrize("config", [None, 3, ["config.yaml"]])
+def test_from_config_of_neither_a_path_nor_a_dict_is_one_sentence(config):
+    with pytest.raises(
+        UserError, match=f"config must be a path to a config file or a dict .*not {type(config).__name__}"
+    ):
+        fsdp2kit.Strategy.from_config(config)
+
+
+def test_a_half_read_full_weights_refuses_a_step_and_reading_on_after_one(strategy):
+    """Half-read, then train_step: the step would mix the rest's weights (and at more ranks, the other ranks wait
+    in its gathers): refused on this rank; after closing it the step runs, and a new iterator is whole again."""
+    batch = [{"input_ids": torch.arange(16).reshape(2, 8)}]
+    weights = strategy.full_weights(bucket_bytes=1)
+    next(weights)
+    with pytest.raises(UserError, match="train_step: a full_weights\\(\\) iterator on this rank is half-read"):
+        strategy.train_step(batch)
+    weights.close()
+    strategy.train_step(batch)
+    stale = strategy.full_weights(bucket_bytes=1)
+    next(stale)
+    strategy.steps_done += 1  # a step taken some other way than train_step (the Trainer's `step`, a restore)
+    with pytest.raises(UserError, match="full_weights: the model stepped \\(step 1 -> 2\\) while this iterator"):
+        next(stale)
+    assert strategy.open_weight_streams == 0
+    assert len(list(strategy.full_weights())) == len(list(strategy.model.state_dict()))
