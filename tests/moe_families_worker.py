@@ -20,9 +20,18 @@ LENGTH, ROWS, VOCAB = 16, 2, 64
 
 
 def micro_batches(step: int, count: int) -> list[dict[str, torch.Tensor]]:
-    """`count` micro-batches of step `step` (step -1: the probe), the same in every process."""
+    """`count` micro-batches of step `step` (step -1: the probe), the same in every process, the last row of each
+    right-padded: the router loss leaves padding out."""
     generator = torch.Generator().manual_seed(2000 + step)
-    return [{"input_ids": torch.randint(3, VOCAB, (ROWS, LENGTH), generator=generator)} for _ in range(count)]
+    mask = torch.ones(ROWS, LENGTH, dtype=torch.long)
+    mask[-1, LENGTH - 5 :] = 0
+    return [
+        {
+            "input_ids": torch.randint(3, VOCAB, (ROWS, LENGTH), generator=generator).masked_fill(mask == 0, 2),
+            "attention_mask": mask,
+        }
+        for _ in range(count)
+    ]
 
 
 def config(run: dict[str, Any]) -> dict[str, Any]:
