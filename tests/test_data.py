@@ -328,5 +328,6 @@ def test_a_llamafactory_data_folder_is_named_not_trained_as_its_registry(tmp_pat
         load_documents(DataConfig(source=str(tmp_path)))
     assert str(error.value) == (
         f"data.source: '{tmp_path}' is a LLaMA-Factory data folder (its dataset_info.json names datasets: "
-        "alpaca_en_demo, itself); give the data file of the dataset to train on, and data.format for its form"
+        f"alpaca_en_demo, itself); set data.dataset_dir: '{tmp_path}' and data.source to the names of the datasets "
+        "to train on"
     )

@@ -1,0 +1,163 @@
+"""LLaMA-Factory's dataset registry (`data.dataset_dir` holding dataset_info.json, `data.source` naming its keys):
+a named dataset gives the samples its file gives read directly in its form; several are concatenated; an entry's
+columns and tags read the same conversations as the canonical ShareGPT fields; every refusal is one line.
+
+The registry is LLaMA-Factory's own `data/dataset_info.json` cut to the fixtures' entries (tests/fixtures/llamafactory,
+README); the defaults follow hiyouga/LLaMA-Factory src/llamafactory/data/parser.py and converter.py at commit
+ff6d4d12eeb035d6ce06805a5733dd7b29f2ac30."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from functools import cache
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from fsdp2kit.config.schema import DataConfig
+from fsdp2kit.data.builtin import tokenizer_dir
+from fsdp2kit.data.dataset import load_documents
+from fsdp2kit.data.mixture import split_samples
+from fsdp2kit.data.samples import TrainingSamples
+from fsdp2kit.data.store import store_path
+from fsdp2kit.errors import UserError
+from fsdp2kit.train.resume import data_files
+
+LLAMAFACTORY = Path(__file__).parent / "fixtures" / "llamafactory"
+TEMPLATE = (Path(__file__).parent / "fixtures" / "chat_templates" / "chatml.jinja").read_text()
+
+
+@cache
+def chat_tokenizer():
+    """The built-in tokenizer with a ChatML template (conversations need one)."""
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir())
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tokenizer.chat_template = TEMPLATE
+    return tokenizer
+
+
+def samples_of(samples) -> list[tuple[list[int], list[bool]]]:
+    return [(s.tokens.tolist(), s.trained.tolist()) for s in (samples[i] for i in range(len(samples)))]
+
+
+def config(tmp_path: Path, **data) -> DataConfig:
+    return DataConfig(cache_dir=str(tmp_path / "cache"), seq_len=256, pack=False, **data)
+
+
+def test_one_named_dataset_gives_the_samples_of_its_file_read_in_its_form(tmp_path):
+    """`dataset: alpaca_en_demo` (LLaMA-Factory's own entry: file_name only, formatting alpaca by default) trains on
+    exactly the samples of alpaca_en_demo.json read with data.format: alpaca."""
+    tokenizer = chat_tokenizer()
+    named, _ = split_samples(config(tmp_path, source="alpaca_en_demo", dataset_dir=str(LLAMAFACTORY)), tokenizer, 0)
+    direct = config(tmp_path, source=str(LLAMAFACTORY / "alpaca_en_demo.json"), format="alpaca")
+    assert isinstance(named, TrainingSamples) and len(named) == 50
+    assert samples_of(named) == samples_of(TrainingSamples.from_config(direct, tokenizer))
+
+
+@pytest.mark.parametrize("source", ["identity,alpaca_en_demo", ["identity", "alpaca_en_demo"]])
+def test_several_named_datasets_are_concatenated(tmp_path, source):
+    """LLaMA-Factory's `dataset: a,b` (mix_strategy concat): every sample of each, in order, once an epoch."""
+    tokenizer = chat_tokenizer()
+    both, _ = split_samples(config(tmp_path, source=source, dataset_dir=str(LLAMAFACTORY)), tokenizer, 0)
+    parts = [
+        TrainingSamples.from_config(config(tmp_path, source=str(LLAMAFACTORY / f), format="alpaca"), tokenizer)
+        for f in ("identity.json", "alpaca_en_demo.json")
+    ]
+    assert len(both) == 100
+    assert samples_of(both) == samples_of(parts[0]) + samples_of(parts[1])
+
+
+def _renamed_glaive(folder: Path) -> None:
+    """glaive_toolcall_en_demo written with other field names and speakers, as LLaMA-Factory's mllm_demo writes
+    its own (role/content, user/assistant), with a registry entry saying so."""
+    speakers = {"human": "USER", "gpt": "BOT", "function_call": "CALL", "observation": "RESULT"}
+    records = json.loads((LLAMAFACTORY / "glaive_toolcall_en_demo.json").read_text())
+    renamed = [
+        {
+            "dialog": [{"speaker": speakers[t["from"]], "text": t["value"]} for t in r["conversations"]],
+            "functions": r["tools"],
+        }
+        for r in records
+    ]
+    (folder / "renamed.jsonl").write_text("".join(json.dumps(r) + "\n" for r in renamed))
+    tags = {"role_tag": "speaker", "content_tag": "text", "user_tag": "USER", "assistant_tag": "BOT"}
+    tags |= {"function_tag": "CALL", "observation_tag": "RESULT"}
+    entry = {"file_name": "renamed.jsonl", "formatting": "sharegpt", "columns": {"messages": "dialog"}, "tags": tags}
+    entry["columns"]["tools"] = "functions"
+    shutil.copy(LLAMAFACTORY / "glaive_toolcall_en_demo.json", folder / "glaive_toolcall_en_demo.json")
+    registry = json.loads((LLAMAFACTORY / "dataset_info.json").read_text())
+    (folder / "dataset_info.json").write_text(
+        json.dumps({"renamed": entry, "glaive_toolcall_en_demo": registry["glaive_toolcall_en_demo"]})
+    )
+
+
+def test_a_sharegpt_entry_with_its_own_columns_and_tags_reads_the_canonical_conversations(tmp_path):
+    _renamed_glaive(tmp_path)
+    renamed = load_documents(DataConfig(source="renamed", dataset_dir=str(tmp_path)))
+    canonical = load_documents(DataConfig(source=str(LLAMAFACTORY / "glaive_toolcall_en_demo.json"), format="sharegpt"))
+    registered = load_documents(DataConfig(source="glaive_toolcall_en_demo", dataset_dir=str(tmp_path)))
+    assert len(renamed) == 20
+    as_read = [(c.messages, c.tools) for c in canonical]  # type: ignore[union-attr]
+    assert [(c.messages, c.tools) for c in renamed] == as_read  # type: ignore[union-attr]
+    assert [(c.messages, c.tools) for c in registered] == as_read  # type: ignore[union-attr]
+    assert any(m.get("tool_calls") for c in renamed for m in c.messages)  # type: ignore[union-attr]
+
+
+def test_editing_an_entry_moves_the_store_and_is_seen_by_resume(tmp_path):
+    """The token store's fingerprint holds what the entry says (its columns and tags decide the tokens), and the
+    data a checkpoint records includes dataset_info.json."""
+    _renamed_glaive(tmp_path)
+    cfg = config(tmp_path, source="renamed", dataset_dir=str(tmp_path))
+    before, recorded = store_path(cfg, chat_tokenizer()), data_files(cfg)
+    registry = json.loads((tmp_path / "dataset_info.json").read_text())
+    registry["renamed"]["columns"]["tools"] = None
+    (tmp_path / "dataset_info.json").write_text(json.dumps(registry))
+    assert store_path(cfg, chat_tokenizer()) != before
+    assert str((tmp_path / "dataset_info.json").resolve()) in [path for path, _, _ in recorded]
+    assert data_files(cfg) != recorded
+
+
+REFUSALS = {
+    "missing": ({"file_name": "missing.json"}, "names file_name 'missing.json', which is not a file in '{tmp}'"),
+    "outside": ({"file_name": "../outside.json"}, "names file_name '../outside.json', outside the folder '{tmp}'"),
+    "itself": ({"file_name": "dataset_info.json"}, "names the registry dataset_info.json itself as its file_name"),
+    "hub": ({"hf_hub_url": "llamafactory/alpaca_en"}, "is read from hf_hub_url (a hub, script or cloud); fsdp2kit "),
+    "modelscope": ({"ms_hub_url": "llamafactory/alpaca_en"}, "is read from ms_hub_url (a hub, script or cloud); "),
+    "script": ({"script_url": "my_script"}, "is read from script_url (a hub, script or cloud); fsdp2kit reads local"),
+    "cloud": ({"cloud_file_name": "s3://b/a.json"}, "is read from cloud_file_name (a hub, script or cloud); fsdp2"),
+    "openai": ({"file_name": "data.json", "formatting": "openai"}, "has formatting 'openai'; valid: alpaca, sharegpt"),
+}
+
+
+@pytest.mark.parametrize("name", [*REFUSALS, "unknown"])
+def test_each_refused_entry_is_one_line_naming_it(tmp_path, name):
+    folder = tmp_path / "data"
+    folder.mkdir()
+    (folder / "data.json").write_text("[]")
+    (tmp_path / "outside.json").write_text("[]")
+    (folder / "dataset_info.json").write_text(json.dumps({key: attrs for key, (attrs, _) in REFUSALS.items()}))
+    with pytest.raises(UserError) as error:
+        load_documents(DataConfig(source=name, dataset_dir=str(folder)))
+    message = str(error.value)
+    assert "\n" not in message
+    if name == "unknown":
+        assert message == f"data.source: 'unknown' is not a dataset of '{folder / 'dataset_info.json'}'; valid: " + (
+            ", ".join(REFUSALS)
+        )
+    else:
+        where = f"data.source: dataset '{name}' of '{folder / 'dataset_info.json'}' "
+        assert message.startswith(where + REFUSALS[name][1].format(tmp=folder))
+
+
+def test_a_folder_without_a_registry_and_a_registry_folder_as_source_are_one_line(tmp_path):
+    with pytest.raises(UserError, match=r"^data.dataset_dir: '.*' holds no dataset_info.json"):
+        load_documents(DataConfig(source="identity", dataset_dir=str(tmp_path)))
+    with pytest.raises(UserError) as error:
+        load_documents(DataConfig(source=str(LLAMAFACTORY)))
+    assert str(error.value) == (
+        f"data.source: '{LLAMAFACTORY}' is a LLaMA-Factory data folder (its dataset_info.json names datasets: "
+        f"identity, alpaca_en_demo, glaive_toolcall_en_demo, mllm_demo); set data.dataset_dir: '{LLAMAFACTORY}' "
+        "and data.source to the names of the datasets to train on"
+    )
