@@ -161,3 +161,36 @@ def test_a_folder_without_a_registry_and_a_registry_folder_as_source_are_one_lin
         f"identity, alpaca_en_demo, glaive_toolcall_en_demo, mllm_demo); set data.dataset_dir: '{LLAMAFACTORY}' "
         "and data.source to the names of the datasets to train on"
     )
+
+
+def test_llamafactorys_mllm_entry_reads_its_images_and_tags_as_the_file_read_directly():
+    """mllm_demo's entry (tags role/content, user/assistant; columns messages and images): a vision-language model
+    reads the conversations and images that mllm_demo.json gives read directly."""
+    from fsdp2kit.data.vl import load_conversations
+
+    named = load_conversations(DataConfig(source="mllm_demo", dataset_dir=str(LLAMAFACTORY.resolve())))
+    direct = load_conversations(DataConfig(source=str(LLAMAFACTORY.resolve() / "mllm_demo.json")))
+    assert len(named) == 6 and [(c.messages, c.tools) for c in named] == [(c.messages, c.tools) for c in direct]
+    assert all(c.images for c in named)
+
+
+def test_mindspeed_native_dataset_and_its_registry_folder_name_the_datasets():
+    """MindSpeed-MM's native basic_parameters: a dataset_dir holding dataset_info.json is data.dataset_dir and
+    `dataset` (comma-separated) names its datasets; a media folder stays ignored, as the file's own does."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_real_configs import load_config, user_args
+
+    config, swaps, _ = user_args("mindspeed_mm/examples/qwen3_5/qwen3_5_35B_config.yaml", "tiny-qwen3.5-moe", 2)
+    swaps = [s for s in swaps if not s.startswith("data.source=")]
+    basic = "data.dataset_param.basic_parameters"
+    named = [f"{basic}.dataset_dir={LLAMAFACTORY.resolve()}", f"{basic}.dataset=identity,alpaca_en_demo"]
+    cfg = load_config(config, [*swaps, *named])
+    assert (cfg.data.source, cfg.data.dataset_dir) == (["identity", "alpaca_en_demo"], str(LLAMAFACTORY.resolve()))
+    as_written = load_config(config, swaps)
+    assert (as_written.data.source, as_written.data.dataset_dir) == (
+        "./data/mllm_format_llava_instruct_data.json",
+        None,
+    )
+    assert any("basic_parameters.dataset_dir" in note for note in as_written.notes)

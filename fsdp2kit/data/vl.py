@@ -24,7 +24,8 @@ import torch
 
 from fsdp2kit.config.schema import DataConfig
 from fsdp2kit.data.chat import Chat, ChatTemplate, part_text, to_chat, with_messages_key
-from fsdp2kit.data.dataset import json_records, single_source
+from fsdp2kit.data.dataset import json_records, named_dataset, single_source
+from fsdp2kit.data.registry import RegistryEntry, dataset_names
 from fsdp2kit.data.samples import GlobalBatches
 from fsdp2kit.errors import UserError
 from fsdp2kit.labels import IGNORE_INDEX
@@ -134,25 +135,34 @@ def load_conversations(cfg: DataConfig) -> list[Conversation]:
             "data.pack: vision-language samples are not packed (each sample's image features stay with its own "
             "tokens); set data.pack: false"
         )
-    given = single_source(cfg.source)
-    sources = [Path(given)] if isinstance(given, str) else [Path(f) for f in given]
     conversations: list[Conversation] = []
-    for source in sources:
+    for source, read, entry in _sources(cfg):
         if source.suffix not in (".jsonl", ".json") or not source.is_file():
             raise UserError(
                 "data.source: a vision-language model trains on .jsonl or .json files of conversations; "
                 f"'{source}' is not one"
             )
-        conversations += _read_conversations(source, cfg)
+        conversations += _read_conversations(source, read, entry)
     return conversations[: cfg.max_samples]
 
 
-def _read_conversations(source: Path, cfg: DataConfig) -> list[Conversation]:
+def _sources(cfg: DataConfig) -> list[tuple[Path, DataConfig, RegistryEntry | None]]:
+    """Each file of the source, with the config that reads it and, for a dataset named in data.dataset_dir, its
+    registry entry (its images are then beside its file, LLaMA-Factory's media_dir by default)."""
+    given = single_source(cfg.source)
+    if cfg.dataset_dir is not None:
+        named = [named_dataset(cfg.model_copy(update={"source": [name]})) for name in dataset_names(given)]
+        return [(Path(str(read.source)), read, entry) for read, entry in named]
+    return [(Path(f), cfg, None) for f in ([given] if isinstance(given, str) else given)]
+
+
+def _read_conversations(source: Path, cfg: DataConfig, entry: RegistryEntry | None) -> list[Conversation]:
     conversations = []
     for where, record in json_records([source], cfg.max_document_bytes):
         if not isinstance(record, dict):
             raise UserError(f"data.source: {where} is not a JSON object")
-        record, images = _with_placeholders(with_messages_key(record, cfg.messages_key), where)
+        record = entry.canonical(record, where) if entry else with_messages_key(record, cfg.messages_key)
+        record, images = _with_placeholders(record, where)
         chat = to_chat(record, cfg.format, where)
         if not any(m["role"] == "assistant" for m in chat.messages):
             raise UserError(f"data.source: {where} has no assistant turn to train on")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import types
 import typing
+from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel
@@ -405,6 +406,16 @@ ATTR.update(
 )
 
 
+def _dataset_dir(translation: Translation, key: Written, value: Any) -> None:
+    """A folder holding LLaMA-Factory's registry (dataset_info.json) is data.dataset_dir: `dataset` then names its
+    datasets. Any other folder is where MindSpeed-MM reads media from, which fsdp2kit reads beside the data file."""
+    if isinstance(value, str) and (Path(value).expanduser() / "dataset_info.json").is_file():
+        to("data.dataset_dir")(translation, key, value)
+        translation.note(f"{key}: its dataset_info.json names the datasets that 'dataset' gives")
+    else:
+        translation.ignore(key, "the folder MindSpeed-MM reads media from; fsdp2kit reads them beside the data file")
+
+
 def _val_size(translation: Translation, key: Written, value: Any) -> None:
     """LLaMA-Factory's val_size: a fraction (< 1) of the dataset held out for evaluation; 0 holds out nothing."""
     if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
@@ -431,7 +442,7 @@ BASIC_PARAMETERS: dict[str, Rule] = {
     "enable_thinking": ignored("an argument of the chat template; the model's own template decides"),
     "train_on_prompt": to("data.train_on_prompt"),
     "mask_history": to("data.mask_history"),
-    "dataset_dir": ignored("the folder MindSpeed-MM reads media from; fsdp2kit reads them beside the data file"),
+    "dataset_dir": _dataset_dir,
     **dict.fromkeys(
         (
             "cache_dir",
