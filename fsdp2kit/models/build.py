@@ -8,12 +8,13 @@ import importlib.util
 import json
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
@@ -25,6 +26,7 @@ from fsdp2kit.models.builtin import BUILTIN_MODELS
 from fsdp2kit.models.hf_layout import StoredTensor, checkpoint_conversions, layout_of, model_views
 from fsdp2kit.models.lora import base_renamer, base_state
 from fsdp2kit.models.shards import copy_to_shard, module_seed
+from fsdp2kit.models.variant_part import TensorLeeway
 from fsdp2kit.models.vl import auto_model_class, builtin_tokenizer_dir
 from fsdp2kit.parallel.moe import expert_views_from_fused
 
@@ -276,15 +278,22 @@ def _refuse_attention(exc: ValueError, requested: str) -> None:
 
 
 @torch.no_grad()
-def initialise_weights(model: PreTrainedModel, seed: int, buffers_only: bool = False) -> None:
+def initialise_weights(
+    model: PreTrainedModel, seed: int, buffers_only: bool = False, only: set[int] | None = None
+) -> None:
     """Run the model family's own `_init_weights` module by module on full-size CPU copies, seeded by the
     module's name, and keep each rank's slice: the weights depend on the seed only, not on the mesh.
-    Peak extra memory is the largest single module, never the model."""
+    Peak extra memory is the largest single module, never the model. `only`: the ids of the parameters to initialise
+    (those a folder lacked), and no buffers."""
     initialised: set[int] = set()
     rename = base_renamer(model)
     for name, module in model.named_modules():
-        params = {} if buffers_only else {k: p for k, p in module._parameters.items() if p is not None}
-        buffers = {k: b for k, b in module._buffers.items() if b is not None}
+        params = {
+            k: p
+            for k, p in module._parameters.items()
+            if p is not None and not buffers_only and (only is None or id(p) in only)
+        }
+        buffers = {k: b for k, b in module._buffers.items() if b is not None and only is None}
         if not params and not buffers:
             continue
         # Same class and attributes, own tensors. Not copy.copy: on a module that is itself a shard group (an
@@ -366,9 +375,12 @@ def _read_index(index_file: Path) -> dict[str, Path]:
 
 
 @torch.no_grad()
-def _safetensors_views(model: nn.Module, folder: Path, handles: dict[Path, Any]) -> dict[str, tuple[torch.Tensor, Any]]:
+def _safetensors_views(
+    model: nn.Module, folder: Path, handles: dict[Path, Any], leeway: TensorLeeway
+) -> tuple[dict[str, tuple[torch.Tensor, Any]], LoadSkips]:
     """Each state-dict tensor with its lazy view in the files (headers only), read as transformers reads the family's
-    HF folders (`hf_layout`: renamed, per-expert tensors fused), checked against the model."""
+    HF folders (`hf_layout`: renamed, per-expert tensors fused), checked against the model; and what the `leeway`
+    let it skip (a new head the files lack, the head they hold that the model has not)."""
     index = safetensors_index(folder)
     tied = tied_weight_names(model)
     state = base_state(model)  # LoRA: the base model's tensors under their own names
@@ -387,19 +399,23 @@ def _safetensors_views(model: nn.Module, folder: Path, handles: dict[Path, Any])
     available.update({name: StoredTensor(*found) for name, found in split.items()})
     consumed = {source for name in state if name in available for source in available[name].sources}
     leftover = {source for name in set(available) - set(state) for source in available[name].sources}
-    unexpected = sorted(leftover - consumed)
+    unused = sorted(source for source in leftover - consumed if source.startswith(leeway.unused))
+    unexpected = sorted(leftover - consumed - set(unused))
     if unexpected:
         raise UserError(
             f"model weights: tensor '{unexpected[0]}' in '{folder}' is not part of the model its "
             f"config.json describes ({len(unexpected)} such tensors); config and weights do not match"
         )
-    views = {}
+    views, fresh = {}, {}
     for name, param in state.items():
         if name in available:
             view, sources = available[name].open(), available[name].sources
             where = f"'{index[sources[0]].name}'" if len(sources) == 1 else f"'{sources[0]}' and the like"
         elif name in tied:
             continue  # tied to its source, loaded under that name
+        elif name.startswith(leeway.fresh):
+            fresh[name] = param
+            continue
         else:
             raise UserError(f"model weights: tensor '{name}' is missing from the safetensors files in '{folder}'")
         if tuple(view.get_shape()) != tuple(param.shape):
@@ -408,22 +424,46 @@ def _safetensors_views(model: nn.Module, folder: Path, handles: dict[Path, Any])
                 f"the model expects {tuple(param.shape)}"
             )
         views[name] = (param, view)
-    return views
+    return views, LoadSkips(fresh, unused)
+
+
+NO_LEEWAY = TensorLeeway()  # every tensor of the model in the folder, and nothing else
+
+
+@dataclass
+class LoadSkips:
+    """What a load left out, as the model's `TensorLeeway` allowed: its tensors the folder lacked (by name: to be
+    initialised fresh) and the folder's tensors it did not read."""
+
+    fresh: dict[str, torch.Tensor] = field(default_factory=dict)
+    unused: list[str] = field(default_factory=list)
+
+    def line(self, folder: Path, seed: int) -> str:
+        """What transformers warns on such a load, in one line."""
+        said = f"model weights: {_listed(list(self.fresh))} not in '{folder}': initialised fresh (seed {seed})"
+        return said + (f"; {_listed(self.unused)} in the folder not used" if self.unused else "")
+
+
+def _listed(names: list[str]) -> str:
+    return ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
 
 
 @torch.no_grad()
-def load_safetensors(model: nn.Module, folder: Path, mode: str = "sliced") -> None:
-    """Fill each rank's shards from the safetensors files.
+def load_safetensors(
+    model: nn.Module, folder: Path, mode: str = "sliced", leeway: TensorLeeway = NO_LEEWAY
+) -> LoadSkips:
+    """Fill each rank's shards from the safetensors files; the tensors `leeway` lets the folder lack are left for
+    the caller to initialise (returned, with the folder's tensors left unread).
 
     `sliced` (default): every rank reads only the rows it owns — no rank ever holds a whole tensor, the files are
     read once in total, and no network traffic is needed. `rank0_broadcast`: rank 0 reads each whole tensor and
     scatters the shards — for file systems where many readers are slow; its peak is one full tensor."""
-    import torch.distributed as dist
     from torch.distributed.tensor import distribute_tensor
 
     handles: dict[Path, Any] = {}  # safetensors' safe_open handles, entered
     try:
-        views = _safetensors_views(model, folder, handles)  # every rank validates: errors come before any collective
+        # every rank validates: errors come before any collective
+        views, skips = _safetensors_views(model, folder, handles, leeway)
         for param, view in views.values():
             if mode == "rank0_broadcast" and isinstance(param, DTensor):
                 local = param.to_local()
@@ -436,6 +476,7 @@ def load_safetensors(model: nn.Module, folder: Path, mode: str = "sliced") -> No
     finally:
         for handle in handles.values():
             handle.__exit__(None, None, None)
+    return skips
 
 
 @torch.no_grad()
@@ -470,10 +511,12 @@ def materialise(
     seed: int,
     loading: str = "sliced",
     shard_device: torch.device | None = None,
+    leeway: TensorLeeway = NO_LEEWAY,
 ) -> None:
     """Allocate each rank's shards on `shard_device` (default: `device`; the host under CPU offload, which FSDP
     refuses otherwise), buffers and replicated parameters on `device`, where the forward reads them; then initialise
-    them (fresh) or read them (pretrained): the same values wherever they live."""
+    them (fresh) or read them (pretrained): the same values wherever they live. A pretrained folder may lack the
+    tensors `leeway` names (a new head: initialised fresh, seeded as above, and said in one line on rank 0)."""
     model.to_empty(device=shard_device or device)
     if shard_device is not None and shard_device != device:
         _move_unsharded(model, device)
@@ -484,4 +527,8 @@ def materialise(
         if source.weights_format == "dcp":
             load_dcp(model, source.weights_dir)
         else:
-            load_safetensors(model, source.weights_dir, loading)
+            skips = load_safetensors(model, source.weights_dir, loading, leeway)
+            if skips.fresh:
+                initialise_weights(model, seed, only={id(param) for param in skips.fresh.values()})
+                if not dist.is_initialized() or dist.get_rank() == 0:
+                    print(skips.line(source.weights_dir, seed), flush=True)

@@ -22,6 +22,7 @@ from fsdp2kit.errors import RunFault
 from fsdp2kit.models.build import tied_weight_names
 from fsdp2kit.models.hf_layout import layout_of, stored_tensors
 from fsdp2kit.models.lora import merged_full_tensor, merged_state
+from fsdp2kit.parallel.fsdp import model_class_name
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -96,10 +97,18 @@ def copy_present_files(src: Path, dst: Path, names: Iterable[str]) -> None:
 
 
 def write_config_and_tokenizer(
-    out_dir: Path, hf_config: PretrainedConfig, tokenizer_path: Path | None, dtype: torch.dtype
+    out_dir: Path,
+    hf_config: PretrainedConfig,
+    tokenizer_path: Path | None,
+    dtype: torch.dtype,
+    architecture: str | None = None,
 ) -> None:
+    """config.json (in `dtype`; `architecture`: the class that holds the weights, as `save_pretrained` names it: a
+    critic started from a causal LM's folder is no longer its source's class) and the tokenizer's files."""
     hf_config = copy.deepcopy(hf_config)
     hf_config.dtype = dtype
+    if architecture is not None:
+        hf_config.architectures = [architecture]
     hf_config.save_pretrained(out_dir)
     if tokenizer_path is not None:
         copy_present_files(tokenizer_path, out_dir, TOKENIZER_FILES)
@@ -144,9 +153,8 @@ def export_hf(
                 writer.add(name, full)
         if writer is not None:
             writer.close()
-            write_config_and_tokenizer(
-                out_dir, cast("PretrainedConfig", model.config), tokenizer_path, torch_dtype(dtype)
-            )
+            config = cast("PretrainedConfig", model.config)
+            write_config_and_tokenizer(out_dir, config, tokenizer_path, torch_dtype(dtype), model_class_name(model))
     except Exception as exc:
         if writer is None or not ran_out_of_space(out_dir, exc):
             raise

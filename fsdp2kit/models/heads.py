@@ -44,6 +44,10 @@ class ValueHead(VariantPart):
     that changes from one forward to the next is noise."""
 
     output = "values"
+    # A critic or reward model starts from a causal LM's folder (its actor's SFT checkpoint, as in verl and ROLL):
+    # the shared backbone is read, the LM head left unread, the new score layer initialised fresh.
+    fresh_tensors = ("score.",)
+    unused_tensors = ("lm_head.",)
 
     def __init__(self, class_name: str, hf_config: Any) -> None:
         self.class_name = class_name

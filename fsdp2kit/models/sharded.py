@@ -83,7 +83,7 @@ def build_sharded_model(
     apply_fsdp(model, mesh, plan)
     if materialize:
         shards_on = shard_device(plan, runtime.device)
-        materialise(model, source, runtime.device, seed, model_cfg.weights_loading, shards_on)
+        materialise(model, source, runtime.device, seed, model_cfg.weights_loading, shards_on, variant.tensor_leeway)
         variant.materialise(model, seed)
     if not training:
         model.eval()

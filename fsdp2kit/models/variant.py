@@ -25,7 +25,7 @@ from fsdp2kit.data.vl import VLEncoder, VLGlobalBatches, load_conversations
 from fsdp2kit.models.build import ModelSource
 from fsdp2kit.models.heads import LanguageModelHead, OutputHead, ValueHead, pick_head
 from fsdp2kit.models.lora import LoraPart
-from fsdp2kit.models.variant_part import VariantPart
+from fsdp2kit.models.variant_part import TensorLeeway, VariantPart
 from fsdp2kit.models.vl import is_vision_language
 from fsdp2kit.parallel.moe import apply_expert_patch, split_experts
 from fsdp2kit.parallel.plan import AdapterPlan, ShardingPlan
@@ -138,6 +138,14 @@ class ModelVariant:
     @property
     def adapter_plan(self) -> AdapterPlan | None:
         return next(filter(None, (p.adapters for p in self.parts)), None)
+
+    @property
+    def tensor_leeway(self) -> TensorLeeway:
+        """The tensors its parts let a folder lack or hold unused (a value head over a causal LM's folder)."""
+        return TensorLeeway(
+            tuple(prefix for p in self.parts for prefix in p.fresh_tensors),
+            tuple(prefix for p in self.parts for prefix in p.unused_tensors),
+        )
 
     def master_dtype(self, training: bool, model_dtype: str) -> str:
         """fp32 master weights when the whole model trains; a frozen base (LoRA) stays in model.dtype."""

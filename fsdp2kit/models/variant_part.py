@@ -3,6 +3,7 @@ each a no-op unless the facet changes it. `models/variant.py` picks the parts; e
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,20 @@ from fsdp2kit.config.schema import TrainingConfig
 from fsdp2kit.parallel.plan import AdapterPlan, ShardingPlan
 
 
+@dataclass(frozen=True)
+class TensorLeeway:
+    """What loading a folder saved with another head over the same backbone may skip (a critic started from its
+    actor's causal LM, as verl and ROLL start one): the model's tensors under a `fresh` prefix may be missing from the
+    folder (initialised fresh), the folder's tensors under an `unused` prefix may be left unread. Anything else
+    missing or extra is still refused: it would be another model."""
+
+    fresh: tuple[str, ...] = ()
+    unused: tuple[str, ...] = ()
+
+
 class VariantPart:
+    fresh_tensors: tuple[str, ...] = ()  # prefixes of its own tensors a folder may lack (a new head), TensorLeeway
+    unused_tensors: tuple[str, ...] = ()  # prefixes of a folder's tensors it may leave unread (the head it replaces)
     keeps_base_dtype = False  # a frozen base trains in model.dtype, not fp32 master weights
     replaces_hf_export = False  # its own export replaces the HF folder (LoRA: the adapter folder)
     adapters: AdapterPlan | None = None  # LoRA's adapters, for check and the memory tables

@@ -28,6 +28,7 @@ from torch.distributed.fsdp import FSDPModule
 from fsdp2kit.errors import UserError
 from fsdp2kit.labels import IGNORE_INDEX
 from fsdp2kit.parallel.forward_patch import Forward, replace_forward
+from fsdp2kit.parallel.fsdp import model_class_name
 from fsdp2kit.parallel.linear_cross_entropy import Cap, budget_chunk_tokens, linear_cross_entropy
 
 _REQUEST = "_fsdp2kit_token_request"
@@ -285,7 +286,7 @@ def probe_token_head(model: nn.Module, device: torch.device, where: str) -> None
         dist.all_reduce(excess, op=dist.ReduceOp.MAX)
     if excess.item() > 0:
         family = getattr(getattr(model, "config", None), "model_type", "?")
-        name = next(c.__name__ for c in type(model).__mro__ if not issubclass(c, FSDPModule))
+        name = model_class_name(model)
         raise UserError(
             f"model.name_or_path: '{where}' ({family}, {name}) transforms its logits after the LM head in a way "
             f"fsdp2kit's chunked log-probs do not reproduce (they differ from its own by up to "
