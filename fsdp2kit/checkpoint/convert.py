@@ -9,7 +9,10 @@
 
 from __future__ import annotations
 
+import errno
 import json
+import re
+import shutil
 import warnings
 from pathlib import Path
 
@@ -22,7 +25,8 @@ from fsdp2kit.checkpoint.dcp_io import (
     read_dcp_model,
 )
 from fsdp2kit.checkpoint.lora_convert import lora_conversion
-from fsdp2kit.errors import UserError
+from fsdp2kit.durable import disk_full_message, folder_bytes, ran_out_of_space
+from fsdp2kit.errors import RunFault, UserError
 from fsdp2kit.models.build import open_safetensors, safetensors_index, tied_weight_names
 from fsdp2kit.models.export import TOKENIZER_FILES, SafetensorsWriter, copy_present_files
 from fsdp2kit.models.hf_layout import ModelShapes, checkpoint_conversions, model_views, stored_tensors
@@ -40,10 +44,72 @@ def _meta_model(src: Path) -> torch.nn.Module:
         return auto_model_class(config).from_config(config, trust_remote_code=False)
 
 
+SAFETENSORS_OS_ERROR = re.compile(r"I/O error: (?P<reason>[^(]+?) \(os error (?P<number>\d+)\)")
+# A write refused for what the destination is (read-only, not a folder, not ours), not for the space it has.
+NOT_WRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR, errno.EEXIST, errno.ENOENT, errno.EISDIR)
+
+
 def convert(src: Path, dst: Path, to: str, dtype: torch.dtype | None = None, adapter: Path | None = None) -> None:
-    with warnings.catch_warnings():  # DCP warns that it runs without a process group: that is the intent here
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        _convert(src, dst, to, dtype, adapter)
+    """All of `dst` or nothing: a conversion that fails (a full or read-only disk, an interrupt) removes what it
+    wrote (the folder itself unless it was there, empty, before) and says why in one sentence."""
+    existed = dst.exists()
+    ours = not existed or (dst.is_dir() and not any(dst.iterdir()))  # else refused before anything is written
+    try:
+        with warnings.catch_warnings():  # DCP warns that it runs without a process group: that is the intent here
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            _convert(src, dst, to, dtype, adapter)
+    except Exception as exc:
+        written = ours and dst.is_dir() and (not existed or any(dst.iterdir()))
+        os_error = _os_error(exc)
+        if os_error is not None and os_error.filename and not str(os_error.filename).startswith(str(dst)):
+            os_error = None  # a file it read, not one it wrote
+        full = written and _disk_full(dst, exc, os_error)
+        if written:
+            _remove_written(dst, existed)
+        if full:
+            needed = folder_bytes(src) + (folder_bytes(adapter) if adapter is not None else 0)
+            raise RunFault(disk_full_message(dst, f"convert --to {to}", needed, "nothing was left there")) from None
+        if os_error is not None:
+            reason = os_error.strerror or str(os_error)
+            raise UserError(f"convert: '{dst}' cannot be written ({reason}); nothing was left there") from None
+        raise
+
+
+def _disk_full(dst: Path, exc: Exception, os_error: OSError | None) -> bool:
+    """ENOSPC, or a disk left (almost) without space, unless the write was refused for what the destination is: a
+    filesystem that cannot hold files (/proc, /sys) reports no free space either."""
+    if os_error is not None and os_error.errno in NOT_WRITABLE:
+        return False
+    return (os_error is not None and os_error.errno == errno.ENOSPC) or ran_out_of_space(dst, exc)
+
+
+def _os_error(exc: BaseException | None, depth: int = 0) -> OSError | None:
+    """The OSError behind a failed write: the exception itself, its cause, or one of DCP's per-rank failures."""
+    if exc is None or depth > 20:
+        return None
+    if isinstance(exc, OSError):
+        return exc
+    os_error = SAFETENSORS_OS_ERROR.search(str(exc))  # safetensors' writer raises its own type, errno in the text
+    if os_error is not None:
+        return OSError(int(os_error["number"]), os_error["reason"])
+    failures = getattr(exc, "failures", None)  # DCP's CheckpointException: each rank's exception
+    for failure in failures.values() if isinstance(failures, dict) else ():
+        found = _os_error(failure[0], depth + 1)
+        if found is not None:
+            return found
+    return _os_error(exc.__cause__ or exc.__context__, depth + 1)
+
+
+def _remove_written(dst: Path, existed: bool) -> None:
+    """What a failed conversion wrote: the folder it made, or the contents of the empty folder it was given."""
+    if not existed:
+        shutil.rmtree(dst, ignore_errors=True)
+        return
+    for entry in dst.iterdir():
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            entry.unlink(missing_ok=True)
 
 
 def _convert(src: Path, dst: Path, to: str, dtype: torch.dtype | None, adapter: Path | None) -> None:

@@ -1,0 +1,72 @@
+"""`convert` into a destination it cannot fill (issue 34's fourth pass): a read-only or full disk, or a path under
+a file, is one sentence and leaves nothing behind, never a partial folder and a traceback."""
+
+from __future__ import annotations
+
+import errno
+import resource
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import REPO, make_hf_folder
+from test_robustness import assert_one_line_error
+
+from fsdp2kit.checkpoint.convert import convert
+from fsdp2kit.errors import RunFault, UserError
+from fsdp2kit.models import export
+
+
+@pytest.fixture(scope="module")
+def dcp_checkpoint(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("convert")
+    make_hf_folder(root / "hf", "tiny-llama", layers=1)
+    convert(root / "hf", root / "dcp", "dcp")
+    return root / "dcp"
+
+
+@pytest.mark.parametrize("where", ["under_a_file", "proc"])
+def test_convert_where_no_folder_can_be_made_is_one_sentence(dcp_checkpoint, tmp_path, where):
+    (tmp_path / "a_file").write_text("mine")
+    dst = tmp_path / "a_file" / "out" if where == "under_a_file" else Path("/proc/fsdp2kit-convert")
+    reason = "Not a directory" if where == "under_a_file" else "No such file or directory"
+    with pytest.raises(UserError, match=f"convert: '{dst}' cannot be written \\({reason}\\); nothing was left there"):
+        convert(dcp_checkpoint, dst, "hf")
+    assert (tmp_path / "a_file").read_text() == "mine"
+
+
+def test_convert_onto_a_full_disk_is_one_sentence_and_leaves_nothing(dcp_checkpoint, tmp_path, monkeypatch):
+    """The disk fills as the last shard is written: ENOSPC as the kernel reports it to the writer."""
+    close = export.SafetensorsWriter.close
+
+    def filling(writer):
+        close(writer)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(export.SafetensorsWriter, "close", filling)
+    (tmp_path / "given").mkdir()
+    for dst in (tmp_path / "new", tmp_path / "given"):  # a folder it makes, and an empty one it was given
+        with pytest.raises(RunFault, match=f"no space left on device: convert --to hf in '{dst}' needs about"):
+            convert(dcp_checkpoint, dst, "hf")
+    assert not (tmp_path / "new").exists() and not any((tmp_path / "given").iterdir())
+
+
+def _file_size_limit(limit: int):
+    def apply() -> None:  # past it a write fails with EFBIG (SIGXFSZ would kill the process instead)
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    return apply
+
+
+def test_convert_that_the_kernel_stops_writing_is_one_line_and_leaves_nothing(dcp_checkpoint, tmp_path):
+    """A real failed write (a file-size limit: EFBIG from the kernel mid-file) through the command line."""
+    dst = tmp_path / "hf"
+    command = [sys.executable, "-m", "fsdp2kit", "convert", str(dcp_checkpoint), str(dst), "--to", "hf"]
+    result = subprocess.run(
+        command, cwd=REPO, capture_output=True, text=True, timeout=300, preexec_fn=_file_size_limit(256 << 10)
+    )
+    assert_one_line_error(result, 2, f"convert: '{dst}' cannot be written (File too large); nothing was left there")
+    assert not dst.exists()
