@@ -211,6 +211,22 @@ def test_a_slice_of_fused_experts_reads_only_those_experts_tensors(folders):
     assert torch.equal(rows, state[name][2:4])
 
 
+def test_router_rows_gathered_from_a_ulysses_pair_are_in_sequence_order_without_padding():
+    """2 ranks hold halves of 2 sequences of 4 tokens (rank-major once gathered): the loss gets them back in
+    sequence order, without the padding a text batch's loss leaves out (the last token of sequence 1), or every row
+    where the model masks padding itself (a VL batch)."""
+    from fsdp2kit.parallel.moe import _sequence_rows
+    from fsdp2kit.parallel.ulysses import remember_tokens
+
+    group: Any = object()  # what the records are keyed by; no collective runs
+    token = torch.arange(8.0).reshape(2, 4)  # token t of sequence b is 4b + t
+    gathered = torch.stack([token[:, :2].reshape(4, 1), token[:, 2:].reshape(4, 1)])  # [ranks, B x T/2, 1]
+    remember_tokens(group, torch.tensor([[True, True, True, True], [True, True, True, False]]))
+    assert _sequence_rows(gathered, group).flatten().tolist() == [0, 1, 2, 3, 4, 5, 6]
+    remember_tokens(group, torch.ones(2, 4, dtype=torch.bool))
+    assert _sequence_rows(gathered, group).flatten().tolist() == list(range(8))
+
+
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])  # renamed and fused; fused
 def test_convert_to_dcp_and_back_gives_the_save_pretrained_tensors(family, folders, tmp_path):
     """`convert --to dcp` fuses the experts into the model's own names (a DCP checkpoint holds those); `--to hf`

@@ -31,7 +31,7 @@ from torch.distributed import ProcessGroup
 from fsdp2kit.errors import UserError
 from fsdp2kit.parallel.forward_patch import Forward, replace_forward
 from fsdp2kit.parallel.module_paths import modules_of_classes
-from fsdp2kit.parallel.ulysses import real_tokens
+from fsdp2kit.parallel.ulysses import counted_tokens
 
 
 class MixtralBlockSparseTop2MLP(nn.Module):
@@ -325,12 +325,12 @@ def gather_router_logits(model: nn.Module, group: ProcessGroup) -> None:
 
 
 def _sequence_rows(gathered: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-    """The ranks' router logits [ranks, B x T/ranks, experts] as the rows of the micro-batch's real tokens, in
-    sequence order (padding left out: one rank counts no padding where the batch brings none, and masks the batch's
-    own, as transformers does with an attention mask)."""
-    real = real_tokens(group)
-    if real is None or real.numel() != gathered.shape[0] * gathered.shape[1]:
+    """The ranks' router logits [ranks, B x T/ranks, experts] as rows in sequence order, only those of the tokens
+    the micro-batch's loss counts (`counted_tokens`: a text batch's padding is left out, as transformers' attention
+    mask leaves it out at one rank; a VL batch keeps every row, its padded mask reaching the loss)."""
+    counted = counted_tokens(group)
+    if counted is None or counted.numel() != gathered.shape[0] * gathered.shape[1]:
         return gathered.flatten(0, 1)  # not a sequence this group cut: every row as it came
-    rows, length = real.shape
+    rows, length = counted.shape
     by_sequence = gathered.unflatten(1, (rows, length // gathered.shape[0])).transpose(0, 1).flatten(1, 2)
-    return by_sequence[real.to(gathered.device)]
+    return by_sequence[counted.to(gathered.device)]

@@ -98,22 +98,27 @@ def shard_sequence(batch: dict[str, torch.Tensor], group: ProcessGroup) -> dict[
     shard = {"input_ids": input_ids[:, local], "position_ids": positions[:, local], "labels": labels[:, local]}
     tokens = torch.ones_like(input_ids, dtype=torch.bool)
     tokens[:, length:] = False
-    _REAL_TOKENS[group] = tokens if real is None else tokens & real
+    remember_tokens(group, tokens if real is None else tokens & real)  # the model gets no 2-D padding mask
     attend = _sequence_mask(positions, packed, real)
     if attend is not None:
         shard["attention_mask"] = attend[:, None]
     return shard
 
 
-# The real tokens ([B, T + padding], False at padding) of the micro-batch each sequence-parallel group shards last:
-# what a whole-sequence statistic over the group's tokens (MoE's load-balancing loss, parallel/moe.py) counts.
-_REAL_TOKENS: dict[ProcessGroup, torch.Tensor] = {}
+# The tokens ([B, T + padding] booleans) of the micro-batch each sequence-parallel group cut last that a
+# whole-sequence statistic over the group's tokens (MoE's load-balancing loss, parallel/moe.py) counts.
+_COUNTED_TOKENS: dict[ProcessGroup, torch.Tensor] = {}
 
 
-def real_tokens(group: ProcessGroup) -> torch.Tensor | None:
-    """Which tokens of the whole (padded) sequence the micro-batch `shard_sequence` last cut for `group` holds, as
-    [B, T + padding] booleans; None before any."""
-    return _REAL_TOKENS.get(group)
+def remember_tokens(group: ProcessGroup, counted: torch.Tensor) -> None:
+    """Record which tokens of the micro-batch just cut for `group` ([B, T + padding] booleans) such a statistic
+    counts: the real ones, or all where the model gets the padding mask itself (a VL micro-batch)."""
+    _COUNTED_TOKENS[group] = counted
+
+
+def counted_tokens(group: ProcessGroup) -> torch.Tensor | None:
+    """The tokens `remember_tokens` recorded for `group` last; None before any."""
+    return _COUNTED_TOKENS.get(group)
 
 
 def _sequence_mask(positions: torch.Tensor, packed: bool, real: torch.Tensor | None) -> torch.Tensor | None:

@@ -19,6 +19,7 @@ import torch.nn as nn
 from torch.distributed import ProcessGroup
 
 from fsdp2kit.labels import IGNORE_INDEX
+from fsdp2kit.parallel.ulysses import remember_tokens
 
 _PROJECTOR_CLASS = re.compile(r"(Merger|Projector)$")
 
@@ -177,4 +178,6 @@ def shard_vision_batch(batch: dict[str, torch.Tensor], group: ProcessGroup) -> d
             sharded[key] = F.pad(batch[key], (0, pad), value=value)
     total = length + pad
     sharded["labels"] = sharded["labels"][:, rank * total // size : (rank + 1) * total // size]
+    # The padded attention mask reaches the MoE router loss: it counts every row, in sequence order.
+    remember_tokens(group, torch.ones(batch["input_ids"].shape[0], total, dtype=torch.bool))
     return sharded
