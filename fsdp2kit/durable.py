@@ -67,10 +67,18 @@ def folder_bytes(path: Path) -> int:
 
 def disk_full_message(path: Path, what: str, needed_bytes: int, intact: str) -> str:
     """One sentence: what could not be written where, the space it needs and has, and what is intact."""
-    return (
-        f"no space left on device: {what} in '{path}' needs about {needed_bytes / 2**20:.1f} MiB and its disk has "
-        f"{free_bytes(path) / 2**20:.1f} MiB free; {intact}"
-    )
+    needed, free = distinct_sizes(needed_bytes, free_bytes(path))
+    return f"no space left on device: {what} in '{path}' needs about {needed} and its disk has {free} free; {intact}"
+
+
+def distinct_sizes(first: int, second: int) -> tuple[str, str]:
+    """Two byte counts in MiB with as many decimals as tell them apart (in bytes where three do not): "needs 1.4 MiB
+    and has 1.4 MiB free" reads as if the write should have fit."""
+    for digits in (1, 2, 3):
+        shown = f"{first / 2**20:.{digits}f} MiB", f"{second / 2**20:.{digits}f} MiB"
+        if shown[0] != shown[1] or first == second:
+            return shown
+    return f"{first:,} bytes", f"{second:,} bytes"
 
 
 def as_the_umask_allows(path: Path) -> None:

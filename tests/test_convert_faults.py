@@ -70,3 +70,16 @@ def test_convert_that_the_kernel_stops_writing_is_one_line_and_leaves_nothing(dc
     )
     assert_one_line_error(result, 2, f"convert: '{dst}' cannot be written (File too large); nothing was left there")
     assert not dst.exists()
+
+
+def test_a_full_disk_message_shows_that_the_need_exceeds_the_free_space(tmp_path, monkeypatch):
+    """It said "needs about 1.4 MiB and its disk has 1.4 MiB free": now as many decimals as tell them apart."""
+    from fsdp2kit import durable
+
+    for needed, free, shown in [
+        (int(1.44 * 2**20), int(1.41 * 2**20), "needs about 1.44 MiB and its disk has 1.41 MiB free"),
+        (int(1.4 * 2**20) + 100, int(1.4 * 2**20), "needs about 1,468,106 bytes and its disk has 1,468,006 bytes free"),
+        (3 * 2**20, 2**20, "needs about 3.0 MiB and its disk has 1.0 MiB free"),
+    ]:
+        monkeypatch.setattr(durable, "free_bytes", lambda path, free=free: free)
+        assert shown in durable.disk_full_message(tmp_path, "the HF folder", needed, "the checkpoints are intact")
