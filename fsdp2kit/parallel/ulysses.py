@@ -107,18 +107,18 @@ def shard_sequence(batch: dict[str, torch.Tensor], group: ProcessGroup) -> dict[
 
 # The tokens ([B, T + padding] booleans) of the micro-batch each sequence-parallel group cut last that a
 # whole-sequence statistic over the group's tokens (MoE's load-balancing loss, parallel/moe.py) counts.
-_COUNTED_TOKENS: dict[ProcessGroup, torch.Tensor] = {}
+_COUNTED_TOKENS: dict[int, torch.Tensor] = {}  # by id(group): a group lives as long as the process
 
 
 def remember_tokens(group: ProcessGroup, counted: torch.Tensor) -> None:
     """Record which tokens of the micro-batch just cut for `group` ([B, T + padding] booleans) such a statistic
     counts: the real ones, or all where the model gets the padding mask itself (a VL micro-batch)."""
-    _COUNTED_TOKENS[group] = counted
+    _COUNTED_TOKENS[id(group)] = counted
 
 
 def counted_tokens(group: ProcessGroup) -> torch.Tensor | None:
     """The tokens `remember_tokens` recorded for `group` last; None before any."""
-    return _COUNTED_TOKENS.get(group)
+    return _COUNTED_TOKENS.get(id(group))
 
 
 def _sequence_mask(positions: torch.Tensor, packed: bool, real: torch.Tensor | None) -> torch.Tensor | None:
