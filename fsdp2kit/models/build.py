@@ -232,7 +232,7 @@ def resolve_attention(requested: str, ulysses_size: int = 1) -> tuple[str | None
 
 def attention_implementation(model: nn.Module) -> str:
     """The attention implementation the model's decoder runs, as transformers resolved it (a VL model's language
-    model's; `ulysses_<inner>` under Ulysses)."""
+    model's; `ulysses_<inner>_group<name>` under Ulysses)."""
     config: Any = model.config
     return str(config.get_text_config()._attn_implementation)
 

@@ -16,7 +16,9 @@ left-padded samples (RL's prompts) get one too, with the padding masked out as k
 
 The wrapper is registered under a name that only the models Ulysses switched use: each model owns its config
 (`models/build.py:build_meta_model`), so a plain model built from the same source config in the same process (a
-rollout or reward model) keeps its own attention.
+rollout or reward model) keeps its own attention. The name is its group's (`ulysses_<inner>_group<name>`, c10d's
+name of the process group): two models of one process with different Ulysses groups (an actor over 2 ranks, a
+critic over 4) each attend over their own.
 """
 
 from __future__ import annotations
@@ -59,8 +61,7 @@ def apply_ulysses(model: PreTrainedModel, group: ProcessGroup, sub_config: str |
             f"model.attn_implementation: {inner} cannot run inside Ulysses (model.ulysses_size = {size}), which "
             "attends over the gathered sequence with sdpa or eager; set auto, sdpa or eager"
         )
-    name = f"ulysses_{inner}"
-    # One SP group per process, so one registration per inner implementation serves every model of the process.
+    name = f"ulysses_{inner}_group{group.group_name}"  # per group: another model's group registers its own
     AttentionInterface.register(name, _ulysses_attention(inner, group))
     # `sub_config` names the part of the model that attends over the sequence (a VL model's language model: its tower
     # runs unsplit, parallel/vision.py); None switches the whole model.
@@ -123,20 +124,29 @@ def counted_tokens(group: ProcessGroup) -> torch.Tensor | None:
 
 def _sequence_mask(positions: torch.Tensor, packed: bool, real: torch.Tensor | None) -> torch.Tensor | None:
     """The boolean [B, T, T] mask over the whole sequence (True = attend) where causal attention alone is not
-    exact: documents packed by the caller's `positions` (`packed`), padding (`real` False) before a real token.
-    None otherwise. A padding token attends to itself at least (a row with nothing to attend to would be NaN)."""
+    exact: documents packed by the caller's `positions` (`packed`), padding (`real` False) before a real token
+    (`padding_mask`). None otherwise."""
     attend = None
-    length, device = positions.shape[1], positions.device
-    causal = torch.ones(length, length, dtype=torch.bool, device=device).tril()
     if packed:
         # transformers' rule for packed samples: a new document starts wherever the position does not grow by one.
         documents = (torch.diff(positions, prepend=positions[:, :1] - 1) != 1).cumsum(-1)
         if documents[:, -1].any():
+            length = positions.shape[1]
+            causal = torch.ones(length, length, dtype=torch.bool, device=positions.device).tril()
             attend = causal & (documents[:, :, None] == documents[:, None, :])
-    if real is not None and (~real[:, :-1] & real[:, 1:]).any():
-        keys = real[:, None, :] | torch.eye(length, dtype=torch.bool, device=device)
-        attend = (causal if attend is None else attend) & keys
-    return attend
+    return attend if real is None else padding_mask(real, attend)
+
+
+def padding_mask(real: torch.Tensor, attend: torch.Tensor | None = None) -> torch.Tensor | None:
+    """`attend` (default: causal) [B, T, T] with the padding (`real` [B, T] False) masked out as keys where it comes
+    before a real token (left-padded prompts); `attend` as it is where it does not (right padding needs no mask
+    under causal attention). A padding token attends to itself at least (a row with nothing to attend to is NaN)."""
+    if not (~real[:, :-1] & real[:, 1:]).any():
+        return attend
+    length, device = real.shape[1], real.device
+    causal = torch.ones(length, length, dtype=torch.bool, device=device).tril()
+    keys = real[:, None, :] | torch.eye(length, dtype=torch.bool, device=device)
+    return (causal if attend is None else attend) & keys
 
 
 def _all_to_all(x: torch.Tensor, group: ProcessGroup, scatter_dim: int, gather_dim: int) -> torch.Tensor:

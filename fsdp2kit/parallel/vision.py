@@ -19,7 +19,7 @@ import torch.nn as nn
 from torch.distributed import ProcessGroup
 
 from fsdp2kit.labels import IGNORE_INDEX
-from fsdp2kit.parallel.ulysses import remember_tokens
+from fsdp2kit.parallel.ulysses import padding_mask, remember_tokens
 
 _PROJECTOR_CLASS = re.compile(r"(Merger|Projector)$")
 
@@ -151,7 +151,12 @@ def apply_vision_ulysses(model: nn.Module, group: ProcessGroup) -> None:
             positions = torch.arange(length, device=embeds.device).expand(3, embeds.shape[0], -1)
         kwargs["inputs_embeds"] = embeds[:, local]
         kwargs["position_ids"] = positions[..., local]
-        kwargs["attention_mask"] = None  # right padding under causal attention needs none (parallel/ulysses.py)
+        # Over the whole sequence, as parallel/ulysses.py:shard_sequence cuts a text batch: left padding (RL's
+        # prompts) masked out as keys; right padding needs no mask under causal attention.
+        mask = kwargs.get("attention_mask")
+        real = mask.bool() if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
+        attend = None if real is None else padding_mask(real)
+        kwargs["attention_mask"] = None if attend is None else attend[:, None]
         masks = kwargs.get("visual_pos_masks")
         if masks is not None:  # Qwen3-VL's deepstack: the visual rows of this slice
             mine = torch.zeros_like(masks)
