@@ -161,21 +161,24 @@ def stored_tensors(named: Iterable[tuple[str, torch.Tensor]], names: list[str], 
     """(stored name, tensor) for the model's (name, full tensor) pairs, as `save_pretrained` writes them: through
     transformers' `revert_weight_conversion`, one conversion group at a time (a fused experts tensor gives its
     per-expert tensors), so that no more than one group is held. `names` lists every name `named` yields."""
-    from transformers.core_model_loading import apply_converters, revert_weight_conversion
+    from transformers.core_model_loading import apply_converters, apply_renamings, revert_weight_conversion
 
     conversions = model._weight_conversions
     if not conversions:
         yield from named
         return
-    _, reverse_converters = _split([t.reverse_transform() for t in conversions[::-1]])
+    renamings, reverse_converters = _split([t.reverse_transform() for t in conversions[::-1]])
     group_of = {}
     for name in names:
         renamed, pattern = apply_converters(name, reverse_converters)
-        group_of[name] = renamed if pattern is not None else name
+        group_of[name] = renamed if pattern is not None else None
     left = Counter(group_of.values())  # tensors still to come, per group
     pending: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in named:
         group = group_of[name]
+        if group is None:  # no converter: only renamed, as revert_weight_conversion renames it
+            yield apply_renamings(name, renamings), tensor
+            continue
         pending.setdefault(group, {})[name] = tensor
         left[group] -= 1
         if left[group] == 0:
