@@ -14,6 +14,7 @@ from fsdp2kit.checkpoint.dcp_io import damage
 from fsdp2kit.config.schema import JobConfig
 from fsdp2kit.data.chat import ChatTemplate
 from fsdp2kit.data.dataset import conversation_form, load_tokenizer, source_files
+from fsdp2kit.data.mixture import named_as
 from fsdp2kit.distributed import Runtime
 from fsdp2kit.dtypes import torch_name
 from fsdp2kit.errors import UserError
@@ -84,7 +85,8 @@ def checked_files(cfg: JobConfig) -> dict[str, str]:
         raise UserError(problem)
     checked = {"data.source": f"{len(data)} file(s) of one kind ({kinds}), {_size(data)}"}
     if cfg.data.eval_source is not None:
-        evaluated = source_files(cfg.data.eval_source, cfg.data.dataset_dir)
+        with named_as("data.eval_source"):
+            evaluated = source_files(cfg.data.eval_source, cfg.data.dataset_dir)
         checked["data.eval_source"] = f"{len(evaluated)} file(s), {_size(evaluated)}"
     return checked | {
         "model weights": weights,

@@ -338,7 +338,7 @@ def _prepare(cfg: JobConfig, show: int = 0) -> int:
     """The token store of every source the run reads (a mixture's entries and the evaluation source included), and
     with `show` the first training samples as the model sees them, targets marked."""
     from fsdp2kit.data.dataset import load_tokenizer
-    from fsdp2kit.data.mixture import data_lines, source_configs, split_samples
+    from fsdp2kit.data.mixture import data_lines, named_as, source_configs, split_samples
     from fsdp2kit.data.samples import marked_text
     from fsdp2kit.data.store import describe, token_store
     from fsdp2kit.models.build import check_data_fits, resolve_model
@@ -348,8 +348,9 @@ def _prepare(cfg: JobConfig, show: int = 0) -> int:
     source = resolve_model(cfg.model, cfg.data.tokenizer)
     tokenizer = load_tokenizer(source.tokenizer_path)
     check_data_fits(source.hf_config, cfg.data.seq_len, tokenizer)
-    for data in source_configs(cfg.data):
+    for key, data in source_configs(cfg.data):
         with (
+            named_as(key),
             stopping_at_once(f"the token store of {data.source} was not written"),
             phase(f"the token store of {data.source}", is_main=True),
         ):

@@ -56,6 +56,17 @@ def unknown_key_message(
     return f"{file}: unknown key '{key}'; valid keys here: {', '.join(sorted(listed or valid))}"
 
 
+def why_not_a_file(path: str | Path) -> str:
+    """Why a path a user gave as a file cannot be read as one, in words: "does not exist" would be wrong for a
+    folder or a device such as /dev/zero."""
+    path = Path(path)
+    if path.is_dir():
+        return "is a folder, not a file"
+    if path.exists():
+        return "is not a regular file (a device, pipe or socket)"
+    return "does not exist"
+
+
 def report_error(message: str, exit_code: int) -> int:
     """Tell the user one `error:` line: a rank under the --nproc launcher leaves it in the launcher's error folder
     (the launcher prints the lowest rank's once); otherwise rank 0 prints it. Returns `exit_code`."""

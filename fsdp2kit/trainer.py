@@ -15,7 +15,7 @@ from typing import Any
 from fsdp2kit.checkpoint.manager import CheckpointManager, fault_point
 from fsdp2kit.config.schema import JobConfig
 from fsdp2kit.data.dataset import source_files
-from fsdp2kit.data.mixture import data_lines, describe_source, samples_taken
+from fsdp2kit.data.mixture import data_lines, describe_source, named_as, samples_taken
 from fsdp2kit.data.samples import GlobalBatches, Prefetcher
 from fsdp2kit.distributed import Runtime
 from fsdp2kit.errors import Interrupted, UserError
@@ -46,7 +46,8 @@ def run_inputs(cfg: JobConfig) -> dict[str, Path]:
     data = cfg.data
     inputs = {f"data.source ({path.name})": path for path in source_files(data.source, data.dataset_dir)}
     if data.eval_source is not None:
-        inputs |= {f"data.eval_source ({p.name})": p for p in source_files(data.eval_source, data.dataset_dir)}
+        with named_as("data.eval_source"):
+            inputs |= {f"data.eval_source ({p.name})": p for p in source_files(data.eval_source, data.dataset_dir)}
     if not cfg.model.name_or_path.startswith("builtin:"):
         inputs["model.name_or_path"] = Path(cfg.model.name_or_path)
     if cfg.data.tokenizer:

@@ -8,7 +8,7 @@ from typing import Any
 
 import yaml
 
-from fsdp2kit.errors import UserError
+from fsdp2kit.errors import UserError, why_not_a_file
 
 # Bounds on what a YAML text may expand to: real configs have hundreds of nodes a few levels deep; a 539-byte alias
 # bomb ("billion laughs") expands to billions, which any later walk over the dict would take hours over.
@@ -85,7 +85,7 @@ def load_yaml_text(text: str, where: str) -> Any:
 def read_yaml(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
-        raise UserError(f"config file '{path}' does not exist")
+        raise UserError(f"config file '{path}' {why_not_a_file(path)}")
     try:
         data = load_yaml_text(path.read_text(encoding="utf-8"), f"config file '{path}'")
     except UnicodeDecodeError as exc:

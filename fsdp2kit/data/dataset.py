@@ -17,7 +17,7 @@ import torch
 from fsdp2kit.config.schema import DataConfig, WeightedSource, is_mixture
 from fsdp2kit.data.chat import MEDIA_FIELDS, Chat, record_format, to_chat, with_messages_key
 from fsdp2kit.data.registry import RegistryEntry, dataset_names, registry_entry
-from fsdp2kit.errors import UserError
+from fsdp2kit.errors import UserError, why_not_a_file
 from fsdp2kit.labels import IGNORE_INDEX
 
 if TYPE_CHECKING:
@@ -82,8 +82,11 @@ def _files_of(source: str | list[str]) -> list[Path]:
     else:
         files = sorted(glob.glob(source)) if any(c in source for c in "*?[") else [source]
     missing = [f for f in files if not Path(f).is_file()]
+    if missing and Path(missing[0]).exists():  # a folder or a device (/dev/zero) in a list: it exists
+        raise UserError(f"data.source: '{missing[0]}' {why_not_a_file(missing[0])}")
     if not files or missing:
-        raise UserError(f"data.source: no such file '{missing[0] if missing else source}'")
+        named = "an empty list names no file" if source == [] else f"no such file '{missing[0] if missing else source}'"
+        raise UserError(f"data.source: {named}")
     kinds = {_FILE_KINDS.get(Path(f).suffix) for f in files}
     if None in kinds or len(kinds) > 1:
         raise UserError(f"data.source: '{source}' must be *.jsonl, *.parquet or *.txt files of one kind")

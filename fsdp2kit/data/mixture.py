@@ -13,6 +13,8 @@ never reads."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -169,13 +171,14 @@ def describe_source(source: str | list[str] | list[WeightedSource]) -> str:
     return "a mixture of " + ", ".join(f"{source_name(e.path)} ({e.weight:g})" for e in _entries(source))
 
 
-def source_configs(data: DataConfig) -> list[DataConfig]:
-    """One data config per source a run reads (a mixture's entries, then the evaluation source's): the token stores
-    `prepare` builds ahead of a run."""
-    paths = [e.path for e in _entries(data.source, data.dataset_dir)]
+def source_configs(data: DataConfig) -> list[tuple[str, DataConfig]]:
+    """One data config per source a run reads (a mixture's entries, then the evaluation source's), each with the key
+    that names it (`named_as`): the token stores `prepare` builds ahead of a run."""
+    paths = [("data.source", e.path) for e in _entries(data.source, data.dataset_dir)]
     if data.eval_source is not None:
-        paths += [e.path for e in _entries(data.eval_source, data.dataset_dir)]
-    return [data.model_copy(update={"source": path, "eval_source": None}) for path in paths]
+        with named_as("data.eval_source"):
+            paths += [("data.eval_source", e.path) for e in _entries(data.eval_source, data.dataset_dir)]
+    return [(key, data.model_copy(update={"source": path, "eval_source": None})) for key, path in paths]
 
 
 def hold_out(samples: Any, fraction: float, seed: int, source: int = 0) -> tuple[SubsetSamples, SubsetSamples]:
@@ -189,6 +192,18 @@ def hold_out(samples: Any, fraction: float, seed: int, source: int = 0) -> tuple
         )
     chosen = np.random.default_rng([seed, source, 0, _HOLD_OUT]).permutation(size)
     return SubsetSamples(samples, np.sort(chosen[held:])), SubsetSamples(samples, np.sort(chosen[:held]))
+
+
+@contextmanager
+def named_as(key: str) -> Iterator[None]:
+    """The evaluation set is read as a `source` of its own: a refusal of it names the key the user wrote (`key`)."""
+    try:
+        yield
+    except UserError as exc:
+        message = str(exc)
+        if key == "data.source" or not message.startswith("data.source"):
+            raise
+        raise UserError(key + message.removeprefix("data.source")) from None
 
 
 def split_samples(data: DataConfig, tokenizer: PreTrainedTokenizerBase, seed: int) -> tuple[Any, Any]:
@@ -210,10 +225,11 @@ def split_samples(data: DataConfig, tokenizer: PreTrainedTokenizerBase, seed: in
         else parts[0]
     )
     if data.eval_source is not None:
-        held = [
-            TrainingSamples.from_config(data.model_copy(update={"source": e.path}), tokenizer)
-            for e in _entries(data.eval_source, data.dataset_dir)
-        ]
+        with named_as("data.eval_source"):
+            held = [
+                TrainingSamples.from_config(data.model_copy(update={"source": e.path}), tokenizer)
+                for e in _entries(data.eval_source, data.dataset_dir)
+            ]
     if not held:
         return train, None
     if not sum(len(part) for part in held):

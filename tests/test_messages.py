@@ -1,0 +1,54 @@
+"""Messages that named the wrong thing (issue 34's fourth pass): each refusal names the key the user wrote and what
+the path really is."""
+
+from __future__ import annotations
+
+import pytest
+
+from fsdp2kit.cli import main
+
+DEMO = "examples/demo.yaml"
+
+
+def _empty(tmp_path):
+    path = tmp_path / "empty.jsonl"
+    path.write_text("")
+    return path
+
+
+# case: (command line from tmp_path, the one error line)
+MESSAGES = {
+    "config_is_a_folder": (lambda t: ["check", str(t)], "config file '{t}' is a folder, not a file"),
+    "config_is_a_device": (
+        lambda t: ["check", "/dev/zero"],
+        "config file '/dev/zero' is not a regular file (a device, pipe or socket)",
+    ),
+    "source_is_a_device": (
+        lambda t: ["check", DEMO, "--set", "data.source=/dev/zero"],
+        "data.source: '/dev/zero' is not a regular file (a device, pipe or socket)",
+    ),
+    "source_lists_a_folder": (
+        lambda t: ["check", DEMO, "--set", f"data.source=[{t}]"],
+        "data.source: '{t}' is a folder, not a file",
+    ),
+    "eval_source_missing": (
+        lambda t: ["check", DEMO, "--set", f"data.eval_source={t / 'gone.jsonl'}"],
+        "data.eval_source: no such file '{t}/gone.jsonl'",
+    ),
+    "eval_source_empty_list": (
+        lambda t: ["check", DEMO, "--set", "data.eval_source=[]"],
+        "data.eval_source: an empty list names no file",
+    ),
+    "eval_source_empty_file": (
+        lambda t: ["prepare", DEMO, "--set", f"data.eval_source={_empty(t)}", "--set", f"data.cache_dir={t}"],
+        "data.eval_source: '{t}/empty.jsonl' is empty (no documents)",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(MESSAGES))
+def test_a_refusal_names_the_key_and_what_the_path_is(tmp_path, capsys, case):
+    argv, message = MESSAGES[case]
+    assert main(argv(tmp_path)) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
+    assert errors == [f"error: {message.format(t=tmp_path)}"]
