@@ -52,3 +52,21 @@ def test_a_refusal_names_the_key_and_what_the_path_is(tmp_path, capsys, case):
     assert main(argv(tmp_path)) == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
     assert errors == [f"error: {message.format(t=tmp_path)}"]
+
+
+def test_a_pickled_rng_file_is_refused_without_torchs_advice_to_unpickle_it(tmp_path):
+    """torch's refusal ended with how to pass weights_only=False: the one thing not to do with a crafted file."""
+    import pickle
+
+    from test_robustness import _CreatesFile
+
+    from fsdp2kit.checkpoint.manager import read_rng_file
+    from fsdp2kit.errors import UserError
+
+    rng_file, marker = tmp_path / "rng_rank0.pt", tmp_path / "pwned"
+    rng_file.write_bytes(pickle.dumps(_CreatesFile(marker)))
+    with pytest.raises(UserError) as refused:
+        read_rng_file(rng_file)
+    message = str(refused.value)
+    assert message.startswith(f"training.resume: '{rng_file}' holds pickled objects other than tensors; refusing")
+    assert "weights_only" not in message and "\n" not in message and not marker.exists()

@@ -13,13 +13,14 @@ import errno
 import io
 import json
 import os
+import pickle
 import shutil
 import signal
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -329,10 +330,7 @@ class CheckpointManager:
         )
         rng_file = path / f"rng_rank{self.rank}.pt"
         if rng_file.is_file():
-            try:
-                rng = torch.load(rng_file, weights_only=True)
-            except Exception as exc:
-                raise UserError(f"training.resume: '{rng_file}' cannot be read: {exc}") from None
+            rng = read_rng_file(rng_file)
             torch.set_rng_state(rng["cpu"])
             if torch.cuda.is_available() and rng["cuda"]:
                 torch.cuda.set_rng_state_all(rng["cuda"])
@@ -342,3 +340,19 @@ class CheckpointManager:
                 "run would not continue exactly; restore the file or resume from another checkpoint"
             )
         return trainer_state
+
+
+def read_rng_file(rng_file: Path) -> dict[str, Any]:
+    """A rank's saved random state, read as plain tensors only: a file holding any other pickled object is refused
+    (a crafted one could run code), in fsdp2kit's words; torch's own refusal advises weights_only=False, which is
+    exactly what must not be done with it."""
+    try:
+        return cast(dict[str, Any], torch.load(rng_file, weights_only=True))
+    except pickle.UnpicklingError:
+        raise UserError(
+            f"training.resume: '{rng_file}' holds pickled objects other than tensors; refusing to unpickle it (a "
+            "crafted file can run code that way): resume from a checkpoint fsdp2kit wrote"
+        ) from None
+    except Exception as exc:
+        reason = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+        raise UserError(f"training.resume: '{rng_file}' cannot be read: {reason}") from None
