@@ -12,6 +12,7 @@ import pytest
 import torch
 from conftest import make_hf_folder
 from safetensors.torch import load_file, save_file
+from strategy_case import strategy_config
 from value_case import MODEL_CLASSES, config, micro_batches, value_loss
 
 import fsdp2kit
@@ -95,3 +96,23 @@ def test_a_reward_model_from_a_causal_folder_and_a_folder_without_backbone_tenso
     with pytest.raises(UserError, match="tensor 'model.norm.weight' is missing from the safetensors files"):
         fsdp2kit.Strategy.from_config(critic_config(broken, tmp_path / "run2"))
     shutdown()
+
+
+def test_a_critic_starts_from_a_causal_lm_checkpoint_of_ours(causal_folder, tmp_path, capsys):
+    """The same from a DCP checkpoint that a causal-LM Strategy (the actor) saved: the backbone is the checkpoint's,
+    score is fresh and said so, lm_head is left unread."""
+    try:
+        actor = fsdp2kit.Strategy.from_config(strategy_config(str(causal_folder), str(tmp_path / "actor"), 1))
+        actor.save_checkpoint(tmp_path / "actor" / "step_0")
+        backbone = {name: tensor.clone() for name, tensor in actor.full_weights() if name.startswith("model.")}
+        shutdown()
+        capsys.readouterr()
+        critic = fsdp2kit.Strategy.from_config(critic_config(tmp_path / "actor" / "step_0", tmp_path / "critic"))
+        said = capsys.readouterr().out
+        weights = dict(critic.full_weights())
+    finally:
+        shutdown()
+    assert "score.weight, score.bias not in" in said and "lm_head.weight in the folder not used" in said
+    assert sorted(weights) == sorted([*backbone, "score.weight", "score.bias"])
+    for name, tensor in backbone.items():
+        torch.testing.assert_close(weights[name], tensor, rtol=0, atol=0, msg=name)

@@ -187,12 +187,16 @@ def read_dcp_model(
             group, size = {}, 0
 
 
+def stored_model_keys(path: Path, cannot_load: str) -> set[str]:
+    """The names of the model tensors a checkpoint holds (from its .metadata); `cannot_load` prefixes a failure."""
+    stored = read_metadata(path, cannot_load).state_dict_metadata
+    return {key[len(MODEL_PREFIX) :] for key in stored if key.startswith(MODEL_PREFIX)}
+
+
 def refuse_extra_model_tensors(path: Path, model_keys: set[str] | dict[str, Any], cannot_load: str) -> None:
     """DCP loads the tensors a state dict asks for and ignores the rest: a checkpoint of a larger model (more layers,
     another head) would load into this one truncated, without a word. Refused, naming the first extra tensor."""
-    stored = read_metadata(path, cannot_load).state_dict_metadata
-    extra = sorted(key[len(MODEL_PREFIX) :] for key in stored if key.startswith(MODEL_PREFIX))
-    extra = [key for key in extra if key not in model_keys]
+    extra = sorted(key for key in stored_model_keys(path, cannot_load) if key not in model_keys)
     if extra:
         raise UserError(
             f"{cannot_load}: it holds {len(extra)} model tensors this model lacks (first '{extra[0]}'), so it was "

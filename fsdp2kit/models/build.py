@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from fsdp2kit.checkpoint.dcp_io import METADATA_FILE, read_dcp, refuse_extra_model_tensors
+from fsdp2kit.checkpoint.dcp_io import METADATA_FILE, read_dcp, refuse_extra_model_tensors, stored_model_keys
 from fsdp2kit.config.schema import ModelConfig
 from fsdp2kit.dtypes import torch_dtype
 from fsdp2kit.errors import UserError
@@ -494,14 +494,20 @@ def _move_unsharded(model: nn.Module, device: torch.device) -> None:
                 param.data = param.data.to(device)
 
 
-def load_dcp(model: nn.Module, folder: Path) -> None:
-    """Load the model part of a DCP checkpoint; DCP reshards it to this run's mesh and world size."""
+def load_dcp(model: nn.Module, folder: Path, leeway: TensorLeeway = NO_LEEWAY) -> LoadSkips:
+    """Load the model part of a DCP checkpoint; DCP reshards it to this run's mesh and world size. The tensors
+    `leeway` lets the checkpoint lack are left for the caller to initialise (returned, with those left unread)."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     state = base_state(model, get_model_state_dict(model))  # the live shards: DCP reads into them in place
     cannot_load = f"model weights: checkpoint '{folder}' cannot be loaded into this model"
-    refuse_extra_model_tensors(folder, state, cannot_load)
-    read_dcp({"model": state}, folder, cannot_load)
+    stored = stored_model_keys(folder, cannot_load)
+    live = base_state(model)
+    fresh = {name: live[name] for name in state if name not in stored and name.startswith(leeway.fresh)}
+    unused = sorted(key for key in stored - set(state) if key.startswith(leeway.unused))
+    refuse_extra_model_tensors(folder, set(state) | set(unused), cannot_load)
+    read_dcp({"model": {name: t for name, t in state.items() if name not in fresh}}, folder, cannot_load)
+    return LoadSkips(fresh, unused)
 
 
 def materialise(
@@ -525,10 +531,10 @@ def materialise(
     else:
         initialise_weights(model, seed, buffers_only=True)  # rotary tables and other computed buffers
         if source.weights_format == "dcp":
-            load_dcp(model, source.weights_dir)
+            skips = load_dcp(model, source.weights_dir, leeway)
         else:
             skips = load_safetensors(model, source.weights_dir, loading, leeway)
-            if skips.fresh:
-                initialise_weights(model, seed, only={id(param) for param in skips.fresh.values()})
-                if not dist.is_initialized() or dist.get_rank() == 0:
-                    print(skips.line(source.weights_dir, seed), flush=True)
+        if skips.fresh:
+            initialise_weights(model, seed, only={id(param) for param in skips.fresh.values()})
+            if not dist.is_initialized() or dist.get_rank() == 0:
+                print(skips.line(source.weights_dir, seed), flush=True)
