@@ -1,7 +1,7 @@
 """A critic or reward model started from a causal LM's folder, as verl and ROLL start a critic from the actor's SFT
 checkpoint: the backbone is read exactly as transformers' `from_pretrained(..., num_labels=1)` reads it, the LM head
 is left unread and the new `score` layer initialised fresh (seeded), said in one line; a folder that lacks backbone
-tensors is still refused. Its export names its own class in config.json."""
+tensors is still refused. Its export and its checkpoints name its own class in config.json."""
 
 from __future__ import annotations
 
@@ -52,6 +52,7 @@ def test_a_critic_starts_from_a_causal_lm_folder_with_its_backbone_and_a_fresh_s
         losses = [strategy.train_step([batch], value_loss)["loss"] for batch in micro_batches(0, 2)]
         trained = dict(strategy.full_weights())
         strategy.export_hf(tmp_path / "hf")
+        strategy.save_checkpoint(tmp_path / "checkpoints" / "step_2")
     finally:
         shutdown()
     assert f"score.weight, score.bias not in '{causal_folder}': initialised fresh" in said
@@ -69,6 +70,8 @@ def test_a_critic_starts_from_a_causal_lm_folder_with_its_backbone_and_a_fresh_s
     exported = AutoConfig.from_pretrained(tmp_path / "hf")
     assert exported.architectures == ["LlamaForTokenClassification"]
     assert exported.num_labels == 1
+    saved = json.loads((tmp_path / "checkpoints" / "step_2" / "config.json").read_text())
+    assert saved["architectures"] == ["LlamaForTokenClassification"]  # what `convert --to hf` copies
 
 
 def test_a_reward_model_from_a_causal_folder_and_a_folder_without_backbone_tensors_refused(causal_folder, tmp_path):

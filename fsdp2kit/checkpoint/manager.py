@@ -33,6 +33,7 @@ from fsdp2kit.checkpoint.dcp_io import METADATA_FILE, damage, read_dcp, refuse_e
 from fsdp2kit.durable import disk_full_message, folder_bytes, fsync_dir, fsync_file, ran_out_of_space, write_durable
 from fsdp2kit.errors import RunFault, UserError
 from fsdp2kit.models.export import write_config_and_tokenizer
+from fsdp2kit.parallel.fsdp import model_class_name
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -167,7 +168,8 @@ class CheckpointManager:
                 if self.saved_config is not None:
                     self.saved_config.save_pretrained(str(tmp))
                 elif self.hf_config is not None:
-                    write_config_and_tokenizer(tmp, self.hf_config, self.tokenizer_path, next(model.parameters()).dtype)
+                    dtype = next(model.parameters()).dtype
+                    write_config_and_tokenizer(tmp, self.hf_config, self.tokenizer_path, dtype, model_class_name(model))
                 for file in tmp.iterdir():  # only rank 0's files exist yet; DCP syncs the shards it writes
                     fsync_file(file)
             dist.barrier()
