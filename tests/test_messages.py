@@ -3,6 +3,9 @@ the path really is."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from fsdp2kit.cli import main
@@ -15,6 +18,16 @@ def _empty(tmp_path):
     path.write_text("")
     return path
 
+
+def _context_only(tmp_path):
+    """Conversations whose every assistant turn has loss_weight 0: context only."""
+    path = tmp_path / "context.jsonl"
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo", "loss_weight": 0}]
+    path.write_text((json.dumps({"messages": turns}) + "\n") * 2)
+    return path
+
+
+CHATML = Path(__file__).parent / "fixtures" / "chat_templates" / "chatml.jinja"
 
 # case: (command line from tmp_path, the one error line)
 MESSAGES = {
@@ -42,6 +55,14 @@ MESSAGES = {
     "eval_source_empty_file": (
         lambda t: ["prepare", DEMO, "--set", f"data.eval_source={_empty(t)}", "--set", f"data.cache_dir={t}"],
         "data.eval_source: '{t}/empty.jsonl' is empty (no documents)",
+    ),
+    "no_trained_turn": (
+        lambda t: (
+            ["prepare", DEMO, "--set", f"data.source={_context_only(t)}", "--set", f"data.cache_dir={t}"]
+            + ["--set", f"data.chat_template={CHATML}"]
+        ),
+        "data.source: none of its 2 conversations has a token to train on (no assistant turn, or every one with "
+        "loss_weight 0); nothing is left to train",
     ),
 }
 

@@ -281,6 +281,11 @@ def _write_store(
     if not chat:
         (folder / "masks.bin").unlink()
     if counts["tokens"] == 0:
+        if counts["untrainable"]:  # conversations there were, none with a token to train on
+            raise UserError(
+                f"data.source: none of its {counts['untrainable']} conversations has a token to train on (no "
+                "assistant turn, or every one with loss_weight 0); nothing is left to train"
+            )
         field = "messages" if chat else documents.response_key if sft else documents.text_key
         raise UserError(f"data.source: no documents (every '{field}' is empty or missing)")
     seconds = time.perf_counter() - started
