@@ -67,7 +67,7 @@ def convert(src: Path, dst: Path, to: str, dtype: torch.dtype | None = None, ada
         if written:
             _remove_written(dst, existed)
         if full:
-            needed = folder_bytes(src) + (folder_bytes(adapter) if adapter is not None else 0)
+            needed = sum(folder_bytes(folder) for folder in (src, adapter) if folder is not None)
             raise RunFault(disk_full_message(dst, f"convert --to {to}", needed, "nothing was left there")) from None
         if os_error is not None:
             reason = os_error.strerror or str(os_error)
