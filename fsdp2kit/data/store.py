@@ -281,13 +281,7 @@ def _write_store(
     if not chat:
         (folder / "masks.bin").unlink()
     if counts["tokens"] == 0:
-        if counts["untrainable"]:  # conversations there were, none with a token to train on
-            raise UserError(
-                f"data.source: none of its {counts['untrainable']} conversations has a token to train on (no "
-                "assistant turn, or every one with loss_weight 0); nothing is left to train"
-            )
-        field = "messages" if chat else documents.response_key if sft else documents.text_key
-        raise UserError(f"data.source: no documents (every '{field}' is empty or missing)")
+        _refuse_nothing_to_train(documents, counts["untrainable"], chat, sft)
     seconds = time.perf_counter() - started
     return {
         **counts,
@@ -299,6 +293,16 @@ def _write_store(
         "tokens_per_s": counts["tokens"] / seconds,
         "workers": workers,
     }
+
+
+def _refuse_nothing_to_train(documents: SourceDocuments, untrainable: int, chat: bool, sft: bool) -> None:
+    if untrainable:  # conversations there were, none with a token to train on
+        raise UserError(
+            f"data.source: none of its {untrainable} conversations has a token to train on (no assistant turn, or "
+            "every one with loss_weight 0); nothing is left to train"
+        )
+    field = "messages" if chat else documents.response_key if sft else documents.text_key
+    raise UserError(f"data.source: no documents (every '{field}' is empty or missing)")
 
 
 def _encoded_ranges(
