@@ -509,3 +509,24 @@ def test_a_template_that_renders_without_bound_is_one_line(template, seconds, me
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir())
     with pytest.raises(UserError, match=re.escape(message)):
         ChatTemplate(tokenizer, template + "{% for m in messages %}{{ m['content'] }}{% endfor %}")
+
+
+# A template that writes no header when asked (add_generation_prompt ignored): the turns before an answer render
+# without the assistant's header, which then must not be trained as the answer's.
+IGNORES_GENERATION_PROMPT = (
+    "{%- for message in messages %}{{- '<|im_start|>' + message.role + '\\n' }}{%- if message.role == 'assistant' %}"
+    "{% generation %}{{- message.content + '<|im_end|>' }}{% endgeneration %}"
+    "{%- else %}{{- message.content + '<|im_end|>' }}{%- endif %}{{- '\\n' }}{%- endfor %}"
+)
+
+
+def test_a_template_that_ignores_add_generation_prompt_trains_no_assistant_header():
+    tokenizer = family_tokenizer("chatml")
+    reference = tokenizer.apply_chat_template(
+        CONVERSATION, chat_template=IGNORES_GENERATION_PROMPT, return_dict=True, return_assistant_tokens_mask=True
+    )
+    plain = IGNORES_GENERATION_PROMPT.replace("{% generation %}", "").replace("{% endgeneration %}", "")
+    template = ChatTemplate(tokenizer, plain)
+    ids, trained = template.encode(Chat(CONVERSATION, None, "r"))
+    assert not template.writes_generation_prompt
+    assert ids == list(reference["input_ids"]) and [int(t) for t in trained] == list(reference["assistant_masks"])

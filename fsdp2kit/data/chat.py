@@ -349,6 +349,7 @@ class ChatTemplate:
 
     def __post_init__(self) -> None:
         self.end_of_turn = self._end_of_turn()
+        self.writes_generation_prompt = self._writes_generation_prompt()
 
     @classmethod
     def from_config(cls, cfg: DataConfig, tokenizer: Any, model_type: str | None = None) -> ChatTemplate:
@@ -388,6 +389,16 @@ class ChatTemplate:
         at = text.rfind(_PROBE_ANSWER)
         return text[at + len(_PROBE_ANSWER) :].strip() if at >= 0 else ""
 
+    def _writes_generation_prompt(self) -> bool:
+        """Whether the template writes the assistant's header when asked (`add_generation_prompt`). One that ignores
+        the flag renders the turns before an answer without the header; that prefix would put the header in the
+        answer's span, so its answers are found by their text instead (`_turn_start`)."""
+        probe = [{"role": "user", "content": _PROBE_QUESTION}]
+        try:
+            return self.render(probe, generation_prompt=True) != self.render(probe)
+        except UserError:  # it refuses a lone question: the prefix is never rendered either, the text decides
+            return False
+
     def _targets(self, messages: list[dict]) -> list[int]:
         """Indices of the messages trained on: assistant turns (the last only with mask_history), or as each
         message's `loss_weight` says where the record gives one."""
@@ -413,9 +424,11 @@ class ChatTemplate:
             before = self.render(chat.messages[:i], chat.tools, generation_prompt=assistant) if i else ""
         except UserError:
             before = None
-        if before is not None and text.startswith(before) and len(before) >= cursor:
-            return len(before)
         content = _plain(chat.messages[i]["content"]).strip()
+        if before is not None and text.startswith(before) and len(before) >= cursor:
+            if not (assistant and content) or self.writes_generation_prompt:
+                return len(before)
+            cursor = len(before)  # the header the template writes in any case comes first: the answer is its text
         found = text.find(content, cursor) if content else -1
         if found < 0:
             raise UserError(
