@@ -327,9 +327,13 @@ def _file_command(args: argparse.Namespace) -> int:
         return 0
     from fsdp2kit.checkpoint.convert import convert
     from fsdp2kit.dtypes import torch_dtype
+    from fsdp2kit.train.interrupt import stopping_at_once
     from fsdp2kit.train.loggers import phase
 
-    with phase(f"converting {args.src} -> {args.dst} ({args.to})", is_main=True):
+    with (
+        stopping_at_once(f"'{args.dst}' was not written"),  # convert removes what it wrote, as on any failure
+        phase(f"converting {args.src} -> {args.dst} ({args.to})", is_main=True),
+    ):
         convert(Path(args.src), Path(args.dst), args.to, torch_dtype(args.dtype), args.adapter)
     return 0
 

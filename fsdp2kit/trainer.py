@@ -22,7 +22,7 @@ from fsdp2kit.errors import Interrupted, UserError
 from fsdp2kit.models.build import check_data_fits
 from fsdp2kit.strategy import Strategy
 from fsdp2kit.train.evaluate import EvalBatches
-from fsdp2kit.train.interrupt import StopSignals
+from fsdp2kit.train.interrupt import StopSignals, stopping_at_once
 from fsdp2kit.train.loggers import RunLoggers, phase
 from fsdp2kit.train.memory import StepMemory
 from fsdp2kit.train.metrics import device_peak_flops, flops_per_token
@@ -244,12 +244,20 @@ class Trainer:
         if self.start_step < self.total_steps:  # a run resumed at its end has nothing new to save
             self._save(self.total_steps, blocking=True)
         strategy, variant = self.strategy, self.strategy.sharded.variant
-        variant.export_parts(
-            strategy.model, self.output_dir, self.cfg.model.name_or_path, self.tc, self.runtime.is_main
-        )
-        if variant.exports_hf(self.tc):  # LoRA with export_merged: the adapters merged in
-            with phase(f"writing the HF folder {self.output_dir / 'hf'}", self.runtime.is_main):
-                strategy.export_hf(self.output_dir / "hf")
+        # No step boundary is left to stop at: a signal now (or one that came during the last save) stops the
+        # exports at once, with the checkpoint just saved intact.
+        outcome = f"the exports were not finished; checkpoint step_{self.total_steps} is intact"
+        with stopping_at_once(outcome):
+            signum = self.stop.requested()  # every rank, or one rank would stop alone inside the exports' gathers
+            if signum:
+                raise Interrupted(f"interrupted by {signal.Signals(signum).name}: {outcome}", signum)
+            fault_point("before_export", self.total_steps, self.runtime.rank)
+            variant.export_parts(
+                strategy.model, self.output_dir, self.cfg.model.name_or_path, self.tc, self.runtime.is_main
+            )
+            if variant.exports_hf(self.tc):  # LoRA with export_merged: the adapters merged in
+                with phase(f"writing the HF folder {self.output_dir / 'hf'}", self.runtime.is_main):
+                    strategy.export_hf(self.output_dir / "hf")
         if self.runtime.is_main:
             for line in samples_taken(self.batches, range(self.start_step, self.total_steps)):
                 print(line, flush=True)

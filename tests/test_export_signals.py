@@ -1,0 +1,47 @@
+"""A SIGTERM (or Ctrl-C) while the trained model is written out (issue 34's fourth pass: two SIGTERMs during export
+were ignored): there is no step boundary left to stop at, so the export stops at once, in one line, and what is
+intact (the last checkpoint; for `convert`, its source, with nothing left at the destination) is said."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+from conftest import make_hf_folder
+
+from fsdp2kit.cli import main
+from fsdp2kit.models import export
+
+DEMO = "examples/demo.yaml"
+
+
+def _errors(capsys) -> list[str]:
+    return [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
+
+
+def test_a_sigterm_before_the_export_stops_the_run_with_its_checkpoint_intact(tmp_path, small_run, capsys, monkeypatch):
+    monkeypatch.setenv("FSDP2KIT_FAULT", "before_export:1:0:SIGTERM")
+    run = tmp_path / "run"
+    argv = ["train", DEMO, *small_run, "--set", "training.max_steps=1", "--set", "training.export_hf=true"]
+    assert main(argv) == 128 + signal.SIGTERM
+    assert _errors(capsys) == [
+        "error: interrupted by SIGTERM: the exports were not finished; checkpoint step_1 is intact"
+    ]
+    assert (run / "checkpoints" / "step_1" / "trainer_state.json").is_file() and not (run / "hf").exists()
+
+
+def test_a_sigterm_during_convert_stops_it_and_leaves_nothing(tmp_path, capsys, monkeypatch):
+    make_hf_folder(tmp_path / "hf", "tiny-llama", layers=1)
+    assert main(["convert", str(tmp_path / "hf"), str(tmp_path / "dcp"), "--to", "dcp"]) == 0
+    close = export.SafetensorsWriter.close
+
+    def interrupted(writer):
+        close(writer)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(export.SafetensorsWriter, "close", interrupted)
+    capsys.readouterr()
+    dst = tmp_path / "out"
+    assert main(["convert", str(tmp_path / "dcp"), str(dst), "--to", "hf"]) == 128 + signal.SIGTERM
+    assert _errors(capsys) == [f"error: interrupted by SIGTERM: '{dst}' was not written"]
+    assert not dst.exists()
