@@ -128,6 +128,8 @@ REFUSALS = {
     "script": ({"script_url": "my_script"}, "is read from script_url (a hub, script or cloud); fsdp2kit reads local"),
     "cloud": ({"cloud_file_name": "s3://b/a.json"}, "is read from cloud_file_name (a hub, script or cloud); fsdp2"),
     "openai": ({"file_name": "data.json", "formatting": "openai"}, "has formatting 'openai'; valid: alpaca, sharegpt"),
+    "ranking": ({"file_name": "data.json", "ranking": True}, "sets ranking: True, preference (chosen/rejected) data"),
+    "sampled": ({"file_name": "data.json", "num_samples": 5}, "sets num_samples: 5, which fsdp2kit does not sample"),
 }
 
 

@@ -52,6 +52,15 @@ _SHAREGPT_SPEAKERS = {
 _REMOTE_KEYS = ("hf_hub_url", "ms_hub_url", "om_hub_url", "script_url", "cloud_file_name")
 _MAX_REGISTRY_BYTES = 16 << 20
 _FILE_SUFFIXES = (".json", ".jsonl", ".parquet")
+# Attributes that would change which records are read, or how, beyond the chat forms: refused unless the default.
+_UNREAD = {"ranking": False, "num_samples": None, "split": "train", "subset": None, "folder": None}
+_UNREAD_WHY = {
+    "ranking": "preference (chosen/rejected) data, which fsdp2kit does not train",
+    "num_samples": "which fsdp2kit does not sample; use data.max_samples to read the first N records",
+    "split": "a split of a hub dataset; a local file is its train split",
+    "subset": "a subset of a hub dataset; fsdp2kit reads local files only",
+    "folder": "a folder of a hub dataset; fsdp2kit reads local files only",
+}
 
 
 @dataclass(frozen=True)
@@ -158,6 +167,9 @@ def registry_entry(dataset_dir: str, name: str) -> RegistryEntry:
     formatting = attrs.get("formatting", "alpaca")
     if formatting not in FORMATTINGS:
         raise UserError(f"{where} has formatting {formatting!r}; valid: {', '.join(FORMATTINGS)}")
+    unread = [key for key, default in _UNREAD.items() if attrs.get(key, default) != default]
+    if unread:
+        raise UserError(f"{where} sets {unread[0]}: {attrs[unread[0]]!r}, {_UNREAD_WHY[unread[0]]}")
     return RegistryEntry(name, _entry_file(dataset_dir, attrs, where), formatting, *_reading(attrs, where), attrs)
 
 
