@@ -130,6 +130,7 @@ REFUSALS = {
     "openai": ({"file_name": "data.json", "formatting": "openai"}, "has formatting 'openai'; valid: alpaca, sharegpt"),
     "ranking": ({"file_name": "data.json", "ranking": True}, "sets ranking: True, preference (chosen/rejected) data"),
     "sampled": ({"file_name": "data.json", "num_samples": 5}, "sets num_samples: 5, which fsdp2kit does not sample"),
+    "kto": ({"file_name": "data.json", "columns": {"kto_tag": "label"}}, "has the column kto_tag of preference data"),
 }
 
 

@@ -201,5 +201,8 @@ def _reading(attrs: dict, where: str) -> tuple[dict[str, str | None], dict[str, 
             continue
         if not isinstance(given, dict) or not all(isinstance(v, str | None) for v in given.values()):
             raise UserError(f"{where} has {key} that are not a mapping of names to field names")
+        preference = [name for name in ("chosen", "rejected", "kto_tag") if given.get(name)]
+        if key == "columns" and preference:
+            raise UserError(f"{where} has the column {preference[0]} of preference data, which fsdp2kit does not train")
         readings.append({name: given.get(name) for name in defaults})
     return readings[0], readings[1]
