@@ -42,6 +42,10 @@ def _constant_loss(log_probs, batch):
     return torch.tensor(3.0), torch.tensor(1.0)
 
 
+def _weighted(weight: float):
+    return lambda log_probs, batch: (-log_probs.sum(), torch.tensor(weight))
+
+
 # case: (call on the strategy, the fragment its one sentence holds)
 API_MISTAKES = {
     "id_past_the_vocabulary": (
@@ -68,6 +72,13 @@ API_MISTAKES = {
         lambda s: s.train_step([{"input_ids": _ids(1)}], loss_fn=_constant_loss),
         "loss_fn: the loss_sum it returns carries no gradient",
     ),
+    **{
+        f"weight_{name}": (
+            lambda s, w=weight: s.train_step([{"input_ids": _ids(1)}], loss_fn=_weighted(w)),
+            "loss_fn: 1 of the weights it returned (over the ranks' micro-batches) are negative or not finite",
+        )
+        for name, weight in [("nan", float("nan")), ("inf", float("inf")), ("negative", -5.0)]
+    },
     "forward_past_the_positions": (
         lambda s: s.forward_step({"input_ids": _ids(1, POSITIONS + 1)}),
         f"batch: input_ids has {POSITIONS + 1} positions, more than the model's max_position_embeddings ({POSITIONS})",

@@ -122,6 +122,7 @@ class _Sums:
 
     loss: torch.Tensor  # float64
     weight: torch.Tensor  # float64: the weights that came with the loss (0 where known before)
+    unusable: torch.Tensor  # float64: how many of those were negative or not finite (read with the step's values)
     metrics: dict[str, torch.Tensor]  # float64, by name
     consistent: bool  # every micro-batch gave the same metric names
     counted: float = 0.0  # the micro-batches the metrics' mean is over (per sequence-parallel group)
@@ -137,6 +138,7 @@ def _forward_backward(
     sums = _Sums(
         torch.zeros((), dtype=torch.float64, device=device),
         torch.zeros((), dtype=torch.float64, device=device),
+        torch.zeros((), dtype=torch.float64, device=device),
         {},
         True,
     )
@@ -149,7 +151,9 @@ def _forward_backward(
         (terms.loss_sum * run.loss_factor.to(terms.loss_sum.dtype)).backward()
         sums.loss += terms.loss_sum.detach() / share
         if terms.weight is not None:
-            sums.weight += terms.weight.detach().double() / share
+            weight = terms.weight.detach().double()
+            sums.weight += weight / share
+            sums.unusable += ((weight < 0) | ~weight.isfinite()).double() / share  # on the device: no host read
         if terms.counted:
             _add_metrics(sums, terms.metrics, share)
         if run.on_micro_batch_done is not None:
@@ -229,7 +233,8 @@ def train_step(
     params = _stepped_parameters(model, optimizer)
     all_reduce_replicated_grads(params, world_size)
     fingerprint = _metric_fingerprint(sums)
-    totals = torch.stack([sums.loss, sums.weight, tokens / sp_size, *tokens.new_tensor([fingerprint, fingerprint**2])])
+    fingerprints = tokens.new_tensor([fingerprint, fingerprint**2])
+    totals = torch.stack([sums.loss, sums.weight, tokens / sp_size, *fingerprints, sums.unusable])
     dist.all_reduce(totals)
     global_weight = totals[1] if known_weight is None else known_weight
     if known_weight is None:  # the weights came with the losses: the gradients are sums, divided by it now
@@ -237,9 +242,9 @@ def train_step(
     guard.scaler.unscale_(params)
     norm = clip_grad_norm(params, max_grad_norm)
     # The step's one host read of device values (on CUDA, one wait for the device), all together.
-    read = torch.stack([totals[0] / global_weight, norm.to(totals), totals[2], global_weight, totals[3], totals[4]])
-    loss_value, grad_norm, input_tokens, weight, names_sum, names_square_sum = read.tolist()
-    _refuse_unusable(optimizer, weight, world_size * names_square_sum != names_sum**2 or names_sum < 0)
+    read = torch.stack([totals[0] / global_weight, norm.to(totals), totals[2], global_weight, *totals[3:]])
+    loss_value, grad_norm, input_tokens, weight, names_sum, names_square_sum, unusable = read.tolist()
+    _refuse_unusable(optimizer, weight, world_size * names_square_sum != names_sum**2 or names_sum < 0, unusable)
     metrics = _averaged_metrics(sums.metrics, sums.counted) if names_sum else {}
     result = StepResult(loss_value, grad_norm, 0.0, input_tokens, False, metrics)
     return _update(optimizer, scheduler, guard, result)
@@ -264,12 +269,20 @@ def _normalise_before(run: _Accumulation, known: list[torch.Tensor | None], sp_s
     return global_weight
 
 
-def _refuse_unusable(optimizer: torch.optim.Optimizer, weight: float, metric_names_differ: bool) -> None:
+def _refuse_unusable(
+    optimizer: torch.optim.Optimizer, weight: float, metric_names_differ: bool, unusable: float
+) -> None:
     """A step whose weights sum to 0 has nothing to minimise; metrics must be named alike on every micro-batch of every
-    rank (the ranks' fingerprints agree exactly when n x sum(f^2) == sum(f)^2, Cauchy-Schwarz). Both are decided
-    from all-reduced values: every rank raises. The gradients are cleared."""
-    if weight == 0 or metric_names_differ:
+    rank (the ranks' fingerprints agree exactly when n x sum(f^2) == sum(f)^2, Cauchy-Schwarz); a loss_fn's weight
+    is never negative or NaN (the step would climb the loss, or be skipped as diverged). All are decided from
+    all-reduced values: every rank raises. The gradients are cleared."""
+    if weight == 0 or metric_names_differ or unusable:
         optimizer.zero_grad(set_to_none=True)
+    if unusable:
+        raise UserError(
+            f"loss_fn: {round(unusable)} of the weights it returned (over the ranks' micro-batches) are negative or "
+            "not finite; a weight is the loss's normaliser (a token count, a sum of weights >= 0): no step was taken"
+        )
     if weight == 0:
         raise UserError(
             "train_step: the weights of every micro-batch on every rank sum to 0 (no target token, or loss_fn's "
