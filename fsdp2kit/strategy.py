@@ -51,6 +51,7 @@ from fsdp2kit.train.step import (
     MicroBatchTerms,
     StepResult,
     TokenCrossEntropy,
+    agree_on_micro_batch_count,
     train_step,
     with_aux_loss,
 )
@@ -429,6 +430,7 @@ class Strategy:
         started = self.steps_done
         self.open_weight_streams += 1
         try:
+            agree_on_micro_batch_count(0, self.runtime.device, "full_weights")  # not one rank alone: see its docs
             for name, tensor in self._weight_buckets(dtype, bucket_bytes):
                 if self.steps_done != started:
                     raise UserError(
