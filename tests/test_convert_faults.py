@@ -6,15 +6,15 @@ from __future__ import annotations
 import errno
 import resource
 import signal
-import subprocess
-import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from conftest import REPO, make_hf_folder
-from test_robustness import assert_one_line_error
+from conftest import make_hf_folder
 
 from fsdp2kit.checkpoint.convert import convert
+from fsdp2kit.cli import main
 from fsdp2kit.errors import RunFault, UserError
 from fsdp2kit.models import export
 
@@ -53,22 +53,29 @@ def test_convert_onto_a_full_disk_is_one_sentence_and_leaves_nothing(dcp_checkpo
     assert not (tmp_path / "new").exists() and not any((tmp_path / "given").iterdir())
 
 
-def _file_size_limit(limit: int):
-    def apply() -> None:  # past it a write fails with EFBIG (SIGXFSZ would kill the process instead)
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+@contextmanager
+def file_size_limit(limit: int) -> Iterator[None]:
+    """Writes past `limit` bytes fail with EFBIG from the kernel (SIGXFSZ, which would kill the process, ignored),
+    within the block; only the soft limit is lowered, so it is raised back after."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, previous)
 
-    return apply
 
-
-def test_convert_that_the_kernel_stops_writing_is_one_line_and_leaves_nothing(dcp_checkpoint, tmp_path):
+def test_convert_that_the_kernel_stops_writing_is_one_line_and_leaves_nothing(dcp_checkpoint, tmp_path, capsys):
     """A real failed write (a file-size limit: EFBIG from the kernel mid-file) through the command line."""
     dst = tmp_path / "hf"
-    command = [sys.executable, "-m", "fsdp2kit", "convert", str(dcp_checkpoint), str(dst), "--to", "hf"]
-    result = subprocess.run(
-        command, cwd=REPO, capture_output=True, text=True, timeout=300, preexec_fn=_file_size_limit(256 << 10)
-    )
-    assert_one_line_error(result, 2, f"convert: '{dst}' cannot be written (File too large); nothing was left there")
+    with file_size_limit(256 << 10):
+        code = main(["convert", str(dcp_checkpoint), str(dst), "--to", "hf"])
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
+    assert code == 2 and errors == [
+        f"error: convert: '{dst}' cannot be written (File too large); nothing was left there"
+    ]
     assert not dst.exists()
 
 
