@@ -22,7 +22,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import Arm, Workload, load_average, run_fsdp2kit, run_reference  # noqa: E402
+from harness import Arm, Workload, load_average, model_folder, run_fsdp2kit, run_reference  # noqa: E402
 
 LLAMA_1B = {
     "hidden_size": 2048,
@@ -63,24 +63,6 @@ TARGETS = [
 ]
 
 
-def model_folder(root: Path) -> Path:
-    """The 1.5B Llama, seeded, with the builtin tokenizer (its 4096 tokens fit the larger vocabulary)."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from fsdp2kit.data.builtin import tokenizer_dir
-    from fsdp2kit.models.builtin import BUILTIN_MODELS
-
-    folder = root / "llama1b"
-    settings = {**BUILTIN_MODELS["tiny-llama"], **LLAMA_1B}
-    config = AutoConfig.for_model(settings.pop("model_type"), **settings)
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
-    for file in tokenizer_dir().iterdir():
-        (folder / file.name).write_bytes(file.read_bytes())
-    return folder
-
-
 def steady(run: dict) -> dict:
     """Median tokens/s of the steady steps (all ranks' tokens) and the run's CUDA peak."""
     return {"tokens_per_s": statistics.median(run["tokens_per_s"][WARMUP:]), "peak_mem_bytes": run["peak_mem_bytes"]}
@@ -99,7 +81,7 @@ def main() -> None:
     runs: dict[str, list[dict]] = {arm.name: [] for arm, _ in ARMS}
     before = load_average()
     with tempfile.TemporaryDirectory(prefix="fsdp2kit-gpu-bench-") as tmp:
-        model = model_folder(Path(tmp))
+        model = model_folder(Path(tmp), LLAMA_1B, "llama1b")
         for repeat in range(args.repeats):
             for arm, shape in ARMS:
                 out = Path(tmp) / f"{arm.name}_{repeat}"

@@ -37,16 +37,17 @@ class Workload:
     steps: int = 6
 
 
-def model_folder(root: Path) -> Path:
-    """The builtin tiny Llama's architecture at 25M parameters, seeded, saved with the builtin tokenizer."""
+def model_folder(root: Path, shape: dict | None = None, name: str = "llama25m") -> Path:
+    """The builtin tiny Llama's architecture at `shape` (by default LLAMA_25M), seeded, saved as root/name with the
+    builtin tokenizer (its 4096 tokens fit any larger vocabulary)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from fsdp2kit.data.builtin import tokenizer_dir
     from fsdp2kit.models.builtin import BUILTIN_MODELS
 
-    folder = root / "llama25m"
-    settings = {**BUILTIN_MODELS["tiny-llama"], **LLAMA_25M}
+    folder = root / name
+    settings = {**BUILTIN_MODELS["tiny-llama"], **(LLAMA_25M if shape is None else shape)}
     config = AutoConfig.for_model(settings.pop("model_type"), **settings)
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(folder)
