@@ -15,56 +15,24 @@ writes OUTPUT_DIR/metrics.jsonl (step, reward, kl, loss), one line per step, and
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-from typing import Any
 
 import torch
-import torch.distributed as dist
+from rl_scaffold import (
+    PROMPT,
+    TARGET,
+    TINY,
+    arguments,
+    launch,
+    mean_over_ranks,
+    model_config,
+    random_prompts,
+    run_steps,
+    sample,
+)
 
 import fsdp2kit
 
-VOCAB = 32  # a small vocabulary: a random policy already says the rewarded token now and then
-TARGET = 7  # the rewarded token
-PROMPT, COMPLETION = 4, 8  # tokens
 CLIP, KL_COEF = 0.2, 0.02
-
-
-def model_config(strategy_name: str, steps: int, output_dir: str) -> dict[str, Any]:
-    tiny = {
-        "vocab_size": VOCAB,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-    }
-    return {
-        "model": {"name_or_path": "builtin:tiny-llama", "config": tiny},
-        "training": {
-            "learning_rate": 3e-3,
-            "lr_scheduler_type": "constant",
-            "max_steps": steps,
-            "max_grad_norm": 1.0,
-            "seed": 0,
-            "output_dir": output_dir,
-        },
-        "strategy_args": {"strategy_name": strategy_name},
-    }
-
-
-@torch.no_grad()
-def sample(rollout: torch.nn.Module, prompts: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """Completions drawn token by token from the rollout model's own distribution (temperature 1)."""
-    sequences = prompts
-    for _ in range(COMPLETION):
-        logits = rollout(input_ids=sequences).logits[:, -1].float()
-        token = torch.multinomial(torch.softmax(logits, -1), 1, generator=generator)
-        sequences = torch.cat([sequences, token], dim=1)
-    return sequences
 
 
 def grpo_loss(log_probs: torch.Tensor, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,8 +57,7 @@ def rollout_batch(
     """Sample, score and annotate one batch of groups: the micro-batch that train_step gets, on the rollout's
     device (the generator's)."""
     device = generator.device
-    prompts = torch.randint(3, VOCAB, (args.prompts, PROMPT), generator=generator, device=device)
-    sequences = sample(rollout, prompts.repeat_interleave(args.group, 0), generator)
+    sequences = sample(rollout, random_prompts(args.prompts, generator).repeat_interleave(args.group, 0), generator)
     completion = sequences[:, PROMPT:]
     reward = (completion == TARGET).float().mean(dim=1)
     groups = reward.view(args.prompts, args.group)
@@ -104,56 +71,25 @@ def rollout_batch(
 
 
 def train(args: argparse.Namespace) -> None:
-    from transformers import AutoModelForCausalLM
+    actor = fsdp2kit.Strategy.from_config(model_config({"config": TINY}, 3e-3, args, "fsdp2_train"))
+    reference = fsdp2kit.Strategy.from_config(model_config({"config": TINY}, 3e-3, args, "fsdp2_infer"))
 
-    actor = fsdp2kit.Strategy.from_config(model_config("fsdp2_train", args.steps, args.output_dir))
-    reference = fsdp2kit.Strategy.from_config(model_config("fsdp2_infer", args.steps, args.output_dir))
-    device = actor.runtime.device  # each rank's rollout engine shares its accelerator with the actor
-    rollout = AutoModelForCausalLM.from_config(actor.sharded.source.hf_config).to(device).eval()
-    rank = dist.get_rank()
-    generator = torch.Generator(device).manual_seed(1234 + rank)
-    out = Path(args.output_dir)
-    if rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "metrics.jsonl").write_text("")
-    for step in range(1, args.steps + 1):
-        rollout.load_state_dict(dict(actor.full_weights()))  # every rank keeps its rollout engine in sync
+    def step(rollout: torch.nn.Module, generator: torch.Generator) -> dict[str, float]:
         batch = rollout_batch(actor, reference, rollout, args, generator)
         result = actor.train_step([batch], grpo_loss)
         mask = batch["completion_mask"]
         delta = batch["ref_log_probs"] - batch["old_log_probs"]
-        stats = torch.stack([batch["reward"].mean(), ((delta.exp() - delta - 1) * mask).sum() / mask.sum()])
-        dist.all_reduce(stats)
-        reward, kl = (stats / dist.get_world_size()).tolist()
-        record = {"step": step, "reward": reward, "kl": kl, "loss": result["loss"]}
-        if rank == 0:
-            print(json.dumps(record), flush=True)
-            with (out / "metrics.jsonl").open("a") as handle:
-                handle.write(json.dumps(record) + "\n")
+        kl = ((delta.exp() - delta - 1) * mask).sum() / mask.sum()
+        reward, kl = mean_over_ranks(torch.stack([batch["reward"].mean(), kl]))
+        return {"reward": reward, "kl": kl, "loss": result["loss"]}
+
+    run_steps(actor, args, step)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--nproc", type=int, default=2, help="ranks to launch (torch's elastic launcher)")
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--output-dir", default="runs/rl_grpo")
-    parser.add_argument("--prompts", type=int, default=4, help="prompts per rank and step")
+    parser = arguments(__doc__.splitlines()[0], steps=40, output_dir="runs/rl_grpo", prompts=4)
     parser.add_argument("--group", type=int, default=8, help="completions per prompt")
-    args = parser.parse_args()
-    if args.nproc > 1 and "RANK" not in os.environ:  # the launcher: start the ranks, each running this script
-        from fsdp2kit.distributed import free_port
-
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc)]
-        launcher += ["--master-port", str(free_port()), __file__]
-        launcher += ["--steps", str(args.steps), "--output-dir", args.output_dir]
-        launcher += ["--prompts", str(args.prompts), "--group", str(args.group)]
-        raise SystemExit(subprocess.call(launcher, env={**os.environ, "OMP_NUM_THREADS": "1"}))
-    try:
-        train(args)
-    finally:
-        from fsdp2kit.distributed import shutdown
-
-        shutdown()
+    launch(__file__, parser, train)
 
 
 if __name__ == "__main__":

@@ -17,58 +17,28 @@ writes OUTPUT_DIR/metrics.jsonl (step, reward, value_loss, policy_loss), one lin
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-from typing import Any
 
 import torch
-import torch.distributed as dist
+from rl_scaffold import (
+    COMPLETION,
+    PROMPT,
+    TARGET,
+    TINY,
+    arguments,
+    launch,
+    mean_over_ranks,
+    model_config,
+    random_prompts,
+    run_steps,
+    sample,
+)
 
 import fsdp2kit
 
-VOCAB = 32  # a small vocabulary: a random policy already says the rewarded token now and then
-TARGET = 7  # the rewarded token
-PROMPT, COMPLETION = 4, 8  # tokens
 CLIP, VALUE_CLIP = 0.2, 0.2
 GAMMA, LAMBDA = 1.0, 0.95
-TINY = {
-    "vocab_size": VOCAB,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-}
 # The critic: the same architecture with a value head (one output per token) instead of the LM head.
 CRITIC = {"model_class": "transformers:LlamaForTokenClassification", "config": {**TINY, "num_labels": 1}}
-
-
-def model_config(model: dict[str, Any], learning_rate: float, steps: int, output_dir: str) -> dict[str, Any]:
-    return {
-        "model": {"name_or_path": "builtin:tiny-llama", **model},
-        "training": {
-            "learning_rate": learning_rate,
-            "lr_scheduler_type": "constant",
-            "max_steps": steps,
-            "max_grad_norm": 1.0,
-            "seed": 0,
-            "output_dir": output_dir,
-        },
-    }
-
-
-@torch.no_grad()
-def sample(rollout: torch.nn.Module, prompts: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """Completions drawn token by token from the rollout model's own distribution (temperature 1)."""
-    sequences = prompts
-    for _ in range(COMPLETION):
-        logits = rollout(input_ids=sequences).logits[:, -1].float()
-        token = torch.multinomial(torch.softmax(logits, -1), 1, generator=generator)
-        sequences = torch.cat([sequences, token], dim=1)
-    return sequences
 
 
 def gae(rewards: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -114,9 +84,7 @@ def rollout_batch(
     generator: torch.Generator,
 ) -> dict[str, torch.Tensor]:
     """Sample, score and annotate one batch: the micro-batch that both train_steps get."""
-    device = actor.runtime.device
-    prompts = torch.randint(3, VOCAB, (args.prompts, PROMPT), generator=generator, device=device)
-    sequences = sample(rollout, prompts, generator)
+    sequences = sample(rollout, random_prompts(args.prompts, generator), generator)
     completion = sequences[:, PROMPT:]
     rewards = torch.where(completion == TARGET, 1.0, -1.0) / COMPLETION  # each token's share, as it is said
     batch = {"input_ids": sequences, "score": rewards.sum(dim=1)}
@@ -128,57 +96,21 @@ def rollout_batch(
 
 
 def train(args: argparse.Namespace) -> None:
-    from transformers import AutoModelForCausalLM
+    actor = fsdp2kit.Strategy.from_config(model_config({"config": TINY}, 2e-2, args))
+    critic = fsdp2kit.Strategy.from_config(model_config(CRITIC, 1e-2, args))
 
-    actor = fsdp2kit.Strategy.from_config(model_config({"config": TINY}, 2e-2, args.steps, args.output_dir))
-    critic = fsdp2kit.Strategy.from_config(model_config(CRITIC, 1e-2, args.steps, args.output_dir))
-    device = actor.runtime.device
-    rollout = AutoModelForCausalLM.from_config(actor.sharded.source.hf_config).to(device).eval()
-    rank = dist.get_rank()
-    generator = torch.Generator(device=device).manual_seed(1234 + rank)
-    out = Path(args.output_dir)
-    if rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "metrics.jsonl").write_text("")
-    for step in range(1, args.steps + 1):
-        rollout.load_state_dict(dict(actor.full_weights()))  # every rank keeps its rollout engine in sync
+    def step(rollout: torch.nn.Module, generator: torch.Generator) -> dict[str, float]:
         batch = rollout_batch(actor, critic, rollout, args, generator)
         values = critic.train_step([batch], value_loss)
         policy = actor.train_step([batch], policy_loss)
-        reward = batch["score"].mean().reshape(1)
-        dist.all_reduce(reward)
-        record = {
-            "step": step,
-            "reward": reward.item() / dist.get_world_size(),
-            "value_loss": values["loss"],
-            "policy_loss": policy["loss"],
-        }
-        if rank == 0:
-            print(json.dumps(record), flush=True)
-            with (out / "metrics.jsonl").open("a") as handle:
-                handle.write(json.dumps(record) + "\n")
+        (reward,) = mean_over_ranks(batch["score"].mean().reshape(1))
+        return {"reward": reward, "value_loss": values["loss"], "policy_loss": policy["loss"]}
+
+    run_steps(actor, args, step)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--nproc", type=int, default=2, help="ranks to launch (torch's elastic launcher)")
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--output-dir", default="runs/rl_ppo")
-    parser.add_argument("--prompts", type=int, default=16, help="prompts per rank and step")
-    args = parser.parse_args()
-    if args.nproc > 1 and "RANK" not in os.environ:  # the launcher: start the ranks, each running this script
-        from fsdp2kit.distributed import free_port
-
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc)]
-        launcher += ["--master-port", str(free_port()), __file__]
-        launcher += ["--steps", str(args.steps), "--output-dir", args.output_dir, "--prompts", str(args.prompts)]
-        raise SystemExit(subprocess.call(launcher, env={**os.environ, "OMP_NUM_THREADS": "1"}))
-    try:
-        train(args)
-    finally:
-        from fsdp2kit.distributed import shutdown
-
-        shutdown()
+    launch(__file__, arguments(__doc__.splitlines()[0], steps=30, output_dir="runs/rl_ppo", prompts=16), train)
 
 
 if __name__ == "__main__":
