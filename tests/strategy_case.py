@@ -3,6 +3,7 @@ micro-batches (right-padded, with per-sample advantages and per-token weights) a
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -51,3 +52,25 @@ def policy_loss(log_probs: torch.Tensor, batch: dict[str, torch.Tensor]) -> tupl
     surrogate = torch.minimum(ratio * advantages, ratio.clamp(0.8, 1.2) * advantages)
     weights = batch["token_weights"]
     return -(surrogate * weights).sum(), (weights > 0).sum().float()
+
+
+def plain_training(
+    model: torch.nn.Module,
+    steps: int,
+    micro_batches: Callable[[int], list[dict[str, torch.Tensor]]],
+    loss_of: Callable[[dict[str, torch.Tensor]], tuple[torch.Tensor, torch.Tensor]],
+) -> dict:
+    """What the Strategy's training must equal, as a plain single-process PyTorch loop: AdamW, clipping, each step's
+    loss summed over all its micro-batches (`micro_batches(step)`; `loss_of(batch)` -> (summed loss, weight)) and
+    divided by their total weight. Returns the steps' losses and the trained weights."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, weight_decay=0.0)
+    losses = []
+    for step in range(steps):
+        terms = [loss_of(batch) for batch in micro_batches(step)]
+        loss = torch.stack([t[0] for t in terms]).sum() / torch.stack([t[1] for t in terms]).sum()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "weights": model.state_dict()}

@@ -4,7 +4,6 @@ below one [B, T, vocab] float32 tensor; full_weights equals the HF export; offlo
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -14,9 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, make_hf_folder
+from conftest import REPO, make_hf_folder, read_metrics, run_python
 from safetensors.torch import load_file
-from strategy_case import LEARNING_RATE, VOCAB, global_micro_batches, policy_loss, strategy_config
+from strategy_case import VOCAB, global_micro_batches, plain_training, policy_loss, strategy_config
 from strategy_worker import run as run_worker
 
 import fsdp2kit
@@ -52,27 +51,16 @@ def next_token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.
 
 
 def reference(model_dir: Path) -> dict:
-    """The same training as a plain single-process PyTorch loop: transformers' model, AdamW, clipping, the loss
-    summed over all micro-batches and divided by their total weight."""
+    """The same training as a plain single-process PyTorch loop of transformers' model."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, weight_decay=0.0)
-    losses = []
-    for step in range(STEPS):
-        sums, weights = [], []
-        for batch in global_micro_batches(step, GLOBAL_MICRO_BATCHES):
-            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-            loss_sum, weight = policy_loss(next_token_logprobs(logits, batch["input_ids"]), batch)
-            sums.append(loss_sum)
-            weights.append(weight)
-        loss = torch.stack(sums).sum() / torch.stack(weights).sum()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return {"losses": losses, "weights": model.state_dict()}
+
+    def loss_of(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        return policy_loss(next_token_logprobs(logits, batch["input_ids"]), batch)
+
+    return plain_training(model, STEPS, lambda step: global_micro_batches(step, GLOBAL_MICRO_BATCHES), loss_of)
 
 
 @pytest.fixture(scope="module")
@@ -245,13 +233,9 @@ def test_mistakes_are_one_sentence(model_dir, tmp_path):
 @pytest.mark.slow
 def test_the_grpo_example_learns(tmp_path):
     """examples/rl_grpo.py at 2 ranks: the rewarded token's share of the completions rises clearly."""
-    command = [sys.executable, str(REPO / "examples" / "rl_grpo.py"), "--nproc", "2", "--steps", "15"]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
-    result = subprocess.run(
-        command + ["--output-dir", str(tmp_path)], env=env, capture_output=True, text=True, timeout=300
-    )
+    result = run_python("examples/rl_grpo.py", "--nproc", "2", "--steps", "15", "--output-dir", tmp_path, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    records = read_metrics(tmp_path)
     assert [r["step"] for r in records] == list(range(1, 16))
     first, last = (sum(r["reward"] for r in part) / 5 for part in (records[:5], records[-5:]))
     assert last > first + 0.3, (first, last)

@@ -5,7 +5,6 @@ values and scores, and the export loads with the same auto class and gives the s
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -13,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, make_hf_folder
+from conftest import REPO, make_hf_folder, read_metrics, run_python
 from value_case import AUTO_CLASSES, config, load_reference, micro_batches, outputs, reference, train
 
 import fsdp2kit
@@ -117,13 +116,9 @@ def test_a_value_model_is_refused_where_log_probs_are_asked_and_its_labels_must_
 @pytest.mark.slow
 def test_the_ppo_example_raises_the_reward_and_lowers_the_value_loss(tmp_path):
     """examples/rl_ppo.py at 2 ranks: a policy Strategy and a critic Strategy (a value model) on the CPU."""
-    command = [sys.executable, str(REPO / "examples" / "rl_ppo.py"), "--nproc", "2", "--steps", "10"]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
-    result = subprocess.run(
-        command + ["--output-dir", str(tmp_path)], env=env, capture_output=True, text=True, timeout=300
-    )
+    result = run_python("examples/rl_ppo.py", "--nproc", "2", "--steps", "10", "--output-dir", tmp_path, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    records = read_metrics(tmp_path)
     assert [r["step"] for r in records] == list(range(1, 11))
     first, last = records[:3], records[-3:]
     reward = [sum(r["reward"] for r in part) / 3 for part in (first, last)]

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from strategy_case import global_micro_batches, strategy_config
+from strategy_case import global_micro_batches, plain_training, strategy_config
 
 import fsdp2kit
 
@@ -91,20 +91,14 @@ def load_reference(kind: str, model_dir: Path) -> torch.nn.Module:
 
 
 def reference(kind: str, model_dir: Path) -> dict:
-    """The same training as a plain single-process loop: transformers' model, AdamW, clipping, the loss summed over
-    all micro-batches and divided by their total weight."""
+    """The same training as a plain single-process loop of transformers' model."""
     model = load_reference(kind, model_dir)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
-    losses = []
-    for step in range(STEPS):
-        terms = [LOSSES[kind](outputs(model, b), b) for b in micro_batches(step, GLOBAL_MICRO_BATCHES)]
-        loss = torch.stack([t[0] for t in terms]).sum() / torch.stack([t[1] for t in terms]).sum()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return {"losses": losses, "weights": model.state_dict()}
+    return plain_training(
+        model,
+        STEPS,
+        lambda step: micro_batches(step, GLOBAL_MICRO_BATCHES),
+        lambda b: LOSSES[kind](outputs(model, b), b),
+    )
 
 
 def run(critic_dir: str, reward_dir: str, out: str) -> None:
