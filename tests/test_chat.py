@@ -307,14 +307,23 @@ LAST_TURN_THINKS = (
 )
 
 
-def test_a_template_that_renders_the_last_turn_differently_is_masked_like_the_reference():
+def ours_and_transformers(marked: str) -> tuple[ChatTemplate, tuple[list[int], list[int]], tuple[list[int], list[int]]]:
+    """CONVERSATION through a chatml template: `marked` (with generation tags) through transformers' assistant mask,
+    and its plain form (the tags taken out) through ChatTemplate: (our template, our (ids, trained), transformers'
+    (ids, mask))."""
     tokenizer = family_tokenizer("chatml")
     reference = tokenizer.apply_chat_template(
-        CONVERSATION, chat_template=LAST_TURN_THINKS, return_dict=True, return_assistant_tokens_mask=True
+        CONVERSATION, chat_template=marked, return_dict=True, return_assistant_tokens_mask=True
     )
-    plain = LAST_TURN_THINKS.replace("{% generation %}", "").replace("{% endgeneration %}", "")
-    ids, trained = ChatTemplate(tokenizer, plain).encode(Chat(CONVERSATION, None, "r"))
-    assert ids == list(reference["input_ids"]) and [int(t) for t in trained] == list(reference["assistant_masks"])
+    template = ChatTemplate(tokenizer, marked.replace("{% generation %}", "").replace("{% endgeneration %}", ""))
+    ids, trained = template.encode(Chat(CONVERSATION, None, "r"))
+    ours = (ids, [int(t) for t in trained])
+    return template, ours, (list(reference["input_ids"]), list(reference["assistant_masks"]))
+
+
+def test_a_template_that_renders_the_last_turn_differently_is_masked_like_the_reference():
+    _, ours, theirs = ours_and_transformers(LAST_TURN_THINKS)
+    assert ours == theirs
 
 
 def test_parquet_and_saved_dataset_conversations_read_like_jsonl(tmp_path):
@@ -521,12 +530,6 @@ IGNORES_GENERATION_PROMPT = (
 
 
 def test_a_template_that_ignores_add_generation_prompt_trains_no_assistant_header():
-    tokenizer = family_tokenizer("chatml")
-    reference = tokenizer.apply_chat_template(
-        CONVERSATION, chat_template=IGNORES_GENERATION_PROMPT, return_dict=True, return_assistant_tokens_mask=True
-    )
-    plain = IGNORES_GENERATION_PROMPT.replace("{% generation %}", "").replace("{% endgeneration %}", "")
-    template = ChatTemplate(tokenizer, plain)
-    ids, trained = template.encode(Chat(CONVERSATION, None, "r"))
+    template, ours, theirs = ours_and_transformers(IGNORES_GENERATION_PROMPT)
     assert not template.writes_generation_prompt
-    assert ids == list(reference["input_ids"]) and [int(t) for t in trained] == list(reference["assistant_masks"])
+    assert ours == theirs
