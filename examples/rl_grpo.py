@@ -16,19 +16,8 @@ from __future__ import annotations
 
 import argparse
 
+import rl_scaffold as rl
 import torch
-from rl_scaffold import (
-    PROMPT,
-    TARGET,
-    TINY,
-    arguments,
-    launch,
-    mean_over_ranks,
-    model_config,
-    random_prompts,
-    run_steps,
-    sample,
-)
 
 import fsdp2kit
 
@@ -57,13 +46,14 @@ def rollout_batch(
     """Sample, score and annotate one batch of groups: the micro-batch that train_step gets, on the rollout's
     device (the generator's)."""
     device = generator.device
-    sequences = sample(rollout, random_prompts(args.prompts, generator).repeat_interleave(args.group, 0), generator)
-    completion = sequences[:, PROMPT:]
-    reward = (completion == TARGET).float().mean(dim=1)
+    prompts = rl.random_prompts(args.prompts, generator).repeat_interleave(args.group, 0)  # each, group times
+    sequences = rl.sample(rollout, prompts, generator)
+    completion = sequences[:, rl.PROMPT :]
+    reward = (completion == rl.TARGET).float().mean(dim=1)
     groups = reward.view(args.prompts, args.group)
     advantages = ((groups - groups.mean(1, keepdim=True)) / (groups.std(1, keepdim=True) + 1e-4)).flatten()
     mask = torch.zeros(sequences.shape[0], sequences.shape[1] - 1, device=device)
-    mask[:, PROMPT - 1 :] = 1.0  # log_probs[:, t] scores token t + 1: the completion's tokens
+    mask[:, rl.PROMPT - 1 :] = 1.0  # log_probs[:, t] scores token t + 1: the completion's tokens
     batch = {"input_ids": sequences, "completion_mask": mask, "advantages": advantages, "reward": reward}
     batch["old_log_probs"] = actor.forward_step(batch)["log_probs"]
     batch["ref_log_probs"] = reference.forward_step(batch)["log_probs"]
@@ -71,8 +61,8 @@ def rollout_batch(
 
 
 def train(args: argparse.Namespace) -> None:
-    actor = fsdp2kit.Strategy.from_config(model_config({"config": TINY}, 3e-3, args, "fsdp2_train"))
-    reference = fsdp2kit.Strategy.from_config(model_config({"config": TINY}, 3e-3, args, "fsdp2_infer"))
+    actor = fsdp2kit.Strategy.from_config(rl.model_config({"config": rl.TINY}, 3e-3, args, "fsdp2_train"))
+    reference = fsdp2kit.Strategy.from_config(rl.model_config({"config": rl.TINY}, 3e-3, args, "fsdp2_infer"))
 
     def step(rollout: torch.nn.Module, generator: torch.Generator) -> dict[str, float]:
         batch = rollout_batch(actor, reference, rollout, args, generator)
@@ -80,16 +70,16 @@ def train(args: argparse.Namespace) -> None:
         mask = batch["completion_mask"]
         delta = batch["ref_log_probs"] - batch["old_log_probs"]
         kl = ((delta.exp() - delta - 1) * mask).sum() / mask.sum()
-        reward, kl = mean_over_ranks(torch.stack([batch["reward"].mean(), kl]))
+        reward, kl = rl.mean_over_ranks(torch.stack([batch["reward"].mean(), kl]))
         return {"reward": reward, "kl": kl, "loss": result["loss"]}
 
-    run_steps(actor, args, step)
+    rl.run_steps(actor, args, step)
 
 
 def main() -> None:
-    parser = arguments(__doc__.splitlines()[0], steps=40, output_dir="runs/rl_grpo", prompts=4)
+    parser = rl.arguments(__doc__.splitlines()[0], steps=40, output_dir="runs/rl_grpo", prompts=4)
     parser.add_argument("--group", type=int, default=8, help="completions per prompt")
-    launch(__file__, parser, train)
+    rl.launch(__file__, parser, train)
 
 
 if __name__ == "__main__":

@@ -18,27 +18,15 @@ from __future__ import annotations
 
 import argparse
 
+import rl_scaffold as rl
 import torch
-from rl_scaffold import (
-    COMPLETION,
-    PROMPT,
-    TARGET,
-    TINY,
-    arguments,
-    launch,
-    mean_over_ranks,
-    model_config,
-    random_prompts,
-    run_steps,
-    sample,
-)
 
 import fsdp2kit
 
 CLIP, VALUE_CLIP = 0.2, 0.2
 GAMMA, LAMBDA = 1.0, 0.95
 # The critic: the same architecture with a value head (one output per token) instead of the LM head.
-CRITIC = {"model_class": "transformers:LlamaForTokenClassification", "config": {**TINY, "num_labels": 1}}
+CRITIC = {"model_class": "transformers:LlamaForTokenClassification", "config": {**rl.TINY, "num_labels": 1}}
 
 
 def gae(rewards: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,7 +44,7 @@ def gae(rewards: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torc
 def completion_part(per_position: torch.Tensor) -> torch.Tensor:
     """Of a [B, T-1] tensor whose position t belongs to token t + 1 (log-probs; the values of the states tokens are
     drawn in), the completion tokens' part [B, C]."""
-    return per_position[:, PROMPT - 1 :]
+    return per_position[:, rl.PROMPT - 1 :]
 
 
 def policy_loss(log_probs: torch.Tensor, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,9 +72,9 @@ def rollout_batch(
     generator: torch.Generator,
 ) -> dict[str, torch.Tensor]:
     """Sample, score and annotate one batch: the micro-batch that both train_steps get."""
-    sequences = sample(rollout, random_prompts(args.prompts, generator), generator)
-    completion = sequences[:, PROMPT:]
-    rewards = torch.where(completion == TARGET, 1.0, -1.0) / COMPLETION  # each token's share, as it is said
+    sequences = rl.sample(rollout, rl.random_prompts(args.prompts, generator), generator)
+    completion = sequences[:, rl.PROMPT :]
+    rewards = torch.where(completion == rl.TARGET, 1.0, -1.0) / rl.COMPLETION  # each token's share, as it is said
     batch = {"input_ids": sequences, "score": rewards.sum(dim=1)}
     batch["old_log_probs"] = completion_part(actor.forward_step(batch)["log_probs"])
     batch["old_values"] = completion_part(critic.forward_step(batch)["values"][:, :-1])
@@ -96,21 +84,21 @@ def rollout_batch(
 
 
 def train(args: argparse.Namespace) -> None:
-    actor = fsdp2kit.Strategy.from_config(model_config({"config": TINY}, 2e-2, args))
-    critic = fsdp2kit.Strategy.from_config(model_config(CRITIC, 1e-2, args))
+    actor = fsdp2kit.Strategy.from_config(rl.model_config({"config": rl.TINY}, 2e-2, args))
+    critic = fsdp2kit.Strategy.from_config(rl.model_config(CRITIC, 1e-2, args))
 
     def step(rollout: torch.nn.Module, generator: torch.Generator) -> dict[str, float]:
         batch = rollout_batch(actor, critic, rollout, args, generator)
         values = critic.train_step([batch], value_loss)
         policy = actor.train_step([batch], policy_loss)
-        (reward,) = mean_over_ranks(batch["score"].mean().reshape(1))
+        (reward,) = rl.mean_over_ranks(batch["score"].mean().reshape(1))
         return {"reward": reward, "value_loss": values["loss"], "policy_loss": policy["loss"]}
 
-    run_steps(actor, args, step)
+    rl.run_steps(actor, args, step)
 
 
 def main() -> None:
-    launch(__file__, arguments(__doc__.splitlines()[0], steps=30, output_dir="runs/rl_ppo", prompts=16), train)
+    rl.launch(__file__, rl.arguments(__doc__.splitlines()[0], steps=30, output_dir="runs/rl_ppo", prompts=16), train)
 
 
 if __name__ == "__main__":
