@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_hf_folder, process_group, sharded_model
+from conftest import process_group, sharded_model
+from test_strategy import tiny_llama
 
 from fsdp2kit.parallel import document_attention
 from fsdp2kit.parallel.document_attention import (
@@ -43,10 +44,7 @@ def each_document_alone(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tens
 
 @pytest.fixture(scope="module")
 def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("documents") / "model"
-    small = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2}
-    make_hf_folder(folder, "tiny-llama", layers=2, vocab_size=VOCAB, **small)
-    return folder
+    return tiny_llama(tmp_path_factory.mktemp("documents") / "model", vocab=VOCAB, layers=2)
 
 
 def job(model_dir: Path, **model: object) -> object:
