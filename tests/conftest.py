@@ -39,6 +39,20 @@ def run_python(*args: str, timeout: int = 600, env: dict | None = None) -> subpr
     )
 
 
+def launch_two_ranks(worker: str, *args: object, timeout: int = 600) -> None:
+    """`tests/<worker>` on 2 ranks through torch's launcher (a fresh port, no RANK/WORLD_SIZE of ours), required to
+    succeed: the workers write what the test compares."""
+    from fsdp2kit.distributed import free_port
+
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port"]
+    command += [str(free_port()), str(REPO / "tests" / worker), *map(str, args)]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
+    result = subprocess.run(
+        command, env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=timeout
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
 @contextmanager
 def process_group(size: int = 1, rank: int = 0):
     """A process group in this process, yielding its Runtime: real gloo for one rank, torch's fake backend

@@ -7,22 +7,20 @@ x 2 accumulation equals 2 ranks (and a Ulysses pair where the family's attention
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from conftest import REPO
+from conftest import launch_two_ranks
 from moe_families_worker import micro_batches
 from moe_families_worker import train as train_in_process
 from safetensors import safe_open
+from zoo_case import DEEPSEEK_V3
 
 from fsdp2kit.data.builtin import VOCAB_SIZE, tokenizer_dir
-from fsdp2kit.distributed import free_port, shutdown
+from fsdp2kit.distributed import shutdown
 
 STEPS = 1  # one update compares every gradient; more steps add only the optimizer's arithmetic
 SMALL = {
@@ -55,21 +53,7 @@ FAMILIES: dict[str, tuple[dict[str, Any], str, bool]] = {
     "mixtral": ({"num_local_experts": 4, "num_experts_per_tok": 2}, "MixtralBlockSparseTop2MLP", True),
     "olmoe": ({"num_experts": 4, "num_experts_per_tok": 2}, "OlmoeMLP", True),
     "deepseek_v3": (
-        {
-            "num_key_value_heads": 4,
-            "n_routed_experts": 4,
-            "num_experts_per_tok": 2,
-            "moe_intermediate_size": 16,
-            "n_shared_experts": 1,
-            "first_k_dense_replace": 1,  # layer 0 dense, layer 1 MoE
-            "kv_lora_rank": 16,
-            "q_lora_rank": 16,
-            "qk_rope_head_dim": 8,
-            "qk_nope_head_dim": 8,
-            "v_head_dim": 8,
-            "n_group": 1,
-            "topk_group": 1,
-        },
+        DEEPSEEK_V3,  # multi-head latent attention, a shared expert, layer 0 dense
         "DeepseekV3MLP",
         True,
     ),
@@ -250,11 +234,7 @@ def test_two_ranks_and_ulysses_train_every_family_like_one_rank(folders, one_ran
     spec = tmp_path / "runs.json"
     planned = runs(folders, tmp_path, accumulation=1, ulysses=1) + runs(folders, tmp_path, accumulation=2, ulysses=2)
     spec.write_text(json.dumps(planned))
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port"]
-    command += [str(free_port()), str(REPO / "tests" / "moe_families_worker.py"), str(spec)]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
-    result = subprocess.run(command, env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
+    launch_two_ranks("moe_families_worker.py", spec)
     for run in planned:
         family = Path(run["folder"]).name
         got, expected = torch.load(run["out"]), one_rank[family]

@@ -5,19 +5,15 @@ entropies, a per-sample temperature, the loss and every parameter's gradient; at
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO
+from conftest import launch_two_ranks
 from packing_worker import BUDGET, config, padded_batch, step_gradients
 from strategy_case import policy_loss
 from test_strategy import strategy, tiny_llama
 
-from fsdp2kit.distributed import free_port
 from fsdp2kit.errors import UserError
 from fsdp2kit.parallel import document_attention
 from fsdp2kit.parallel.document_attention import DOCUMENT_FLEX
@@ -161,11 +157,7 @@ def test_packed_and_budgeted_steps_at_two_ranks_and_ulysses(model_dir, tmp_path)
     whole, second = padded_batch(0), padded_batch(1, rows=2)
     assert len(split_rows(whole, BUDGET)) > len(split_rows(second, BUDGET))
     out = tmp_path / "out.pt"
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port"]
-    command += [str(free_port()), str(REPO / "tests" / "packing_worker.py"), str(model_dir), str(out)]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
-    result = subprocess.run(command, env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
+    launch_two_ranks("packing_worker.py", model_dir, out, timeout=300)
     seen = torch.load(out, weights_only=False)
     expected = reference(model_dir, [whole])
     rank_zero = {k: v[:2] for k, v in whole.items()}

@@ -7,15 +7,12 @@ for all families). A model that transforms its logits in a way fsdp2kit does not
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from conftest import REPO
+from conftest import launch_two_ranks
 from zoo_case import (
     FAMILIES,
     TINY,
@@ -29,7 +26,7 @@ from zoo_case import (
 )
 
 import fsdp2kit
-from fsdp2kit.distributed import free_port, shutdown
+from fsdp2kit.distributed import shutdown
 from fsdp2kit.errors import UserError
 
 # Each family's one-rank results, kept for the 2-rank comparison (which computes any that are missing).
@@ -101,11 +98,7 @@ def test_two_ranks_equal_one_rank_accumulating(zoo: Path, tmp_path: Path):
     """One torchrun launch trains every family at 2 ranks, each with one of the two micro-batches, and scores the
     probe batch with the two ranks as a Ulysses pair (around sdpa, or eager for Gemma2)."""
     out = tmp_path / "two_ranks.pt"
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port"]
-    command += [str(free_port()), str(REPO / "tests" / "zoo_worker.py"), str(zoo), str(out)]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
-    result = subprocess.run(command, env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
+    launch_two_ranks("zoo_worker.py", zoo, out)
     two_ranks = torch.load(out)
     real = probe_batch()["attention_mask"][:, 1:].bool()  # Ulysses leaves right padding unmasked: its scores differ
     for family in FAMILIES:
