@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import atexit
+import gc
 import os
 import re
 import socket
@@ -153,7 +155,18 @@ def init_distributed(device_mapping: list[int] | None) -> Runtime:
             world_size=world_size,
             timeout=collective_timeout(),
         )
+        atexit.unregister(_end_at_exit)  # once, however many groups this process makes in turn
+        atexit.register(_end_at_exit)
     return Runtime(rank, world_size, local_rank, device)
+
+
+def _end_at_exit() -> None:
+    """A script that never calls `shutdown` (an API caller's, a test's worker) leaves the group to the interpreter's
+    teardown, which destroys its C++ threads while joinable: "terminate called without an active exception",
+    SIGABRT, now and then after a finished run. Ended here first, while the interpreter is whole; the run's
+    cyclic garbage (the model, its meshes) is collected first, as it holds the group."""
+    gc.collect()
+    shutdown()
 
 
 _ALLOCATION = re.compile(r"[Tt]ried to allocate ([0-9.]+ ?[KMGT]?i?B|\d+ bytes)")
