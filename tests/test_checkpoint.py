@@ -79,34 +79,32 @@ def test_sigkill_during_save_leaves_only_complete_checkpoints(tmp_path, straight
     assert all(abs(got[s] - straight[s]) <= 1e-6 for s in range(5, 13))
 
 
+@pytest.fixture(scope="module")
+def saved_at_two_ranks(tmp_path_factory):
+    """8 steps, 2 ranks (1-D mesh, 2 micro-batches each), a checkpoint at step 4: its losses are the curve a resume
+    from that checkpoint must continue, whatever world size and mesh resume it."""
+    run = tmp_path_factory.mktemp("saved") / "run"
+    train(*base(run, steps=8, save=4), "--set", "training.gradient_accumulation_steps=2")
+    return run / "checkpoints" / "step_4", losses(run)
+
+
 @pytest.mark.parametrize("nproc, accumulation, fsdp_size", [(4, 1, 2), (1, 4, "auto")], ids=["4-ranks-hsdp", "1-rank"])
-def test_resume_at_another_world_size_and_mesh(tmp_path, nproc, accumulation, fsdp_size):
+def test_resume_at_another_world_size_and_mesh(tmp_path, saved_at_two_ranks, nproc, accumulation, fsdp_size):
     """Saved by 2 ranks (1-D mesh, 2 micro-batches each), resumed by 4 ranks on a 2x2 HSDP mesh or by 1 rank: the
     same global batches, model, optimizer state and position, so the same losses as the uninterrupted 2-rank run."""
-    reference = tmp_path / "reference"
-    common = []
-    train(*base(reference, steps=8, save=0), *common, "--set", "training.gradient_accumulation_steps=2")
-    saved = tmp_path / "saved"
-    train(
-        *base(saved, steps=8, save=4),
-        *common,
-        "--set",
-        "training.gradient_accumulation_steps=2",
-        fault="after_commit:4",
-    )
+    checkpoint, expected = saved_at_two_ranks
     resumed = tmp_path / "resumed"
     train(
         *base(resumed, steps=8, save=4),
-        *common,
         "--set",
         f"training.gradient_accumulation_steps={accumulation}",
         "--set",
         f"strategy_args.strategy_config.fsdp_size={fsdp_size}",
         "--set",
-        f"training.resume={saved / 'checkpoints' / 'step_4'}",
+        f"training.resume={checkpoint}",
         nproc=nproc,
     )
-    expected, got = losses(reference), losses(resumed)
+    got = losses(resumed)
     assert sorted(got) == [5, 6, 7, 8]
     for step in got:
         assert got[step] == pytest.approx(expected[step], rel=1e-5)
