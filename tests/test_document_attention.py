@@ -1,8 +1,9 @@
 """Packed documents without a dense mask (parallel/document_attention.py): FlexAttention through the block mask made
 from transformers' own mask function equals the dense-mask path and each document run alone (fp32, 1e-5), on a model
 built and sharded by fsdp2kit, with padding, and for a family with sliding windows and soft-capped scores; the choice
-(FlexAttention on CUDA, the dense mask on a CPU, under Ulysses or where sdpa is named) is what check prints.
-torch has no CPU backward for FlexAttention: the gradients are compared by the cuda-marked test."""
+(FlexAttention on CUDA, with or without Ulysses; the dense mask on a CPU or where sdpa is named) is what check prints.
+Under Ulysses (2 ranks) the batch carries its documents as a block mask and the outputs equal the dense path's.
+torch has no CPU backward for FlexAttention: the gradients are compared by the cuda-marked tests."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import process_group, sharded_model
+from conftest import launch_two_ranks, process_group, sharded_model
 from test_strategy import tiny_llama
 
 from fsdp2kit.parallel import document_attention
@@ -124,7 +125,9 @@ CUDA, CPU = torch.device("cuda"), torch.device("cpu")
     [
         ("auto", True, 1, CUDA, "sdpa", True, True, "FlexAttention with a document block mask"),
         ("auto", True, 1, CPU, "sdpa", True, False, "dense [T, T] document mask (FlexAttention has no backward"),
-        ("auto", True, 2, CUDA, "ulysses_sdpa", True, False, "over the gathered sequence (Ulysses)"),
+        ("auto", True, 2, CUDA, "sdpa", True, True, "block mask over the gathered sequence (Ulysses) (no [T, T]"),
+        ("auto", True, 2, CUDA, "ulysses_document_flex_group1", True, False, "block mask over the gathered sequence"),
+        ("auto", True, 2, CPU, "ulysses_sdpa_group1", True, False, "dense [T, T] document mask over the gathered"),
         ("sdpa", True, 1, CUDA, "sdpa", True, False, "model.attn_implementation: sdpa; auto picks FlexAttention"),
         ("auto", True, 1, CUDA, "eager", False, False, "the family has no FlexAttention"),
         ("flash_attention_2", True, 1, CUDA, "flash_attention_2", True, False, "variable-length"),
@@ -156,6 +159,54 @@ def test_check_names_the_path(llama_dir):
         assert describe(no_documents, runtime)["document_attention"] == described["document_attention"]
 
 
+def ulysses_attention(inner: str, documents: bool, window: int | None, qkv: list[torch.Tensor]) -> torch.Tensor:
+    """The Ulysses wrapper around `inner` in the current world of one rank (the exchange moves nothing), on the packed
+    batch's documents (`shard_sequence`'s mask: a BlockMask for DOCUMENT_FLEX, else dense) or plain causal rows."""
+    import torch.distributed as dist
+
+    from fsdp2kit.parallel.ulysses import _ulysses_attention, shard_sequence
+
+    ids, positions = (t.to(qkv[0].device) for t in packed_batch())
+    group = dist.group.WORLD
+    batch = {"input_ids": ids, "labels": ids, "position_ids": positions}
+    mask = shard_sequence(batch, group, block_mask=inner == DOCUMENT_FLEX)["attention_mask"] if documents else None
+    assert mask is None or type(mask).__name__ == ("BlockMask" if inner == DOCUMENT_FLEX else "Tensor")
+    module = torch.nn.Module()
+    module.is_causal, module.num_key_value_groups = True, 1
+    return _ulysses_attention(inner, group)(module, *qkv, mask, sliding_window=window, scaling=0.25)[0]
+
+
+@pytest.mark.parametrize("window", [None, 8])
+def test_ulysses_block_masks_equal_its_dense_masks_with_sliding_windows(window):
+    """The Ulysses wrapper around FlexAttention equals it around sdpa on the same heads, for packed documents (a
+    BlockMask vs the dense mask) and plain causal rows, with and without a sliding window shorter than the sequence."""
+    qkv = list(torch.randn(3, 2, 4, LENGTH, 16, generator=torch.Generator().manual_seed(0)))
+    with process_group(1):
+        for documents in (True, False):
+            sdpa, flex = (ulysses_attention(inner, documents, window, qkv) for inner in ("sdpa", DOCUMENT_FLEX))
+            torch.testing.assert_close(flex, sdpa, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_ulysses_attends_through_the_block_mask_as_through_the_dense_mask(llama_dir, tmp_path):
+    """2 gloo ranks, model.ulysses_size 2: with FlexAttention picked (as on CUDA) the Ulysses wrapper runs it over
+    the gathered sequence and the batch carries a BlockMask, no dense mask; the logits equal the dense path's (this
+    CPU's pick) and those of every document run alone by transformers (fp32, 1e-5)."""
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "seen.pt"
+    launch_two_ranks("document_ulysses_worker.py", llama_dir, out, timeout=300)
+    seen = torch.load(out, weights_only=False)
+    dense, flex = seen["dense"], seen["flex"]
+    assert (dense["mask"], flex["mask"]) == ("Tensor", "BlockMask")
+    assert dense["attention"].startswith("ulysses_sdpa") and flex["attention"].startswith(f"ulysses_{DOCUMENT_FLEX}")
+    model = AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        alone = each_document_alone(model, packed_batch()[0])
+    torch.testing.assert_close(flex["logits"], dense["logits"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(flex["logits"], alone, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.cuda
 def test_flex_attention_trains_as_the_dense_mask_on_cuda(llama_dir):
     """bf16 on CUDA: loss and gradients of a packed batch through compiled FlexAttention equal the dense mask's
@@ -178,3 +229,31 @@ def test_flex_attention_trains_as_the_dense_mask_on_cuda(llama_dir):
     for name, grad in dense_grads.items():
         scale = float(grad.abs().max()) or 1.0
         torch.testing.assert_close(flex_grads[name], grad, rtol=0, atol=3e-2 * scale, msg=name)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("window", [None, 8])
+def test_ulysses_flex_attention_trains_as_the_dense_mask_on_cuda(window):
+    """bf16 on CUDA, the Ulysses wrapper in a world of one rank (nccl): compiled FlexAttention through the block mask
+    compiled from the documents gives the outputs and query/key/value gradients of sdpa through the dense mask
+    within bf16 rounding, with and without a sliding window."""
+    import torch.distributed as dist
+
+    from fsdp2kit.distributed import destroy_process_group
+
+    generator = torch.Generator().manual_seed(0)
+    qkv = torch.randn(3, 2, 4, LENGTH, 16, generator=generator).to("cuda", torch.bfloat16).unbind(0)
+    weights = torch.randn(2, LENGTH, 4, 16, generator=generator).cuda()
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        results = []
+        for inner in ("sdpa", DOCUMENT_FLEX):
+            leaves = [t.clone().requires_grad_() for t in qkv]
+            output = ulysses_attention(inner, True, window, leaves).float()
+            (output * weights).sum().backward()
+            results.append([output, *(t.grad.float() for t in leaves)])
+    finally:
+        destroy_process_group()
+    for name, dense, flex in zip(("output", "query", "key", "value"), *results, strict=True):
+        scale = float(dense.abs().max()) or 1.0
+        torch.testing.assert_close(flex, dense, rtol=0, atol=2e-2 * scale, msg=name)

@@ -65,7 +65,7 @@ def build_sharded_model(
     sp_group = sequence_parallel_group(layout)
     master_dtype = variant.master_dtype(training, model_cfg.dtype)
     model = build_meta_model(source, model_cfg.model_copy(update={"dtype": master_dtype}))
-    attend_documents(model, model_cfg, data, runtime.device, variant.attention_config)
+    variant.flex_documents = attend_documents(model, model_cfg, data, runtime.device, variant.attention_config)
     if sp_group is not None:
         apply_ulysses(model, sp_group, variant.attention_config)
         gather_router_logits(model, sp_group)  # the MoE load-balancing loss over the whole sequence

@@ -42,8 +42,8 @@ class TextModality:
     attention_config: str | None = None  # Ulysses switches the whole model's attention
     data_phase = "the token store of"  # how the log announces reading the data
 
-    def shard_batch(self, batch: Batch, group: ProcessGroup) -> Batch:
-        return shard_sequence(batch, group)
+    def shard_batch(self, batch: Batch, group: ProcessGroup, block_mask: bool) -> Batch:
+        return shard_sequence(batch, group, block_mask)
 
     def global_batches(
         self, data: DataConfig, tokenizer: Any, source: ModelSource, order: tuple[Any, ...]
@@ -66,8 +66,8 @@ class VisionModality(TextModality):
     attention_config = "text_config"  # the tower runs unsplit: only the language model's attention is switched
     data_phase = "the conversations of"
 
-    def shard_batch(self, batch: Batch, group: ProcessGroup) -> Batch:
-        return shard_vision_batch(batch, group)
+    def shard_batch(self, batch: Batch, group: ProcessGroup, block_mask: bool) -> Batch:
+        return shard_vision_batch(batch, group)  # its left-padding mask is made at the language model's entry
 
     def global_batches(
         self, data: DataConfig, tokenizer: Any, source: ModelSource, order: tuple[Any, ...]
@@ -125,6 +125,9 @@ class ModelVariant:
     modality: TextModality
     parts: list[VariantPart] = field(default_factory=list)
     head: OutputHead = field(default_factory=LanguageModelHead)  # what its forward gives the API (models/heads.py)
+    # Set by the build where the model attends with FlexAttention (parallel/document_attention.py): under Ulysses
+    # its batches then carry their documents as a BlockMask, not a dense [T, T] mask.
+    flex_documents: bool = False
 
     @property
     def name(self) -> str:
@@ -177,7 +180,7 @@ class ModelVariant:
 
     def shard_batch(self, batch: Batch, group: ProcessGroup) -> Batch:
         """This rank's part of a micro-batch under sequence parallel."""
-        return self.modality.shard_batch(batch, group)
+        return self.modality.shard_batch(batch, group, self.flex_documents)
 
     def global_batches(
         self, data: DataConfig, tokenizer: Any, source: ModelSource, order: tuple[Any, ...]

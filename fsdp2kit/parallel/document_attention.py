@@ -9,9 +9,9 @@ full or partial — so attention computes only the blocks inside documents and n
 
 On CUDA the block mask and the attention are compiled (Triton kernels). On a CPU they run eagerly and forward only
 (torch has no CPU backward for FlexAttention), so a CPU run keeps the dense mask; `document_path` decides, the build
-applies it and `check` prints it. Under Ulysses the dense block-diagonal mask stays (`parallel/ulysses.py` builds it
-over the gathered sequence), and flash_attention_2 needs nothing: transformers runs it variable-length from the
-position ids.
+applies it, `check` prints it and `plan` counts what it picks. Under Ulysses the same choice holds: the wrapper
+(`parallel/ulysses.py`) runs DOCUMENT_FLEX over the gathered sequence with a block mask made from the whole
+sequence's documents. flash_attention_2 needs nothing: transformers runs it variable-length from the position ids.
 """
 
 from __future__ import annotations
@@ -34,20 +34,20 @@ def document_path(
     `requested` is model.attn_implementation as written, `current` what the model resolved it to."""
     if not documents:
         return False, None
-    if current == DOCUMENT_FLEX:
-        return False, "FlexAttention with a document block mask (no [T, T] mask)"
+    gathered = " over the gathered sequence (Ulysses)" if ulysses_size > 1 else ""
+    flex = f"FlexAttention with a document block mask{gathered} (no [T, T] mask)"
+    if DOCUMENT_FLEX in current:  # switched already: alone, or inside Ulysses' wrapper (ulysses_document_flex_...)
+        return False, flex
     if current.startswith("flash_attention"):
         return False, f"{current}, variable-length from the position ids (no [T, T] mask)"
-    dense = f"{current} with a dense [T, T] document mask"
-    if ulysses_size > 1:
-        return False, f"{dense} over the gathered sequence (Ulysses)"
+    dense = f"{current} with a dense [T, T] document mask{gathered}"
     if requested != "auto":
         return False, f"{dense} (model.attn_implementation: {requested}; auto picks FlexAttention on CUDA)"
     if not supports_flex:
         return False, f"{dense} (the family has no FlexAttention)"
     if device.type != "cuda":
         return False, f"{dense} (FlexAttention has no backward on {device.type})"
-    return True, "FlexAttention with a document block mask (no [T, T] mask)"
+    return True, flex
 
 
 def document_route(model: Any, cfg: ModelConfig, data: DataConfig, device: torch.device) -> tuple[bool, str | None]:
@@ -61,10 +61,13 @@ def document_route(model: Any, cfg: ModelConfig, data: DataConfig, device: torch
 
 def attend_documents(
     model: Any, cfg: ModelConfig, data: DataConfig, device: torch.device, sub_config: str | None
-) -> None:
-    """The build's step (before Ulysses): switch to DOCUMENT_FLEX where `document_path` says so."""
-    if document_route(model, cfg, data, device)[0]:
+) -> bool:
+    """The build's step (before Ulysses, which then wraps DOCUMENT_FLEX): switch to DOCUMENT_FLEX where
+    `document_path` says so; whether it did."""
+    switched = document_route(model, cfg, data, device)[0]
+    if switched:
         use_document_attention(model, sub_config)
+    return switched
 
 
 def use_document_attention(model: Any, sub_config: str | None) -> None:

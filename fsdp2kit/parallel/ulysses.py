@@ -12,7 +12,10 @@ slice). The wrapper applies causal attention over the gathered sequence, which i
 (padding comes after every real token, so no real token attends to it), narrowed to the layer's sliding window if
 it has one. Packed documents need a block-diagonal mask over the whole sequence: `shard_sequence` builds it from
 the global position ids and hands it to the model as a 4-D `attention_mask`, which transformers passes through;
-left-padded samples (RL's prompts) get one too, with the padding masked out as keys.
+left-padded samples (RL's prompts) get one too, with the padding masked out as keys. Where the build picked
+FlexAttention for packed documents (parallel/document_attention.py: CUDA, model.attn_implementation auto) the
+wrapper runs DOCUMENT_FLEX over the gathered sequence, and `shard_sequence` hands the same rule as a BlockMask
+(skipped, full or partial 128 x 128 blocks): no [T, T] mask exists on that path.
 
 The wrapper is registered under a name that only the models Ulysses switched use: each model owns its config
 (`models/build.py:build_meta_model`), so a plain model built from the same source config in the same process (a
@@ -35,6 +38,7 @@ from torch.distributed import ProcessGroup
 
 from fsdp2kit.errors import UserError
 from fsdp2kit.labels import IGNORE_INDEX
+from fsdp2kit.parallel.document_attention import DOCUMENT_FLEX, document_block_mask, document_flex_attention
 from fsdp2kit.parallel.mesh import divisors
 
 if TYPE_CHECKING:
@@ -43,7 +47,7 @@ if TYPE_CHECKING:
 
 def apply_ulysses(model: PreTrainedModel, group: ProcessGroup, sub_config: str | None = None) -> None:
     """Switch the model's attention (or its `sub_config` part's) to the Ulysses wrapper around its configured
-    implementation (sdpa or eager)."""
+    implementation (sdpa or eager), or around DOCUMENT_FLEX where the build picked it for packed documents."""
     from transformers import AttentionInterface
 
     size = group.size()
@@ -56,7 +60,7 @@ def apply_ulysses(model: PreTrainedModel, group: ProcessGroup, sub_config: str |
             f"attends with heads / ulysses_size of them); valid here: {', '.join(map(str, valid))}"
         )
     inner = model.config._attn_implementation
-    if inner not in ("sdpa", "eager"):
+    if inner not in ("sdpa", "eager", DOCUMENT_FLEX):
         raise UserError(
             f"model.attn_implementation: {inner} cannot run inside Ulysses (model.ulysses_size = {size}), which "
             "attends over the gathered sequence with sdpa or eager; set auto, sdpa or eager"
@@ -68,13 +72,16 @@ def apply_ulysses(model: PreTrainedModel, group: ProcessGroup, sub_config: str |
     model.set_attn_implementation({sub_config: name} if sub_config else name)
 
 
-def shard_sequence(batch: dict[str, torch.Tensor], group: ProcessGroup) -> dict[str, torch.Tensor]:
+def shard_sequence(
+    batch: dict[str, torch.Tensor], group: ProcessGroup, block_mask: bool = False
+) -> dict[str, torch.Tensor]:
     """This rank's contiguous 1/k of every sample of a collated micro-batch: input ids, labels and the global position
     ids (rotary embeddings need them; without them, numbered from the 2-D padding mask as generation numbers a
     left-padded prompt: cumsum(mask) - 1), the sequence padded at the end to a multiple of k with non-target tokens.
     Packed documents get their block-diagonal causal mask over the whole sequence, and so does padding that comes
     before a real token (left-padded prompts): no real token attends to it. Right padding needs no mask under causal
-    attention (see the module docstring), so the 2-D mask of a right-padded batch is dropped."""
+    attention (see the module docstring), so the 2-D mask of a right-padded batch is dropped. `block_mask` (the
+    model attends with DOCUMENT_FLEX): that mask as a BlockMask, never a dense one."""
     size, rank = group.size(), group.rank()
     input_ids, labels = batch["input_ids"], batch["labels"]
     length = input_ids.shape[1]
@@ -100,9 +107,14 @@ def shard_sequence(batch: dict[str, torch.Tensor], group: ProcessGroup) -> dict[
     tokens = torch.ones_like(input_ids, dtype=torch.bool)
     tokens[:, length:] = False
     remember_tokens(group, tokens if real is None else tokens & real)  # the model gets no 2-D padding mask
-    attend = _sequence_mask(positions, packed, real)
+    attend = _sequence_mask_function(positions, packed, real)
     if attend is not None:
-        shard["attention_mask"] = attend[:, None]
+        batch_size, total = positions.shape
+        shard["attention_mask"] = (
+            document_block_mask(batch_size, total, total, mask_function=attend, device=positions.device)
+            if block_mask
+            else _dense_mask(attend, batch_size, total, positions.device)[:, None]
+        )
     return shard
 
 
@@ -122,31 +134,42 @@ def counted_tokens(group: ProcessGroup) -> torch.Tensor | None:
     return _COUNTED_TOKENS.get(id(group))
 
 
-def _sequence_mask(positions: torch.Tensor, packed: bool, real: torch.Tensor | None) -> torch.Tensor | None:
-    """The boolean [B, T, T] mask over the whole sequence (True = attend) where causal attention alone is not
-    exact: documents packed by the caller's `positions` (`packed`), padding (`real` False) before a real token
-    (`padding_mask`). None otherwise."""
-    attend = None
+def _sequence_mask_function(positions: torch.Tensor, packed: bool, real: torch.Tensor | None) -> Callable | None:
+    """The mask over the whole sequence as a mask function (batch, head, query, key -> True = attend; FlexAttention's
+    form, and indexable with broadcast index tensors) where causal attention alone is not exact: documents packed by
+    the caller's `positions` (`packed`), padding (`real` False) before a real token, masked out as keys. None
+    otherwise. A padding token attends to itself at least (a row with nothing to attend to is NaN)."""
+    documents = None
     if packed:
         # transformers' rule for packed samples: a new document starts wherever the position does not grow by one.
         documents = (torch.diff(positions, prepend=positions[:, :1] - 1) != 1).cumsum(-1)
-        if documents[:, -1].any():
-            length = positions.shape[1]
-            causal = torch.ones(length, length, dtype=torch.bool, device=positions.device).tril()
-            attend = causal & (documents[:, :, None] == documents[:, None, :])
-    return attend if real is None else padding_mask(real, attend)
+        documents = documents if documents[:, -1].any() else None
+    left_padded = real is not None and bool((~real[:, :-1] & real[:, 1:]).any())
+    if documents is None and not left_padded:
+        return None
+
+    def attend(batch: torch.Tensor, head: Any, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+        allowed = key <= query
+        if documents is not None:
+            allowed = allowed & (documents[batch, query] == documents[batch, key])
+        if left_padded:
+            allowed = allowed & (real[batch, key] | (key == query))  # type: ignore[index]
+        return allowed
+
+    return attend
 
 
-def padding_mask(real: torch.Tensor, attend: torch.Tensor | None = None) -> torch.Tensor | None:
-    """`attend` (default: causal) [B, T, T] with the padding (`real` [B, T] False) masked out as keys where it comes
-    before a real token (left-padded prompts); `attend` as it is where it does not (right padding needs no mask
-    under causal attention). A padding token attends to itself at least (a row with nothing to attend to is NaN)."""
-    if not (~real[:, :-1] & real[:, 1:]).any():
-        return attend
-    length, device = real.shape[1], real.device
-    causal = torch.ones(length, length, dtype=torch.bool, device=device).tril()
-    keys = real[:, None, :] | torch.eye(length, dtype=torch.bool, device=device)
-    return (causal if attend is None else attend) & keys
+def _dense_mask(attend: Callable, batch_size: int, length: int, device: torch.device) -> torch.Tensor:
+    """The boolean [B, T, T] mask a mask function describes."""
+    positions = torch.arange(length, device=device)
+    return attend(torch.arange(batch_size, device=device)[:, None, None], None, positions[:, None], positions)
+
+
+def padding_mask(real: torch.Tensor) -> torch.Tensor | None:
+    """The causal [B, T, T] mask with the padding (`real` [B, T] False) masked out as keys where it comes before a
+    real token (left-padded prompts); None where it does not (right padding needs no mask under causal attention)."""
+    attend = _sequence_mask_function(real, False, real)
+    return None if attend is None else _dense_mask(attend, real.shape[0], real.shape[1], real.device)
 
 
 def _all_to_all(x: torch.Tensor, group: ProcessGroup, scatter_dim: int, gather_dim: int) -> torch.Tensor:
@@ -207,6 +230,13 @@ def _eager_attention(module: torch.nn.Module) -> Callable:
     )
 
 
+def _inner_attention(inner: str, module: torch.nn.Module, functions: Any) -> Callable:
+    """The attention `inner` names: transformers' sdpa, DOCUMENT_FLEX, or the module's own eager one."""
+    if inner == "sdpa":
+        return functions["sdpa"]
+    return document_flex_attention if inner == DOCUMENT_FLEX else _eager_attention(module)
+
+
 def _full_sequence_mask(
     attention_mask: torch.Tensor | None,
     length: int,
@@ -231,6 +261,49 @@ def _full_sequence_mask(
     return additive.masked_fill(~mask, torch.finfo(additive_dtype).min)
 
 
+class _FlexSequenceMask:
+    """The BlockMask DOCUMENT_FLEX attends through over the gathered sequence: the one the batch brought
+    (`shard_sequence`'s documents and left padding), a mask function over a dense mask that came instead (a VL
+    model's left padding, parallel/vision.py), or causal; narrowed to a sliding window shorter than the sequence.
+    The last one made per shape and window is kept for the layers (and recomputations) that see the same mask."""
+
+    def __init__(self) -> None:
+        self._made: dict[tuple, tuple[Any, Any]] = {}
+
+    def __call__(self, attention_mask: Any, batch_size: int, length: int, window: int | None, device: Any) -> Any:
+        from torch.nn.attention.flex_attention import BlockMask
+        from transformers.masking_utils import and_masks, causal_mask_function, sliding_window_overlay
+
+        narrow = window if window is not None and length > window else None
+        if isinstance(attention_mask, BlockMask) and narrow is None:
+            return attention_mask
+        key = (batch_size, length, narrow, device)
+        made = self._made.get(key)
+        if made is not None and made[0] is attention_mask:
+            return made[1]
+        function: Callable
+        if isinstance(attention_mask, BlockMask):
+            function = attention_mask.mask_mod
+        elif attention_mask is not None:
+            function = _indexed_mask(attention_mask)
+        else:
+            function = causal_mask_function
+        if narrow is not None:
+            function = and_masks(function, sliding_window_overlay(narrow))
+        block_mask = document_block_mask(batch_size, length, length, mask_function=function, device=device)
+        self._made[key] = (attention_mask, block_mask)
+        return block_mask
+
+
+def _indexed_mask(dense: torch.Tensor) -> Callable:
+    """A boolean [B, 1, T, T] mask as a mask function."""
+
+    def attend(batch: torch.Tensor, head: Any, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+        return dense[batch, 0, query, key]
+
+    return attend
+
+
 def _ulysses_attention(inner: str, group: ProcessGroup) -> Callable:
     """A transformers attention function: query [batch, heads, seq/k, dim] and key/value [batch, kv_heads, seq/k, dim]
     in, [batch, seq/k, heads, dim] out, computed by `inner` over the whole sequence with heads/k heads."""
@@ -238,6 +311,7 @@ def _ulysses_attention(inner: str, group: ProcessGroup) -> Callable:
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     size = group.size()
+    flex_mask = _FlexSequenceMask() if inner == DOCUMENT_FLEX else None
 
     def attention(
         module: Any,
@@ -247,7 +321,7 @@ def _ulysses_attention(inner: str, group: ProcessGroup) -> Callable:
         attention_mask: torch.Tensor | None,
         **kwargs: Any,
     ) -> Any:
-        inner_attention = ALL_ATTENTION_FUNCTIONS["sdpa"] if inner == "sdpa" else _eager_attention(module)
+        inner_attention = _inner_attention(inner, module, ALL_ATTENTION_FUNCTIONS)
         kv_repeats = math.lcm(key.shape[1], size) // key.shape[1]
         if kv_repeats > 1:  # fewer key/value heads than ranks (GQA): repeat them so that every rank gets whole ones
             key, value = repeat_kv(key, kv_repeats), repeat_kv(value, kv_repeats)
@@ -255,12 +329,13 @@ def _ulysses_attention(inner: str, group: ProcessGroup) -> Callable:
         if isinstance(getattr(module, "sinks", None), torch.Tensor):
             module = _RankHeadSinks(module, group)
         query, key, value = (_AllToAll.apply(t, group, 1, 2) for t in (query, key, value))  # heads out, sequence in
-        mask = _full_sequence_mask(
-            attention_mask,
-            query.shape[2],
-            kwargs.get("sliding_window"),
-            query.dtype if inner == "eager" else None,
-            query.device,
+        batch_size, length, window = query.shape[0], query.shape[2], kwargs.get("sliding_window")
+        mask = (
+            flex_mask(attention_mask, batch_size, length, window, query.device)
+            if flex_mask is not None
+            else _full_sequence_mask(
+                attention_mask, length, window, query.dtype if inner == "eager" else None, query.device
+            )
         )
         output, _ = inner_attention(module, query, key, value, mask, **kwargs)  # [batch, seq, heads/k, dim]
         # The attention weights (eager) cover this rank's heads only; training never reads them.

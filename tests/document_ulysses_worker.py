@@ -1,0 +1,43 @@
+"""One rank of tests/test_document_attention.py's Ulysses case, launched as `python tests/document_ulysses_worker.py
+MODEL_DIR OUT` under torchrun with 2 ranks: fsdp2kit's sharded model at model.ulysses_size 2 on packed documents,
+once as the build picks on this CPU (a dense document mask) and once with FlexAttention picked as on CUDA (forward
+only: torch has no CPU backward for it). Rank 0 saves each path's whole-sequence logits, its attention and the kind
+of mask its batch carried to OUT."""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.distributed as dist
+from conftest import sharded_model
+from test_document_attention import job, packed_batch
+
+from fsdp2kit.distributed import init_distributed, shutdown
+from fsdp2kit.parallel import document_attention
+
+
+@torch.no_grad()
+def ulysses_logits(model_dir: str) -> dict[str, object]:
+    """The packed batch's logits through the build's own Ulysses path: each rank's slice, gathered in rank order."""
+    sharded = sharded_model(job(model_dir, ulysses_size=2), init_distributed(None), training=False)
+    ids, positions = packed_batch()
+    shard = sharded.variant.shard_batch({"input_ids": ids, "labels": ids, "position_ids": positions}, sharded.sp_group)
+    local = sharded.model(**{k: v for k, v in shard.items() if k != "labels"}, use_cache=False).logits
+    pieces = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+    dist.all_gather(pieces, local.contiguous())
+    mask = type(shard["attention_mask"]).__name__
+    return {"logits": torch.cat(pieces, 1), "attention": sharded.model.config._attn_implementation, "mask": mask}
+
+
+def run(model_dir: str, out: str) -> None:
+    seen = {"dense": ulysses_logits(model_dir)}
+    document_attention.document_path = lambda *_: (True, "as on CUDA")  # type: ignore[assignment]
+    seen["flex"] = ulysses_logits(model_dir)
+    if dist.get_rank() == 0:
+        torch.save(seen, out)
+    shutdown()
+
+
+if __name__ == "__main__":
+    run(sys.argv[1], sys.argv[2])
