@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import shutil
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -28,6 +29,10 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
 MAX_SHARD_BYTES = 2 * 1024**3
+PART_FILES = ".part-*.safetensors"  # shard files being written, renamed to their names by `SafetensorsWriter.close`
+# The weights files of an export (save_pretrained's names): one of another shard count left in the folder would be
+# read beside this one's (a stale index names files this export did not write).
+WEIGHT_FILES = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json")
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -45,7 +50,8 @@ TOKENIZER_FILES = (
 
 
 class SafetensorsWriter:
-    """Collects tensors into shard files as they arrive; `close()` names the files and writes the index."""
+    """Collects tensors into shard files as they arrive; `close()` names the files and writes the index, and
+    `abandon()` removes what an export that did not finish wrote."""
 
     def __init__(self, out_dir: Path, max_shard_bytes: int = MAX_SHARD_BYTES):
         self.out_dir = out_dir
@@ -54,7 +60,10 @@ class SafetensorsWriter:
         self.pending_bytes = 0
         self.files: list[list[str]] = []
         self.total_bytes = 0
+        self.named: list[Path] = []  # the weights files `close` has written under their names
+        self.made_folder = not out_dir.exists()
         out_dir.mkdir(parents=True, exist_ok=True)
+        _remove_part_files(out_dir)  # of an export killed outright (SIGKILL), which could not remove its own
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         size = tensor.numel() * tensor.element_size()
@@ -80,13 +89,33 @@ class SafetensorsWriter:
             if count == 1
             else [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
         )
+        for stale in self.out_dir.iterdir():  # an earlier export's weights: never mixed with this one's
+            if WEIGHT_FILES.fullmatch(stale.name) and stale.is_file():
+                stale.unlink()
         for i, name in enumerate(names):
             as_the_umask_allows(self.out_dir / f".part-{i}.safetensors")
             os.replace(self.out_dir / f".part-{i}.safetensors", self.out_dir / name)
+            self.named.append(self.out_dir / name)
         if count > 1:
             weight_map = {tensor: names[i] for i, tensors in enumerate(self.files) for tensor in tensors}
             index = {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}
+            self.named.append(self.out_dir / "model.safetensors.index.json")
             (self.out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+    def abandon(self) -> None:
+        """Remove the weights of an export that did not finish (an interrupt, a full disk): its shard files being
+        written and those `close` had named, and the folder if it made it and nothing else is there; an earlier
+        export's weights are left as they were until `close`."""
+        _remove_part_files(self.out_dir)
+        for path in self.named:
+            path.unlink(missing_ok=True)
+        if self.made_folder and not any(self.out_dir.iterdir()):
+            self.out_dir.rmdir()
+
+
+def _remove_part_files(out_dir: Path) -> None:
+    for partial in out_dir.glob(PART_FILES):
+        partial.unlink(missing_ok=True)
 
 
 def copy_present_files(src: Path, dst: Path, names: Iterable[str]) -> None:
@@ -155,11 +184,11 @@ def export_hf(
             writer.close()
             config = cast("PretrainedConfig", model.config)
             write_config_and_tokenizer(out_dir, config, tokenizer_path, torch_dtype(dtype), model_class_name(model))
-    except Exception as exc:
-        if writer is None or not ran_out_of_space(out_dir, exc):
+    except BaseException as exc:  # a KeyboardInterrupt too: no partial weights are left, whatever stopped it
+        if writer is not None:
+            writer.abandon()
+        if writer is None or not isinstance(exc, Exception) or not ran_out_of_space(out_dir, exc):
             raise
-        for partial in out_dir.glob(".part-*.safetensors"):
-            partial.unlink()
         needed = sum(t.numel() for t in model.state_dict().values()) * torch_dtype(dtype).itemsize
         intact = "the checkpoints are intact: `fsdp2kit convert CHECKPOINT DST --to hf` writes it from one"
         raise RunFault(disk_full_message(out_dir, "the HF folder", needed, intact)) from None
