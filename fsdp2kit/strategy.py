@@ -40,7 +40,6 @@ from fsdp2kit.train.optim import build_optimizer, build_scheduler
 from fsdp2kit.train.packing import (
     PackedRows,
     WithEmptyMicroBatches,
-    agreed_count,
     empty_micro_batch,
     pack_rows,
     split_rows,
@@ -52,6 +51,7 @@ from fsdp2kit.train.step import (
     StepResult,
     TokenCrossEntropy,
     agree_on_micro_batch_count,
+    micro_batch_extremes,
     train_step,
     with_aux_loss,
 )
@@ -187,14 +187,16 @@ class Strategy:
         return _reported(self.step(model_batches, loss, step_scheduler=step_scheduler))
 
     def _budgeted(self, batches: list[Batch], max_tokens: int | None, what: str) -> tuple[list[Batch], int]:
-        """The micro-batches within a token budget, and how many empty ones this rank adds so that every
-        data-parallel rank runs as many (the most any rank needs, agreed in one all_reduce)."""
+        """The micro-batches within a token budget, and how many empty ones this rank adds so that every rank runs
+        as many (the most any rank needs, agreed in one all_reduce that also checks that every rank is in this call:
+        with full_weights read on rank 0 alone, the ranks met in mismatched collectives and hung)."""
         if max_tokens is None:
             return batches, 0
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise UserError(f"{what}: max_tokens must be a whole number >= 1 (real tokens per micro-batch)")
         parts = [part for batch in batches for part in split_rows(batch, max_tokens)]
-        return parts, agreed_count(len(parts), self._data_parallel_group) - len(parts)
+        _, most = micro_batch_extremes(len(parts), self.runtime.device, what)
+        return parts, most - len(parts)
 
     def _packed(self, batch: Batch, inputs: Batch, what: str, targets: torch.Tensor | None = None) -> PackedRows | None:
         """The batch (its model `inputs`, and a causal LM's shifted `targets`) packed into one stream of its real

@@ -12,9 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed import ProcessGroup
 
 from fsdp2kit.data.dataset import model_inputs
 from fsdp2kit.errors import UserError
@@ -115,13 +113,6 @@ def _rows(batch: Batch, part: range, rows: int) -> Batch:
     return {
         k: v[cut] if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == rows else v for k, v in batch.items()
     }
-
-
-def agreed_count(count: int, group: ProcessGroup | None) -> int:
-    """The most micro-batches any rank of `group` (None: the world) has: one all_reduce of a host tensor."""
-    most = torch.tensor([count], dtype=torch.int64)
-    dist.all_reduce(most, op=dist.ReduceOp.MAX, group=group)
-    return int(most.item())
 
 
 def empty_micro_batch(like: Batch) -> Batch:

@@ -170,27 +170,37 @@ def _add_metrics(sums: _Sums, metrics: dict[str, torch.Tensor], share: int) -> N
     sums.counted += 1 / share
 
 
-# The collective calls whose first collective is `agree_on_micro_batch_count`: a rank in one while another is in the
-# other (full_weights read on rank 0 only, train_step on the rest) meets it there, and every rank says so.
-COLLECTIVE_CALLS = ("train_step", "full_weights")
+# The collective calls whose first collective is `micro_batch_extremes` (forward_step's with max_tokens): a rank in
+# one while another is in another (full_weights read on rank 0 only, train_step on the rest) meets it there, and every
+# rank says so.
+COLLECTIVE_CALLS = ("train_step", "full_weights", "forward_step")
 
 
-def agree_on_micro_batch_count(count: int, device: torch.device, call: str = "train_step") -> None:
-    """Every rank must run as many micro-batches (each is a round of collectives), in the same `call`: checked before
-    the first, so that unequal counts, or ranks in different calls, are one error on every rank, not a hang. On the
-    host (a CPU tensor: no wait for the device) where the process group has a CPU backend (ours: gloo beside NCCL),
-    else on `device` (a caller's NCCL-only group)."""
+def micro_batch_extremes(count: int, device: torch.device, call: str = "train_step") -> tuple[int, int]:
+    """The fewest and the most micro-batches any rank has, in one all_reduce that also checks that every rank is in
+    the same `call`: ranks in different calls are one error on every rank, not a hang in mismatched collectives. On
+    the host (a CPU tensor: no wait for the device) where the process group has a CPU backend (ours: gloo beside
+    NCCL), else on `device` (a caller's NCCL-only group)."""
     on_host = any(name in str(dist.get_backend()) for name in ("gloo", "fake"))
     kind = COLLECTIVE_CALLS.index(call)
     extremes = torch.tensor([count, -count, kind, -kind], dtype=torch.int64, device="cpu" if on_host else device)
     dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
     most, negated_fewest, last_kind, negated_first_kind = extremes.tolist()
-    fewest = -negated_fewest
     if last_kind != -negated_first_kind:
-        raise UserError(
-            f"{call}: some ranks are in {COLLECTIVE_CALLS[-negated_first_kind]}() and others in "
-            f"{COLLECTIVE_CALLS[last_kind]}(); full_weights() is a collective: every rank must read it to the end"
+        calls = (COLLECTIVE_CALLS[-negated_first_kind], COLLECTIVE_CALLS[last_kind])
+        why = (
+            "full_weights() is a collective: every rank must read it to the end"
+            if "full_weights" in calls
+            else "every rank must make the same call"
         )
+        raise UserError(f"{call}: some ranks are in {calls[0]}() and others in {calls[1]}(); {why}")
+    return -negated_fewest, most
+
+
+def agree_on_micro_batch_count(count: int, device: torch.device, call: str = "train_step") -> None:
+    """Every rank must run as many micro-batches (each is a round of collectives), in the same `call`: checked before
+    the first, so that unequal counts, or ranks in different calls, are one error on every rank, not a hang."""
+    fewest, most = micro_batch_extremes(count, device, call)
     if most != fewest:
         raise UserError(
             f"train_step: the ranks were given different numbers of micro-batches (this rank {count}, between "
