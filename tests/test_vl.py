@@ -158,6 +158,28 @@ def test_missing_or_unreadable_images_and_packing_are_refused(dataset, tmp_path)
         load_conversations(DataConfig(source=str(broken), pack=True))
 
 
+def test_an_evaluation_source_without_conversations_is_refused_naming_data_eval_source(dataset, tmp_path):
+    """The evaluation set is read as a source of its own: its refusals named data.source (issue 34), and an empty
+    one evaluated nothing without a word."""
+    with process_group() as runtime:
+        sharded = sharded_model(job(), runtime, training=False, materialize=False)
+    order = (1, 1, 1, 0, 0, True, 0, None)  # GlobalBatches' fields: batch size, accumulation, ranks, ..., seed, ...
+
+    def batches_with(eval_source: Path):
+        data = DataConfig(source=str(dataset / "train.jsonl"), eval_source=str(eval_source), seq_len=128, pack=False)
+        return sharded.variant.global_batches(data, None, sharded.source, order)
+
+    assert len(batches_with(dataset / "llava.jsonl").eval_samples) == 24
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    with pytest.raises(UserError, match=r"^data\.eval_source: it holds no conversation to evaluate"):
+        batches_with(empty)
+    unanswered = tmp_path / "unanswered.jsonl"
+    unanswered.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    with pytest.raises(UserError, match=r"^data\.eval_source: record 1 of '.*unanswered.jsonl' has no assistant turn"):
+        batches_with(unanswered)
+
+
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     return sum(
         t.to_local().nbytes if hasattr(t, "to_local") else t.nbytes

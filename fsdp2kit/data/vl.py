@@ -25,6 +25,7 @@ import torch
 from fsdp2kit.config.schema import DataConfig
 from fsdp2kit.data.chat import Chat, ChatTemplate, part_text, to_chat, with_messages_key
 from fsdp2kit.data.dataset import json_records, named_dataset, single_source
+from fsdp2kit.data.mixture import named_as
 from fsdp2kit.data.registry import RegistryEntry, dataset_names
 from fsdp2kit.data.samples import GlobalBatches
 from fsdp2kit.errors import UserError
@@ -144,6 +145,20 @@ def load_conversations(cfg: DataConfig) -> list[Conversation]:
             )
         conversations += _read_conversations(source, read, entry)
     return conversations[: cfg.max_samples]
+
+
+def load_eval_conversations(cfg: DataConfig) -> list[Conversation]:
+    """The evaluation set of `data.eval_source`, read as a source of its own (as the text path's `split_samples`
+    does): its refusals name `data.eval_source`, and one without a conversation is refused, as it evaluates
+    nothing."""
+    with named_as("data.eval_source"):
+        conversations = load_conversations(cfg.model_copy(update={"source": cfg.eval_source, "eval_source": None}))
+    if not conversations:
+        raise UserError(
+            "data.eval_source: it holds no conversation to evaluate (its files have no record); give .jsonl or "
+            ".json files of conversations"
+        )
+    return conversations
 
 
 def _sources(cfg: DataConfig) -> list[tuple[Path, DataConfig, RegistryEntry | None]]:

@@ -21,7 +21,7 @@ from fsdp2kit.config.schema import DataConfig, ModelConfig, StrategyConfig, Trai
 from fsdp2kit.data.mixture import hold_out, split_samples
 from fsdp2kit.data.samples import GlobalBatches
 from fsdp2kit.data.scoring import ConversationScoring, DocumentScoring, ScoringSource
-from fsdp2kit.data.vl import VLEncoder, VLGlobalBatches, load_conversations
+from fsdp2kit.data.vl import VLEncoder, VLGlobalBatches, load_conversations, load_eval_conversations
 from fsdp2kit.models.build import ModelSource
 from fsdp2kit.models.heads import LanguageModelHead, OutputHead, ValueHead, pick_head
 from fsdp2kit.models.lora import LoraPart
@@ -78,7 +78,7 @@ class VisionModality(TextModality):
         if data.eval_fraction is not None:
             conversations, eval_conversations = hold_out(conversations, data.eval_fraction, order[4])
         elif data.eval_source is not None:
-            eval_conversations = load_conversations(data.model_copy(update={"source": data.eval_source}))
+            eval_conversations = load_eval_conversations(data)
         batches = VLGlobalBatches(conversations, *order, encoder=encoder)
         batches.eval_samples = eval_conversations
         return batches
