@@ -6,6 +6,13 @@ FSDPMemTracker: the same tracker `training.track_memory` measures real runs with
 *traced*. Parameter, gradient, optimizer-state and all-gather sizes are also *computed* from the shard shapes, and CPU
 offload (which needs a GPU) is computed from a traced run without it. Activation offload is traced: the planned
 modules' saved activations leave the device in forward and come back one module ahead of their backward.
+
+The plan predicts an accelerator's memory, so what depends on the device is decided as on CUDA (PLANNED_DEVICE):
+where the build there attends packed documents with FlexAttention (parallel/document_attention.py's
+`document_path`), no dense [T, T] document mask exists, and the step is traced on rows without document boundaries
+(plain causal attention saves what FlexAttention saves; its block mask, a few int32 per 128 x 128 block, is left
+out). Where the dense mask stays (model.attn_implementation: sdpa or eager, a family without FlexAttention), the
+rows carry their documents and the trace counts it.
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ from typing import cast
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
@@ -31,12 +38,14 @@ from fsdp2kit.distributed import Runtime, destroy_process_group
 from fsdp2kit.errors import UserError
 from fsdp2kit.models.sharded import build_sharded_model
 from fsdp2kit.parallel.activation_offload import Departed, apply_activation_offload
+from fsdp2kit.parallel.document_attention import document_route
 from fsdp2kit.parallel.token_logprobs import chunk_tokens, install_token_head
 from fsdp2kit.train.memory import tracker_peak
 from fsdp2kit.train.optim import build_optimizer
 from fsdp2kit.train.step import TokenCrossEntropy
 
 GIB = 1024**3
+PLANNED_DEVICE = torch.device("cuda")  # the device whose memory the plan predicts (the trace itself runs on the CPU)
 _STRATEGY = "strategy_args.strategy_config"
 # Fastest first (seed 002's throughput table): less sharding, no recompute, no offload.
 STRATEGIES = {
@@ -80,10 +89,11 @@ def fake_world(world_size: int) -> Iterator[Runtime]:
         destroy_process_group()
 
 
-def _synthetic_micro_batch(cfg: JobConfig) -> dict[str, torch.Tensor]:
-    """A micro-batch shaped like the data pipeline's (full seq_len windows, document positions when packing)."""
+def _synthetic_micro_batch(cfg: JobConfig, dense_documents: bool) -> dict[str, torch.Tensor]:
+    """A micro-batch shaped like the data pipeline's (full seq_len windows), with document positions when packing
+    makes a dense document mask (`dense_documents`: the run keeps one, FlexAttention does not replace it)."""
     length = cfg.data.seq_len + 1
-    documents = cfg.data.pack and cfg.data.document_mask
+    documents = cfg.data.pack and cfg.data.document_mask and dense_documents
     sample = Sample(
         torch.arange(length) % 64,
         torch.ones(length, dtype=torch.bool),
@@ -135,6 +145,9 @@ def _trace(cfg: JobConfig, world_size: int) -> dict[str, object]:
             materialize=False,
         )
         model = sharded.model
+        # How the run on PLANNED_DEVICE attends packed documents. The fake world's model was built for the CPU (sdpa
+        # or eager, under Ulysses too), which keeps the dense mask unless FlexAttention would replace it there.
+        flex, document_attention = document_route(model, cfg.model, cfg.data, PLANNED_DEVICE)
         # The fake world runs on the CPU, where the build leaves activation offload out: here the planned modules'
         # saved activations leave the device as they do on CUDA (only their shapes are kept).
         apply_activation_offload(model, sharded.plan.activation_offload_modules, Departed(), torch.device("cpu"))
@@ -145,7 +158,8 @@ def _trace(cfg: JobConfig, world_size: int) -> dict[str, object]:
         with FakeTensorMode(allow_non_fake_inputs=True):
             model.to_empty(device="cpu")
             optimizer, pairs = _local_optimizer(build_optimizer(model, cfg.training))
-            micro_batches = [_synthetic_micro_batch(cfg) for _ in range(accumulation)]
+            with unset_fake_temporarily():  # real values: sharding a batch reads them (its documents, its padding)
+                micro_batches = [_synthetic_micro_batch(cfg, not flex) for _ in range(accumulation)]
             tracker = FSDPMemTracker(model, optimizer)
             tracker.track_inputs(tuple(micro_batches))
             with tracker:
@@ -154,7 +168,8 @@ def _trace(cfg: JobConfig, world_size: int) -> dict[str, object]:
                         sync = cfg.strategy_args.strategy_config.sync_each_batch or index == accumulation - 1
                         cast(FSDPModule, model).set_requires_gradient_sync(sync)
                         if sharded.sp_group is not None:
-                            batch = sharded.variant.shard_batch(batch, sharded.sp_group)
+                            with unset_fake_temporarily():
+                                batch = sharded.variant.shard_batch(batch, sharded.sp_group)
                         loss(model, index, batch, 0.0).loss_sum.backward()
                         tracker.reset_mod_stats()
                     for param, local in pairs:
@@ -164,7 +179,12 @@ def _trace(cfg: JobConfig, world_size: int) -> dict[str, object]:
                     model.zero_grad(set_to_none=True)
             peak = tracker_peak(tracker, torch.device("cpu"))
             computed = computed_sizes(model)  # after the first forward: FSDP sets compute dtypes lazily
-    return {"peak_bytes": peak.pop("total", 0), "categories": peak, "computed": computed}
+    return {
+        "peak_bytes": peak.pop("total", 0),
+        "categories": peak,
+        "computed": computed,
+        "document_attention": document_attention,  # as on PLANNED_DEVICE
+    }
 
 
 def computed_sizes(model: nn.Module) -> dict[str, int]:
@@ -211,6 +231,7 @@ def predict(source: ConfigSource, world_size: int, extra: list[str] = ()) -> dic
         "categories": categories,
         "host_bytes": sum(host.values()),
         "computed": traced["computed"],
+        "document_attention": traced["document_attention"],
         "source": "computed (traced without offload, minus what offload keeps on the host)",
     }
 
@@ -328,6 +349,8 @@ def print_plan(report: dict[str, object], as_json: bool) -> None:
     world_size = report["world_size"]
     peak = _gib(report["peak_bytes"])
     console.print(f"per-rank memory at {world_size} rank(s), GiB ({report['source']}): peak {peak}")
+    if report.get("document_attention"):
+        console.print(f"packed documents, planned as on CUDA: {report['document_attention']}")
     categories = Table("at the peak (traced)", "GiB")
     for key, value in report["categories"].items():  # type: ignore[attr-defined]
         categories.add_row(key, _gib(value))
