@@ -10,6 +10,7 @@ import sys
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -37,6 +38,40 @@ def run_python(*args: str, timeout: int = 600, env: dict | None = None) -> subpr
         text=True,
         timeout=timeout,
     )
+
+
+# What a launcher (torchrun, `train --nproc`) or an in-process run sets for its ranks.
+LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+class CliResult(NamedTuple):
+    """What an in-process command left: the fields of run_cli's subprocess.CompletedProcess, in a tuple."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+@pytest.fixture
+def run_main(capsys):
+    """`fsdp2kit ARGS` inside this process, as a single-rank command: run_cli without an interpreter start and a
+    second import of torch and transformers, for claims that are not about processes. Launcher variables left by
+    earlier in-process runs are cleared first, and what this run sets is undone after."""
+    from fsdp2kit.cli import main
+
+    saved = dict(os.environ)
+    for name in LAUNCHER_VARIABLES:
+        os.environ.pop(name, None)
+
+    def run(*args) -> CliResult:
+        capsys.readouterr()  # what the test printed before: not this command's output
+        code = main([str(a) for a in args])
+        out = capsys.readouterr()
+        return CliResult(code, out.out, out.err)
+
+    yield run
+    os.environ.clear()
+    os.environ.update(saved)
 
 
 def launch_two_ranks(worker: str, *args: object, timeout: int = 600) -> None:

@@ -7,7 +7,6 @@ larger worlds on the meta device."""
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import torch
@@ -17,7 +16,6 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from fsdp2kit.check import describe
-from fsdp2kit.cli import main
 from fsdp2kit.config.schema import JobConfig, ModelConfig, StrategyConfig, TrainingConfig
 from fsdp2kit.distributed import Runtime
 from fsdp2kit.parallel.fsdp import apply_fsdp
@@ -27,7 +25,6 @@ from fsdp2kit.train.optim import build_optimizer, build_scheduler
 from fsdp2kit.train.step import token_loss_sum, train_step
 
 LAYERS = ["model.layers.0", "model.layers.1"]
-LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 def job(strategy: dict | None = None, layers: int = 2, **model) -> JobConfig:
@@ -75,24 +72,6 @@ def full(tensor: torch.Tensor) -> torch.Tensor:
 
 def group_of(plan: dict, module: str) -> dict:
     return next(group for group in plan["groups"] if module in group["modules"])
-
-
-@pytest.fixture
-def run_main(capsys):
-    """`fsdp2kit ARGS` inside this process; returns (exit code, stdout, stderr). Launcher variables left by
-    earlier in-process runs are cleared first, and what this run sets is undone after."""
-    saved = dict(os.environ)
-    for name in LAUNCHER_VARIABLES:
-        os.environ.pop(name, None)
-
-    def run(*args) -> tuple[int, str, str]:
-        code = main([str(a) for a in args])
-        out = capsys.readouterr()
-        return code, out.out, out.err
-
-    yield run
-    os.environ.clear()
-    os.environ.update(saved)
 
 
 @pytest.fixture(scope="module")
