@@ -90,15 +90,15 @@ def test_load_modes_and_world_sizes(tmp_path, texts_file, nproc, loading):
     assert [r["sum_logprob"] for r in got] == pytest.approx(expected, abs=1e-4)
 
 
-@pytest.mark.slow
-def test_weight_mistakes_exit_2_naming_the_tensor_or_file(tmp_path, texts_file):
+def test_weight_mistakes_exit_2_naming_the_tensor_or_file(tmp_path, texts_file, run_main):
     folder = tmp_path / "hf"
     make_hf_folder(folder, "tiny-llama")
     weights = load_file(folder / "model.safetensors")
 
     def infer():
         given = {"model.name_or_path": folder, "data.source": texts_file, "training.output_dir": tmp_path / "out"}
-        return run_cli("infer", DEMO, *set_args({key: str(value) for key, value in given.items()}))
+        code, _, err = run_main("infer", DEMO, *set_args({key: str(value) for key, value in given.items()}))
+        return code, err
 
     def attempt(state, config_changes=None):
         save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
@@ -108,21 +108,18 @@ def test_weight_mistakes_exit_2_naming_the_tensor_or_file(tmp_path, texts_file):
         return infer()
 
     missing = {k: v for k, v in weights.items() if k != "model.norm.weight"}
-    result = attempt(missing)
-    assert result.returncode == 2
-    assert "tensor 'model.norm.weight' is missing from the safetensors files" in result.stderr
+    code, err = attempt(missing)
+    assert code == 2
+    assert "tensor 'model.norm.weight' is missing from the safetensors files" in err
 
     wrong = dict(weights, **{"model.norm.weight": torch.ones(7)})
-    result = attempt(wrong)
-    assert result.returncode == 2
-    assert "tensor 'model.norm.weight' in 'model.safetensors' has shape (7,), the model expects (256,)" in result.stderr
+    code, err = attempt(wrong)
+    assert code == 2
+    assert "tensor 'model.norm.weight' in 'model.safetensors' has shape (7,), the model expects (256,)" in err
 
-    result = attempt(weights, {"num_hidden_layers": 1})
-    assert result.returncode == 2
-    assert (
-        "tensor 'model.layers.1.input_layernorm.weight'" in result.stderr
-        and "config and weights do not match" in result.stderr
-    )
+    code, err = attempt(weights, {"num_hidden_layers": 1})
+    assert code == 2
+    assert "tensor 'model.layers.1.input_layernorm.weight'" in err and "config and weights do not match" in err
 
     (folder / "model.safetensors").unlink()
     (folder / "config.json").write_text(
@@ -132,9 +129,8 @@ def test_weight_mistakes_exit_2_naming_the_tensor_or_file(tmp_path, texts_file):
         json.dumps({"weight_map": {k: "gone.safetensors" for k in weights}})
     )
     save_file({"x": torch.zeros(1)}, folder / "other.safetensors")
-    result = infer()
-    assert result.returncode == 2
+    code, err = infer()
+    assert code == 2
     assert (
-        result.stderr.strip()
-        == f"error: model weights: file '{folder / 'gone.safetensors'}' named by the index does not exist"
+        err.strip() == f"error: model weights: file '{folder / 'gone.safetensors'}' named by the index does not exist"
     )
