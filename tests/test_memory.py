@@ -74,7 +74,7 @@ def test_plan_predicts_the_measured_peak(tmp_path, model, nproc, zero, recompute
 
 
 @pytest.mark.slow
-def test_plan_table_and_budget():
+def test_plan_table_and_budget(run_main):
     """The table by strategy shards memory as ZeRO says and recompute saves activations; `plan --budget-gb` answers
     with a configuration that fits, printed as --set lines that load."""
     tiny = [  # four layers: with fewer, ZeRO-3's backward all-gather buffers outweigh what it frees
@@ -96,9 +96,9 @@ def test_plan_table_and_budget():
     next_smallest = min(rows["SHARD_GRAD_OP", True, False], rows["FULL_SHARD", False, False])
     budget = (rows["FULL_SHARD", True, False] + next_smallest) / 2 / 1024**3
     sets = [arg for item in tiny for arg in ("--set", item)]
-    result = run_cli("plan", "examples/demo.yaml", "--nproc", "2", "--budget-gb", f"{budget:.6f}", *sets)
-    assert result.returncode == 0, result.stderr[-3000:]
-    lines = [line.split(" ", 1)[1] for line in result.stdout.splitlines() if line.startswith("--set ")]
+    code, out, err = run_main("plan", "examples/demo.yaml", "--nproc", "2", "--budget-gb", f"{budget:.6f}", *sets)
+    assert code == 0, err[-3000:]
+    lines = [line.split(" ", 1)[1] for line in out.splitlines() if line.startswith("--set ")]
     assert "strategy_args.strategy_config.sharding_strategy=FULL_SHARD" in lines
     assert "model.gradient_checkpointing=true" in lines
     chosen = predict(ConfigSource("examples/demo.yaml", [*tiny, *lines], None, None), 2)
@@ -126,7 +126,7 @@ def test_plan_leaves_no_rank_behind_in_this_process():
 
 
 @pytest.mark.slow
-def test_plan_measure_picks_the_fastest_measured_configuration():
+def test_plan_measure_picks_the_fastest_measured_configuration(run_main):
     """`plan --budget-gb X --measure` trains a few real steps of each configuration that fits (in the heuristic's
     order, skipping those that cannot win) and picks the one with the most measured tokens/s."""
     tiny = [
@@ -136,11 +136,11 @@ def test_plan_measure_picks_the_fastest_measured_configuration():
         "training.gradient_accumulation_steps=2",
     ]
     sets = [arg for item in tiny for arg in ("--set", item)]
-    result = run_cli(
+    code, out, err = run_main(
         "plan", "examples/demo.yaml", "--budget-gb", "1", "--measure", "--measure-steps", "2", "--json", *sets
     )
-    assert result.returncode == 0, result.stderr[-3000:]
-    measured = json.loads(result.stdout.splitlines()[-1])["budget"]["measured"]
+    assert code == 0, err[-3000:]
+    measured = json.loads(out.splitlines()[-1])["budget"]["measured"]
     rows = measured["candidates"]
     runs = [row for row in rows if row["status"] == "measured"]
     assert {(r["strategy"], r["micro_batch"]) for r in runs} == {
@@ -166,8 +166,8 @@ def test_plan_measure_picks_the_fastest_measured_configuration():
     ],
     ids=["no_budget", "one_step"],
 )
-def test_plan_measure_mistakes_exit_2_with_one_line(args, message):
-    result = run_cli("plan", "examples/demo.yaml", *args)
+def test_plan_measure_mistakes_exit_2_with_one_line(args, message, run_main):
+    result = run_main("plan", "examples/demo.yaml", *args)
     assert result.returncode == 2
     assert result.stderr == f"error: {message}\n"
 
