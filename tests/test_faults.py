@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from conftest import REPO, SMALL_RUN, read_metrics, run_cli, set_args
+from conftest import REPO, SMALL_RUN, CliResult, read_metrics, run_cli, set_args
 
 BILLION_LAUGHS = "a: &a [lol, lol, lol, lol, lol, lol, lol, lol, lol]\n" + "".join(
     f"{name}: &{name} [{', '.join([f'*{previous}'] * 9)}]\n"
@@ -58,8 +58,8 @@ def test_yaml_that_is_ambiguous_or_unbounded_is_one_line(tmp_path: Path, text: s
     one_line_error(result, f"config file '{config}'", *fragments)
 
 
-def test_a_set_value_with_a_key_twice_is_refused(tmp_path: Path):
-    result = run_cli(
+def test_a_set_value_with_a_key_twice_is_refused(tmp_path: Path, run_main):
+    result = run_main(
         "check", "examples/demo.yaml", "--set", "model.config={num_hidden_layers: 1, num_hidden_layers: 2}"
     )
     one_line_error(result, "--set 'model.config=", "key 'num_hidden_layers' is written twice")
@@ -74,9 +74,11 @@ def test_merge_keys_are_not_duplicates(tmp_path: Path):
     assert read_yaml(config)["training"] == {"seed": 3, "max_steps": 2}
 
 
-def train_run(out: Path, *settings: str) -> subprocess.CompletedProcess:
+def train_run(out: Path, *settings: str, run=run_cli) -> subprocess.CompletedProcess | CliResult:
+    """A short run of the demo into `out` (checkpoints every 2 steps) with `settings` (key=value) set, launched as
+    its own process or, with run=run_main, in this one."""
     base = {**SMALL_RUN, "training.max_steps": 4, "training.save_steps": 2, "training.output_dir": str(out)}
-    return run_cli("train", "examples/demo.yaml", *set_args(base), *(a for s in settings for a in ("--set", s)))
+    return run("train", "examples/demo.yaml", *set_args(base), *(a for s in settings for a in ("--set", s)))
 
 
 @pytest.fixture(scope="module")
@@ -87,36 +89,38 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def test_a_resume_trains_at_the_learning_rate_it_is_given(trained: Path, tmp_path: Path):
+def test_a_resume_trains_at_the_learning_rate_it_is_given(trained: Path, tmp_path: Path, run_main):
     """The checkpoint's optimizer state holds the old learning rate and the scheduler its old peak: both give way to
     this run's, said in one line; steps 3-4 run at the lr a fresh run at 2e-3 has there."""
     step_2 = trained / "checkpoints" / "step_2"
-    resumed = train_run(tmp_path / "resumed", "training.learning_rate=2e-3", f"training.resume={step_2}")
+    resumed = train_run(tmp_path / "resumed", "training.learning_rate=2e-3", f"training.resume={step_2}", run=run_main)
     assert resumed.returncode == 0, resumed.stderr
     assert "resuming with this run's optimizer settings: training.learning_rate 0.001 -> 0.002" in resumed.stdout
-    fresh = train_run(tmp_path / "fresh", "training.learning_rate=2e-3", "training.save_steps=0")
+    fresh = train_run(tmp_path / "fresh", "training.learning_rate=2e-3", "training.save_steps=0", run=run_main)
     assert fresh.returncode == 0, fresh.stderr
     expected = [r["lr"] for r in read_metrics(tmp_path / "fresh")][2:]
     assert [r["lr"] for r in read_metrics(tmp_path / "resumed")] == expected
 
 
-def test_a_crafted_trainer_state_sets_no_learning_rate(trained: Path, tmp_path: Path):
+def test_a_crafted_trainer_state_sets_no_learning_rate(trained: Path, tmp_path: Path, run_main):
     checkpoint = tmp_path / "step_2"
     shutil.copytree(trained / "checkpoints" / "step_2", checkpoint)
     state_file = checkpoint / "trainer_state.json"
     state = json.loads(state_file.read_text())
     state["scheduler"]["base_lrs"] = [1e9] * len(state["scheduler"]["base_lrs"])
     state_file.write_text(json.dumps(state))
-    resumed = train_run(tmp_path / "resumed", "training.learning_rate=1e-3", f"training.resume={checkpoint}")
+    resumed = train_run(
+        tmp_path / "resumed", "training.learning_rate=1e-3", f"training.resume={checkpoint}", run=run_main
+    )
     assert resumed.returncode == 0, resumed.stderr
     assert [r["lr"] for r in read_metrics(tmp_path / "resumed")] == [r["lr"] for r in read_metrics(trained)][2:]
     state["scheduler"] = "damaged"
     state_file.write_text(json.dumps(state))
-    damaged = train_run(tmp_path / "again", f"training.resume={checkpoint}")
+    damaged = train_run(tmp_path / "again", f"training.resume={checkpoint}", run=run_main)
     one_line_error(damaged, "trainer_state.json' is damaged: its scheduler state")
 
 
-def test_nan_weights_stop_the_run_instead_of_exporting_them(tmp_path: Path):
+def test_nan_weights_stop_the_run_instead_of_exporting_them(tmp_path: Path, run_main):
     import torch
     from conftest import make_hf_folder
     from safetensors.torch import load_file, save_file
@@ -127,7 +131,11 @@ def test_nan_weights_stop_the_run_instead_of_exporting_them(tmp_path: Path):
     weights["model.norm.weight"][0] = float("nan")
     save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
     result = train_run(
-        tmp_path / "run", f"model.name_or_path={folder}", "training.max_steps=3", "training.export_hf=true"
+        tmp_path / "run",
+        f"model.name_or_path={folder}",
+        "training.max_steps=3",
+        "training.export_hf=true",
+        run=run_main,
     )
     assert result.returncode == 1, result.stderr
     assert "every one of this run's 3 steps had a non-finite loss" in result.stderr.splitlines()[-1]
@@ -135,43 +143,43 @@ def test_nan_weights_stop_the_run_instead_of_exporting_them(tmp_path: Path):
     assert torch.isnan(weights["model.norm.weight"][0])
 
 
-def test_an_absurd_lora_scaling_is_refused():
+def test_an_absurd_lora_scaling_is_refused(run_main):
     huge = "model.lora={rank: 8, alpha: 1000000000000000000000000000000}"
-    result = run_cli("check", "examples/demo.yaml", "--set", huge)
+    result = run_main("check", "examples/demo.yaml", "--set", huge)
     one_line_error(result, "model.lora", "scales every adapter update by")
 
 
-def test_resume_never_refuses_a_folder_with_another_runs_checkpoints(trained: Path):
+def test_resume_never_refuses_a_folder_with_another_runs_checkpoints(trained: Path, run_main):
     """Its saves would mix with the old ones and save_total_limit would delete the new run's, keeping the old
     run's newer step for the next `resume: auto`."""
-    again = train_run(trained, "training.resume=never", "training.save_total_limit=1")
+    again = train_run(trained, "training.resume=never", "training.save_total_limit=1", run=run_main)
     one_line_error(again, "training.resume: never", "holds another run's checkpoints (step_2, step_4)")
     assert sorted(p.name for p in (trained / "checkpoints").iterdir()) == ["step_2", "step_4"]
 
 
-def test_an_output_dir_that_is_the_model_folder_is_refused(tmp_path: Path):
+def test_an_output_dir_that_is_the_model_folder_is_refused(tmp_path: Path, run_main):
     from conftest import make_hf_folder
 
     folder = tmp_path / "model"
     make_hf_folder(folder, "tiny-llama")
     before = (folder / "config.json").read_text()
-    result = train_run(folder, f"model.name_or_path={folder}")
+    result = train_run(folder, f"model.name_or_path={folder}", run=run_main)
     one_line_error(result, f"model.name_or_path: '{folder}' is training.output_dir")
     assert (folder / "config.json").read_text() == before
 
 
 @pytest.mark.parametrize("check", [False, True], ids=["train", "check"])
-def test_safetensors_a_tensor_in_two_files_or_a_damaged_index_is_one_line(tmp_path: Path, check: bool):
+def test_safetensors_a_tensor_in_two_files_or_a_damaged_index_is_one_line(tmp_path: Path, check: bool, run_main):
     from conftest import make_hf_folder
 
     folder = tmp_path / "model"
     make_hf_folder(folder, "tiny-llama")
     shutil.copy(folder / "model.safetensors", folder / "model_backup.safetensors")
 
-    def run() -> subprocess.CompletedProcess:
+    def run() -> CliResult:
         if check:
-            return run_cli("check", "examples/demo.yaml", "--set", f"model.name_or_path={folder}")
-        return train_run(tmp_path / "run", f"model.name_or_path={folder}", "training.max_steps=1")
+            return run_main("check", "examples/demo.yaml", "--set", f"model.name_or_path={folder}")
+        return train_run(tmp_path / "run", f"model.name_or_path={folder}", "training.max_steps=1", run=run_main)
 
     one_line_error(run(), "model.safetensors' and '", "model_backup.safetensors' both hold")
     (folder / "model_backup.safetensors").unlink()
@@ -179,60 +187,62 @@ def test_safetensors_a_tensor_in_two_files_or_a_damaged_index_is_one_line(tmp_pa
     one_line_error(run(), "model.safetensors.index.json' is damaged")
 
 
-def test_a_config_json_field_of_the_wrong_type_is_one_line(tmp_path: Path):
+def test_a_config_json_field_of_the_wrong_type_is_one_line(tmp_path: Path, run_main):
     from conftest import make_hf_folder
 
     folder = tmp_path / "model"
     make_hf_folder(folder, "tiny-llama")
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, "hidden_size": "64"}))
-    result = run_cli("check", "examples/demo.yaml", "--set", f"model.name_or_path={folder}")
+    result = run_main("check", "examples/demo.yaml", "--set", f"model.name_or_path={folder}")
     one_line_error(result, "config.json' is not a valid transformers config", "'hidden_size' expected int")
 
 
-def test_a_seed_past_64_bits_is_one_line():
-    result = run_cli("check", "examples/demo.yaml", "--set", "training.seed=100000000000000000000000000")
+def test_a_seed_past_64_bits_is_one_line(run_main):
+    result = run_main("check", "examples/demo.yaml", "--set", "training.seed=100000000000000000000000000")
     one_line_error(result, "'training.seed'", "less than 9223372036854775808")
 
 
-def test_convert_into_an_existing_file_and_report_without_losses_are_one_line(trained: Path, tmp_path: Path):
+def test_convert_into_an_existing_file_and_report_without_losses_are_one_line(trained: Path, tmp_path: Path, run_main):
     existing = tmp_path / "weights.pt"
     existing.write_text("mine")
-    result = run_cli("convert", trained / "checkpoints" / "step_4", existing, "--to", "torch")
+    result = run_main("convert", trained / "checkpoints" / "step_4", existing, "--to", "torch")
     one_line_error(result, f"convert: '{existing}' exists and is not an empty folder")
     assert existing.read_text() == "mine"
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
-    one_line_error(run_cli("report", tmp_path / "run"), "record 1 has no number for 'loss'")
+    one_line_error(run_main("report", tmp_path / "run"), "record 1 has no number for 'loss'")
 
 
-def test_a_checkpoint_of_a_larger_model_is_refused_as_a_model_and_in_convert(trained: Path, tmp_path: Path):
+def test_a_checkpoint_of_a_larger_model_is_refused_as_a_model_and_in_convert(trained: Path, tmp_path: Path, run_main):
     """A DCP checkpoint (2 layers) read as the weights of a 1-layer model: DCP would load what the model asks for and
     drop the second layer silently."""
     step = trained / "checkpoints" / "step_4"
-    smaller = train_run(tmp_path / "run", f"model.name_or_path={step}", "model.config={num_hidden_layers: 1}")
+    smaller = train_run(
+        tmp_path / "run", f"model.name_or_path={step}", "model.config={num_hidden_layers: 1}", run=run_main
+    )
     one_line_error(smaller, "cannot be loaded into this model", "model tensors this model lacks")
     hf = tmp_path / "hf"
-    assert run_cli("convert", step, hf, "--to", "hf").returncode == 0
+    assert run_main("convert", step, hf, "--to", "hf").returncode == 0
     config = json.loads((hf / "config.json").read_text())
     (hf / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 1}))
-    converted = run_cli("convert", hf, tmp_path / "dcp", "--to", "dcp")
+    converted = run_main("convert", hf, tmp_path / "dcp", "--to", "dcp")
     one_line_error(converted, "convert --to dcp:", "which its config.json's model lacks")
     assert not (tmp_path / "dcp").exists()
 
 
-def test_a_data_file_edited_since_the_checkpoint_is_refused_at_resume(tmp_path: Path):
+def test_a_data_file_edited_since_the_checkpoint_is_refused_at_resume(tmp_path: Path, run_main):
     from fsdp2kit.data.builtin import corpus_documents
 
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps({"text": t}) + "\n" for t in corpus_documents()[:200]))
     out, source = tmp_path / "run", f"data.source={data}"
-    assert train_run(out, source, "training.max_steps=2").returncode == 0
+    assert train_run(out, source, "training.max_steps=2", run=run_main).returncode == 0
     with data.open("a") as handle:
         handle.write(json.dumps({"text": "one more document"}) + "\n")
-    refused = train_run(out, source)
+    refused = train_run(out, source, run=run_main)
     one_line_error(refused, f"data file '{data}' is not the one", "training.resume_allow_changes: true")
-    allowed = train_run(out, source, "training.resume_allow_changes=true")
+    allowed = train_run(out, source, "training.resume_allow_changes=true", run=run_main)
     assert allowed.returncode == 0, allowed.stderr
     assert "warning: training.resume: data file" in allowed.stdout
 
@@ -342,17 +352,19 @@ def adapter(tmp_path: Path) -> tuple[Path, Path]:
     return base, tmp_path / "adapter"
 
 
-def test_an_adapter_whose_config_and_tensors_disagree_is_not_merged(adapter: tuple[Path, Path], tmp_path: Path):
+def test_an_adapter_whose_config_and_tensors_disagree_is_not_merged(
+    adapter: tuple[Path, Path], tmp_path: Path, run_main
+):
     base, folder = adapter
     config_file = folder / "adapter_config.json"
     config = json.loads(config_file.read_text())
     config_file.write_text(json.dumps({**config, "target_modules": ["q_proj", "v_proj"]}))
-    result = run_cli("convert", base, tmp_path / "merged", "--to", "hf", "--adapter", folder)
+    result = run_main("convert", base, tmp_path / "merged", "--to", "hf", "--adapter", folder)
     one_line_error(result, "convert --adapter:", "lacks '", "its adapter_config.json and tensors disagree")
 
 
 @pytest.mark.parametrize("damage", ["rank", "truncated"])
-def test_a_damaged_adapter_is_one_line_in_check(adapter: tuple[Path, Path], damage: str):
+def test_a_damaged_adapter_is_one_line_in_check(adapter: tuple[Path, Path], damage: str, run_main):
     base, folder = adapter
     if damage == "rank":
         config = json.loads((folder / "adapter_config.json").read_text())
@@ -362,7 +374,7 @@ def test_a_damaged_adapter_is_one_line_in_check(adapter: tuple[Path, Path], dama
         weights = folder / "adapter_model.safetensors"
         weights.write_bytes(weights.read_bytes()[:500])
         fragment = "is not a readable safetensors file"
-    result = run_cli(
+    result = run_main(
         "check",
         "examples/demo.yaml",
         "--set",
