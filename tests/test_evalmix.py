@@ -4,11 +4,12 @@ of sources (`data.source: [{path, weight}, ...]`): shares, determinism, exact re
 from __future__ import annotations
 
 import json
+from subprocess import CompletedProcess
 
 import numpy as np
 import pytest
 import torch
-from conftest import SMALL_RUN, process_group, read_metrics, run_cli, set_args
+from conftest import SMALL_RUN, CliResult, process_group, read_metrics, run_cli, set_args
 from transformers import AutoTokenizer
 
 from fsdp2kit.config.load import validate
@@ -141,7 +142,8 @@ def test_a_mixture_weight_written_1e_3_is_a_number_as_lr_1e_3_is():
     assert [entry.weight for entry in data.source] == [0.001, 1.0]
 
 
-def train(tmp_path, run: str, steps: int, nproc: int = 1, **settings):
+def train(tmp_path, run: str, steps: int, nproc: int = 1, here=None, **settings) -> CliResult | CompletedProcess:
+    """A short run of the demo with `settings`, launched, or in this process with here=run_main."""
     settings = {
         **SMALL_RUN,
         "training.max_steps": steps,
@@ -151,7 +153,10 @@ def train(tmp_path, run: str, steps: int, nproc: int = 1, **settings):
         "training.warmup_steps": 0,
         **settings,
     }
-    result = run_cli("train", DEMO, "--nproc", str(nproc), *set_args(settings))
+    if here is not None:
+        result = here("train", DEMO, *set_args(settings))
+    else:
+        result = run_cli("train", DEMO, "--nproc", str(nproc), *set_args(settings))
     assert result.returncode == 0, result.stderr[-3000:]
     return result
 
@@ -182,7 +187,7 @@ def test_eval_loss_every_eval_steps_and_at_the_end_equal_at_1_and_2_ranks(tmp_pa
 
 
 @pytest.mark.slow
-def test_mixed_run_resumes_exactly(tmp_path, two_sources):
+def test_mixed_run_resumes_exactly(tmp_path, two_sources, run_main):
     """A 2-source mixture stopped after its step-2 checkpoint and resumed gives the losses of a run that never
     stopped; the log names each source's share."""
     common = {
@@ -190,12 +195,12 @@ def test_mixed_run_resumes_exactly(tmp_path, two_sources):
         "training.save_steps": 2,
         "strategy_args.strategy_config.async_save_ckpt": False,
     }
-    straight = train(tmp_path, "straight", 4, **common)
+    straight = train(tmp_path, "straight", 4, here=run_main, **common)
     assert "data.source[0] a.jsonl: weight 0.8" in straight.stdout
     assert "data.source[1] b.jsonl: weight 0.2" in straight.stdout
     assert "data: steps 1-4 took 32 samples: " in straight.stdout
-    train(tmp_path, "resumed", 2, **common)
-    assert "resumed from" in train(tmp_path, "resumed", 4, **common).stdout
+    train(tmp_path, "resumed", 2, here=run_main, **common)
+    assert "resumed from" in train(tmp_path, "resumed", 4, here=run_main, **common).stdout
     expected = [r["loss"] for r in read_metrics(tmp_path / "straight")]
     assert [r["loss"] for r in read_metrics(tmp_path / "resumed")] == pytest.approx(expected, rel=1e-6, abs=1e-6)
 
