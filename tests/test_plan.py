@@ -186,26 +186,32 @@ def test_cast_forward_inputs_except_into_a_vision_encoder(gloo, cast, text_dtype
 # Reshard after forward, and the FSDP1 / Accelerate strategy names.
 
 
+SCATTER, REPLICAS = "reduce-scatter over 4 ranks", "all-reduce across the replicas, overlapped with backward"
+HYBRID = "reduce-scatter over 2 ranks, then all-reduce over 2 replicas"
+
+
 @pytest.mark.parametrize(
-    "strategy, mesh, reshard",
+    "strategy, mesh, reshard, reduce",
     [
-        ({"reshard_after_forward": True}, [4], True),
-        ({"reshard_after_forward": False}, [4], False),
-        ({"reshard_after_forward": 2}, [4], 2),
-        ({"sharding_strategy": "FULL_SHARD"}, [4], True),
-        ({"sharding_strategy": "SHARD_GRAD_OP"}, [4], False),
-        ({"sharding_strategy": "NO_SHARD"}, [4, 1], False),
-        ({"sharding_strategy": "HYBRID_SHARD"}, [2, 2], True),
-        ({"sharding_strategy": "_HYBRID_SHARD_ZERO2"}, [2, 2], False),
+        ({"reshard_after_forward": True}, [4], True, SCATTER),
+        ({"reshard_after_forward": False}, [4], False, SCATTER),
+        ({"reshard_after_forward": 2}, [4], 2, SCATTER),
+        ({"sharding_strategy": "FULL_SHARD"}, [4], True, SCATTER),
+        ({"sharding_strategy": "SHARD_GRAD_OP"}, [4], False, SCATTER),
+        ({"sharding_strategy": "NO_SHARD"}, [4, 1], False, REPLICAS),
+        ({"sharding_strategy": "HYBRID_SHARD"}, [2, 2], True, HYBRID),
+        ({"sharding_strategy": "_HYBRID_SHARD_ZERO2"}, [2, 2], False, HYBRID),
     ],
     ids=lambda value: json.dumps(value) if isinstance(value, dict) else None,
 )
-def test_reshard_and_sharding_strategy(monkeypatch, strategy, mesh, reshard):
-    """4 ranks on 2 nodes of 2: HYBRID_SHARD shards within a node. The root is never resharded after forward."""
+def test_reshard_and_sharding_strategy(monkeypatch, strategy, mesh, reshard, reduce):
+    """4 ranks on 2 nodes of 2: HYBRID_SHARD shards within a node. The root is never resharded after forward. On the
+    CPU, NO_SHARD's replicas all-reduce without waiting (as DDP does); the others reduce as FSDP2 does."""
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     plan = check(strategy, world_size=4)
     assert plan["mesh"]["shape"] == mesh
     assert [g["reshard_after_forward"] for g in plan["groups"]] == [False, reshard, reshard]
+    assert [g["gradient_reduce"] for g in plan["groups"]] == [reduce] * 3
 
 
 @pytest.mark.parametrize("reshard", [True, False])

@@ -470,7 +470,13 @@ def load_safetensors(
                 full = (
                     view[:].to(local.dtype) if dist.get_rank() == 0 else torch.empty(param.shape, dtype=local.dtype)
                 ).to(param.device_mesh.device_type)  # the collective's device: shards may live on the host
-                local.copy_(distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=0).to_local())
+                if param.device_mesh.size() == 1:  # NO_SHARD on gloo: each replica holds it whole (replica_reduce.py)
+                    dist.broadcast(full, src=0)
+                    local.copy_(full)
+                else:
+                    local.copy_(
+                        distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=0).to_local()
+                    )
             else:  # sliced, or a replicated (ignored) module that every rank reads whole
                 copy_to_shard(param, view)
     finally:

@@ -14,6 +14,7 @@ from fsdp2kit.dtypes import torch_dtype
 from fsdp2kit.errors import UserError
 from fsdp2kit.parallel.mesh import divisors
 from fsdp2kit.parallel.plan import ShardingPlan
+from fsdp2kit.parallel.replica_reduce import reduce_across_replicas, replicas_reduce_asynchronously, shard_group_of_one
 
 
 def _mp_policy(plan: ShardingPlan, master_dtype: torch.dtype, cast_inputs: bool, root: bool) -> MixedPrecisionPolicy:
@@ -49,8 +50,9 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan) -> list[F
     master_dtype = next(model.parameters()).dtype
     ignored = {p for name in plan.ignored_modules for p in model.get_submodule(name).parameters()}
     offload: OffloadPolicy = CPUOffloadPolicy(pin_memory=plan.pin_memory) if plan.offload else OffloadPolicy()
+    replicated = replicas_reduce_asynchronously(mesh)
     common: dict[str, Any] = dict(
-        mesh=mesh,
+        mesh=shard_group_of_one(mesh) if replicated else mesh,
         reshard_after_forward=plan.reshard_after_forward,
         offload_policy=offload,
         ignored_params=ignored or None,
@@ -88,6 +90,8 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan) -> list[F
         mp_policy=_mp_policy(plan, master_dtype, root_cast, root=True),
         **dict(common, reshard_after_forward=False),
     )
+    if replicated:
+        reduce_across_replicas([*groups, cast(FSDPModule, model)], mesh, torch_dtype(plan.reduce_dtype) == master_dtype)
     _set_prefetch(groups, plan.forward_prefetch, plan.backward_prefetch)
     return groups
 
@@ -142,9 +146,24 @@ def describe_groups(model: nn.Module) -> list[dict]:
                 "cast_forward_inputs": policy.cast_forward_inputs,
                 "forward_prefetch": [name(s) for s in state._states_to_forward_prefetch],
                 "backward_prefetch": [name(s) for s in state._states_to_backward_prefetch],
+                "gradient_reduce": _gradient_reduce(state),
             }
         )
     return groups
+
+
+def _gradient_reduce(state: Any) -> str | None:
+    """How the group's gradients meet: FSDP's reduce-scatter over the shard group, its all-reduce over the replicas
+    (HSDP), or the replicas' all-reduce issued without waiting (NO_SHARD on gloo: parallel/replica_reduce.py)."""
+    if not state._fsdp_param_groups:
+        return None
+    group = state._fsdp_param_groups[0]
+    if group._all_reduce_hook is not None:
+        return "all-reduce across the replicas, overlapped with backward"
+    shard, replicas = group.mesh_info.shard_mesh_size, getattr(group.mesh_info, "replicate_mesh_size", 1)
+    steps = [f"reduce-scatter over {shard} ranks"] if shard > 1 else []
+    steps += [f"all-reduce over {replicas} replicas"] if replicas > 1 else []
+    return ", then ".join(steps) or "none (one rank)"
 
 
 def _live_reshard(state: Any) -> bool | int | None:
