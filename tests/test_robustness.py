@@ -224,7 +224,7 @@ def _copy_checkpoint(saved_run, tmp_path):
 @pytest.mark.parametrize(
     "case", ["seq_len_changed", "fewer_layers", "rng_lost", "trainer_state_corrupt", "metadata_lost"]
 )
-def test_resume_that_would_be_silently_wrong_is_refused(saved_run, tmp_path, small_run, case):
+def test_resume_that_would_be_silently_wrong_is_refused(saved_run, tmp_path, small_run, case, run_main):
     from fsdp2kit.checkpoint.manager import committed_checkpoints
 
     checkpoint = _copy_checkpoint(saved_run, tmp_path)
@@ -244,14 +244,14 @@ def test_resume_that_would_be_silently_wrong_is_refused(saved_run, tmp_path, sma
         (checkpoint / ".metadata").unlink()
         expected = (f"'{checkpoint}' is not a complete checkpoint",)
     args = [arg for item in [*extra, f"training.resume={checkpoint}"] for arg in ("--set", item)]
-    assert_one_line_error(run_cli("train", DEMO, *small_run, *args), 2, "training.resume: ", *expected)
+    assert_one_line_error(run_main("train", DEMO, *small_run, *args), 2, "training.resume: ", *expected)
     assert [p.name for p in committed_checkpoints(saved_run / "checkpoints")] == ["step_1", "step_2"]
 
 
-def test_allowed_resume_change_is_one_warning(saved_run, tmp_path, small_run):
+def test_allowed_resume_change_is_one_warning(saved_run, tmp_path, small_run, run_main):
     checkpoint = _copy_checkpoint(saved_run, tmp_path)
     args = ["--set", "data.seq_len=32", "--set", "training.resume_allow_changes=true", "--set", "training.max_steps=3"]
-    result = run_cli("train", DEMO, *small_run, *args, "--set", f"training.resume={checkpoint}")
+    result = run_main("train", DEMO, *small_run, *args, "--set", f"training.resume={checkpoint}")
     assert result.returncode == 0, result.stderr
     assert "warning: training.resume: " in result.stdout and "data.seq_len = 64, this run has 32" in result.stdout
     assert f"resumed from {checkpoint} at step 2" in result.stdout
@@ -341,12 +341,12 @@ ONE_LINE_CASES = {
 
 
 @pytest.mark.parametrize("case", list(ONE_LINE_CASES))
-def test_mistakes_and_damaged_files_are_one_line(tmp_path, small_run, case):
+def test_mistakes_and_damaged_files_are_one_line(tmp_path, small_run, case, run_main):
     command, config, overrides, fragments = ONE_LINE_CASES[case]
     args = [arg for item in overrides(tmp_path) for arg in ("--set", item)]
     nproc = ["--nproc", "0"] if case == "nproc_0" else []
     config = config(tmp_path) if callable(config) else config
-    assert_one_line_error(run_cli(command, config, *nproc, *small_run, *args), 2, *fragments)
+    assert_one_line_error(run_main(command, config, *nproc, *small_run, *args), 2, *fragments)
 
 
 @pytest.mark.parametrize("damage", ["shard_truncated", "metadata_lost"])
@@ -480,7 +480,7 @@ def test_cuda_out_of_memory_message_names_the_size():
     assert out_of_memory_message(RuntimeError("shape mismatch"), runtime) is None
 
 
-def test_corrupt_tokenizer_is_one_line_naming_the_file(tmp_path, small_run):
+def test_corrupt_tokenizer_is_one_line_naming_the_file(tmp_path, small_run, run_main):
     from conftest import make_hf_folder
 
     from fsdp2kit.data.dataset import load_tokenizer
@@ -491,7 +491,7 @@ def test_corrupt_tokenizer_is_one_line_naming_the_file(tmp_path, small_run):
     tokenizer = folder / "tokenizer.json"
     whole = tokenizer.read_bytes()
     tokenizer.write_bytes(whole[:3000])  # truncated
-    result = run_cli("train", DEMO, *small_run, "--set", f"model.name_or_path={folder}")
+    result = run_main("train", DEMO, *small_run, "--set", f"model.name_or_path={folder}")
     assert_one_line_error(result, 2, f"the tokenizer file '{tokenizer}' is damaged (not JSON: ")
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
     tokenizer.write_bytes(b"{" + bytes(range(128, 256)))  # overwritten with binary
@@ -528,7 +528,7 @@ def test_convert_dtype_casts_the_weights_and_says_so_in_config_json(tmp_path):
         assert torch.equal(loaded.state_dict()[name], tensor.to(torch.bfloat16)), name
 
 
-def test_a_warmup_longer_than_the_run_is_one_warning(tmp_path, small_run):
+def test_a_warmup_longer_than_the_run_is_one_warning(tmp_path, small_run, run_main):
     """A warmup longer than the run means the learning rate never reaches its peak: one warning naming the run's
     steps. The run itself succeeds and takes exactly the steps announced."""
     from conftest import read_metrics
@@ -537,7 +537,7 @@ def test_a_warmup_longer_than_the_run_is_one_warning(tmp_path, small_run):
     data.write_text("".join(json.dumps({"text": f"document {i} " * 40}) + "\n" for i in range(40)))
     overrides = [f"data.source={data}", "training.max_steps=-1", "training.num_train_epochs=1"]
     overrides += ["training.warmup_steps=50", "training.report_to=[]"]
-    result = run_cli("train", DEMO, *small_run, *[arg for item in overrides for arg in ("--set", item)])
+    result = run_main("train", DEMO, *small_run, *[arg for item in overrides for arg in ("--set", item)])
     assert result.returncode == 0, result.stderr
     warnings = [line for line in result.stdout.splitlines() if line.startswith("warning: ")]
     assert len(warnings) == 1, result.stdout
@@ -624,7 +624,7 @@ def test_signal_to_the_nproc_launcher_reaches_the_ranks(tmp_path, small_run, sig
         assert committed_checkpoints(checkpoints)[-1].name == "step_8"
 
 
-def test_check_reports_the_files_the_config_names_and_creates_nothing(tmp_path):
+def test_check_reports_the_files_the_config_names_and_creates_nothing(tmp_path, run_main):
     from conftest import make_hf_folder
 
     model = tmp_path / "model"
@@ -633,7 +633,7 @@ def test_check_reports_the_files_the_config_names_and_creates_nothing(tmp_path):
     data.write_text(json.dumps({"text": "one document"}) + "\n")
     output_dir = tmp_path / "not" / "yet"
     sets = [f"model.name_or_path={model}", f"data.source={data}", f"training.output_dir={output_dir}"]
-    result = run_cli("check", DEMO, "--json", *[arg for item in sets for arg in ("--set", item)])
+    result = run_main("check", DEMO, "--json", *[arg for item in sets for arg in ("--set", item)])
     assert result.returncode == 0, result.stderr
     files = json.loads(result.stdout.strip().splitlines()[-1])["files"]
     assert files["data.source"].startswith("1 file(s) of one kind (.jsonl)")
@@ -642,7 +642,7 @@ def test_check_reports_the_files_the_config_names_and_creates_nothing(tmp_path):
     assert files["training.output_dir"] == f"{output_dir} (can be created; not created now)"
     assert not (tmp_path / "not").exists()
     (data.parent / "extra.txt").write_text("text\n")
-    result = run_cli("check", DEMO, "--set", f"data.source={tmp_path}/*.*", "--set", f"model.name_or_path={model}")
+    result = run_main("check", DEMO, "--set", f"data.source={tmp_path}/*.*", "--set", f"model.name_or_path={model}")
     assert_one_line_error(result, 2, f"data.source: '{tmp_path}/*.*' must be *.jsonl, *.parquet or *.txt files of one")
 
 
@@ -696,10 +696,10 @@ def test_check_refuses_each_damaged_or_missing_file(saved_run, tmp_path, case):
     assert str(error.value).startswith(expected), str(error.value)
 
 
-def test_a_damaged_checkpoint_read_as_a_model_names_the_damaged_file(saved_run, tmp_path):
+def test_a_damaged_checkpoint_read_as_a_model_names_the_damaged_file(saved_run, tmp_path, run_main):
     """A truncated shard is named with its length, not reported as a bare EOFError or as a model mismatch."""
     checkpoint = _damaged_checkpoint(saved_run, tmp_path)["model.name_or_path"]
-    result = run_cli("convert", checkpoint, tmp_path / "out", "--to", "hf")
+    result = run_main("convert", checkpoint, tmp_path / "out", "--to", "hf")
     expected = f"checkpoint '{checkpoint}' is incomplete or corrupt: '{checkpoint}/__0_0.distcp' is truncated (1000 of "
     assert_one_line_error(result, 2, expected)
     assert not list((tmp_path / "out").glob("*.safetensors"))
