@@ -6,6 +6,7 @@ over tokens and divided by the global target-token count, as fsdp2kit does:
 
 - `fsdp2`: `fully_shard` on each decoder layer, then the root (about 30 lines: what a user would write by hand);
 - `fsdp1`: torch's `FullyShardedDataParallel`, FULL_SHARD, transformer auto-wrap on the decoder layer class;
+- `ddp`: torch's `DistributedDataParallel` as it comes, `no_sync` while accumulating (what NO_SHARD is measured by);
 - `accelerate`: `Accelerator().prepare(...)` with `accumulate()`; on a CPU-only machine Accelerate runs DDP.
 
 With `--synthetic-batches` the micro-batches are random tokens made up front (no data pipeline at all), and with
@@ -99,6 +100,11 @@ def wrap(model: torch.nn.Module, impl: str, device: torch.device, bf16: bool = F
             use_orig_params=True,
         )
         return wrapped, lambda params, norm: wrapped.clip_grad_norm_(norm)
+    if impl == "ddp":
+        ddp = torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None
+        )
+        return ddp, torch.nn.utils.clip_grad_norm_
     raise ValueError(impl)
 
 
@@ -121,6 +127,15 @@ def fsdp2_sync(model: Any) -> Callable[[bool], contextlib.AbstractContextManager
     def sync(last: bool) -> contextlib.AbstractContextManager:
         model.set_requires_gradient_sync(last)
         return contextlib.nullcontext()
+
+    return sync
+
+
+def ddp_sync(model: Any) -> Callable[[bool], contextlib.AbstractContextManager]:
+    """DDP's switch: `no_sync` for every micro-batch but the last."""
+
+    def sync(last: bool) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext() if last else model.no_sync()
 
     return sync
 
@@ -153,7 +168,7 @@ def minimal_step(loop: MinimalLoop, micro_batches: list[dict[str, torch.Tensor]]
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--impl", choices=["fsdp2", "fsdp1", "accelerate"], required=True)
+    parser.add_argument("--impl", choices=["fsdp2", "fsdp1", "ddp", "accelerate"], required=True)
     parser.add_argument("--model", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--steps", type=int, default=6)
@@ -235,6 +250,8 @@ def main() -> None:
         loop.backward = lambda loss: accelerator.backward(loss * args.accumulation)
     elif args.impl == "fsdp2":
         loop.sync = fsdp2_sync(model)
+    elif args.impl == "ddp":
+        loop.sync = ddp_sync(model)
     tokens_per_s, losses = [], []
     for micro_batches in steps:
         started = time.perf_counter()

@@ -15,7 +15,6 @@ Run: .venv/bin/python benchmarks/step_ab.py [--pair full_shard] [--world-sizes 1
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import statistics
 import subprocess
@@ -32,19 +31,15 @@ from harness import LR, NO_SHARD, REPO, Workload, _env, fsdp2kit_overrides, load
 def _reference(model_dir: str, pair: str, lr: float):
     """The minimal loop: torch's DistributedDataParallel with `no_sync` for `no_shard`, `fully_shard` otherwise."""
     import torch
-    from reference_loop import MinimalLoop, fsdp2_sync, wrap
+    from reference_loop import MinimalLoop, ddp_sync, fsdp2_sync, wrap
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.train()
     if pair == "no_shard":
-        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        ddp, clip = wrap(model, "ddp", torch.device("cpu"))
         optimizer = torch.optim.AdamW(ddp.parameters(), lr=lr, weight_decay=0.0, foreach=True)
-
-        def sync(last: bool) -> contextlib.AbstractContextManager:
-            return contextlib.nullcontext() if last else ddp.no_sync()
-
-        return MinimalLoop(ddp, optimizer, torch.nn.utils.clip_grad_norm_, sync)
+        return MinimalLoop(ddp, optimizer, clip, ddp_sync(ddp))
     sharded, clip = wrap(model, "fsdp2", torch.device("cpu"))
     optimizer = torch.optim.AdamW(sharded.parameters(), lr=lr, weight_decay=0.0, foreach=True)
     return MinimalLoop(sharded, optimizer, clip, fsdp2_sync(sharded))
