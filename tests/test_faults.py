@@ -277,6 +277,14 @@ def test_a_crafted_data_line_is_one_line_quickly(tmp_path: Path, line: bytes, fr
     one_line_error(result, f"data.source: '{source}' {fragment}")
 
 
+def test_a_first_line_nested_too_deep_is_one_line(tmp_path: Path):
+    """The first line is read early, to tell conversations from plain text: there it ended in a RecursionError
+    traceback."""
+    source = tmp_path / "data.jsonl"
+    source.write_bytes(b"[" * 20000 + b"]" * 20000 + b"\n")
+    one_line_error(prepare(source, tmp_path / "cache"), f"data.source: '{source}' line 1 nests JSON more than 200")
+
+
 @pytest.mark.parametrize(
     ("text", "fragment"),
     [

@@ -354,6 +354,8 @@ def _first_record(files: list[Path]) -> dict:
     with file.open("rb") as handle:
         for line in handle:
             if line.strip():
+                if json_depth_exceeds(line, MAX_JSON_DEPTH):  # Python's parser would recurse out; the line checks
+                    return {}  # name it, in one line
                 try:
                     record = json.loads(line)
                 except (json.JSONDecodeError, UnicodeDecodeError):
