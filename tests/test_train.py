@@ -11,10 +11,13 @@ import pytest
 import torch
 from conftest import read_metrics, run_cli, set_args
 
+from fsdp2kit.checkpoint.manager import committed_checkpoints
+from fsdp2kit.config.load import load_config
 from fsdp2kit.config.schema import DataConfig
 from fsdp2kit.data.builtin import corpus_documents, tokenizer_dir
 from fsdp2kit.data.dataset import IGNORE_INDEX, collate
 from fsdp2kit.data.samples import GlobalBatches, TrainingSamples
+from fsdp2kit.models.builtin import BUILTIN_MODELS
 from fsdp2kit.train.optim import lr_factor
 
 DEMO = "examples/demo.yaml"
@@ -76,38 +79,6 @@ def test_schedule_shapes():
 
 
 @pytest.mark.slow
-def test_two_rank_training_writes_metrics_checkpoints_and_hf_export(tmp_path, small_run):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    run = tmp_path / "run"
-    result = run_cli(
-        "train",
-        DEMO,
-        "--nproc",
-        "2",
-        *small_run,
-        "--set",
-        "training.export_hf=true",
-        "--set",
-        "training.max_steps=6",
-        "--set",
-        "training.save_steps=3",
-    )
-    assert result.returncode == 0, result.stderr
-    records = read_metrics(run)
-    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
-    assert all(METRIC_FIELDS <= r.keys() and math.isfinite(r["loss"]) for r in records)
-    assert records[-1]["loss"] < records[0]["loss"]
-    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_3", "step_6"]
-
-    model = AutoModelForCausalLM.from_pretrained(run / "hf")
-    tokenizer = AutoTokenizer.from_pretrained(run / "hf")
-    assert model.config.num_hidden_layers == 2
-    logits = model(**tokenizer("def main():\n    return 0", return_tensors="pt")).logits
-    assert torch.isfinite(logits).all()
-
-
-@pytest.mark.slow
 def test_resume_continues_the_same_loss_curve(tmp_path, small_run):
     """A run stopped after its step-3 checkpoint and resumed gives the same later losses as one that never stopped."""
     common = set_args(
@@ -135,14 +106,29 @@ def test_resume_continues_the_same_loss_curve(tmp_path, small_run):
 
 @pytest.mark.slow
 def test_demo_meets_its_promise(tmp_path):
-    """What `make train` promises a newcomer: >= 30 steps, a clear loss drop, and an HF folder transformers loads."""
-    from transformers import AutoModelForCausalLM
+    """What `make train` promises a newcomer: >= 30 steps, a clear loss drop, and an HF folder transformers loads.
+    The same 2-rank run is the walking skeleton's end-to-end check: a metrics record with every field each step, the
+    checkpoints its save_steps and save_total_limit keep, and the export's tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     run = tmp_path / "demo"
     result = run_cli("train", DEMO, "--nproc", "2", "--set", f"training.output_dir={run}")
     assert result.returncode == 0, result.stderr
-    losses = [r["loss"] for r in read_metrics(run)]
+    records = read_metrics(run)
+    losses = [r["loss"] for r in records]
     assert len(losses) >= 30
     assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5
     model = AutoModelForCausalLM.from_pretrained(Path(run) / "hf")
     assert torch.isfinite(model(torch.tensor([[1, 2, 3, 4]])).logits).all()
+
+    training = load_config(DEMO).training
+    assert [r["step"] for r in records] == list(range(1, training.max_steps + 1))
+    assert all(METRIC_FIELDS <= r.keys() and math.isfinite(r["loss"]) for r in records)
+    saves = [*range(training.save_steps, training.max_steps, training.save_steps), training.max_steps]  # and the end
+    kept = [f"step_{step}" for step in saves[-training.save_total_limit :]]
+    assert [p.name for p in committed_checkpoints(run / "checkpoints")] == kept
+    assert len(list((run / "checkpoints").iterdir())) == len(kept)  # nothing half-written left beside them
+    tokenizer = AutoTokenizer.from_pretrained(run / "hf")
+    assert model.config.num_hidden_layers == BUILTIN_MODELS["tiny-llama"]["num_hidden_layers"]
+    logits = model(**tokenizer("def main():\n    return 0", return_tensors="pt")).logits
+    assert torch.isfinite(logits).all()
