@@ -25,12 +25,12 @@ def texts_file(tmp_path):
     return path
 
 
-def test_convert_hf_dcp_hf_is_bit_identical(tmp_path):
+def test_convert_hf_dcp_hf_is_bit_identical(tmp_path, run_main):
     folder = tmp_path / "hf"
     make_hf_folder(folder, "tiny-qwen3", max_shard_size="1MB")  # several files and an index
     assert (folder / "model.safetensors.index.json").is_file()
-    assert run_cli("convert", folder, tmp_path / "dcp", "--to", "dcp").returncode == 0
-    assert run_cli("convert", tmp_path / "dcp", tmp_path / "back", "--to", "hf").returncode == 0
+    assert run_main("convert", folder, tmp_path / "dcp", "--to", "dcp").returncode == 0
+    assert run_main("convert", tmp_path / "dcp", tmp_path / "back", "--to", "hf").returncode == 0
     original = {k: v for f in folder.glob("*.safetensors") for k, v in load_file(f).items()}
     back = {k: v for f in (tmp_path / "back").glob("*.safetensors") for k, v in load_file(f).items()}
     assert original.keys() == back.keys()
@@ -43,7 +43,7 @@ def test_convert_hf_dcp_hf_is_bit_identical(tmp_path):
 
 
 @pytest.mark.slow
-def test_export_and_checkpoint_give_the_same_logprobs(tmp_path, texts_file, small_run):
+def test_export_and_checkpoint_give_the_same_logprobs(tmp_path, texts_file, small_run, run_main):
     """Train 3 steps; the HF export (through transformers) and the run's own DCP checkpoint (through
     `fsdp2kit infer`) give the same log-probs; `convert --to hf|torch` of the checkpoint agree with the export."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -71,8 +71,8 @@ def test_export_and_checkpoint_give_the_same_logprobs(tmp_path, texts_file, smal
     got = _infer(run / "checkpoints" / "step_3", texts_file, tmp_path / "infer", nproc=2)
     assert [r["sum_logprob"] for r in got] == pytest.approx(expected, abs=1e-4)
 
-    assert run_cli("convert", run / "checkpoints" / "step_3", tmp_path / "conv", "--to", "hf").returncode == 0
-    assert run_cli("convert", run / "checkpoints" / "step_3", tmp_path / "pt", "--to", "torch").returncode == 0
+    assert run_main("convert", run / "checkpoints" / "step_3", tmp_path / "conv", "--to", "hf").returncode == 0
+    assert run_main("convert", run / "checkpoints" / "step_3", tmp_path / "pt", "--to", "torch").returncode == 0
     exported_state = load_file(run / "hf" / "model.safetensors")
     converted_state = load_file(tmp_path / "conv" / "model.safetensors")
     torch_state = torch.load(tmp_path / "pt" / "model.pt", weights_only=True)
