@@ -476,13 +476,15 @@ def test_a_forced_format_whose_fields_the_record_lacks_is_one_line():
 
 
 def test_empty_answers_and_system_only_conversations_train_nothing_and_are_counted(chat_folder, tmp_path, capsys):
-    """A null assistant content (or Alpaca output) trained the end-of-turn token alone; a system-only conversation
-    stopped the whole dataset, though data.md says such conversations are left out and counted."""
+    """A null assistant content (or Alpaca output) trained the end-of-turn token alone; a system-only or empty
+    conversation stopped the whole dataset, though data.md says such conversations are left out and counted."""
     tokenizer = AutoTokenizer.from_pretrained(chat_folder)
     rows = [
         {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": None}]},
         {"messages": [{"role": "system", "content": "only a system prompt"}]},
         {"instruction": "say hi", "output": None},
+        {"messages": []},
+        {"conversations": []},
         {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a real answer"}]},
     ]
     source = tmp_path / "chats.jsonl"
@@ -490,7 +492,7 @@ def test_empty_answers_and_system_only_conversations_train_nothing_and_are_count
     samples = TrainingSamples.from_config(
         DataConfig(source=str(source), cache_dir=str(tmp_path), pack=False), tokenizer
     )
-    assert len(samples) == 1 and "3 conversations have no token to train on" in capsys.readouterr().out
+    assert len(samples) == 1 and "5 conversations have no token to train on" in capsys.readouterr().out
     trained = tokenizer.decode(samples[0].tokens[samples[0].trained])
     assert trained.startswith("a real answer")
 

@@ -454,7 +454,10 @@ class ChatTemplate:
 
     def encode(self, chat: Chat) -> tuple[list[int], list[bool]]:
         """The conversation's token ids (as the template renders it, no special tokens added) and which are trained
-        on: those whose characters overlap a trained span."""
+        on: those whose characters overlap a trained span. An empty conversation is no tokens (templates refuse to
+        render one), left out and counted like any other with nothing to train on."""
+        if not chat.messages:
+            return [], []
         text = self.render(chat.messages, chat.tools)
         spans = self.spans(chat, text)
         if not getattr(self.tokenizer, "is_fast", False):
