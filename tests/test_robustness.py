@@ -501,7 +501,7 @@ def test_corrupt_tokenizer_is_one_line_naming_the_file(tmp_path, small_run, run_
     assert load_tokenizer(folder).vocab_size > 0
 
 
-def test_convert_dtype_casts_the_weights_and_says_so_in_config_json(tmp_path):
+def test_convert_dtype_casts_the_weights_and_says_so_in_config_json(tmp_path, run_main):
     """HF (fp32) -> DCP in bf16 -> HF: the DCP holds bf16 tensors and every config.json names bfloat16, so
     transformers loads the result in bf16 by default, equal to the original weights rounded to bf16."""
     import torch
@@ -511,7 +511,7 @@ def test_convert_dtype_casts_the_weights_and_says_so_in_config_json(tmp_path):
     from fsdp2kit.checkpoint.dcp_io import read_metadata
 
     original = make_hf_folder(tmp_path / "hf", "tiny-llama")
-    result = run_cli("convert", tmp_path / "hf", tmp_path / "dcp", "--to", "dcp", "--dtype", "bf16")
+    result = run_main("convert", tmp_path / "hf", tmp_path / "dcp", "--to", "dcp", "--dtype", "bf16")
     assert result.returncode == 0, result.stderr
     announced = f"converting {tmp_path / 'hf'} -> {tmp_path / 'dcp'} (dcp)"
     assert result.stdout.splitlines()[0] == f"{announced} ..."
@@ -519,7 +519,7 @@ def test_convert_dtype_casts_the_weights_and_says_so_in_config_json(tmp_path):
     stored = read_metadata(tmp_path / "dcp", "test").state_dict_metadata
     assert {meta.properties.dtype for meta in stored.values()} == {torch.bfloat16}
     assert AutoConfig.from_pretrained(tmp_path / "dcp").dtype == torch.bfloat16
-    result = run_cli("convert", tmp_path / "dcp", tmp_path / "back", "--to", "hf")
+    result = run_main("convert", tmp_path / "dcp", tmp_path / "back", "--to", "hf")
     assert result.returncode == 0, result.stderr
     assert AutoConfig.from_pretrained(tmp_path / "back").dtype == torch.bfloat16
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "back")
