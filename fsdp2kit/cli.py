@@ -346,12 +346,18 @@ def _prepare(cfg: JobConfig, show: int = 0) -> int:
     from fsdp2kit.data.samples import marked_text
     from fsdp2kit.data.store import describe, token_store
     from fsdp2kit.models.build import check_data_fits, resolve_model
+    from fsdp2kit.models.variant import pick_variant
     from fsdp2kit.train.interrupt import stopping_at_once
     from fsdp2kit.train.loggers import phase
 
     source = resolve_model(cfg.model, cfg.data.tokenizer)
     tokenizer = load_tokenizer(source.tokenizer_path)
     check_data_fits(source.hf_config, cfg.data.seq_len, tokenizer)
+    unstored = pick_variant(source.hf_config, cfg.model, cfg.strategy_args.strategy_config).modality
+    said = unstored.read_without_store(cfg.data)
+    if said is not None:
+        print(said)
+        return 0
     for key, data in source_configs(cfg.data):
         with (
             named_as(key),

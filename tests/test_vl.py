@@ -6,6 +6,7 @@ or not, Ulysses) on data where a rank's micro-batch has no image, and the hang t
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -156,6 +157,28 @@ def test_missing_or_unreadable_images_and_packing_are_refused(dataset, tmp_path)
         load_conversations(DataConfig(source=str(broken), pack=False))
     with pytest.raises(UserError, match="data.pack: vision-language samples are not packed"):
         load_conversations(DataConfig(source=str(broken), pack=True))
+
+
+def test_prepare_checks_every_image_a_vision_language_source_names(dataset, tmp_path, run_main):
+    """`prepare` on a vision-language config read its conversations as text and refused their first image part; a
+    file that is no image was found only when its sample was drawn. Now it checks every record and image."""
+    lines = (dataset / "train.jsonl").read_text().splitlines()[:12]
+    shutil.copytree(dataset / "images", tmp_path / "images")  # beside the file, which names them relative to it
+    source = tmp_path / "train.jsonl"
+    source.write_text("\n".join(lines) + "\n")
+    args = ["prepare", "examples/demo.yaml", "--set", f"model.name_or_path={QWEN25}", "--set", f"data.source={source}"]
+    args += ["--set", "data.pack=false", "--set", "data.seq_len=128"]
+    result = run_main(*args)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.endswith(
+        "12 conversations naming 8 images, each checked; no token store (these samples "
+        "are encoded as they are batched)\n"
+    )
+    (tmp_path / "images" / "010.png").write_text("not an image")  # the last record's
+    result = run_main(*args)
+    assert result.returncode == 2
+    assert result.stderr.startswith(f"error: data.source: record 11 of '{source}': image ")
+    assert "cannot be read" in result.stderr and result.stderr.count("\n") == 1
 
 
 def test_an_evaluation_source_without_conversations_is_refused_naming_data_eval_source(dataset, tmp_path):

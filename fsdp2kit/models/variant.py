@@ -54,6 +54,10 @@ class TextModality:
         batches.eval_samples = eval_samples
         return batches
 
+    def read_without_store(self, data: DataConfig) -> str | None:
+        """For `prepare`: None, as a text run's data is tokenized into the token store, which `prepare` builds."""
+        return None
+
     def scoring_source(self, data: DataConfig, tokenizer: Any, source: ModelSource, pad_id: int) -> ScoringSource:
         return DocumentScoring.open(data, tokenizer, pad_id)
 
@@ -82,6 +86,18 @@ class VisionModality(TextModality):
         batches = VLGlobalBatches(conversations, *order, encoder=encoder)
         batches.eval_samples = eval_conversations
         return batches
+
+    def read_without_store(self, data: DataConfig) -> str | None:
+        """For `prepare`: conversations with images go into no token store (each is encoded as it is batched), so
+        every record and every image it names is read and checked now, not first when its sample is drawn."""
+        conversations = load_conversations(data)
+        held_apart = len(load_eval_conversations(data)) if data.eval_source is not None else 0
+        images = sum(len(conversation.images) for conversation in conversations)
+        return (
+            f"vision-language data: {len(conversations)} conversations naming {images} images, each checked"
+            + (f", and {held_apart} evaluation conversations" if held_apart else "")
+            + "; no token store (these samples are encoded as they are batched)"
+        )
 
     def scoring_source(self, data: DataConfig, tokenizer: Any, source: ModelSource, pad_id: int) -> ScoringSource:
         encoder = VLEncoder.load(source.tokenizer_path, source.hf_config, data.seq_len, data)
