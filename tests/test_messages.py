@@ -27,6 +27,25 @@ def _context_only(tmp_path):
     return path
 
 
+def _own_code(tmp_path, auto_class: str, class_ref: str, code: str):
+    """A tiny Llama folder whose config.json names its own code for `auto_class` (auto_map), and that code."""
+    from conftest import make_hf_folder
+
+    folder = tmp_path / "model"
+    make_hf_folder(folder, "tiny-llama")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "auto_map": {auto_class: class_ref}}))
+    (folder / "mine.py").write_text(code)
+    return folder
+
+
+def _trusted_check(folder) -> list[str]:
+    return ["check", DEMO, "--set", f"model.name_or_path={folder}", "--trust-remote-code"]
+
+
+OWN_CODE = "model.name_or_path: the model's own code {} (config.json's auto_map, trusted by --trust-remote-code) "
+OWN_CODE += "cannot build it: "
+
 CHATML = Path(__file__).parent / "fixtures" / "chat_templates" / "chatml.jinja"
 
 # case: (command line from tmp_path, the one error line)
@@ -63,6 +82,19 @@ MESSAGES = {
         ),
         "data.source: none of its 2 conversations has a token to train on (no assistant turn, or every one with "
         "loss_weight 0); nothing is left to train",
+    ),
+    # A broken auto_map under --trust-remote-code was a traceback from inside transformers or the folder's code.
+    "own_code_file_missing": (
+        lambda t: _trusted_check(_own_code(t, "AutoModelForCausalLM", "gone.MyLlama", "")),
+        OWN_CODE.format("gone.MyLlama") + "OSError: {t}/model does not appear to have a file named gone.py.",
+    ),
+    "own_code_raises": (
+        lambda t: _trusted_check(_own_code(t, "AutoModelForCausalLM", "mine.MyLlama", "raise RuntimeError('no')")),
+        OWN_CODE.format("mine.MyLlama") + "RuntimeError: no",
+    ),
+    "own_config_raises": (
+        lambda t: _trusted_check(_own_code(t, "AutoConfig", "mine.MyConfig", "raise ImportError('no torch 3')")),
+        OWN_CODE.format("mine.MyConfig") + "ImportError: no torch 3",
     ),
 }
 

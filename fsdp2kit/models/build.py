@@ -7,7 +7,8 @@ import copy
 import importlib.util
 import json
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -118,11 +119,12 @@ def resolve_model(cfg: ModelConfig, tokenizer: str | None = None) -> ModelSource
                 "(or a builtin: model: " + ", ".join(f"builtin:{k}" for k in BUILTIN_MODELS) + ")"
             )
         _refuse_own_code(folder, cfg.trust_remote_code)
-        hf_config = _hf_config(
-            partial(AutoConfig.from_pretrained, folder, trust_remote_code=cfg.trust_remote_code),
-            f"'{folder / 'config.json'}'",
-            cfg.config,
-        )
+        with _own_code_errors(_own_config_class(folder, cfg.trust_remote_code)):
+            hf_config = _hf_config(
+                partial(AutoConfig.from_pretrained, folder, trust_remote_code=cfg.trust_remote_code),
+                f"'{folder / 'config.json'}'",
+                cfg.config,
+            )
         if (folder / METADATA_FILE).is_file():
             weights_dir, weights_format = folder, "dcp"
         elif any(folder.glob("*.safetensors")):
@@ -252,9 +254,7 @@ def build_meta_model(source: ModelSource, cfg: ModelConfig) -> PreTrainedModel:
             if model_class is not None:
                 model = model_class._from_config(config, dtype=dtype)
             else:
-                model = auto_model_class(config).from_config(
-                    config, dtype=dtype, trust_remote_code=cfg.trust_remote_code
-                )
+                model = _from_auto_class(config, dtype, cfg.trust_remote_code)
         except ValueError as exc:
             _refuse_attention(exc, cfg.attn_implementation)
             if model_class is not None:
@@ -264,6 +264,45 @@ def build_meta_model(source: ModelSource, cfg: ModelConfig) -> PreTrainedModel:
             ) from None
     model.checkpoint_conversions = checkpoint_conversions(model)
     return model
+
+
+def _from_auto_class(config: Any, dtype: torch.dtype, trusted: bool) -> PreTrainedModel:
+    """The model from its family's auto class; the folder's own code for that class where the caller trusts it."""
+    auto = auto_model_class(config)
+    own = (getattr(config, "auto_map", None) or {}).get(auto.__name__) if trusted else None
+    with _own_code_errors(own):
+        return auto.from_config(config, dtype=dtype, trust_remote_code=trusted)
+
+
+@contextmanager
+def _own_code_errors(own: str | None) -> Iterator[None]:
+    """Where a folder's own code `own` (config.json's auto_map) is trusted, transformers imports it: whatever fails
+    there (a missing file or class, the code raising) is one line naming the class, not a traceback from inside
+    transformers or the code."""
+    if own is None:
+        yield
+        return
+    try:
+        yield
+    except UserError:
+        raise
+    except Exception as exc:  # the folder's own code: any exception of it is the folder's fault
+        reason = (str(exc).strip().splitlines() or [""])[0].split(" Checkout ")[0]
+        raise UserError(
+            f"model.name_or_path: the model's own code {own} (config.json's auto_map, trusted by --trust-remote-code) "
+            f"cannot build it: {type(exc).__name__}: {reason}"
+        ) from None
+
+
+def _own_config_class(folder: Path, trusted: bool) -> str | None:
+    """The config class a trusted folder's auto_map names (None where it names none or is not trusted)."""
+    if not trusted:
+        return None
+    try:
+        auto_map = json.loads((folder / "config.json").read_text()).get("auto_map")
+    except (OSError, ValueError, AttributeError):
+        return None  # an unreadable config.json is reported by _hf_config, which reads it next
+    return auto_map.get("AutoConfig") if isinstance(auto_map, dict) else None
 
 
 def _refuse_attention(exc: ValueError, requested: str) -> None:
