@@ -239,3 +239,22 @@ def test_the_grpo_example_learns(tmp_path):
     assert [r["step"] for r in records] == list(range(1, 16))
     first, last = (sum(r["reward"] for r in part) / 5 for part in (records[:5], records[-5:]))
     assert last > first + 0.3, (first, last)
+
+
+ENDS_ITS_GROUP_AT_EXIT = """
+import atexit, sys
+import torch.distributed as dist
+import fsdp2kit
+atexit.register(lambda: print(f"a group at exit: {dist.is_initialized()}", flush=True))  # the first in: runs last
+config = {"model": {"config": {"num_hidden_layers": 1}}, "training": {"output_dir": sys.argv[1], "max_steps": 1}}
+fsdp2kit.Strategy.from_config(config).train_step([{"input_ids": __import__("torch").arange(16).reshape(2, 8)}])
+"""
+
+
+def test_a_script_that_never_calls_shutdown_has_no_group_left_at_interpreter_exit(tmp_path):
+    """A script that never calls shutdown left its group to the interpreter's teardown, which destroys its C++
+    threads while joinable: now and then SIGABRT ("terminate called without an active exception") after a finished
+    run (issue 34: test_store then the 2-rank ulysses loss). The group is gone before that teardown."""
+    result = run_python("-c", ENDS_ITS_GROUP_AT_EXIT, tmp_path / "out", timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.splitlines()[-1] == "a group at exit: False"
