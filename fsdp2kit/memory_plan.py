@@ -21,7 +21,6 @@ import contextlib
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -39,6 +38,7 @@ from fsdp2kit.errors import UserError
 from fsdp2kit.models.sharded import build_sharded_model
 from fsdp2kit.parallel.activation_offload import Departed, apply_activation_offload
 from fsdp2kit.parallel.document_attention import document_route
+from fsdp2kit.parallel.fsdp import before_micro_batch, stays_gathered
 from fsdp2kit.parallel.token_logprobs import chunk_tokens, install_token_head
 from fsdp2kit.train.memory import tracker_peak
 from fsdp2kit.train.optim import build_optimizer
@@ -163,10 +163,10 @@ def _trace(cfg: JobConfig, world_size: int) -> dict[str, object]:
             tracker = FSDPMemTracker(model, optimizer)
             tracker.track_inputs(tuple(micro_batches))
             with tracker:
+                gathered, each = stays_gathered(model), cfg.strategy_args.strategy_config.sync_each_batch
                 for _ in range(2):  # the second step is the steady state: optimizer states exist during backward
                     for index, batch in enumerate(micro_batches):
-                        sync = cfg.strategy_args.strategy_config.sync_each_batch or index == accumulation - 1
-                        cast(FSDPModule, model).set_requires_gradient_sync(sync)
+                        before_micro_batch(model, index == accumulation - 1, each, gathered)
                         if sharded.sp_group is not None:
                             with unset_fake_temporarily():
                                 batch = sharded.variant.shard_batch(batch, sharded.sp_group)

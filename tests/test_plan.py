@@ -223,6 +223,24 @@ def test_reshard_after_forward_frees_the_gathered_weights(gloo, reshard):
     assert not isinstance(model.model.embed_tokens.weight, DTensor)  # the root stays gathered for backward
 
 
+@pytest.mark.parametrize("reshard", [True, False])
+def test_gathered_groups_are_released_after_the_last_micro_batch_only(gloo, reshard):
+    """reshard_after_forward false (ZeRO-2, NO_SHARD): the next micro-batch's forward would gather every group again
+    and hold it, so the groups stay gathered until the step's last backward (one gather per step, not one per
+    micro-batch). Groups resharded after forward are released after every backward."""
+    model = sharded(gloo, {"reshard_after_forward": reshard})
+    cfg = TrainingConfig(learning_rate=1e-2)
+    guard = NonFiniteGuard(cfg.max_nonfinite_steps, LossScaler(False, cfg.fp16_initial_scale))
+    weight = model.model.layers[0].mlp.up_proj
+    released: list[bool] = []
+    done = lambda: released.append(isinstance(weight.weight, DTensor))  # noqa: E731
+    result = train_step(
+        model, [token_batch()] * 3, build_optimizer(model, cfg), None, guard, 1.0, on_micro_batch_done=done
+    )
+    assert result.applied
+    assert released == ([True] * 3 if reshard else [False, False, True])
+
+
 # Which modules get their own fully_shard.
 
 

@@ -96,6 +96,23 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan) -> list[F
     return groups
 
 
+def stays_gathered(model: nn.Module) -> bool:
+    """Whether every shard group keeps its gathered parameters after forward (reshard_after_forward false: ZeRO-2,
+    NO_SHARD). Then nothing more is held if they stay gathered between the micro-batches of a step too, since the
+    next forward gathers them all again and holds them to its end; FSDP1's SHARD_GRAD_OP does the same."""
+    states = {id(m._get_fsdp_state()): m._get_fsdp_state() for m in model.modules() if isinstance(m, FSDPModule)}
+    return bool(states) and all(_live_reshard(state) in (False, None) for state in states.values())
+
+
+def before_micro_batch(model: nn.Module, last: bool, sync_each_batch: bool, gathered: bool) -> None:
+    """Gradients reduced after the last micro-batch of a step only (or after each, `sync_each_batch`); where the
+    groups stay gathered (`stays_gathered`), they are released after the last one only: one gather (or, on a shard
+    group of one, one copy) per step instead of one per micro-batch."""
+    cast(FSDPModule, model).set_requires_gradient_sync(sync_each_batch or last)
+    if gathered:
+        cast(FSDPModule, model).set_reshard_after_backward(last)
+
+
 def model_class_name(model: nn.Module) -> str:
     """The model's own class name: fully_shard swaps the root's class for an `FSDP<Class>` subclass of it."""
     return next(c.__name__ for c in type(model).__mro__ if not issubclass(c, FSDPModule))

@@ -19,6 +19,7 @@ from torch.optim.lr_scheduler import LRScheduler
 from fsdp2kit.data.dataset import input_token_count, model_inputs
 from fsdp2kit.errors import UserError
 from fsdp2kit.labels import IGNORE_INDEX
+from fsdp2kit.parallel.fsdp import before_micro_batch, stays_gathered
 from fsdp2kit.parallel.token_logprobs import TokenRequest, token_request
 from fsdp2kit.parallel.ulysses import shard_sequence
 from fsdp2kit.train.grads import NonFiniteGuard, all_reduce_replicated_grads, clip_grad_norm, scale_grads_
@@ -142,9 +143,11 @@ def _forward_backward(
         {},
         True,
     )
+    sharded = isinstance(model, FSDPModule)
+    gathered = sharded and stays_gathered(model)
     for index, batch in enumerate(micro_batches):
-        if isinstance(model, FSDPModule):  # reduce-scatter once per step (unless run.sync_each_batch)
-            model.set_requires_gradient_sync(run.sync_each_batch or index == len(micro_batches) - 1)
+        if sharded:  # reduce once per step (unless run.sync_each_batch)
+            before_micro_batch(model, index == len(micro_batches) - 1, run.sync_each_batch, gathered)
         if run.sp_group is not None:
             batch = run.shard_batch(batch, run.sp_group)  # this rank's slice of the tokens
         terms = loss(model, index, batch, run.aux_loss_weight)
