@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from conftest import make_hf_folder, run_cli, set_args
+from conftest import REPO, make_hf_folder, run_cli, set_args
 
 from fsdp2kit.data.builtin import corpus_documents
 
@@ -70,5 +70,32 @@ def test_infer_says_which_samples_it_cut_at_seq_len(tmp_path):
     records = [json.loads(line) for line in (tmp_path / "o" / "infer.jsonl").read_text().splitlines()][:-1]
     assert [(r["truncated"], r["num_tokens"]) for r in records] == [(True, 15), (False, records[1]["num_tokens"])]
     assert "infer: 1 of 2 samples are longer than data.seq_len = 16 and were scored on their first part" in (
+        result.stdout
+    )
+
+
+def test_infer_says_which_conversations_it_cut_at_seq_len(tmp_path, run_main):
+    """Conversations longer than data.seq_len were scored on their first part without a word (issue 34: 6/0/0
+    tokens instead of 18/57/13): each is marked and counted in one line; a short one is scored whole."""
+    folder = tmp_path / "model"
+    make_hf_folder(folder, "tiny-llama")
+    turns = [("hi", "hello there"), ("say more " * 40, "more words " * 40)]
+    data = tmp_path / "chats.jsonl"
+    data.write_text(
+        "".join(
+            json.dumps({"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}) + "\n"
+            for q, a in turns
+        )
+    )
+    template = REPO / "tests" / "fixtures" / "chat_templates" / "chatml.jinja"
+    given = {"model.name_or_path": str(folder), "data.source": str(data), "training.output_dir": str(tmp_path / "o")}
+    settings = {"strategy_args.strategy_name": "fsdp2_infer", "data.seq_len": 64, "data.chat_template": str(template)}
+    settings["data.cache_dir"] = str(tmp_path)
+    result = run_main("infer", "examples/demo.yaml", *set_args({**given, **settings}))
+    assert result.returncode == 0, result.stderr
+    records = [json.loads(line) for line in (tmp_path / "o" / "infer.jsonl").read_text().splitlines()][:-1]
+    assert [r["truncated"] for r in records] == [False, True]
+    assert records[0]["num_tokens"] > 0
+    assert "infer: 1 of 2 samples are longer than data.seq_len = 64 and were scored on their first part" in (
         result.stdout
     )
