@@ -282,8 +282,12 @@ def test_packed_positions_restart_at_each_document(tokenizer, tmp_path):
     "source, message",
     [
         ("{tmp}/missing.jsonl", "data.source: no such file '{tmp}/missing.jsonl'"),
-        ("{tmp}/folder", "data.source: folder '{tmp}/folder' holds no training data files (*.jsonl, *.parquet, *.txt)"),
-        ("{tmp}/*.*", "data.source: '{tmp}/*.*' must be *.jsonl, *.parquet or *.txt files of one kind"),
+        (
+            "{tmp}/folder",
+            "data.source: folder '{tmp}/folder' holds no training data files (*.jsonl, *.json, *.parquet or *.txt)",
+        ),
+        ("{tmp}/*.*", "data.source: '{tmp}/*.*' must be *.jsonl, *.json, *.parquet or *.txt files of one kind"),
+        ("{tmp}/run.sh", "data.source: '{tmp}/run.sh' must be *.jsonl, *.json, *.parquet or *.txt files of one kind"),
         (
             "{tmp}/fields.jsonl",
             "data.text_key: '{tmp}/fields.jsonl' has no field 'text' (nor both 'prompt' and 'response' "
@@ -296,6 +300,7 @@ def test_bad_sources_are_one_sentence(tmp_path, source, message):
     (tmp_path / "folder").mkdir()
     write_jsonl(tmp_path / "fields.jsonl", [{"prompt": "p", "answer": "a"}])
     (tmp_path / "notes.txt").write_text("x\n")
+    (tmp_path / "run.sh").write_text("echo\n")  # a file of no data kind
     with pytest.raises(UserError) as error:
         load_documents(DataConfig(source=source.format(tmp=tmp_path)))
     assert str(error.value) == message.format(tmp=tmp_path)

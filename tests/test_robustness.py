@@ -643,7 +643,7 @@ def test_check_reports_the_files_the_config_names_and_creates_nothing(tmp_path, 
     assert not (tmp_path / "not").exists()
     (data.parent / "extra.txt").write_text("text\n")
     result = run_main("check", DEMO, "--set", f"data.source={tmp_path}/*.*", "--set", f"model.name_or_path={model}")
-    assert_one_line_error(result, 2, f"data.source: '{tmp_path}/*.*' must be *.jsonl, *.parquet or *.txt files of one")
+    assert_one_line_error(result, 2, f"data.source: '{tmp_path}/*.*' must be *.jsonl, *.json, *.parquet or *.txt files")
 
 
 def _damaged_checkpoint(saved_run, tmp_path):

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 _FILE_KINDS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text"}
+_KINDS_NAMED = "*.jsonl, *.json, *.parquet or *.txt"  # what the refusals say a data file may be
 
 
 class PromptResponse(NamedTuple):
@@ -89,7 +90,7 @@ def _files_of(source: str | list[str]) -> list[Path]:
         raise UserError(f"data.source: {named}")
     kinds = {_FILE_KINDS.get(Path(f).suffix) for f in files}
     if None in kinds or len(kinds) > 1:
-        raise UserError(f"data.source: '{source}' must be *.jsonl, *.parquet or *.txt files of one kind")
+        raise UserError(f"data.source: '{source}' must be {_KINDS_NAMED} files of one kind")
     return [Path(f) for f in files]
 
 
@@ -135,7 +136,7 @@ def _folder_files(folder: Path) -> list[str]:
     ]
     train = [str(f) for f in files if not _SPLIT_WORDS.search(str(f.relative_to(folder)).lower())]
     if not train:
-        raise UserError(f"data.source: folder '{folder}' holds no training data files (*.jsonl, *.parquet, *.txt)")
+        raise UserError(f"data.source: folder '{folder}' holds no training data files ({_KINDS_NAMED})")
     return train
 
 
