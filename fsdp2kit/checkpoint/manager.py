@@ -84,8 +84,9 @@ def replaceable_problem(target: Path) -> str | None:
         probe, name = tempfile.mkstemp(prefix=".probe-", dir=target.parent)
         os.close(probe)
         os.unlink(name)
-    except OSError as exc:
-        return f"'{target.parent}' cannot be written ({exc.strerror or exc}): the checkpoint cannot be saved there"
+    except OSError as exc:  # mkdir says "File exists" where the folder to hold it is a file
+        reason = "it is a file, not a folder" if target.parent.is_file() else exc.strerror or exc
+        return f"'{target.parent}' cannot be written ({reason}): the checkpoint cannot be saved there"
     return None
 
 
