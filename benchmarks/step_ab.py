@@ -7,7 +7,9 @@ Pairs: `full_shard` — fsdp2kit's default against `fully_shard` on each layer a
 NO_SHARD against torch's DistributedDataParallel with `no_sync` during accumulation (what Accelerate runs on CPU).
 Both sides get synthetic batches (`--synthetic-batches` of the reference loop), or fsdp2kit's own pipeline batches
 with `--pipeline-batches` (document masks included). Prints one JSON object: per world size each side's median
-step seconds (the first step left out) and the ratio of speeds fsdp2kit / reference.
+step seconds (the first step left out) and the ratio of speeds fsdp2kit / reference; the median of the steps' paired
+ratios (each step's two sides ran back to back, so a change in the machine's load hits both); and each side's CPU
+seconds per step on rank 0 (the step's own work, without waiting on a rank another job slowed).
 
 Run: .venv/bin/python benchmarks/step_ab.py [--pair full_shard] [--world-sizes 1 2] [--steps 12]
 """
@@ -68,13 +70,15 @@ def worker(args: argparse.Namespace) -> None:
         "reference": lambda batches: minimal_step(loop, batches),
     }
     seconds: dict[str, list[float]] = {name: [] for name in sides}
+    cpu: dict[str, list[float]] = {name: [] for name in sides}
     for index, batches in enumerate(steps):
         for name in list(sides)[:: 1 if index % 2 == 0 else -1]:
-            started = time.perf_counter()
+            started, started_cpu = time.perf_counter(), time.process_time()
             sides[name](batches)
             seconds[name].append(time.perf_counter() - started)
+            cpu[name].append(time.process_time() - started_cpu)
     if rank == 0:
-        Path(args.out).write_text(json.dumps(seconds))
+        Path(args.out).write_text(json.dumps({"step_s": seconds, "cpu_s": cpu}))
     dist.destroy_process_group()
 
 
@@ -105,11 +109,19 @@ def main() -> None:
             done = subprocess.run(command, env=_env(), capture_output=True, text=True)
             if done.returncode:
                 raise SystemExit(f"{' '.join(command)} failed:\n{done.stderr[-3000:]}")
-            seconds = json.loads(out.read_text())
+            measured = json.loads(out.read_text())
+            seconds, cpu = measured["step_s"], measured["cpu_s"]
             median = {name: statistics.median(values[1:]) for name, values in seconds.items()}
+            paired = [ref / ours for ref, ours in zip(seconds["reference"][1:], seconds["fsdp2kit"][1:], strict=True)]
+            median_cpu = {name: statistics.median(values[1:]) for name, values in cpu.items()}
             results[str(nproc)] = {
                 "median_step_s": median,
                 "ratio_speed": median["reference"] / median["fsdp2kit"],
+                # each step's two sides ran back to back: the median of their ratios follows the machine's load
+                "ratio_speed_paired": statistics.median(paired),
+                # this rank's CPU seconds: the step's own work, without the waits another job's load adds
+                "median_cpu_s": median_cpu,
+                "ratio_cpu": median_cpu["reference"] / median_cpu["fsdp2kit"],
                 "step_s": seconds,
             }
     report = {"benchmark": "step_ab", "pair": args.pair, "pipeline_batches": args.pipeline_batches}
