@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from functools import cache
 from pathlib import Path
 
@@ -506,20 +507,46 @@ def test_empty_answers_and_system_only_conversations_train_nothing_and_are_count
             "took more than 1 s; the template loops without bound",
         ),
         ("{{ 'x' * 3000000 }}", 60, "more than 1,000,000; it writes text of its own without bound"),
+        ("{{ 'x' * 1000000000 }}", 60, "builds a value of 1,000,000,000 characters (str * int), more than 1,000,000"),
+        ("{{ 'x' * 10 ** 9 }}", 60, "builds a value of 1,000,000,000 characters (str * int), more than 1,000,000"),
+        (
+            "{{ ([0] * 10 ** 9) | length }}",
+            60,
+            "builds a value of 1,000,000,000 items (list * int), more than 1,000,000",
+        ),
+        (
+            "{% set ns = namespace(s='x') %}{% for i in range(40) %}{% set ns.s = ns.s + ns.s %}{% endfor %}",
+            60,
+            "characters (str + str), more than 1,000,000",
+        ),
     ],
-    ids=["nested_loops", "huge_string"],
+    ids=["nested_loops", "huge_string", "constant_string", "constant_power", "constant_list", "doubling"],
 )
 def test_a_template_that_renders_without_bound_is_one_line(template, seconds, message, monkeypatch):
     """Jinja's sandbox blocks escapes, not work: nested range(100000) loops ran for hours and a huge string was
     killed for memory. Each rendering is bounded in time (10 s; 1 s here for the loops) and in length (256M
-    characters; 1M here)."""
+    characters; 1M here), and so is each value it builds: Jinja computed constant ones (`'x' * 10 ** 9`, even where
+    never rendered) while compiling, before those bounds, in 4 GB and 20 s; they are refused at once."""
     import fsdp2kit.data.chat as chat
 
     monkeypatch.setattr(chat, "RENDER_SECONDS", seconds)
     monkeypatch.setattr(chat, "MAX_RENDERED_CHARS", 1_000_000)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir())
-    with pytest.raises(UserError, match=re.escape(message)):
+    start = time.monotonic()
+    with pytest.raises(UserError, match=re.escape(message)) as refused:
         ChatTemplate(tokenizer, template + "{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    assert "\n" not in str(refused.value) and time.monotonic() - start < seconds + 2
+    if seconds == 60:  # the values are refused before they are built, not after a rendering's 10 s
+        assert time.monotonic() - start < 2
+
+
+def test_a_huge_constant_that_a_template_never_renders_costs_nothing():
+    """Jinja computed `'y' * 10 ** 9` while compiling, though the template never renders it: 4 GB and 20 s, then
+    refused as a template that loops. It is computed where it is rendered, so here never."""
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir())
+    start = time.monotonic()
+    template = ChatTemplate(tokenizer, "{% if false %}{{ 'y' * 10 ** 9 }}{% endif %}{{ messages[0]['content'] }}")
+    assert template.render([{"role": "user", "content": "hi"}]) == "hi" and time.monotonic() - start < 2
 
 
 # A template that writes no header when asked (add_generation_prompt ignored): the turns before an answer render

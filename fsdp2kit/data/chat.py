@@ -24,8 +24,12 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
+
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from transformers.utils import chat_template_utils as hf_chat
 
 from fsdp2kit.config.schema import DataConfig
 from fsdp2kit.errors import UserError
@@ -43,6 +47,7 @@ _SHAREGPT_ROLES = {
 }
 # A template is code from a file: what one rendering may cost. Jinja's sandbox blocks escapes, not loops (nested
 # range(100000) runs for hours) nor {{ 'x' * 10**9 }}; a conversation is at most data.max_document_bytes of JSON.
+# The length bounds both the text rendered and each string, list or number the template builds (`_BoundedSandbox`).
 RENDER_SECONDS = 10
 MAX_RENDERED_CHARS = 256 << 20
 
@@ -74,6 +79,70 @@ def _time_limit(seconds: int) -> Iterator[None]:
         signal.signal(signal.SIGALRM, previous)
         if remaining:
             signal.setitimer(signal.ITIMER_REAL, max(remaining - (time.monotonic() - start), 1e-3), interval)
+
+
+class _ValueTooLong(Exception):
+    """Raised by the sandbox for an operation whose value would be longer than a rendering may be."""
+
+
+def _operation_size(operator: str, left: Any, right: Any) -> tuple[int, str]:
+    """How long the value of `left operator right` would be, and in what, without computing it: repeated or joined
+    strings and lists, and powers of whole numbers (in digits); 0 for anything else."""
+    if operator == "*" and isinstance(right, int) and isinstance(left, (str, list, tuple)):
+        left, right = right, left
+    if operator == "*" and isinstance(left, int) and isinstance(right, (str, list, tuple)):
+        return len(right) * left, "characters" if isinstance(right, str) else "items"
+    if operator == "+" and isinstance(left, (str, list, tuple)) and isinstance(right, type(left)):
+        return len(left) + len(right), "characters" if isinstance(left, str) else "items"
+    if operator == "**" and isinstance(left, int) and isinstance(right, int) and abs(left) > 1 and right > 0:
+        return math.ceil(right * math.log10(abs(left))), "digits"
+    return 0, ""
+
+
+class _BoundedSandbox(ImmutableSandboxedEnvironment):
+    """transformers' sandbox for chat templates whose `*`, `**` and `+` refuse a value longer than a rendering may
+    be. Jinja computes constant operations while compiling (`{{ 'x' * 10**9 }}` took 4 GB before the rendering's
+    bounds applied) except those the sandbox intercepts, which run here, when rendering."""
+
+    intercepted_binops = frozenset({"*", "**", "+"})
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        size, unit = _operation_size(operator, left, right)
+        if size > MAX_RENDERED_CHARS:
+            what = f"{type(left).__name__} {operator} {type(right).__name__}"
+            raise _ValueTooLong(f"a value of {size:,} {unit} ({what}), more than {MAX_RENDERED_CHARS:,}")
+        return super().call_binop(context, operator, left, right)
+
+
+@lru_cache
+def _compiled(template: str) -> Any:
+    """The template compiled as transformers compiles it (the same sandbox options, extensions, filters, tests and
+    globals: `raise_exception`, `tojson`, `{% generation %}`...), in the bounded sandbox."""
+    theirs = hf_chat._compile_jinja_template("").environment
+    environment = _BoundedSandbox(
+        trim_blocks=theirs.trim_blocks,
+        lstrip_blocks=theirs.lstrip_blocks,
+        extensions=[type(extension) for extension in theirs.extensions.values()],
+    )
+    for own, given in ((environment.filters, theirs.filters), (environment.tests, theirs.tests)):
+        own.update(given)
+    environment.globals.update(theirs.globals)
+    environment.policies.update(theirs.policies)
+    return environment.from_string(template)
+
+
+def _render(tokenizer: Any, template: str, messages: list[dict], tools: list | None, generation_prompt: bool) -> str:
+    """`tokenizer.apply_chat_template(messages, tools, chat_template=template, tokenize=False)` step for step (the
+    messages' None values dropped, reasoning aliased, the special tokens as variables), in the bounded sandbox."""
+    chat = hf_chat._alias_reasoning_fields(hf_chat._plain_template_data(hf_chat._normalize_chat_messages(messages)))
+    variables = hf_chat._plain_template_data(dict(tokenizer.special_tokens_map))
+    return _compiled(template).render(
+        messages=chat,
+        tools=hf_chat._plain_template_data(tools),
+        documents=None,
+        add_generation_prompt=generation_prompt,
+        **variables,
+    )
 
 
 _PROBE_QUESTION, _PROBE_ANSWER = "fsdp2kit-probe-question", "fsdp2kit-probe-answer"
@@ -360,17 +429,15 @@ class ChatTemplate:
     def render(self, messages: list[dict], tools: list | None = None, generation_prompt: bool = False) -> str:
         try:
             with _time_limit(RENDER_SECONDS):
-                text = self.tokenizer.apply_chat_template(
-                    messages,
-                    tools=tools,
-                    chat_template=self.template,
-                    tokenize=False,
-                    add_generation_prompt=generation_prompt,
-                )
+                text = _render(self.tokenizer, self.template, messages, tools, generation_prompt)
         except _RenderTimeout:
             raise UserError(
                 f"data.chat_template: rendering one conversation took more than {RENDER_SECONDS} s; the template "
                 "loops without bound"
+            ) from None
+        except _ValueTooLong as exc:
+            raise UserError(
+                f"data.chat_template: the template builds {exc}; it writes text of its own without bound"
             ) from None
         except Exception as exc:  # jinja raises TemplateError, and templates raise_exception with their own words
             raise UserError(f"data.chat_template: rendering a conversation failed: {exc}") from None
