@@ -114,11 +114,17 @@ class _BoundedSandbox(ImmutableSandboxedEnvironment):
         return super().call_binop(context, operator, left, right)
 
 
+# transformers' own steps before rendering, bound here so that a transformers without them fails at import, loudly,
+# rather than inside a rendering, where the error would read as the template's.
+_normalize_messages, _plain_data = hf_chat._normalize_chat_messages, hf_chat._plain_template_data
+_alias_reasoning, _compile_theirs = hf_chat._alias_reasoning_fields, hf_chat._compile_jinja_template
+
+
 @lru_cache
 def _compiled(template: str) -> Any:
     """The template compiled as transformers compiles it (the same sandbox options, extensions, filters, tests and
     globals: `raise_exception`, `tojson`, `{% generation %}`...), in the bounded sandbox."""
-    theirs = hf_chat._compile_jinja_template("").environment
+    theirs = _compile_theirs("").environment
     environment = _BoundedSandbox(
         trim_blocks=theirs.trim_blocks,
         lstrip_blocks=theirs.lstrip_blocks,
@@ -134,11 +140,11 @@ def _compiled(template: str) -> Any:
 def _render(tokenizer: Any, template: str, messages: list[dict], tools: list | None, generation_prompt: bool) -> str:
     """`tokenizer.apply_chat_template(messages, tools, chat_template=template, tokenize=False)` step for step (the
     messages' None values dropped, reasoning aliased, the special tokens as variables), in the bounded sandbox."""
-    chat = hf_chat._alias_reasoning_fields(hf_chat._plain_template_data(hf_chat._normalize_chat_messages(messages)))
-    variables = hf_chat._plain_template_data(dict(tokenizer.special_tokens_map))
+    chat = _alias_reasoning(_plain_data(_normalize_messages(messages)))
+    variables = _plain_data(dict(tokenizer.special_tokens_map))
     return _compiled(template).render(
         messages=chat,
-        tools=hf_chat._plain_template_data(tools),
+        tools=_plain_data(tools),
         documents=None,
         add_generation_prompt=generation_prompt,
         **variables,
