@@ -285,6 +285,14 @@ def _plan(args: argparse.Namespace, world_size: int) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The `fsdp2kit` command. Without `argv` it runs this process's own command line (`fsdp2kit`, `python -m
+    fsdp2kit`): a process that ends with the command, so once a stop signal has stopped its work it ignores the
+    ones after it (one line, then the exit, with no KeyboardInterrupt traceback); an in-process caller passes
+    `argv` and gets its own handlers back."""
+    if argv is None:
+        from fsdp2kit.train.interrupt import PROCESS_STOP
+
+        PROCESS_STOP.for_this_process = True
     code = _command(argv)
     # A finished command's model and device meshes are cyclic garbage that still holds the process group: collected
     # here, while the interpreter is whole, so the group's gloo and TCPStore threads are joined now rather than torn

@@ -787,12 +787,38 @@ def test_save_checkpoint_replaces_only_an_earlier_checkpoint(tmp_path):
         shutdown()
 
 
+def _sigint_until_it_exits(process, first=True):
+    """Ctrl-C as an impatient user (or a process group) gives it: `first`, twice in a row (the second arrives while
+    the work unwinds, or with the first as one), then again every few milliseconds from its error line until it
+    exits, so one lands in the report, a finaliser and the interpreter's exit. Returns its exit code and stderr."""
+    import signal
+    import threading
+    import time
+
+    watchdog = threading.Timer(120, process.kill)  # a hang fails the test, not the suite
+    watchdog.start()
+    if first:
+        process.send_signal(signal.SIGINT)
+        process.send_signal(signal.SIGINT)
+    said = []
+    for line in process.stderr:
+        said.append(line)
+        if line.startswith("error: "):
+            break
+    while process.poll() is None:
+        process.send_signal(signal.SIGINT)
+        time.sleep(0.002)
+    said.append(process.stderr.read())
+    watchdog.cancel()
+    return process.returncode, "".join(said)
+
+
 def test_sigint_to_prepare_stops_it_with_one_line(tmp_path):
     """SIGINT to `prepare`'s process alone (a Ctrl-C, or a job scheduler) was a KeyboardInterrupt traceback, then a
     wait on a thread until killed; a second one, another traceback. Now: one line and 130, nothing committed, for
-    one Ctrl-C or two (two in a row may arrive as one)."""
+    one Ctrl-C or two (two in a row may arrive as one), and the ones after the line are ignored (they raised
+    KeyboardInterrupt in a finaliser or the interpreter's exit: "Exception ignored in ..." after the line)."""
     import os
-    import signal
     import subprocess
     import sys
     import time
@@ -810,14 +836,50 @@ def test_sigint_to_prepare_stops_it_with_one_line(tmp_path):
     deadline = time.monotonic() + 120
     while not list(cache.glob("*.tmp-*")) and prepare.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)  # until the store is being written: what prepare itself shows
-    prepare.send_signal(signal.SIGINT)
-    time.sleep(0.01)
-    if prepare.poll() is None:
-        prepare.send_signal(signal.SIGINT)
-    _, stderr = prepare.communicate(timeout=60)
-    line = assert_one_line_error(subprocess.CompletedProcess(command, prepare.returncode, "", stderr), 130, "SIGINT")
+    code, stderr = _sigint_until_it_exits(prepare)
+    assert len(stderr.splitlines()) == 1, stderr
+    line = assert_one_line_error(subprocess.CompletedProcess(command, code, "", stderr), 130, "SIGINT")
     assert line in (
         f"error: interrupted by SIGINT: the token store of {data} was not written",
         "error: SIGINT again: stopped at once",
     )
     assert not [p for p in cache.iterdir() if ".tmp-" not in p.name and not p.name.endswith(".lock")]
+
+
+def test_an_in_process_caller_gets_its_signal_handlers_back_after_a_stop():
+    """Only the command line's own process ignores the signals after a stop: pytest, or an RL framework that drives
+    the same code in its process, gets its Ctrl-C back (a KeyboardInterrupt, not a signal ignored for good)."""
+    import os
+    import signal
+
+    from fsdp2kit.errors import Interrupted
+    from fsdp2kit.train.interrupt import stopping_at_once
+
+    handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    with (
+        pytest.raises(Interrupted, match="interrupted by SIGINT: nothing was done"),
+        stopping_at_once("nothing was done"),
+    ):
+        os.kill(os.getpid(), signal.SIGINT)
+    assert {signum: signal.getsignal(signum) for signum in handlers} == handlers
+
+
+@pytest.mark.slow
+def test_sigint_after_train_stopped_is_ignored_until_it_exits(tmp_path, small_run):
+    """`train` stopped by SIGINT (here as its exports begin, inside the run's own stop handling) reports one line
+    and exits 130; the Ctrl-Cs after the line are ignored, not a KeyboardInterrupt traceback from its exit."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    command = [sys.executable, "-m", "fsdp2kit", "train", DEMO, *small_run, "--set", "training.max_steps=1"]
+    command += ["--set", "training.export_hf=true"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "FSDP2KIT_FAULT": "before_export:1:0:SIGINT"}
+    for name in ("RANK", "WORLD_SIZE"):
+        env.pop(name, None)
+    train = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    code, stderr = _sigint_until_it_exits(train, first=False)
+    assert stderr == "error: interrupted by SIGINT: the exports were not finished; checkpoint step_1 is intact\n"
+    assert code == 130

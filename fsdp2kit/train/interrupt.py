@@ -20,12 +20,33 @@ from fsdp2kit.errors import PENDING_INTERRUPTS, Interrupted, report_error
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
+class QuietAfterStop:
+    """Stop signals after the one that stopped the work, once the work has unwound and its handlers are gone: an
+    in-process caller (pytest, an RL framework driving `Strategy`) gets its own handlers back, but the command
+    line's own process ignores them until it exits. There a second Ctrl-C (or the process group's) would otherwise
+    raise KeyboardInterrupt into the one-line error report, a finaliser or the interpreter's exit: a traceback
+    after the line."""
+
+    def __init__(self) -> None:
+        self.for_this_process = False  # set once by the command line's entry point, never by an in-process caller
+        self.signum = 0  # the signal that stopped the work, 0 for none yet
+
+    def restore(self, previous: dict[signal.Signals, Any]) -> None:
+        """Put back the handlers the work replaced, or ignore the signals if this process's work was stopped."""
+        quiet = self.for_this_process and self.signum
+        for signum, handler in previous.items():
+            signal.signal(signum, signal.SIG_IGN if quiet else handler)
+
+
+PROCESS_STOP = QuietAfterStop()
+
+
 class StopSignals:
     """Installed for the run (main thread only); `requested()` is a collective: every rank must call it."""
 
     def __init__(self) -> None:
         self.signum = 0
-        self.previous: dict[int, Any] = {}
+        self.previous: dict[signal.Signals, Any] = {}
         # What a second signal abandons and what is intact, in words (the checkpoint manager knows, once it exists).
         self.abandon_message: Callable[[str], str] = lambda name: (
             f"{name} again: stopped at once; no checkpoint was being written"
@@ -34,7 +55,7 @@ class StopSignals:
     def _handle(self, signum: int, frame: object) -> None:
         if self.signum:  # the second one: do not wait for anything
             os._exit(report_error(self.abandon_message(signal.Signals(signum).name), 128 + signum))
-        self.signum = signum
+        self.signum = PROCESS_STOP.signum = signum
 
     def requested(self) -> int:
         """The signal any rank received (0 for none), the same on every rank."""
@@ -50,8 +71,7 @@ class StopSignals:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        for signum, handler in self.previous.items():
-            signal.signal(signum, handler)
+        PROCESS_STOP.restore(self.previous)
 
 
 @contextmanager
@@ -71,6 +91,7 @@ def stopping_at_once(outcome: str) -> Iterator[None]:
     def first(signum: int, frame: object) -> None:
         for stop in STOP_SIGNALS:
             signal.signal(stop, again)
+        PROCESS_STOP.signum = signum
         PENDING_INTERRUPTS.append(Interrupted(f"interrupted by {signal.Signals(signum).name}: {outcome}", signum))
         raise PENDING_INTERRUPTS[-1]
 
@@ -85,5 +106,4 @@ def stopping_at_once(outcome: str) -> Iterator[None]:
     finally:
         PENDING_INTERRUPTS.clear()
         sys.unraisablehook = previous_hook
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
+        PROCESS_STOP.restore(previous)
