@@ -519,8 +519,19 @@ def test_empty_answers_and_system_only_conversations_train_nothing_and_are_count
             60,
             "characters (str + str), more than 1,000,000",
         ),
+        ("{{ '%999999999d' % 1 }}", 60, "builds a value of 1,000,000,010 characters (str % int), more than 1,000,000"),
+        ("{{ '%(a).999999999f' % {'a': 1} }}", 60, "builds a value of 1,000,000,014 characters (str % dict)"),
     ],
-    ids=["nested_loops", "huge_string", "constant_string", "constant_power", "constant_list", "doubling"],
+    ids=[
+        "nested_loops",
+        "huge_string",
+        "constant_string",
+        "constant_power",
+        "constant_list",
+        "doubling",
+        "printf_width",
+        "printf_precision",
+    ],
 )
 def test_a_template_that_renders_without_bound_is_one_line(template, seconds, message, monkeypatch):
     """Jinja's sandbox blocks escapes, not work: nested range(100000) loops ran for hours and a huge string was

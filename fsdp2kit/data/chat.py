@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import signal
 import threading
 import time
@@ -96,15 +97,20 @@ def _operation_size(operator: str, left: Any, right: Any) -> tuple[int, str]:
         return len(left) + len(right), "characters" if isinstance(left, str) else "items"
     if operator == "**" and isinstance(left, int) and isinstance(right, int) and abs(left) > 1 and right > 0:
         return math.ceil(right * math.log10(abs(left))), "digits"
+    if operator == "%" and isinstance(left, str):  # printf widths and precisions pad: '%999999999d' % 1
+        return len(left) + sum(int(n) for sizes in _PRINTF_SIZES.findall(left) for n in sizes if n), "characters"
     return 0, ""
 
 
+_PRINTF_SIZES = re.compile(r"%(?:\([^)]*\))?[-+ #0]*(\d*)(?:\.(\d*))?")  # each conversion's width and precision
+
+
 class _BoundedSandbox(ImmutableSandboxedEnvironment):
-    """transformers' sandbox for chat templates whose `*`, `**` and `+` refuse a value longer than a rendering may
+    """transformers' sandbox for chat templates whose `*`, `**`, `+` and `%` refuse a value longer than a rendering may
     be. Jinja computes constant operations while compiling (`{{ 'x' * 10**9 }}` took 4 GB before the rendering's
     bounds applied) except those the sandbox intercepts, which run here, when rendering."""
 
-    intercepted_binops = frozenset({"*", "**", "+"})
+    intercepted_binops = frozenset({"*", "**", "+", "%"})
 
     def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
         size, unit = _operation_size(operator, left, right)
