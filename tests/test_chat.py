@@ -521,6 +521,17 @@ def test_empty_answers_and_system_only_conversations_train_nothing_and_are_count
         ),
         ("{{ '%999999999d' % 1 }}", 60, "builds a value of 1,000,000,010 characters (str % int), more than 1,000,000"),
         ("{{ '%(a).999999999f' % {'a': 1} }}", 60, "builds a value of 1,000,000,014 characters (str % dict)"),
+        (
+            "{% set ns = namespace(s='x') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}",
+            60,
+            "characters (~), more than 1,000,000",
+        ),
+        ("{% for i in range(1000) %}{{ 'x' * 999999 }}{% endfor %}", 60, "characters (the text it renders), more"),
+        (
+            "{% set s %}{% for i in range(1000) %}{{ 'x' * 999999 }}{% endfor %}{% endset %}",
+            60,
+            "characters (text written into a block), more than 1,000,000",
+        ),
     ],
     ids=[
         "nested_loops",
@@ -531,6 +542,9 @@ def test_empty_answers_and_system_only_conversations_train_nothing_and_are_count
         "doubling",
         "printf_width",
         "printf_precision",
+        "tilde_doubling",
+        "output_loop",
+        "block_loop",
     ],
 )
 def test_a_template_that_renders_without_bound_is_one_line(template, seconds, message, monkeypatch):

@@ -29,6 +29,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from jinja2 import nodes
+from jinja2.compiler import CodeGenerator, Frame
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from transformers.utils import chat_template_utils as hf_chat
 
@@ -105,12 +107,73 @@ def _operation_size(operator: str, left: Any, right: Any) -> tuple[int, str]:
 _PRINTF_SIZES = re.compile(r"%(?:\([^)]*\))?[-+ #0]*(\d*)(?:\.(\d*))?")  # each conversion's width and precision
 
 
+def _refuse_past_bound(size: int, what: str) -> None:
+    if size > MAX_RENDERED_CHARS:
+        raise _ValueTooLong(f"a value of {size:,} characters ({what}), more than {MAX_RENDERED_CHARS:,}")
+
+
+class _BoundedText(list):
+    """A rendering's buffer (a `{% set %}` block, a macro's body, the pieces a loop writes) that refuses to hold more
+    characters than a rendering may be: they would be joined into one string."""
+
+    def __init__(self, what: str = "text written into a block") -> None:
+        super().__init__()
+        self.size, self.what = 0, what
+
+    def append(self, piece: Any) -> None:
+        self.size += len(str(piece))
+        _refuse_past_bound(self.size, self.what)
+        super().append(piece)
+
+    def extend(self, pieces: Any) -> None:
+        for piece in pieces:
+            self.append(piece)
+
+
+class _BoundedCodeGenerator(CodeGenerator):
+    """Jinja's code generator with the sandbox's bounds on what it builds without a binary operator: `a ~ b`, block
+    buffers and the rendering's own output."""
+
+    def buffer(self, frame: Frame) -> None:
+        frame.buffer = self.temporary_identifier()
+        self.writeline(f"{frame.buffer} = environment.bounded_text()")
+
+    def visit_Concat(self, node: nodes.Concat, frame: Frame) -> None:
+        if frame.eval_ctx.volatile:  # the join Jinja's own visit_Concat picks
+            join = "(markup_join if context.eval_ctx.volatile else str_join)"
+        else:
+            join = "markup_join" if frame.eval_ctx.autoescape else "str_join"
+        self.write(f"environment.bounded_concat({join}, (")
+        for part in node.nodes:
+            self.visit(part, frame)
+            self.write(", ")
+        self.write("))")
+
+
 class _BoundedSandbox(ImmutableSandboxedEnvironment):
     """transformers' sandbox for chat templates whose `*`, `**`, `+` and `%` refuse a value longer than a rendering may
     be. Jinja computes constant operations while compiling (`{{ 'x' * 10**9 }}` took 4 GB before the rendering's
     bounds applied) except those the sandbox intercepts, which run here, when rendering."""
 
     intercepted_binops = frozenset({"*", "**", "+", "%"})
+    code_generator_class = _BoundedCodeGenerator
+
+    @staticmethod
+    def concat(pieces: Iterator[str]) -> str:  # type: ignore[override]
+        """The rendering's output, joined as Jinja joins it, refusing more characters than a rendering may be."""
+        text = _BoundedText("the text it renders")
+        text.extend(pieces)
+        return "".join(text)
+
+    @staticmethod
+    def bounded_text() -> _BoundedText:
+        return _BoundedText()
+
+    @staticmethod
+    def bounded_concat(join: Callable[[Any], str], parts: tuple) -> str:
+        """`a ~ b`: the length of the parts' text checked before it is joined."""
+        _refuse_past_bound(sum(len(str(part)) for part in parts), "~")
+        return join(parts)
 
     def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
         size, unit = _operation_size(operator, left, right)
