@@ -532,6 +532,12 @@ def test_empty_answers_and_system_only_conversations_train_nothing_and_are_count
             60,
             "characters (text written into a block), more than 1,000,000",
         ),
+        ("{{ 'x' | center(10 ** 9) }}", 60, "characters (the center filter), more than 1,000,000"),
+        ("{{ 'a\nb' | indent(10 ** 9, true) }}", 60, "characters (the indent filter), more than 1,000,000"),
+        ("{{ '%999999999d' | format(1) }}", 60, "characters (the format filter), more than 1,000,000"),
+        ("{{ {'a': [1]} | tojson(indent=10 ** 9) }}", 60, "characters (the tojson filter), more than 1,000,000"),
+        ("{{ ('x' * 999999) | replace('', 'yy') }}", 60, "characters (the replace filter), more than 1,000,000"),
+        ("{{ (['ab'] * 900000) | join('x' * 999) }}", 60, "characters (the join filter), more than 1,000,000"),
     ],
     ids=[
         "nested_loops",
@@ -545,6 +551,12 @@ def test_empty_answers_and_system_only_conversations_train_nothing_and_are_count
         "tilde_doubling",
         "output_loop",
         "block_loop",
+        "center",
+        "indent",
+        "format",
+        "tojson_indent",
+        "replace_empty",
+        "join_separator",
     ],
 )
 def test_a_template_that_renders_without_bound_is_one_line(template, seconds, message, monkeypatch):

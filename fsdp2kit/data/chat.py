@@ -203,7 +203,54 @@ def _compiled(template: str) -> Any:
         own.update(given)
     environment.globals.update(theirs.globals)
     environment.policies.update(theirs.policies)
+    environment.filters.update({name: _bounded_filter(name, environment.filters[name]) for name in _FILTER_SIZES})
     return environment.from_string(template)
+
+
+def _indent_size(text: Any, width: Any = 4, *_: Any) -> int:
+    return len(str(text)) + (str(text).count("\n") + 1) * (width if isinstance(width, int) else len(str(width)))
+
+
+def _json_size(value: Any, ensure_ascii: bool = False, indent: Any = None, *_: Any, **__: Any) -> int:
+    """An upper bound of the indented JSON's length: every line indented to the deepest level."""
+    compact = json.dumps(value, ensure_ascii=ensure_ascii, default=str)
+    step = indent if isinstance(indent, int) else len(str(indent or ""))
+    return len(compact) * (1 + step * (compact.count("[") + compact.count("{")))
+
+
+def _replace_size(text: Any, old: Any, new: Any, count: Any = None, *_: Any) -> int:
+    text, old, new = str(text), str(old), str(new)
+    return len(text) + (len(text) + 1 if not old else text.count(old)) * len(new)
+
+
+def _join_size(items: Any, separator: Any = "", *_: Any, **__: Any) -> int:
+    items = list(items) if not isinstance(items, (str, bytes)) else [items]
+    return sum(len(str(item)) for item in items) + len(str(separator)) * len(items)
+
+
+# The built-in filters whose result can be far longer than their inputs, with an upper bound of its length.
+_FILTER_SIZES: dict[str, Callable[..., int]] = {
+    "center": lambda value, width=80, *_: max(len(str(value)), width if isinstance(width, int) else 0),
+    "indent": _indent_size,
+    "format": lambda value, *args, **kwargs: _operation_size("%", str(value), args or kwargs)[0],
+    "tojson": _json_size,
+    "replace": _replace_size,
+    "join": _join_size,
+}
+
+
+def _bounded_filter(name: str, apply: Callable[..., Any]) -> Callable[..., Any]:
+    """`apply` (a filter), refused where its result would be longer than a rendering may be."""
+    size = _FILTER_SIZES[name]
+
+    def bounded(*args: Any, **kwargs: Any) -> Any:
+        shown = args[1:] if getattr(apply, "jinja_pass_arg", None) else args  # a context or environment first
+        _refuse_past_bound(size(*shown, **kwargs), f"the {name} filter")
+        return apply(*args, **kwargs)
+
+    if hasattr(apply, "jinja_pass_arg"):  # how Jinja calls it: with the environment or context first
+        bounded.jinja_pass_arg = apply.jinja_pass_arg  # type: ignore[attr-defined]
+    return bounded
 
 
 def _render(tokenizer: Any, template: str, messages: list[dict], tools: list | None, generation_prompt: bool) -> str:
