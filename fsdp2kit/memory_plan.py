@@ -27,7 +27,6 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from fsdp2kit.config import load_config
@@ -38,7 +37,7 @@ from fsdp2kit.errors import UserError
 from fsdp2kit.models.sharded import build_sharded_model
 from fsdp2kit.parallel.activation_offload import Departed, apply_activation_offload
 from fsdp2kit.parallel.document_attention import document_route
-from fsdp2kit.parallel.fsdp import before_micro_batch, stays_gathered
+from fsdp2kit.parallel.fsdp import before_micro_batch, fsdp_states, stays_gathered
 from fsdp2kit.parallel.token_logprobs import chunk_tokens, install_token_head
 from fsdp2kit.train.memory import tracker_peak
 from fsdp2kit.train.optim import build_optimizer
@@ -197,7 +196,7 @@ def computed_sizes(model: nn.Module) -> dict[str, int]:
     params = list(dict.fromkeys(model.parameters()))
     trainable = [p for p in params if p.requires_grad]
     groups = []  # unsharded bytes of each fully_shard group, in its compute dtype
-    for state in dict.fromkeys(m._get_fsdp_state() for m in model.modules() if isinstance(m, FSDPModule)):
+    for state in fsdp_states(model):
         if (group := state._fsdp_param_group) is not None:
             groups.append(
                 sum(fp._orig_size.numel() * (fp.param_dtype or fp.orig_dtype).itemsize for fp in group.fsdp_params)

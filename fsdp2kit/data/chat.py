@@ -107,9 +107,9 @@ def _operation_size(operator: str, left: Any, right: Any) -> tuple[int, str]:
 _PRINTF_SIZES = re.compile(r"%(?:\([^)]*\))?[-+ #0]*(\d*)(?:\.(\d*))?")  # each conversion's width and precision
 
 
-def _refuse_past_bound(size: int, what: str) -> None:
+def _refuse_past_bound(size: int, what: str, unit: str = "characters") -> None:
     if size > MAX_RENDERED_CHARS:
-        raise _ValueTooLong(f"a value of {size:,} characters ({what}), more than {MAX_RENDERED_CHARS:,}")
+        raise _ValueTooLong(f"a value of {size:,} {unit} ({what}), more than {MAX_RENDERED_CHARS:,}")
 
 
 class _BoundedText(list):
@@ -177,9 +177,7 @@ class _BoundedSandbox(ImmutableSandboxedEnvironment):
 
     def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
         size, unit = _operation_size(operator, left, right)
-        if size > MAX_RENDERED_CHARS:
-            what = f"{type(left).__name__} {operator} {type(right).__name__}"
-            raise _ValueTooLong(f"a value of {size:,} {unit} ({what}), more than {MAX_RENDERED_CHARS:,}")
+        _refuse_past_bound(size, f"{type(left).__name__} {operator} {type(right).__name__}", unit)
         return super().call_binop(context, operator, left, right)
 
 

@@ -80,13 +80,8 @@ def _refuse_own_code(folder: Path, trusted: bool) -> None:
     """A folder whose config.json names its own Python (`auto_map`) needs that code, which runs only when the user
     trusts it (docs/security.md). Untrusted, transformers would build its own class of the same model_type instead,
     or fail deep inside: refused in one line naming the class."""
-    if trusted:
-        return
-    try:
-        auto_map = json.loads((folder / "config.json").read_text()).get("auto_map")
-    except (OSError, ValueError, AttributeError):
-        return  # an unreadable config.json is reported by _hf_config, which reads it next
-    if not isinstance(auto_map, dict) or not auto_map:
+    auto_map = {} if trusted else _auto_map(folder)
+    if not auto_map:
         return
     chosen = next((auto_map[k] for k in ("AutoModelForCausalLM", "AutoModel", "AutoConfig") if k in auto_map), None)
     named = chosen if chosen is not None else next(iter(auto_map.values()))
@@ -296,13 +291,17 @@ def _own_code_errors(own: str | None) -> Iterator[None]:
 
 def _own_config_class(folder: Path, trusted: bool) -> str | None:
     """The config class a trusted folder's auto_map names (None where it names none or is not trusted)."""
-    if not trusted:
-        return None
+    return _auto_map(folder).get("AutoConfig") if trusted else None
+
+
+def _auto_map(folder: Path) -> dict:
+    """config.json's `auto_map` ({} where it has none; and where the file cannot be read, which _hf_config, reading
+    it next, reports)."""
     try:
         auto_map = json.loads((folder / "config.json").read_text()).get("auto_map")
     except (OSError, ValueError, AttributeError):
-        return None  # an unreadable config.json is reported by _hf_config, which reads it next
-    return auto_map.get("AutoConfig") if isinstance(auto_map, dict) else None
+        return {}
+    return auto_map if isinstance(auto_map, dict) else {}
 
 
 def _refuse_attention(exc: ValueError, requested: str) -> None:

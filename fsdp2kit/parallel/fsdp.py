@@ -100,8 +100,8 @@ def stays_gathered(model: nn.Module) -> bool:
     """Whether every shard group keeps its gathered parameters after forward (reshard_after_forward false: ZeRO-2,
     NO_SHARD). Then nothing more is held if they stay gathered between the micro-batches of a step too, since the
     next forward gathers them all again and holds them to its end; FSDP1's SHARD_GRAD_OP does the same."""
-    states = {id(m._get_fsdp_state()): m._get_fsdp_state() for m in model.modules() if isinstance(m, FSDPModule)}
-    return bool(states) and all(_live_reshard(state) in (False, None) for state in states.values())
+    states = fsdp_states(model)
+    return bool(states) and all(_live_reshard(state) in (False, None) for state in states)
 
 
 def before_micro_batch(model: nn.Module, last: bool, sync_each_batch: bool, gathered: bool) -> None:
@@ -135,11 +135,16 @@ def _set_prefetch(groups: list[FSDPModule], forward: int, backward: int) -> None
             group.set_modules_to_backward_prefetch(list(reversed(groups[max(0, i - backward) : i])))
 
 
+def fsdp_states(model: nn.Module) -> list[Any]:
+    """Each `fully_shard` call's (private) state, once, in module order: a group of several modules shares one."""
+    return list(dict.fromkeys(m._get_fsdp_state() for m in model.modules() if isinstance(m, FSDPModule)))
+
+
 def describe_groups(model: nn.Module) -> list[dict]:
     """Each `fully_shard` call as FSDP recorded it, read back from its (private) state so that `fsdp2kit check`
     shows what was done, not what was meant. A group is named by its first module ('' is the root)."""
     names = {id(m): n for n, m in model.named_modules()}
-    states = list(dict.fromkeys(m._get_fsdp_state() for m in model.modules() if isinstance(m, FSDPModule)))
+    states = fsdp_states(model)
 
     def name(state: Any) -> str:
         return names[id(state._modules[0])]
