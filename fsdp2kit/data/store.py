@@ -236,19 +236,22 @@ def _build(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, path: Path) -> N
         )
 
 
+def _progress_bar(rows: int) -> Any:
+    """A row counter on a terminal, without tqdm's monitor thread: tqdm starts one for every bar, shown or not, and
+    a Ctrl-C that lands while it starts was printed as a TqdmMonitorWarning beside the one-line stop."""
+    from tqdm.auto import tqdm
+
+    class Bar(tqdm):
+        monitor_interval = 0
+
+    return Bar(total=rows, unit=" rows", desc="token store", disable=not sys.stderr.isatty(), mininterval=1)
+
+
 def _write_store(
     documents: SourceDocuments, tokenizer: PreTrainedTokenizerBase, folder: Path, num_proc: int | None
 ) -> dict:
     """Tokenize row ranges with every core (or `num_proc`), appending each range's ids to the flat files in row
     order; memory stays a few ranges' worth whatever the corpus size."""
-    from tqdm.auto import tqdm
-
-    class Bar(tqdm):
-        """No monitor thread: tqdm starts one for every bar, shown or not, and a Ctrl-C that lands while it starts
-        was printed as a TqdmMonitorWarning beside the one-line stop."""
-
-        monitor_interval = 0
-
     started = time.perf_counter()
     dtype = np.uint16 if len(tokenizer) <= 1 << 16 else np.uint32
     rows = len(documents)
@@ -260,7 +263,7 @@ def _write_store(
         open(folder / "offsets.bin", "wb") as offsets_file,
         open(folder / "prompt_lengths.bin", "wb") as prompts_file,
         open(folder / "masks.bin", "wb") as masks_file,
-        Bar(total=rows, unit=" rows", desc="token store", disable=not sys.stderr.isatty(), mininterval=1) as bar,
+        _progress_bar(rows) as bar,
     ):
         offsets_file.write(np.zeros(1, np.int64).tobytes())
         for (start, stop), (tokens, lengths, prompt_lengths, text_bytes, masks, untrained) in zip(
