@@ -12,11 +12,19 @@ import os
 import signal
 import sys
 import tempfile
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from fsdp2kit.config.load import load_config, name_as_written
-from fsdp2kit.errors import ERROR_DIR_ENV, Interrupted, RunFault, TrainingDiverged, UserError, report_error
+from fsdp2kit.errors import (
+    ERROR_DIR_ENV,
+    PROCESS_STOP,
+    Interrupted,
+    RunFault,
+    TrainingDiverged,
+    UserError,
+    report_error,
+)
 
 if TYPE_CHECKING:
     from fsdp2kit.config.schema import JobConfig
@@ -197,13 +205,13 @@ def _launch(nproc: int, argv: list[str], output_dir: Path) -> int:
         except SignalException as stopped:
             code = _print_rank_report(Path(error_dir))
             if code is None:
-                print(f"error: stopped by {stopped.sigval.name}", file=sys.stderr)
+                print(f"error: stopped by {stopped.sigval.name}; {_intact(output_dir)}", file=sys.stderr)
             return code or 128 + int(stopped.sigval)
     return 0
 
 
 def _intact(output_dir: Path) -> str:
-    from fsdp2kit.checkpoint.manager import committed_checkpoints
+    from fsdp2kit.checkpoint.committed import committed_checkpoints
 
     complete = committed_checkpoints(output_dir / "checkpoints")
     if not complete:
@@ -212,8 +220,10 @@ def _intact(output_dir: Path) -> str:
 
 
 def _print_rank_report(error_dir: Path) -> int | None:
-    """Print the lowest rank's one-line error report; its exit code, or None when no rank wrote one."""
-    reports = sorted(error_dir.glob("rank*.json"), key=lambda p: int(p.stem[4:]))
+    """Print the first rank's one-line error report (the lowest rank of those written at once); its exit code, or
+    None when none wrote one. The first is the cause: a rank stopped by what another's exit brought about (the
+    launcher's SIGTERM to the survivors, a lost peer) reports later."""
+    reports = sorted(error_dir.glob("rank*.json"), key=lambda p: (p.stat().st_mtime_ns, int(p.stem[4:])))
     if not reports:
         return None
     report = json.loads(reports[0].read_text())
@@ -269,6 +279,7 @@ def _plan(args: argparse.Namespace, world_size: int) -> int:
     report = plan_report(source, world_size, args.budget_gb)
     if args.measure:
         from fsdp2kit.plan_measure import measure_candidates, print_measured, train_command
+        from fsdp2kit.train.interrupt import stopping_at_once
 
         command = train_command(args.config, world_size, args.role, args.fsdp_config)
         budget_bytes = int(args.budget_gb * GIB)
@@ -276,7 +287,9 @@ def _plan(args: argparse.Namespace, world_size: int) -> int:
         def fits(candidate: dict[str, object]) -> dict[str, object] | None:
             return planned_fit(source, world_size, budget_bytes, candidate)
 
-        measured = measure_candidates(command, args.overrides, candidate_configs(source), fits, args.measure_steps)
+        # Stopped by raising: the candidate's run is killed and its temporary folder removed on the way out.
+        with stopping_at_once("no configuration was chosen; the measuring runs were stopped and removed"):
+            measured = measure_candidates(command, args.overrides, candidate_configs(source), fits, args.measure_steps)
         report["budget"]["measured"] = measured  # type: ignore[index]
     print_plan(report, args.json)
     if args.measure and not args.json:
@@ -286,14 +299,13 @@ def _plan(args: argparse.Namespace, world_size: int) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """The `fsdp2kit` command. Without `argv` it runs this process's own command line (`fsdp2kit`, `python -m
-    fsdp2kit`): a process that ends with the command, so once a stop signal has stopped its work it ignores the
-    ones after it (one line, then the exit, with no KeyboardInterrupt traceback); an in-process caller passes
-    `argv` and gets its own handlers back."""
+    fsdp2kit`): a process that ends with the command, so a Ctrl-C is one line wherever it lands, and once a stop
+    signal has stopped its work it ignores the ones after it; an in-process caller passes `argv` and gets its own
+    handlers back."""
     if argv is None:
-        from fsdp2kit.train.interrupt import PROCESS_STOP
-
         PROCESS_STOP.for_this_process = True
-    code = _command(argv)
+        signal.signal(signal.SIGINT, PROCESS_STOP.stop_at_once)
+    code = _command(sys.argv[1:] if argv is None else argv)
     # A finished command's model and device meshes are cyclic garbage that still holds the process group: collected
     # here, while the interpreter is whole, so the group's gloo and TCPStore threads are joined now rather than torn
     # down during interpreter exit, which can abort the process after its result is reported.
@@ -301,11 +313,12 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
-def _command(argv: list[str] | None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+def _command(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     cfg = None
     try:
+        from fsdp2kit.config.load import load_config, name_as_written  # imported here: pydantic takes a second
+
         if args.command in ("convert", "report"):
             return _file_command(args)
         cfg = load_config(
@@ -315,6 +328,7 @@ def _command(argv: list[str] | None) -> int:
             strategy_file=args.fsdp_config,
             trust_remote_code=args.trust_remote_code,
         )
+        PROCESS_STOP.left_by_stop = partial(_left_by_interrupt, args.command, Path(cfg.training.output_dir))
         if args.command == "prepare":
             return _prepare(cfg, args.show)
         return _config_command(args, argv, cfg)
@@ -324,6 +338,16 @@ def _command(argv: list[str] | None) -> int:
         return report_error(str(exc), 1)
     except Interrupted as exc:
         return report_error(str(exc), exc.exit_code)
+
+
+def _left_by_interrupt(command: str, output_dir: Path) -> str:
+    """What a Ctrl-C outside the work's own handling leaves: a training run's complete checkpoints, an inference's
+    partial output, else nothing (a token store or a conversion is only ever committed whole)."""
+    if command == "train":
+        return _intact(output_dir)
+    if command == "infer" and (output_dir / "infer.jsonl").exists():
+        return f"'{output_dir / 'infer.jsonl'}' may be incomplete"
+    return "nothing was written"
 
 
 def _file_command(args: argparse.Namespace) -> int:

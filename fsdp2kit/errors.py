@@ -6,9 +6,11 @@ from __future__ import annotations
 import difflib
 import json
 import os
+import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 ERROR_DIR_ENV = "FSDP2KIT_ERROR_DIR"  # set by the --nproc launcher: ranks write their report there, it prints one
 
@@ -67,9 +69,40 @@ def why_not_a_file(path: str | Path) -> str:
     return "does not exist"
 
 
+class QuietAfterStop:
+    """Stop signals after the one that stopped the work, once the work has unwound and its handlers are gone: an
+    in-process caller (pytest, an RL framework driving `Strategy`) gets its own handlers back, but the command
+    line's own process ignores them until it exits. There a second Ctrl-C (or the process group's) would otherwise
+    raise KeyboardInterrupt into the one-line error report, a finaliser or the interpreter's exit: a traceback
+    after the line."""
+
+    def __init__(self) -> None:
+        self.for_this_process = False  # set once by the command line's entry point, never by an in-process caller
+        self.signum = 0  # the signal that stopped the work, 0 for none yet
+        self.left_by_stop: Callable[[], str] = lambda: "nothing was written"  # what a stop at once leaves, in words
+
+    def stop_at_once(self, signum: int, frame: object) -> None:
+        """The command line's SIGINT handler outside the work's own (torch importing, a model loading, the process
+        group ending): nothing is being written there, so the process ends at once with one line. Raised as
+        KeyboardInterrupt it would land anywhere: a traceback, a library's error in its place, or a half-imported
+        torch that crashes the interpreter's exit."""
+        self.signum = signum
+        message = f"interrupted by {signal.Signals(signum).name}; {self.left_by_stop()}"
+        os._exit(report_error(message, 128 + signum))
+
+    def restore(self, previous: dict[signal.Signals, Any]) -> None:
+        """Put back the handlers the work replaced, or ignore the signals if this process's work was stopped."""
+        quiet = self.for_this_process and self.signum
+        for signum, handler in previous.items():
+            signal.signal(signum, signal.SIG_IGN if quiet else handler)
+
+
+PROCESS_STOP = QuietAfterStop()
+
+
 def report_error(message: str, exit_code: int) -> int:
     """Tell the user one `error:` line: a rank under the --nproc launcher leaves it in the launcher's error folder
-    (the launcher prints the lowest rank's once); otherwise rank 0 prints it. Returns `exit_code`."""
+    (the launcher prints the first one written); otherwise rank 0 prints it. Returns `exit_code`."""
     error_dir = os.environ.get(ERROR_DIR_ENV)
     rank = os.environ.get("RANK", "0")
     if error_dir and Path(error_dir).is_dir():

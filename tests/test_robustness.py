@@ -883,3 +883,35 @@ def test_sigint_after_train_stopped_is_ignored_until_it_exits(tmp_path, small_ru
     code, stderr = _sigint_until_it_exits(train, first=False)
     assert stderr == "error: interrupted by SIGINT: the exports were not finished; checkpoint step_1 is intact\n"
     assert code == 130
+
+
+def test_sigint_while_train_starts_is_one_line_wherever_it_lands(tmp_path, small_run):
+    """A Ctrl-C before the run's own stop handling exists (torch importing, the config and the model loading) was a
+    KeyboardInterrupt traceback from wherever it landed, a library's ImportError in its place, or a segfault from a
+    half-imported torch at exit. Now it is one line and 130 at every moment, saying what is intact; the moments
+    here fall in the imports, the model's build and the first steps."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from conftest import REPO
+
+    command = [sys.executable, "-m", "fsdp2kit", "train", DEMO, *small_run, "--set", "training.max_steps=400"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for name in ("RANK", "WORLD_SIZE"):
+        env.pop(name, None)
+    said = set()
+    for delay in (0.4, 0.9, 1.6, 2.5, 4.0):
+        train = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        time.sleep(delay)
+        train.send_signal(signal.SIGINT)
+        _, stderr = train.communicate(timeout=120)
+        result = subprocess.CompletedProcess(command, train.returncode, "", stderr.decode())
+        said.add(assert_one_line_error(result, 130, "interrupted by SIGINT"))
+    assert said <= {
+        "error: interrupted by SIGINT; nothing was written",
+        "error: interrupted by SIGINT; no checkpoint was written yet",
+        *(f"error: interrupted by SIGINT after step {n}: no checkpoint was written yet" for n in range(400)),
+    }, said

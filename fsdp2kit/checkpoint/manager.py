@@ -29,6 +29,7 @@ import torch.nn as nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+from fsdp2kit.checkpoint.committed import STATE_FILE, committed_checkpoints
 from fsdp2kit.checkpoint.dcp_io import METADATA_FILE, damage, read_dcp, refuse_extra_model_tensors
 from fsdp2kit.durable import disk_full_message, folder_bytes, fsync_dir, fsync_file, ran_out_of_space, write_durable
 from fsdp2kit.errors import RunFault, UserError
@@ -37,9 +38,6 @@ from fsdp2kit.parallel.fsdp import model_class_name
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
-
-STATE_FILE = "trainer_state.json"
-
 
 FAULT_ENV = "FSDP2KIT_FAULT"
 
@@ -101,14 +99,6 @@ def retire(checkpoint: Path) -> Path | None:
     os.rename(checkpoint, old)
     fsync_dir(checkpoint.parent)
     return old
-
-
-def committed_checkpoints(root: Path) -> list[Path]:
-    """Complete checkpoints under `root`, oldest first."""
-    if not root.is_dir():
-        return []
-    found = [p for p in root.glob("step_*") if p.name[5:].isdigit() and (p / STATE_FILE).is_file()]
-    return sorted(found, key=lambda p: int(p.name[5:]))
 
 
 class CheckpointManager:

@@ -15,30 +15,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fsdp2kit.errors import PENDING_INTERRUPTS, Interrupted, report_error
+from fsdp2kit.errors import PENDING_INTERRUPTS, PROCESS_STOP, Interrupted, report_error
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-
-class QuietAfterStop:
-    """Stop signals after the one that stopped the work, once the work has unwound and its handlers are gone: an
-    in-process caller (pytest, an RL framework driving `Strategy`) gets its own handlers back, but the command
-    line's own process ignores them until it exits. There a second Ctrl-C (or the process group's) would otherwise
-    raise KeyboardInterrupt into the one-line error report, a finaliser or the interpreter's exit: a traceback
-    after the line."""
-
-    def __init__(self) -> None:
-        self.for_this_process = False  # set once by the command line's entry point, never by an in-process caller
-        self.signum = 0  # the signal that stopped the work, 0 for none yet
-
-    def restore(self, previous: dict[signal.Signals, Any]) -> None:
-        """Put back the handlers the work replaced, or ignore the signals if this process's work was stopped."""
-        quiet = self.for_this_process and self.signum
-        for signum, handler in previous.items():
-            signal.signal(signum, signal.SIG_IGN if quiet else handler)
-
-
-PROCESS_STOP = QuietAfterStop()
 
 
 class StopSignals:
