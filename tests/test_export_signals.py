@@ -84,3 +84,34 @@ def test_a_sigterm_while_the_hf_export_writes_leaves_no_partial_weights(tmp_path
     assert main([*argv, "--set", "training.max_steps=1"]) == 0
     assert sorted(p.name for p in hf.iterdir() if p.name.startswith(("model", ".part"))) == ["model.safetensors"]
     assert set(safetensors_index(hf).values()) == {hf / "model.safetensors"}
+
+
+def test_a_sigterm_while_the_adapter_is_written_leaves_no_adapter_folder(tmp_path, small_run, capsys, monkeypatch):
+    """A LoRA run's export stopped by a real SIGTERM once the adapter's weights were written: the folder held
+    weights (or a config alone, when the config came first) that peft would try to load. Now nothing is left."""
+    import safetensors.torch
+
+    save_file = safetensors.torch.save_file
+
+    def interrupted(tensors, filename, metadata=None):
+        save_file(tensors, filename, metadata=metadata)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", interrupted)
+    run, lora = tmp_path / "run", "model.lora={rank: 4, alpha: 8, target_modules: all-linear}"
+    argv = [
+        "train",
+        DEMO,
+        *small_run,
+        "--set",
+        lora,
+        "--set",
+        "training.max_steps=1",
+        "--set",
+        "training.export_hf=true",
+    ]
+    assert main(argv) == 128 + signal.SIGTERM
+    assert _errors(capsys) == [
+        "error: interrupted by SIGTERM: the exports were not finished; checkpoint step_1 is intact"
+    ]
+    assert (run / "checkpoints" / "step_1" / "trainer_state.json").is_file() and not (run / "adapter").exists()

@@ -312,11 +312,22 @@ def file_config(model: nn.Module, base_name_or_path: str) -> PeftConfig:
 
 
 def write_adapter_folder(out_dir: Path, config: PeftConfig, tensors: dict[str, torch.Tensor]) -> None:
+    """The weights first, the config last, so a folder without its config is no adapter to peft; a write that
+    fails or is interrupted removes both files, and the folder if it made it."""
     from safetensors.torch import save_file
 
+    made_folder = not out_dir.exists()
     out_dir.mkdir(parents=True, exist_ok=True)
-    config.save_pretrained(str(out_dir))
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out_dir / ADAPTER_WEIGHTS_FILE), {"format": "pt"})
+    written = [out_dir / ADAPTER_WEIGHTS_FILE, out_dir / ADAPTER_CONFIG_FILE]
+    try:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(written[0]), {"format": "pt"})
+        config.save_pretrained(str(out_dir))
+    except BaseException:  # an interrupt too
+        for path in written:
+            path.unlink(missing_ok=True)
+        if made_folder and not any(out_dir.iterdir()):
+            out_dir.rmdir()
+        raise
 
 
 def merged_state(model: nn.Module) -> dict[str, tuple[torch.Tensor, nn.Module | None]]:
