@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from harness import child_env
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL = [
@@ -56,7 +57,7 @@ SHAPES = {"tiny-qwen3-152k": MODEL, "llama-1b": LLAMA_1B}
 def fsdp2kit(command: str, overrides: list[str], *extra: str) -> subprocess.CompletedProcess:
     args = [sys.executable, "-m", "fsdp2kit", command, "examples/demo.yaml", *extra]
     args += [a for item in overrides for a in ("--set", item)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    env = child_env()
     result = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True)
     if result.returncode:
         raise SystemExit(f"{' '.join(args)} failed:\n{result.stderr[-3000:]}")

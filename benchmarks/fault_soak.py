@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import re
 import signal
@@ -33,6 +32,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+
+from harness import child_env  # noqa: E402
 
 from fsdp2kit.checkpoint.dcp_io import damage  # noqa: E402
 from fsdp2kit.checkpoint.manager import committed_checkpoints  # noqa: E402
@@ -162,7 +163,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     rng = random.Random(args.seed)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    env = child_env()
     aims = [aim for _ in range(0, args.rounds, len(MOMENTS)) for aim in rng.sample(MOMENTS, len(MOMENTS))]
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="fault-soak-") as work:

@@ -8,8 +8,9 @@ trains the demo's builtin corpus with its defaults (document mask, chunked loss)
 Every arm runs once per repeat, in turn (eager and compiled alternate), from the same HF folder; tokens/s are
 medians of the steady steps (the first WARMUP left out: compilation), the peak is the CUDA allocator's.
 
-Run: .venv/bin/python benchmarks/gpu_vs_minimal.py [--nproc N] [--repeats 2] [--steps 15] \
+Run: .venv/bin/python benchmarks/gpu_vs_minimal.py [--nproc N] [--repeats 2] [--steps 15] [--arms a,b,...] \
          --out docs/bench/gpu_vs_minimal.json
+(`--arms` runs those arms alone, and the targets whose two arms both ran: benchmarks/gpu_quick.sh's few minutes.)
 """
 
 from __future__ import annotations
@@ -74,16 +75,22 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--steps", type=int, default=15)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--arms", help="comma-separated arm names (default: all)")
     args = parser.parse_args()
+    names = [arm.name for arm, _ in ARMS]
+    chosen = names if args.arms is None else args.arms.split(",")
+    if unknown := sorted(set(chosen) - set(names)):
+        parser.error(f"--arms: no arm named {', '.join(unknown)}; the arms are {', '.join(names)}")
+    selected = [(arm, shape) for arm, shape in ARMS if arm.name in chosen]
     import torch
 
     workloads = {SHORT: Workload(2048, 4, 1, args.steps), LONG: Workload(8192, 1, 1, args.steps)}
-    runs: dict[str, list[dict]] = {arm.name: [] for arm, _ in ARMS}
+    runs: dict[str, list[dict]] = {arm.name: [] for arm, _ in selected}
     before = load_average()
     with tempfile.TemporaryDirectory(prefix="fsdp2kit-gpu-bench-") as tmp:
         model = model_folder(Path(tmp), LLAMA_1B, "llama1b")
         for repeat in range(args.repeats):
-            for arm, shape in ARMS:
+            for arm, shape in selected:
                 out = Path(tmp) / f"{arm.name}_{repeat}"
                 work = workloads[shape]
                 if arm.impl == "fsdp2kit":
@@ -109,6 +116,7 @@ def main() -> None:
             "met": arms[arm]["tokens_per_s"] / arms[base]["tokens_per_s"] >= least,
         }
         for arm, base, least in TARGETS
+        if arm in arms and base in arms
     ]
     result = {
         "benchmark": "gpu_vs_minimal",

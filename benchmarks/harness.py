@@ -56,15 +56,18 @@ def model_folder(root: Path, shape: dict | None = None, name: str = "llama25m") 
     return folder
 
 
-def _env() -> dict[str, str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+def child_env() -> dict[str, str]:
+    """The environment of a measured run: one thread per rank, this checkout first on the path (kept beside any
+    path already there: the GPU machine's packages are on PYTHONPATH), no launcher variables of our own."""
+    path = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
     return env
 
 
 def _run(command: list[str]) -> None:
-    result = subprocess.run(command, cwd=REPO, env=_env(), capture_output=True, text=True)
+    result = subprocess.run(command, cwd=REPO, env=child_env(), capture_output=True, text=True)
     if result.returncode:
         raise SystemExit(f"{' '.join(command)} failed:\n{result.stderr[-3000:]}")
 

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from harness import child_env
 
 REPO = Path(__file__).resolve().parent.parent
 NAMES = {"ZeRO-3": "FULL_SHARD", "ZeRO-2": "SHARD_GRAD_OP", "NO_SHARD": "NO_SHARD"}
@@ -31,7 +32,7 @@ def measure(nproc: int, overrides: list[str], out: Path) -> dict:
     sets += ["training.report_to=[]", "training.resume=never", f"training.output_dir={out}"]
     command = [sys.executable, "-m", "fsdp2kit", "train", "examples/demo.yaml", "--nproc", str(nproc)]
     command += [arg for item in sets for arg in ("--set", item)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    env = child_env()
     result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
     if result.returncode:
         raise SystemExit(f"{' '.join(command)} failed:\n{result.stderr[-3000:]}")

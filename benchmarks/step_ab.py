@@ -27,7 +27,7 @@ import types
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import LR, NO_SHARD, REPO, Workload, _env, fsdp2kit_overrides, load_average, model_folder  # noqa: E402
+from harness import LR, NO_SHARD, REPO, Workload, child_env, fsdp2kit_overrides, load_average, model_folder  # noqa: E402
 
 
 def _reference(model_dir: str, pair: str, lr: float):
@@ -106,7 +106,7 @@ def main() -> None:
             out = Path(workdir) / f"ab_{nproc}.json"
             command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
             command += [__file__, "--worker", "--model", str(model), "--out", str(out), *sys.argv[1:]]
-            done = subprocess.run(command, env=_env(), capture_output=True, text=True)
+            done = subprocess.run(command, env=child_env(), capture_output=True, text=True)
             if done.returncode:
                 raise SystemExit(f"{' '.join(command)} failed:\n{done.stderr[-3000:]}")
             measured = json.loads(out.read_text())

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Issue 31's GPU figures in one device call of about 8 minutes (a GPU-drawn session here has 15 minutes of device
+# time in all, machine start included; benchmarks/gpu_suite.sh, the whole set, takes far longer):
+#   1. `pytest -m cuda` (the demo, GRPO, offload_policy, offload_states GB/s, compile, MoE/LoRA/VL, chunked-loss and
+#      document-mask parity, plan against the CUDA peak), at most 4 minutes;
+#   2. gpu_vs_minimal.py on the 1.5B shape: the minimal fully_shard loop and fsdp2kit's defaults, eager and compiled,
+#      once each, 10 steps (the targets 0.97x and 1.05x, and the peak), at most 4.5 minutes.
+# Usage, from the checkout on the device: source .whl/on-gpu.sh && bash benchmarks/gpu_quick.sh [DIR]
+# DIR (default $OUT, else docs/bench) receives gpu_tests.txt, gpu_tests.json and gpu_vs_minimal_quick.json.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+DIR=${1:-${OUT:-docs/bench}}
+PY=${PYTHON:-python3}
+mkdir -p "$DIR"
+: > "$DIR/gpu_tests.jsonl"
+FSDP2KIT_GPU_RESULTS="$DIR/gpu_tests.jsonl" timeout 240 $PY -m pytest -m cuda -q -rA -p no:cacheprovider tests/ \
+  > "$DIR/gpu_tests.txt" 2>&1
+echo "pytest -m cuda: exit $? ($(tail -1 "$DIR/gpu_tests.txt"))"
+$PY -c 'import json, sys; print(json.dumps([json.loads(l) for l in open(sys.argv[1]) if l.strip()], indent=1))' \
+  "$DIR/gpu_tests.jsonl" > "$DIR/gpu_tests.json" && rm "$DIR/gpu_tests.jsonl"
+timeout 270 $PY benchmarks/gpu_vs_minimal.py --repeats 1 --steps 10 \
+  --arms minimal,fsdp2kit,minimal_compiled,fsdp2kit_compiled --out "$DIR/gpu_vs_minimal_quick.json"
+echo "gpu_vs_minimal: exit $?"
