@@ -190,22 +190,15 @@ def test_two_nodes_on_localhost_train_checkpoint_and_resume(tmp_path, straight):
     assert all(abs(got[s] - straight[s]) <= 1e-6 for s in range(1, 13))
 
 
-def test_corrupt_truncated_or_mismatched_checkpoints_exit_2(tmp_path):
+def test_corrupt_truncated_or_mismatched_checkpoints_exit_2(tmp_path, run_main):
+    """A 2-rank checkpoint, damaged, then resumed in this process at 1 rank (every rank reads every file it needs)."""
     run = tmp_path / "run"
     train(*base(run, steps=2, save=2))
     checkpoint = run / "checkpoints" / "step_2"
 
     def resume(*extra):
-        return run_cli(
-            "train",
-            DEMO,
-            "--nproc",
-            2,
-            *base(tmp_path / "other", steps=4, save=2),
-            "--set",
-            f"training.resume={checkpoint}",
-            *extra,
-        )
+        other = base(tmp_path / "other", steps=4, save=2)
+        return run_main("train", DEMO, *other, "--set", f"training.resume={checkpoint}", *extra)
 
     result = resume("--set", "model.config.num_hidden_layers=3")  # another model
     assert result.returncode == 2
