@@ -5,7 +5,11 @@
 #      document-mask parity, plan against the CUDA peak), at most 4 minutes;
 #   2. gpu_vs_minimal.py on the 1.5B shape: the minimal fully_shard loop and fsdp2kit's defaults, eager and compiled,
 #      once each, 10 steps (the targets 0.97x and 1.05x, and the peak), at most 4.5 minutes.
-# Usage, from the checkout on the device: source .whl/on-gpu.sh && bash benchmarks/gpu_quick.sh [DIR]
+# Before, here: bash ../shared/gpu/wheels.sh, and liger-kernel (the `cuda` extra: the fused chunked loss; it needs only
+# torch and triton, which the device has) beside those wheels:
+#   .venv/bin/python -m pip download --no-deps --only-binary=:all: -d .whl "liger-kernel>=0.6"
+# Usage, from the checkout on the device (run with carry [".whl"]):
+#   source .whl/on-gpu.sh && bash benchmarks/gpu_quick.sh [DIR]
 # DIR (default $OUT, else docs/bench) receives gpu_tests.txt, gpu_tests.json and gpu_vs_minimal_quick.json.
 set -uo pipefail
 cd "$(dirname "$0")/.."
