@@ -25,7 +25,8 @@ PLOTS = {
 def read_run(run_dir: Path) -> list[dict]:
     metrics = run_dir / "metrics.jsonl"
     if not run_dir.is_dir():
-        raise UserError(f"report: run folder '{run_dir}' does not exist")
+        what = "is a file, not a folder" if run_dir.exists() else "does not exist"
+        raise UserError(f"report: run folder '{run_dir}' {what}; give the training.output_dir of a run")
     if not metrics.is_file():
         raise UserError(f"report: '{run_dir}' has no metrics.jsonl; give the training.output_dir of a run")
     try:

@@ -75,7 +75,15 @@ def test_report_plots_and_summarises_runs(two_rank_run, tmp_path, capsys):
 
 def test_bad_run_folders_exit_2_with_one_line(tmp_path, capsys):
     assert main(["report", str(tmp_path / "nope")]) == 2
-    assert capsys.readouterr().err == f"error: report: run folder '{tmp_path / 'nope'}' does not exist\n"
+    give = "give the training.output_dir of a run"
+    assert capsys.readouterr().err == f"error: report: run folder '{tmp_path / 'nope'}' does not exist; {give}\n"
+    (tmp_path / "a_file").write_text("")
+    assert main(["report", str(tmp_path / "a_file")]) == 2
+    assert (
+        capsys.readouterr().err
+        == f"error: report: run folder '{tmp_path / 'a_file'}' is a file, not a folder; {give}\n"
+    )
+    (tmp_path / "a_file").unlink()
     assert main(["report", str(tmp_path)]) == 2
     assert capsys.readouterr().err == (
         f"error: report: '{tmp_path}' has no metrics.jsonl; give the training.output_dir of a run\n"
