@@ -16,6 +16,8 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+# Imported here, not where used: a Ctrl-C's handler names the complete checkpoints while anything may be importing.
+from fsdp2kit.checkpoint.committed import committed_checkpoints
 from fsdp2kit.errors import (
     ERROR_DIR_ENV,
     PROCESS_STOP,
@@ -211,8 +213,6 @@ def _launch(nproc: int, argv: list[str], output_dir: Path) -> int:
 
 
 def _intact(output_dir: Path) -> str:
-    from fsdp2kit.checkpoint.committed import committed_checkpoints
-
     complete = committed_checkpoints(output_dir / "checkpoints")
     if not complete:
         return "no checkpoint was written yet"
