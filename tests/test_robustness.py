@@ -54,13 +54,13 @@ def crafted_checkpoint(folder, marker):
 
 
 @pytest.mark.parametrize("command", ["convert", "infer", "resume"])
-def test_crafted_metadata_never_runs(tmp_path, small_run, command):
+def test_crafted_metadata_never_runs(tmp_path, small_run, command, run_main):
     marker = tmp_path / "pwned"
     checkpoint = crafted_checkpoint(tmp_path / "step_1", marker)
     if command == "convert":
-        result = run_cli("convert", checkpoint, tmp_path / "out", "--to", "hf")
+        result = run_main("convert", checkpoint, tmp_path / "out", "--to", "hf")
     elif command == "infer":
-        result = run_cli(
+        result = run_main(
             "infer",
             DEMO,
             *small_run,
@@ -70,7 +70,7 @@ def test_crafted_metadata_never_runs(tmp_path, small_run, command):
             "strategy_args.strategy_name=fsdp2_infer",
         )
     else:
-        result = run_cli("train", DEMO, *small_run, "--set", f"training.resume={checkpoint}")
+        result = run_main("train", DEMO, *small_run, "--set", f"training.resume={checkpoint}")
     assert_one_line_error(result, 2, f"{checkpoint}", "open'", "refusing to unpickle")
     assert not marker.exists()
 
@@ -734,7 +734,7 @@ def test_a_run_announces_each_long_phase_with_its_duration(tmp_path, small_run):
     assert lines[-1] == f"done: 1 steps; outputs in {tmp_path / 'run'}"
 
 
-def test_the_api_takes_a_model_with_fewer_positions_than_the_default_seq_len(tmp_path):
+def test_the_api_takes_a_model_with_fewer_positions_than_the_default_seq_len(tmp_path, run_main):
     """data.seq_len (the default, or the demo's 256) is about the data fsdp2kit reads: an API caller who reads none
     is not refused for a model of 64 positions; the train command, which reads data, still is."""
     from conftest import make_hf_folder
@@ -750,7 +750,7 @@ def test_the_api_takes_a_model_with_fewer_positions_than_the_default_seq_len(tmp
         assert strategy.forward_step({"input_ids": torch.ones(1, 8, dtype=torch.long)})["log_probs"].shape == (1, 7)
     finally:
         shutdown()
-    result = run_cli("train", DEMO, "--set", f"model.name_or_path={tmp_path / 'model'}")
+    result = run_main("train", DEMO, "--set", f"model.name_or_path={tmp_path / 'model'}")
     assert_one_line_error(result, 2, "data.seq_len: 256 is more than the model's max_position_embeddings (64)")
 
 
