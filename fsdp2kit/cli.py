@@ -299,12 +299,14 @@ def _plan(args: argparse.Namespace, world_size: int) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """The `fsdp2kit` command. Without `argv` it runs this process's own command line (`fsdp2kit`, `python -m
-    fsdp2kit`): a process that ends with the command, so a Ctrl-C is one line wherever it lands, and once a stop
-    signal has stopped its work it ignores the ones after it; an in-process caller passes `argv` and gets its own
-    handlers back."""
+    fsdp2kit`): a process that ends with the command, so a Ctrl-C (and, outside a launcher, a SIGTERM) is one line
+    wherever it lands, and once a stop signal has stopped its work it ignores the ones after it; an in-process
+    caller passes `argv` and gets its own handlers back."""
     if argv is None:
         PROCESS_STOP.for_this_process = True
         signal.signal(signal.SIGINT, PROCESS_STOP.stop_at_once)
+        if not _under_launcher():  # a launcher's SIGTERM to a rank may end the survivors of another's failure
+            signal.signal(signal.SIGTERM, PROCESS_STOP.stop_at_once)
     code = _command(sys.argv[1:] if argv is None else argv)
     # A finished command's model and device meshes are cyclic garbage that still holds the process group: collected
     # here, while the interpreter is whole, so the group's gloo and TCPStore threads are joined now rather than torn

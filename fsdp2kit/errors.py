@@ -82,10 +82,10 @@ class QuietAfterStop:
         self.left_by_stop: Callable[[], str] = lambda: "nothing was written"  # what a stop at once leaves, in words
 
     def stop_at_once(self, signum: int, frame: object) -> None:
-        """The command line's SIGINT handler outside the work's own (torch importing, a model loading, the process
-        group ending): nothing is being written there, so the process ends at once with one line. Raised as
-        KeyboardInterrupt it would land anywhere: a traceback, a library's error in its place, or a half-imported
-        torch that crashes the interpreter's exit."""
+        """The command line's SIGINT (and SIGTERM) handler outside the work's own (torch importing, a model
+        loading, the process group ending): nothing is being written there, so the process ends at once with one
+        line. Raised as KeyboardInterrupt it would land anywhere: a traceback, a library's error in its place, or a
+        half-imported torch that crashes the interpreter's exit; SIGTERM's default ended it without a word."""
         self.signum = signum
         message = f"interrupted by {signal.Signals(signum).name}; {self.left_by_stop()}"
         os._exit(report_error(message, 128 + signum))

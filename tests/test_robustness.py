@@ -885,11 +885,12 @@ def test_sigint_after_train_stopped_is_ignored_until_it_exits(tmp_path, small_ru
     assert code == 130
 
 
-def test_sigint_while_train_starts_is_one_line_wherever_it_lands(tmp_path, small_run):
+def test_a_stop_signal_while_train_starts_is_one_line_wherever_it_lands(tmp_path, small_run):
     """A Ctrl-C before the run's own stop handling exists (torch importing, the config and the model loading) was a
     KeyboardInterrupt traceback from wherever it landed, a library's ImportError in its place, or a segfault from a
-    half-imported torch at exit. Now it is one line and 130 at every moment, saying what is intact; the moments
-    here fall in the imports, the model's build and the first steps."""
+    half-imported torch at exit; a SIGTERM there ended the process without a word. Now either is one line and
+    128 + its number at every moment, saying what is intact; the moments here fall in the imports, the model's
+    build and the first steps."""
     import os
     import signal
     import subprocess
@@ -903,15 +904,19 @@ def test_sigint_while_train_starts_is_one_line_wherever_it_lands(tmp_path, small
     for name in ("RANK", "WORLD_SIZE"):
         env.pop(name, None)
     said = set()
-    for delay in (0.4, 0.9, 1.6, 2.5, 4.0):
+    for delay, signum in ((0.4, signal.SIGINT), (0.9, signal.SIGTERM), (1.6, signal.SIGINT), (2.5, signal.SIGTERM)):
         train = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         time.sleep(delay)
-        train.send_signal(signal.SIGINT)
+        train.send_signal(signum)
         _, stderr = train.communicate(timeout=120)
         result = subprocess.CompletedProcess(command, train.returncode, "", stderr.decode())
-        said.add(assert_one_line_error(result, 130, "interrupted by SIGINT"))
+        said.add(assert_one_line_error(result, 128 + signum, f"interrupted by {signum.name}"))
     assert said <= {
-        "error: interrupted by SIGINT; nothing was written",
-        "error: interrupted by SIGINT; no checkpoint was written yet",
-        *(f"error: interrupted by SIGINT after step {n}: no checkpoint was written yet" for n in range(400)),
+        f"error: interrupted by {name}{outcome}"
+        for name in ("SIGINT", "SIGTERM")
+        for outcome in (
+            "; nothing was written",
+            "; no checkpoint was written yet",
+            *(f" after step {n}: no checkpoint was written yet" for n in range(400)),
+        )
     }, said
