@@ -920,3 +920,21 @@ def test_a_stop_signal_while_train_starts_is_one_line_wherever_it_lands(tmp_path
             *(f" after step {n}: no checkpoint was written yet" for n in range(400)),
         )
     }, said
+
+
+def test_the_launcher_prints_the_first_rank_report_written(tmp_path, capsys):
+    """The first report is the cause: a rank that a later one's failure stopped (the launcher's SIGTERM to the
+    survivors, a lost peer) writes its own afterwards, and the lowest rank's, printed before, could be that one."""
+    import os
+
+    from fsdp2kit.cli import _print_rank_report
+
+    reports = {1: ("data.source: 'x.jsonl' does not exist", 2), 0: ("SIGTERM again: stopped at once", 143)}
+    for moment, (rank, (message, code)) in enumerate(reports.items()):
+        path = tmp_path / f"rank{rank}.json"
+        path.write_text(json.dumps({"message": message, "exit_code": code}))
+        os.utime(path, ns=(moment * 10**9, moment * 10**9))
+    assert _print_rank_report(tmp_path) == 2
+    assert capsys.readouterr().err == "error: data.source: 'x.jsonl' does not exist\n"
+    os.utime(tmp_path / "rank0.json", ns=(0, 0))  # written at once: the lowest rank's
+    assert _print_rank_report(tmp_path) == 143
