@@ -938,3 +938,37 @@ def test_the_launcher_prints_the_first_rank_report_written(tmp_path, capsys):
     assert capsys.readouterr().err == "error: data.source: 'x.jsonl' does not exist\n"
     os.utime(tmp_path / "rank0.json", ns=(0, 0))  # written at once: the lowest rank's
     assert _print_rank_report(tmp_path) == 143
+
+
+@pytest.mark.slow
+def test_sigint_to_plan_measure_stops_its_candidate_run_and_removes_it(tmp_path):
+    """`plan --measure` trains each candidate in a child process inside a temporary folder: a Ctrl-C while one
+    trains ends the command in one line and 130, with the child killed and the folder removed."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from conftest import REPO
+
+    tiny = ["model.config.num_hidden_layers=1", "data.seq_len=32", "training.per_device_train_batch_size=1"]
+    command = [sys.executable, "-m", "fsdp2kit", "plan", DEMO, "--budget-gb", "1", "--measure"]
+    command += [arg for item in tiny for arg in ("--set", item)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path)}
+    plan = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    children = Path(f"/proc/{plan.pid}/task/{plan.pid}/children")
+    deadline = time.monotonic() + 120
+    while not (list(tmp_path.glob("fsdp2kit-plan-*")) and children.read_text().split()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    candidate = int(children.read_text().split()[0])
+    plan.send_signal(signal.SIGINT)
+    _, stderr = plan.communicate(timeout=120)
+    result = subprocess.CompletedProcess(command, plan.returncode, "", stderr.decode())
+    assert_one_line_error(
+        result, 130, "interrupted by SIGINT: no configuration was chosen; the measuring runs were stopped and removed"
+    )
+    assert not list(tmp_path.glob("fsdp2kit-plan-*"))
+    time.sleep(0.5)
+    assert not Path(f"/proc/{candidate}").exists() or "Z" in Path(f"/proc/{candidate}/stat").read_text().split()[2]
