@@ -70,11 +70,12 @@ def why_not_a_file(path: str | Path) -> str:
 
 
 class QuietAfterStop:
-    """Stop signals after the one that stopped the work, once the work has unwound and its handlers are gone: an
-    in-process caller (pytest, an RL framework driving `Strategy`) gets its own handlers back, but the command
-    line's own process ignores them until it exits. There a second Ctrl-C (or the process group's) would otherwise
-    raise KeyboardInterrupt into the one-line error report, a finaliser or the interpreter's exit: a traceback
-    after the line."""
+    """The command line's own process's stop signals where the work's handlers are not installed. Before the work
+    (and between its parts) a signal ends the process at once (`stop_at_once`). After the one that stopped the work,
+    once the work has unwound, the signals are ignored until the process exits (`restore`); an in-process caller
+    (pytest, an RL framework driving `Strategy`) gets its own handlers back instead. There a second Ctrl-C (or the
+    process group's) would otherwise raise KeyboardInterrupt into the one-line error report, a finaliser or the
+    interpreter's exit: a traceback after the line."""
 
     def __init__(self) -> None:
         self.for_this_process = False  # set once by the command line's entry point, never by an in-process caller
