@@ -177,9 +177,9 @@ def describe_groups(model: nn.Module) -> list[dict]:
 def _gradient_reduce(state: Any) -> str | None:
     """How the group's gradients meet: FSDP's reduce-scatter over the shard group, its all-reduce over the replicas
     (HSDP), or the replicas' all-reduce issued without waiting (NO_SHARD on gloo: parallel/replica_reduce.py)."""
-    if not state._fsdp_param_groups:
+    group = state._fsdp_param_group  # one a state (fully_shard once a module): torch 2.11's attribute, 2.13's property
+    if group is None:
         return None
-    group = state._fsdp_param_groups[0]
     if group._all_reduce_hook is not None:
         return "all-reduce across the replicas, overlapped with backward"
     shard, replicas = group.mesh_info.shard_mesh_size, getattr(group.mesh_info, "replicate_mesh_size", 1)
@@ -190,9 +190,9 @@ def _gradient_reduce(state: Any) -> str | None:
 
 def _live_reshard(state: Any) -> bool | int | None:
     """True (reshard to the full shard group), False, or the size of the smaller group; None: no parameters."""
-    if not state._fsdp_param_groups:
+    group = state._fsdp_param_group
+    if group is None:
         return None
-    group = state._fsdp_param_groups[0]
     if group.post_forward_mesh_info is None:
         return False
     size = group.post_forward_mesh_info.shard_mesh_size

@@ -42,7 +42,8 @@ class ReplicaAllReduce:
         self.pending: list[dist.Work] = []
 
     def hook_for(self, module: FSDPModule) -> Callable[[torch.Tensor], None]:
-        params = [p.sharded_param for group in module._get_fsdp_state()._fsdp_param_groups for p in group.fsdp_params]
+        group = module._get_fsdp_state()._fsdp_param_group  # the one group (torch 2.11: an attribute; 2.13: a property)
+        params = [p.sharded_param for p in group.fsdp_params] if group is not None else []
 
         def all_reduce(buffer: torch.Tensor) -> None:
             work = dist.all_reduce(buffer, op=dist.ReduceOp.AVG, group=self.group, async_op=True)
