@@ -109,7 +109,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
             index = part_targets.clamp(min=0).unsqueeze(-1)
             logits, slope = logits_of(part)
             normaliser = torch.logsumexp(logits, dim=-1, keepdim=True)
-            total += ((normaliser - logits.gather(-1, index)) * keep).sum()
+            # Out of place: torch 2.11's dynamo loses the gradient of an output built by `+=` (it was zero).
+            total = total + ((normaliser - logits.gather(-1, index)) * keep).sum()
             if not any(wanted):
                 continue
             grad = logits.sub_(normaliser).exp_().scatter_add_(-1, index, -torch.ones_like(normaliser))
