@@ -247,7 +247,9 @@ class CheckpointManager:
         )
 
     def interrupted_message(self, signal_name: str, step: int) -> str:
-        return f"interrupted by {signal_name} after step {step}: {self._complete()}"
+        """`step`: the steps done, counting a resumed run's earlier ones (0: none yet)."""
+        when = f"after step {step}" if step else "before its first step"
+        return f"interrupted by {signal_name} {when}: {self._complete()}"
 
     def abandoned_message(self, signal_name: str) -> str:
         """What a second signal leaves behind: the save in flight abandoned (a `.tmp-step_N` folder, never resumed
