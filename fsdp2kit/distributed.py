@@ -23,6 +23,21 @@ import torch.distributed.nn.functional  # noqa: F401
 
 from fsdp2kit.errors import UserError
 
+# The oldest torch the whole test suite was run on (its failures there: torch's own output, its memory tracker; see
+# README). Before it a run fails with a traceback: 2.9 at its end (a DTensor cache `destroy_process_group` clears
+# came in 2.10), 2.6 at the first fully_shard (no ignored_params).
+OLDEST_TORCH = (2, 10)
+
+
+def require_supported_torch() -> None:
+    """One line, before any process group exists, where the installed torch is older than OLDEST_TORCH."""
+    release = re.match(r"(\d+)\.(\d+)", torch.__version__)  # "2.11.0+cu130", "2.12.0.dev20260101": (2, 11), (2, 12)
+    if release is not None and tuple(map(int, release.groups())) < OLDEST_TORCH:
+        oldest = ".".join(map(str, OLDEST_TORCH))
+        raise UserError(
+            f"fsdp2kit needs torch {oldest} or newer (this is torch {torch.__version__}): pip install 'torch>={oldest}'"
+        )
+
 
 @dataclass(frozen=True)
 class Runtime:
@@ -117,6 +132,7 @@ def collective_timeout() -> timedelta | None:
 
 def init_distributed(device_mapping: list[int] | None) -> Runtime:
     """NCCL on CUDA (gloo kept for CPU tensors), gloo on CPU. Without a launcher, a world of one."""
+    require_supported_torch()
     if "RANK" not in os.environ:
         world = dict(
             RANK="0",

@@ -8,6 +8,7 @@ from conftest import run_cli
 from fsdp2kit.cli import main
 from fsdp2kit.config.load import load_config, validate
 from fsdp2kit.config.yaml_io import apply_overrides
+from fsdp2kit.distributed import require_supported_torch
 from fsdp2kit.errors import UserError
 
 DEMO = "examples/demo.yaml"
@@ -238,3 +239,21 @@ def test_native_mindspeed_steps_and_learning_rate_are_refused_by_their_own_names
     config, swaps, _ = user_args("mindspeed_mm/examples/qwen3_5/qwen3_5_35B_config.yaml", "tiny-qwen3.5-moe", 2)
     with pytest.raises(UserError, match=f": '{key.split('=')[0]}' = .* is not valid: {message}"):
         load_config(config, [*swaps, key])
+
+
+@pytest.mark.parametrize("command", ["train", "plan"])
+def test_a_torch_older_than_the_tested_ones_is_one_line_before_any_work(command, tmp_path, monkeypatch, capsys):
+    """Seen on real installs: torch 2.9 fails at the end of a run, 2.6 at the first fully_shard, each with a
+    traceback. The run, and plan's fake world, refuse such a torch at once."""
+    import torch
+
+    monkeypatch.setattr(torch, "__version__", "2.9.1+cu128")
+    code = main([command, DEMO, "--set", f"training.output_dir={tmp_path / 'run'}"])
+    assert code == 2
+    assert capsys.readouterr().err.strip() == (
+        "error: fsdp2kit needs torch 2.10 or newer (this is torch 2.9.1+cu128): pip install 'torch>=2.10'"
+    )
+    assert not (tmp_path / "run").exists()
+    for newer in ("2.10.0+cu128", "2.12.0.dev20260101+cu130", "3.0.0"):  # a nightly counts as its release
+        monkeypatch.setattr(torch, "__version__", newer)
+        require_supported_torch()
