@@ -4,6 +4,7 @@ below one [B, T, vocab] float32 tensor; full_weights equals the HF export; offlo
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, make_hf_folder, read_metrics, run_python
+from conftest import REPO, make_hf_folder, read_metrics, run_python, token_batch
 from safetensors.torch import load_file
 from strategy_case import VOCAB, global_micro_batches, plain_training, policy_loss, strategy_config
 from strategy_worker import run as run_worker
@@ -258,3 +259,26 @@ def test_a_script_that_never_calls_shutdown_has_no_group_left_at_interpreter_exi
     result = run_python("-c", ENDS_ITS_GROUP_AT_EXIT, tmp_path / "out", timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.splitlines()[-1] == "a group at exit: False"
+
+
+def test_compiled_layers_share_one_graph_past_dynamos_recompile_limit(monkeypatch):
+    """training.compile on a model deeper than dynamo's recompile limit (8): every layer runs the one compiled graph.
+    The head's probe once ran the model with transformers' KV cache, whose per-layer index is a guard: each layer
+    compiled its own graph, the 9th and later fell back to eager, and on an H200 `compile: true` trained no faster
+    than eager. Dynamo is told to fail where it would fall back; the eager backend keeps the test fast."""
+    monkeypatch.setattr(torch._dynamo.config, "fail_on_recompile_limit_hit", True)
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
+    layers = torch._dynamo.config.recompile_limit + 2
+    config = {
+        "model": {"name_or_path": "builtin:tiny-llama", "config": {"num_hidden_layers": layers}},
+        "training": {"compile": True, "learning_rate": 1e-3, "lr_scheduler_type": "constant", "max_steps": 2},
+    }
+    batch = token_batch(2, 32)
+    torch._dynamo.reset()
+    try:
+        with strategy(config) as s:
+            losses = [s.train_step([batch])["loss"] for _ in range(2)]
+        assert losses[1] < losses[0]
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 3  # the probe (no grad), forward, backward
+    finally:
+        torch._dynamo.reset()

@@ -271,12 +271,12 @@ def probe_token_head(model: nn.Module, device: torch.device, where: str) -> None
     model.eval()
     try:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            logits = model(input_ids=inputs).logits
+            logits = model(input_ids=inputs, use_cache=False).logits
             # The positions the head sees: fewer than the inputs where the model cuts the sequence inside (a VL model
             # under Ulysses slices after the vision merge); any targets serve, the same for both.
             targets = targets[:, : logits.shape[1]]
             with token_request(model, TokenRequest(targets, 0)):
-                chunked = model(input_ids=inputs).logits.float()
+                chunked = model(input_ids=inputs, use_cache=False).logits.float()
     finally:
         model.train(was_training)
         _reshard(model)
