@@ -197,3 +197,26 @@ def test_mindspeed_native_dataset_and_its_registry_folder_name_the_datasets():
         None,
     )
     assert any("basic_parameters.dataset_dir" in note for note in as_written.notes)
+
+
+def test_an_entry_column_no_record_has_and_tags_without_speakers_are_one_line(tmp_path):
+    """Issue 42 (2, 9): `columns` mapping prompt to a field no record has would train on empty user turns (LLaMA-Factory
+    fails on it); `tags` that give role_tag alone name no speaker. Both are one line naming the entry."""
+    shutil.copy(LLAMAFACTORY / "alpaca_en_demo.json", tmp_path / "alpaca.json")
+    shutil.copy(LLAMAFACTORY / "glaive_toolcall_en_demo.json", tmp_path / "glaive.json")
+    registry = {
+        "nocolumn": {"file_name": "alpaca.json", "columns": {"prompt": "question", "response": "output"}},
+        "sharecols": {"file_name": "glaive.json", "formatting": "sharegpt", "tags": {"role_tag": "from"}},
+    }
+    (tmp_path / "dataset_info.json").write_text(json.dumps(registry))
+    where = f"data.source: dataset '{{}}' of '{tmp_path / 'dataset_info.json'}' "
+    with pytest.raises(UserError) as error:
+        load_documents(DataConfig(source="nocolumn", dataset_dir=str(tmp_path)))
+    assert str(error.value).startswith(
+        where.format("nocolumn") + f"maps column prompt to 'question', which no record of '{tmp_path / 'alpaca.json'}'"
+        " has; its records' fields: input, instruction, output"
+    )
+    with pytest.raises(UserError) as error:
+        load_documents(DataConfig(source="sharecols", dataset_dir=str(tmp_path)))
+    assert str(error.value).startswith(where.format("sharecols") + "has tags without content_tag; an entry's tags")
+    assert "give role_tag, content_tag, user_tag, assistant_tag (the defaults: role_tag: from" in str(error.value)

@@ -391,9 +391,9 @@ def conversation_form(cfg: DataConfig) -> str | None:
     return _chat_form(cfg, _first_record(files))
 
 
-def _chat_table(cfg: DataConfig, files: list[Path]) -> Any:
+def _chat_table(cfg: DataConfig, files: list[Path], entry: RegistryEntry | None) -> Any:
     """A json source of conversations as a table of one `record` column (each record's JSON), or None when the
-    source is not conversations."""
+    source is not conversations; a registry `entry`'s columns checked against the records' fields."""
     import datasets
 
     if cfg.source == "builtin:corpus" or _saved_dataset(cfg.source) or _FILE_KINDS[files[0].suffix] != "json":
@@ -403,6 +403,8 @@ def _chat_table(cfg: DataConfig, files: list[Path]) -> Any:
     records = json_records(files, cfg.max_document_bytes)[: cfg.max_samples]
     if not records:
         raise UserError(f"data.source: '{cfg.source}' is empty (no documents)")
+    if entry is not None:
+        entry.check_columns({key for _, record in records if isinstance(record, dict) for key in record}, cfg.source)
     return datasets.Dataset.from_dict({"where": [w for w, _ in records], "record": [json.dumps(r) for _, r in records]})
 
 
@@ -415,7 +417,7 @@ def open_source(cfg: DataConfig) -> SourceDocuments:
     cfg, entry = named_dataset(cfg)
     source = single_source(cfg.source)
     files = source_files(source)
-    chat = _chat_table(cfg, files)
+    chat = _chat_table(cfg, files, entry)
     if chat is not None:
         return SourceDocuments(chat, None, "", "", None, source, files, "json", cfg.format, cfg, entry)
     if source == "builtin:corpus":
@@ -426,6 +428,8 @@ def open_source(cfg: DataConfig) -> SourceDocuments:
         table, kind = _read_table(source, files, cfg.max_document_bytes)
     if cfg.max_samples is not None:
         table = table.select(range(min(cfg.max_samples, len(table))))
+    if entry is not None:
+        entry.check_columns(table.column_names, source)
     text_key = "text" if kind == "text" else cfg.text_key  # a text file's lines have no field names to choose from
     chat_format = _chat_form(cfg, dict.fromkeys(table.column_names, "")) if kind != "text" else None
     if chat_format is not None:

@@ -11,6 +11,7 @@ that gives `columns` (or `tags`) replaces all of them: what it leaves out is non
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,6 +51,13 @@ _SHAREGPT_SPEAKERS = {
     "system_tag": "system",
 }
 _REMOTE_KEYS = ("hf_hub_url", "ms_hub_url", "om_hub_url", "script_url", "cloud_file_name")
+# The columns each formatting reads (LLaMA-Factory's converter.py): a named one that no record has is refused there.
+_READ_COLUMNS = {
+    "alpaca": ("prompt", "query", "response", "history", "system", "tools", "images", "videos", "audios"),
+    "sharegpt": ("messages", "system", "tools", "images", "videos", "audios"),
+}
+# The tags a ShareGPT entry that gives `tags` must give: without them no turn can be read.
+_REQUIRED_TAGS = ("role_tag", "content_tag", "user_tag", "assistant_tag")
 _MAX_REGISTRY_BYTES = 16 << 20
 _FILE_SUFFIXES = (".json", ".jsonl", ".parquet")
 # Attributes that would change which records are read, or how, beyond the chat forms: refused unless the default.
@@ -73,6 +81,20 @@ class RegistryEntry:
     columns: dict[str, str | None]
     tags: dict[str, str | None]
     attrs: dict
+    registry: Path  # its dataset_info.json, as data.dataset_dir names it
+
+    def check_columns(self, fields: Iterable[str], file: Path | str) -> None:
+        """Every column the entry names for its formatting is a field of some record of `file` (`fields`: all of
+        its records' fields); one that none has would read as empty turns, which LLaMA-Factory refuses too."""
+        present = set(fields)
+        given = self.attrs.get("columns") or {}
+        for column in _READ_COLUMNS[self.formatting]:
+            name = given.get(column)
+            if name and name not in present:
+                raise UserError(
+                    f"data.source: dataset '{self.name}' of '{self.registry}' maps column {column} to '{name}', "
+                    f"which no record of '{file}' has; its records' fields: {', '.join(sorted(present)[:20])}"
+                )
 
     def canonical(self, record: dict, where: str) -> dict:
         """The record in the chat readers' canonical fields of its formatting."""
@@ -170,7 +192,9 @@ def registry_entry(dataset_dir: str, name: str) -> RegistryEntry:
     unread = [key for key, default in _UNREAD.items() if attrs.get(key, default) != default]
     if unread:
         raise UserError(f"{where} sets {unread[0]}: {attrs[unread[0]]!r}, {_UNREAD_WHY[unread[0]]}")
-    return RegistryEntry(name, _entry_file(dataset_dir, attrs, where), formatting, *_reading(attrs, where), attrs)
+    columns, tags = _reading(attrs, formatting, where)
+    file = _entry_file(dataset_dir, attrs, where)
+    return RegistryEntry(name, file, formatting, columns, tags, attrs, registry_path(dataset_dir))
 
 
 def _entry_file(dataset_dir: str, attrs: dict, where: str) -> Path:
@@ -191,8 +215,9 @@ def _entry_file(dataset_dir: str, attrs: dict, where: str) -> Path:
     return file
 
 
-def _reading(attrs: dict, where: str) -> tuple[dict[str, str | None], dict[str, str | None]]:
-    """The entry's columns and tags: LLaMA-Factory's defaults, or all of what it gives (left out: none)."""
+def _reading(attrs: dict, formatting: str, where: str) -> tuple[dict[str, str | None], dict[str, str | None]]:
+    """The entry's columns and tags: LLaMA-Factory's defaults, or all of what it gives (left out: none); ShareGPT
+    tags that leave out a tag no turn can be read without are refused."""
     readings = []
     for key, defaults in (("columns", DEFAULT_COLUMNS), ("tags", DEFAULT_TAGS)):
         given = attrs.get(key)
@@ -205,4 +230,12 @@ def _reading(attrs: dict, where: str) -> tuple[dict[str, str | None], dict[str, 
         if key == "columns" and preference:
             raise UserError(f"{where} has the column {preference[0]} of preference data, which fsdp2kit does not train")
         readings.append({name: given.get(name) for name in defaults})
-    return readings[0], readings[1]
+    tags = readings[1]
+    missing = [tag for tag in _REQUIRED_TAGS if not tags[tag]]
+    if formatting == "sharegpt" and missing:
+        defaults = ", ".join(f"{tag}: {DEFAULT_TAGS[tag]}" for tag in _REQUIRED_TAGS)
+        raise UserError(
+            f"{where} has tags without {missing[0]}; an entry's tags replace all of LLaMA-Factory's defaults, so "
+            f"give {', '.join(_REQUIRED_TAGS)} (the defaults: {defaults})"
+        )
+    return readings[0], tags

@@ -173,7 +173,10 @@ def _sources(cfg: DataConfig) -> list[tuple[Path, DataConfig, RegistryEntry | No
 
 def _read_conversations(source: Path, cfg: DataConfig, entry: RegistryEntry | None) -> list[Conversation]:
     conversations = []
-    for where, record in json_records([source], cfg.max_document_bytes):
+    records = json_records([source], cfg.max_document_bytes)
+    if entry is not None:
+        entry.check_columns({key for _, record in records if isinstance(record, dict) for key in record}, source)
+    for where, record in records:
         if not isinstance(record, dict):
             raise UserError(f"data.source: {where} is not a JSON object")
         record = entry.canonical(record, where) if entry else with_messages_key(record, cfg.messages_key)
