@@ -169,7 +169,7 @@ def _strip_nproc(argv: list[str]) -> list[str]:
     return out
 
 
-def _launch(nproc: int, argv: list[str], output_dir: Path) -> int:
+def _launch(nproc: int, argv: list[str], output_dir: Path, command: str) -> int:
     """Start `nproc` local ranks with torch's own elastic launcher (torch.distributed.run), quietly. A failed rank's
     one-line report is printed once. On SIGINT/SIGTERM the launcher forwards the signal to the ranks (each in its
     own session), which stop at a step boundary and report; it then re-raises the signal as SignalException."""
@@ -196,20 +196,28 @@ def _launch(nproc: int, argv: list[str], output_dir: Path) -> int:
             )
             if killed:
                 rank, dead = killed[0]
-                print(f"error: rank {rank} died ({dead.signal_name()}); {_intact(output_dir)}", file=sys.stderr)
+                left = _left_by_interrupt(command, output_dir)
+                print(f"error: rank {rank} died ({dead.signal_name()}); {left}", file=sys.stderr)
                 return 1
             code = _print_rank_report(Path(error_dir))
             if code is None:
                 ranks = ", ".join(f"rank {r} (exit code {f.exitcode})" for r, f in sorted(failure.failures.items()))
-                print(f"error: training failed: {ranks}; its output is above", file=sys.stderr)
+                print(f"error: {_WORK[command]} failed: {ranks}; its output is above", file=sys.stderr)
                 return 1
             return code
         except SignalException as stopped:
             code = _print_rank_report(Path(error_dir))
             if code is None:
-                print(f"error: stopped by {stopped.sigval.name}; {_intact(output_dir)}", file=sys.stderr)
+                print(
+                    f"error: stopped by {stopped.sigval.name}; {_left_by_interrupt(command, output_dir)}",
+                    file=sys.stderr,
+                )
             return code or 128 + int(stopped.sigval)
     return 0
+
+
+# What each launched command's ranks do, for the line that says they failed.
+_WORK = {"train": "training", "infer": "inference", "check": "the check"}
 
 
 def _intact(output_dir: Path) -> str:
@@ -422,7 +430,7 @@ def _config_command(args: argparse.Namespace, argv: list[str], cfg: JobConfig) -
         from fsdp2kit.parallel.mesh import mesh_layout
 
         mesh_layout(nproc, cfg.strategy_args.strategy_config, cfg.model.ulysses_size)  # fail before spawning
-        return _launch(nproc, argv, Path(cfg.training.output_dir))
+        return _launch(nproc, argv, Path(cfg.training.output_dir), args.command)
     return _run_rank(args, cfg)
 
 

@@ -983,3 +983,19 @@ def test_sigint_to_plan_measure_stops_its_candidate_run_and_removes_it(tmp_path)
     )
     assert not list(tmp_path.glob("fsdp2kit-plan-*"))
     assert not Path(f"/proc/{candidate}").exists()  # killed and reaped by plan before it exited, not orphaned
+
+
+@pytest.mark.parametrize(("command", "said"), [("infer", "inference failed"), ("train", "training failed")])
+def test_failed_ranks_are_named_by_the_command_they_ran(tmp_path, capsys, monkeypatch, command, said):
+    """Issue 42 (11): ranks of `infer` that fail without a report end in a line about inference, not training."""
+    import torch.distributed.run
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from fsdp2kit.cli import _launch
+
+    def fail(args):
+        raise ChildFailedError("fsdp2kit", {0: ProcessFailure(0, 1, 1, str(tmp_path / "none.json"))})
+
+    monkeypatch.setattr(torch.distributed.run, "run", fail)
+    assert _launch(2, [command, "c.yaml", "--nproc", "2"], tmp_path, command) == 1
+    assert capsys.readouterr().err == f"error: {said}: rank 0 (exit code 1); its output is above\n"
