@@ -571,14 +571,18 @@ class Strategy:
             )
 
     def device_batch(self, batch: Batch, what: str) -> Batch:
-        """The batch on this rank's device, checked: input_ids [B, T] int64 or int32 (widened to int64) with T >= 2,
+        """The batch on this rank's device, checked: input_ids [B, T] int64 or int32 (widened to int64), B >= 1 (a
+        micro-batch of no rows has nothing to compute, and attention cannot reshape it) and T >= 2,
         every [B, T]-shaped companion of the same shape, a `temperature` as `temperature_of` takes it."""
         if not isinstance(batch, dict) or "input_ids" not in batch:
             raise UserError(f"{what}: a dict of tensors with 'input_ids' [B, T] (int64) is needed")
         ids = batch["input_ids"]
-        if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.dtype not in TOKEN_DTYPES or ids.shape[1] < 2:
+        shaped = isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.shape[0] >= 1 and ids.shape[1] >= 2
+        if not shaped or ids.dtype not in TOKEN_DTYPES:
             got = f"{tuple(ids.shape)} {ids.dtype}" if isinstance(ids, torch.Tensor) else type(ids).__name__
-            raise UserError(f"{what}: input_ids must be an int64 or int32 tensor [B, T] with T >= 2, not {got}")
+            raise UserError(
+                f"{what}: input_ids must be an int64 or int32 tensor [B, T] with B >= 1 rows and T >= 2, not {got}"
+            )
         for key in ("attention_mask", "labels"):
             value = batch.get(key)
             if value is not None and (not isinstance(value, torch.Tensor) or value.shape != ids.shape):

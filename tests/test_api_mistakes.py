@@ -79,6 +79,15 @@ API_MISTAKES = {
         )
         for name, weight in [("nan", float("nan")), ("inf", float("inf")), ("negative", -5.0)]
     },
+    # issue 42 (4): no rows has nothing to compute; attention failed to reshape it
+    "train_no_rows": (
+        lambda s: s.train_step([{"input_ids": _ids(1)}, {"input_ids": torch.zeros(0, 8, dtype=torch.long)}]),
+        "micro-batch 1: input_ids must be an int64 or int32 tensor [B, T] with B >= 1 rows and T >= 2, not (0, 8)",
+    ),
+    "forward_no_rows": (
+        lambda s: s.forward_step({"input_ids": torch.zeros(0, 8, dtype=torch.long)}),
+        "batch: input_ids must be an int64 or int32 tensor [B, T] with B >= 1 rows and T >= 2, not (0, 8)",
+    ),
     "forward_past_the_positions": (
         lambda s: s.forward_step({"input_ids": _ids(1, POSITIONS + 1)}),
         f"batch: input_ids has {POSITIONS + 1} positions, more than the model's max_position_embeddings ({POSITIONS})",
