@@ -30,6 +30,7 @@ from fsdp2kit.models.sharded import build_sharded_model, count_parameters
 from fsdp2kit.parallel.document_attention import document_route
 from fsdp2kit.parallel.fsdp import describe_groups, model_class_name
 from fsdp2kit.parallel.plan import ShardingPlan
+from fsdp2kit.strategy import INFER_COMMAND, TRAIN_COMMAND
 from fsdp2kit.train.run_dir import output_dir_problem
 
 
@@ -109,6 +110,8 @@ def describe(cfg: JobConfig, runtime: Runtime) -> dict:
         compile_layers=cfg.training.compile,
         materialize=False,
     )
+    # The commands train and score next tokens: a value or reward model (the API's) is refused as the run would.
+    sharded.variant.head.require_log_probs(TRAIN_COMMAND if training else INFER_COMMAND)
     model, plan = sharded.model, sharded.plan
     trainable, frozen = count_parameters(model)
     attention_note = resolve_attention(cfg.model.attn_implementation, cfg.model.ulysses_size)[1]

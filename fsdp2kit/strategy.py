@@ -60,6 +60,9 @@ from fsdp2kit.train.token_checks import check_token_batch
 Batch = dict[str, torch.Tensor]
 # What offload_states / load_states move (ROLL's OffloadStateType names): the parameters' shards, the optimizer state.
 STATE_KINDS = ("model_params", "optimizer_states")
+# What the commands ask of a model's head, in their refusal of a value or reward model (and in `check`'s).
+TRAIN_COMMAND = "the train command (next-token cross-entropy)"
+INFER_COMMAND = "the infer command (next-token log-probs)"
 # loss_fn(log_probs, batch[, entropy]) -> (loss_sum, weight[, metrics]); a value model's gets values or scores.
 LossFn = Callable[..., tuple[Any, ...]]
 # input_ids' dtypes the API takes (int32 as rollout engines and tokenizers' numpy arrays give them).
@@ -265,7 +268,7 @@ class Strategy:
                 "stepped weights"
             )
         if loss is None:
-            self.head.require_log_probs("the train command (next-token cross-entropy)")
+            self.head.require_log_probs(TRAIN_COMMAND)
         if self.scheduler is None:
             raise UserError("train_step: the learning-rate schedule is not set (Strategy.set_schedule)")
         reuse_freed_memory(self.runtime.device)

@@ -125,3 +125,45 @@ def test_the_ppo_example_raises_the_reward_and_lowers_the_value_loss(tmp_path):
     value_loss = [sum(r["value_loss"] for r in part) / 3 for part in (first, last)]
     assert reward[1] > reward[0] + 0.1, reward
     assert value_loss[1] < value_loss[0] / 2, value_loss
+
+
+def _command_config(path: Path, model_dir: Path, model_class: str, output_dir: Path) -> Path:
+    """A native config for the commands: the model as model_class, the built-in corpus, one short step."""
+    import yaml
+
+    config = {
+        "model": {"name_or_path": str(model_dir), "model_class": model_class},
+        "data": {"seq_len": 32},
+        "training": {"max_steps": 1, "output_dir": str(output_dir), "export_hf": False},
+    }
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def test_check_and_train_refuse_a_head_fsdp2kit_does_not_serve_and_check_refuses_a_critic(tmp_path, run_main):
+    """Issue 42 (3, 7): a question-answering head (no LM head, no score layer) passed `check` and died in `train`
+    with a StopIteration; a critic passed `check` and was refused by `train` only after loading. Each is now the
+    same one line in `check` as in the run."""
+    folder = tmp_path / "critic-model"  # the built-in tokenizer's vocabulary, as the commands' data needs
+    make_hf_folder(folder, "tiny-llama", layers=1, auto_class=AUTO_CLASSES["critic"], num_labels=1, **SMALL)
+    answering = _command_config(tmp_path / "qa.yaml", folder, "transformers:LlamaForQuestionAnswering", tmp_path / "qa")
+    said = []
+    for command in ("check", "train"):
+        code, _, err = run_main(command, answering)
+        assert code == 2 and err.startswith("error: model.model_class: LlamaForQuestionAnswering has no LM head"), err
+        assert "fsdp2kit serves causal LMs (...ForCausalLM" in err and err.count("\n") == 1
+        said.append(err)
+    assert said[0] == said[1]
+    critic = _command_config(
+        tmp_path / "critic.yaml", folder, "transformers:LlamaForTokenClassification", tmp_path / "critic"
+    )
+    code, _, err = run_main("check", critic, "--set", "model.config.num_labels=1")
+    assert code == 2 and err == (
+        "error: the train command (next-token cross-entropy): model.model_class LlamaForTokenClassification gives "
+        "values, not next-token log-probs; use forward_step for its values and train_step with a loss_fn(values, "
+        "batch)\n"
+    )
+    code, _, err = run_main(
+        "check", critic, "--set", "model.config.num_labels=1", "--set", "strategy_args.strategy_name=fsdp2_infer"
+    )
+    assert code == 2 and err.startswith("error: the infer command (next-token log-probs): model.model_class Llama")

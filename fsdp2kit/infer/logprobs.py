@@ -18,7 +18,7 @@ from fsdp2kit.distributed import Runtime
 from fsdp2kit.errors import UserError
 from fsdp2kit.labels import IGNORE_INDEX
 from fsdp2kit.models.build import check_data_fits
-from fsdp2kit.strategy import Strategy
+from fsdp2kit.strategy import INFER_COMMAND, Strategy
 from fsdp2kit.train.loggers import phase
 
 
@@ -40,6 +40,7 @@ def infer(cfg: JobConfig, runtime: Runtime) -> None:
         )
     with phase(f"loading the model ({cfg.model.name_or_path})", runtime.is_main):
         strategy = Strategy(cfg, runtime, training=False)
+    strategy.head.require_log_probs(INFER_COMMAND)
     sharded, tokenizer = strategy.sharded, strategy.tokenizer
     check_data_fits(sharded.source.hf_config, cfg.data.seq_len, tokenizer)
     layout = sharded.layout

@@ -23,10 +23,28 @@ Batch = dict[str, torch.Tensor]
 _PER_TOKEN = "_fsdp2kit_per_token_scores"
 
 
+SERVED = (
+    "fsdp2kit serves causal LMs (...ForCausalLM, vision-language ...ForConditionalGeneration), critics "
+    "(...ForTokenClassification) and reward models (...ForSequenceClassification), the last two with "
+    "model.config.num_labels: 1"
+)
+
+
 class LanguageModelHead(VariantPart):
     """A causal LM: forward_step gives `log_probs` [B, T-1], and the loss receives them."""
 
     output = "log_probs"
+
+    def check_model(self, model: nn.Module) -> None:
+        """The model built on the meta device has an LM head (its output embeddings) to answer token requests: any
+        other head (question answering, a base model without a head) is refused before anything is loaded."""
+        get_head = getattr(model, "get_output_embeddings", None)
+        head = get_head() if callable(get_head) else None
+        if not isinstance(head, nn.Module) or not any(module is head for module in model.modules()):
+            raise UserError(
+                f"model.model_class: {type(model).__name__} has no LM head (output embeddings) to give next-token "
+                f"log-probs; {SERVED}"
+            )
 
     def install(self, model: nn.Module, device: torch.device, where: str) -> None:
         """The LM head answers chunked token requests, checked once against the model's own logits."""
@@ -68,9 +86,14 @@ class ValueHead(VariantPart):
         if isinstance(dropout, nn.Dropout):
             dropout.p = float(config.classifier_dropout)
 
-    def install(self, model: nn.Module, device: torch.device, where: str) -> None:
+    def check_model(self, model: nn.Module) -> None:
         if not isinstance(getattr(model, "score", None), nn.Linear):
-            raise UserError(f"model.model_class: {self.class_name} has no `score` layer to read its outputs from")
+            raise UserError(
+                f"model.model_class: {self.class_name} has no `score` layer to read its outputs from; {SERVED}"
+            )
+
+    def install(self, model: nn.Module, device: torch.device, where: str) -> None:
+        """Nothing to install: the `score` layer's outputs are read as they are (`check_model` found it)."""
 
     def require_log_probs(self, what: str) -> None:
         raise UserError(
@@ -118,7 +141,6 @@ class ScoreHead(ValueHead):
         """Nothing: a sequence classifier has no dropout before its head."""
 
     def install(self, model: nn.Module, device: torch.device, where: str) -> None:
-        super().install(model, device, where)
         model.get_submodule("score").register_forward_hook(_keep_per_token)
 
     def describe(self) -> dict[str, Any]:

@@ -65,6 +65,7 @@ def build_sharded_model(
     sp_group = sequence_parallel_group(layout)
     master_dtype = variant.master_dtype(training, model_cfg.dtype)
     model = build_meta_model(source, model_cfg.model_copy(update={"dtype": master_dtype}))
+    variant.head.check_model(model)  # a head fsdp2kit does not serve: refused here, in `check` as in a run
     variant.flex_documents = attend_documents(model, model_cfg, data, runtime.device, variant.attention_config)
     if sp_group is not None:
         apply_ulysses(model, sp_group, variant.attention_config)
