@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import REPO, make_hf_folder, read_metrics, run_python
-from value_case import AUTO_CLASSES, config, load_reference, micro_batches, outputs, reference, train
+from value_case import AUTO_CLASSES, MODEL_CLASSES, config, load_reference, micro_batches, outputs, reference, train
 
 import fsdp2kit
 from fsdp2kit.distributed import free_port, shutdown
@@ -167,3 +167,24 @@ def test_check_and_train_refuse_a_head_fsdp2kit_does_not_serve_and_check_refuses
         "check", critic, "--set", "model.config.num_labels=1", "--set", "strategy_args.strategy_name=fsdp2_infer"
     )
     assert code == 2 and err.startswith("error: the infer command (next-token log-probs): model.model_class Llama")
+
+
+@pytest.mark.parametrize("kind", list(AUTO_CLASSES))
+def test_a_critic_or_reward_folder_converts_to_dcp_and_back_exactly(kind, tmp_path, run_main):
+    """Issue 42 (5): convert read every folder as its family's causal LM, so a critic's `score.bias` (transformers'
+    token-classification head has one) was 'not in its config.json's model'. The class config.json names is read:
+    HF -> DCP -> HF gives the same tensors, and transformers' auto class loads the result."""
+    from safetensors.torch import load_file
+
+    folder = tmp_path / "hf"
+    make_hf_folder(folder, "tiny-llama", layers=1, auto_class=AUTO_CLASSES[kind], num_labels=1, pad_token_id=0, **SMALL)
+    for src, dst, to in ((folder, tmp_path / "dcp", "dcp"), (tmp_path / "dcp", tmp_path / "back", "hf")):
+        code, _, err = run_main("convert", src, dst, "--to", to)
+        assert code == 0, err
+    before, after = load_file(folder / "model.safetensors"), load_file(tmp_path / "back" / "model.safetensors")
+    assert "score.bias" in before or kind == "reward"  # the critic's head has a bias, the reward model's none
+    assert sorted(before) == sorted(after) and all(torch.equal(before[n], after[n]) for n in before)
+    import transformers
+
+    loaded = getattr(transformers, AUTO_CLASSES[kind]).from_pretrained(tmp_path / "back")
+    assert type(loaded).__name__ == MODEL_CLASSES[kind].split(":")[1]

@@ -36,11 +36,18 @@ MODEL_FILES = ("config.json", "generation_config.json", *TOKENIZER_FILES)  # cop
 
 
 def _meta_model(src: Path) -> torch.nn.Module:
-    """The model of a folder's config.json, on the meta device (names only, no memory)."""
-    from transformers import AutoConfig
+    """The model of a folder's config.json, on the meta device (names only, no memory): the transformers class its
+    `architectures` names where that class takes this config (a critic's ...ForTokenClassification, a reward
+    model's ...ForSequenceClassification, with their `score` heads), else its family's auto class."""
+    import transformers
+    from transformers import AutoConfig, PreTrainedModel
 
     config = AutoConfig.from_pretrained(src, trust_remote_code=False)  # a checkpoint of ours: plain transformers
+    named = getattr(transformers, (getattr(config, "architectures", None) or [""])[0], None)
+    own = isinstance(named, type) and issubclass(named, PreTrainedModel) and isinstance(config, named.config_class)
     with torch.device("meta"):
+        if own:
+            return named._from_config(config)  # type: ignore[union-attr]
         return auto_model_class(config).from_config(config, trust_remote_code=False)
 
 
