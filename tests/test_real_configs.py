@@ -815,3 +815,25 @@ def test_roll_files_naming_messages_data_and_a_template_train_a_step_on_it(name,
     with pytest.raises(UserError, match="data.template: 'llama3' is not the chat template of this model"):
         with process_group() as runtime:
             train(wrong, runtime)
+
+
+def test_set_of_a_native_files_own_key_replaces_it():
+    """Issue 42 (8): `--set model.model_name_or_path=X` on a MindSpeed-MM native file (its own key, and a native
+    alias) stood beside the translated model.name_or_path: 'expected only one of ...'. A key the file writes is
+    changed in the file, as the file's own spelling; a native key it does not write still sets the native key."""
+    name = "mindspeed_mm/examples/qwen3_5/qwen3_5_9B_config.yaml"
+    config, swaps, _ = user_args(name, "tiny-qwen3.5", 2)
+    model = "builtin:tiny-qwen3.5"
+    own = [s for s in swaps if not s.startswith("model.name_or_path=")] + [
+        f"model.model_name_or_path={model}",
+        f"data.dataset_param.preprocess_parameters.model_name_or_path={model}",
+        "training.load=null",  # the file's weights, read from the model folder it names (as MindSpeed-MM does)
+    ]
+    as_own, as_native = load_config(config, own), load_config(config, swaps)
+    assert as_own.model.name_or_path == as_native.model.name_or_path == model
+    assert as_own.data.tokenizer == as_native.data.tokenizer
+    roll = "examples/roll_rlvr.yaml"  # ROLL's own keys likewise: the file's value, as the file would give it
+    cfg = load_config(REPO / roll, ["pretrain=builtin:tiny-llama", "actor_train.training_args.learning_rate=3e-5"])
+    assert (cfg.model.name_or_path, cfg.training.learning_rate) == ("builtin:tiny-llama", 3e-5)
+    with pytest.raises(UserError, match="unknown key 'foo'"):  # a typo is not a key of the file: refused as before
+        load_config(REPO / roll, ["foo=1"])

@@ -38,6 +38,7 @@ def read_config(
     _refuse_hydra_defaults(written, source)
     raw = _resolve_interpolations(written, source)
     if roll.is_roll_file(raw):
+        raw, overrides = roll.file_overrides(raw, overrides)  # the file's own keys change it first
         translation = roll.translate(raw, source, role)
     elif mindspeed_native.is_native_file(raw) and role is None:
         raw, overrides = mindspeed_native.file_overrides(raw, overrides)

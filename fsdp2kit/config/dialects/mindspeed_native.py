@@ -33,8 +33,10 @@ from fsdp2kit.config.dialects.translation import (
     to,
     unsupported,
 )
+from fsdp2kit.config.dialects.translation import (
+    file_overrides as split_overrides,
+)
 from fsdp2kit.config.schema import JobConfig, pattern_class
-from fsdp2kit.config.yaml_io import apply_overrides
 from fsdp2kit.errors import UserError
 
 SECTIONS = ("parallel", "data", "model", "features", "training", "tools")
@@ -51,6 +53,16 @@ DEFAULTS: dict[str, dict[str, Any]] = {
 def is_native_file(raw: dict[str, Any]) -> bool:
     """fsdp2kit's own files have no `parallel`, `features` or `tools` section; MindSpeed-MM's always have one."""
     return any(isinstance(raw.get(key), dict) for key in ("parallel", "features", "tools"))
+
+
+def _written(raw: dict[str, Any], parts: list[str]) -> bool:
+    """Whether the file writes the key at this dotted path."""
+    node: Any = raw
+    for part in parts:
+        if not isinstance(node, dict) or part not in node:
+            return False
+        node = node[part]
+    return True
 
 
 def _is_native_key(parts: list[str]) -> bool:
@@ -73,16 +85,13 @@ def _is_native_key(parts: list[str]) -> bool:
 
 
 def file_overrides(raw: dict[str, Any], overrides: list[str]) -> tuple[dict[str, Any], list[str]]:
-    """Split `--set` items: those naming a key of this file's own sections (not a native key) change the file before
-    it is read, so `--set features.enable_activation_offload=false` turns off what the file turned on."""
-    own = [
-        item
-        for item in overrides
-        if (parts := item.split("=", 1)[0].strip().split("."))[0] in SECTIONS and not _is_native_key(parts)
-    ]
-    if not own:
-        return raw, overrides
-    return apply_overrides(copy.deepcopy(raw), own), [item for item in overrides if item not in own]
+    """`--set` items naming a key of this file's own sections (one the file writes, or one that is not a native key)
+    change the file before it is read, so `--set features.enable_activation_offload=false` turns off what the file
+    turned on and `--set model.model_name_or_path=X` replaces the file's own key (as a native alias it would stand
+    beside the translated model.name_or_path, a conflict the user never wrote)."""
+    return split_overrides(
+        raw, overrides, lambda parts: parts[0] in SECTIONS and (_written(raw, parts) or not _is_native_key(parts))
+    )
 
 
 # ---------------------------------------------------------------- parallel

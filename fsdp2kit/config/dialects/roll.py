@@ -29,6 +29,10 @@ from fsdp2kit.config.dialects.translation import (
     to,
     unsupported,
 )
+from fsdp2kit.config.dialects.translation import (
+    file_overrides as split_overrides,
+)
+from fsdp2kit.config.schema import JobConfig
 from fsdp2kit.errors import UserError
 
 OUR_STRATEGIES = ("fsdp2_train", "fsdp2_infer")
@@ -425,6 +429,17 @@ TOP_LEVEL: dict[str, Rule] = {
     ),
     **dict.fromkeys(("pretrain", *ROLE_MODEL_KEYS.values(), "prompt_length", "response_length"), already_read),
 }
+
+
+NATIVE_SECTIONS = frozenset(JobConfig.model_fields) | frozenset(getattr(JobConfig, "ALIASES", {}))
+
+
+def file_overrides(raw: dict[str, Any], overrides: list[str]) -> tuple[dict[str, Any], list[str]]:
+    """`--set` items naming a ROLL key (`pretrain=...`, `actor_train.model_args.dtype=...`: a key of the file or of
+    ROLL's top level, not a native section) change the file before it is read, as ROLL's own Hydra overrides would;
+    native keys are set after."""
+    known = set(raw) | set(TOP_LEVEL) | set(SFT_TOP_LEVEL)  # a typo stays a native key: refused as unknown
+    return split_overrides(raw, overrides, lambda parts: parts[0] in known and parts[0] not in NATIVE_SECTIONS)
 
 
 def is_roll_file(raw: dict[str, Any]) -> bool:

@@ -7,9 +7,11 @@ that fsdp2kit cannot honour (`unsupported`). A key with no rule is an error, so 
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Collection, Mapping
 from typing import Any, NamedTuple
 
+from fsdp2kit.config.yaml_io import apply_overrides
 from fsdp2kit.errors import UserError, unknown_key_message
 
 NO_FSDP2_MEANING = "no FSDP2 meaning"
@@ -134,6 +136,17 @@ class Translation:
 
 
 Rule = Callable[[Translation, Written, Any], None]
+
+
+def file_overrides(
+    raw: dict[str, Any], overrides: list[str], own: Callable[[list[str]], bool]
+) -> tuple[dict[str, Any], list[str]]:
+    """Split `--set` items: those whose dotted path `own` says is a key of the foreign file itself change (a copy
+    of) the file before it is read, as if the file had said so; the others set native keys afterwards."""
+    mine = [item for item in overrides if own(item.split("=", 1)[0].strip().split("."))]
+    if not mine:
+        return raw, overrides
+    return apply_overrides(copy.deepcopy(raw), mine), [item for item in overrides if item not in mine]
 
 
 def apply_rules(
