@@ -220,3 +220,21 @@ def test_an_entry_column_no_record_has_and_tags_without_speakers_are_one_line(tm
         load_documents(DataConfig(source="sharecols", dataset_dir=str(tmp_path)))
     assert str(error.value).startswith(where.format("sharecols") + "has tags without content_tag; an entry's tags")
     assert "give role_tag, content_tag, user_tag, assistant_tag (the defaults: role_tag: from" in str(error.value)
+
+
+def test_a_mindspeed_native_dataset_that_is_a_file_is_that_file_beside_a_registry_folder():
+    """Issue 42 (10): `dataset:` an existing data file with `dataset_dir:` its media root, a folder that also holds a
+    dataset_info.json: the path was read as a registry name and refused. A value that is an existing file is that
+    file (as MindSpeed-MM's load_dataset reads it); the folder stays the media root, ignored and noted."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_real_configs import load_config, user_args
+
+    config, swaps, _ = user_args("mindspeed_mm/examples/qwen3_5/qwen3_5_35B_config.yaml", "tiny-qwen3.5-moe", 2)
+    swaps = [s for s in swaps if not s.startswith("data.source=")]
+    basic = "data.dataset_param.basic_parameters"
+    file = str(LLAMAFACTORY.resolve() / "alpaca_en_demo.json")
+    cfg = load_config(config, [*swaps, f"{basic}.dataset_dir={LLAMAFACTORY.resolve()}", f"{basic}.dataset={file}"])
+    assert (cfg.data.source, cfg.data.dataset_dir) == (file, None)
+    assert any("basic_parameters.dataset_dir" in note for note in cfg.notes)

@@ -417,8 +417,12 @@ ATTR.update(
 
 def _dataset_dir(translation: Translation, key: Written, value: Any) -> None:
     """A folder holding LLaMA-Factory's registry (dataset_info.json) is data.dataset_dir: `dataset` then names its
-    datasets. Any other folder is where MindSpeed-MM reads media from, which fsdp2kit reads beside the data file."""
-    if isinstance(value, str) and (Path(value).expanduser() / "dataset_info.json").is_file():
+    datasets, unless what `dataset` gives are existing files (read first, `_basic_parameters`): a file is that file.
+    Any other folder is where MindSpeed-MM reads media from, which fsdp2kit reads beside the data file."""
+    given = translation.get("data.source")
+    files = [given] if isinstance(given, str) else given if isinstance(given, list) else []
+    names_files = bool(files) and all(Path(str(f)).expanduser().is_file() for f in files)
+    if not names_files and isinstance(value, str) and (Path(value).expanduser() / "dataset_info.json").is_file():
         to("data.dataset_dir")(translation, key, value)
         translation.note(f"{key}: its dataset_info.json names the datasets that 'dataset' gives")
     else:
@@ -466,6 +470,14 @@ BASIC_PARAMETERS: dict[str, Rule] = {
     ),
 }
 
+
+def _basic_parameters(translation: Translation, key: Written, value: Any) -> None:
+    """`dataset` first, whatever the file's order: whether dataset_dir is a registry depends on it."""
+    if isinstance(value, dict) and "dataset" in value:
+        value = {"dataset": value["dataset"], **value}
+    section(BASIC_PARAMETERS)(translation, key, value)
+
+
 PREPROCESS_PARAMETERS: dict[str, Rule] = {
     "model_name_or_path": already_read,
     "trust_remote_code": file_trust_remote_code,
@@ -493,7 +505,7 @@ PREPROCESS_PARAMETERS: dict[str, Rule] = {
 DATASET_PARAM: dict[str, Rule] = {
     "dataset_type": unsupported("fsdp2kit reads LLaMA-Factory files", harmless=("huggingface",)),
     "attr": section(ATTR),
-    "basic_parameters": section(BASIC_PARAMETERS),
+    "basic_parameters": _basic_parameters,
     "preprocess_parameters": section(PREPROCESS_PARAMETERS),
 }
 
