@@ -599,3 +599,19 @@ def test_a_template_that_ignores_add_generation_prompt_trains_no_assistant_heade
     template, ours, theirs = ours_and_transformers(IGNORES_GENERATION_PROMPT)
     assert not template.writes_generation_prompt
     assert ours == theirs
+
+
+def test_a_record_the_template_refuses_is_named_by_file_and_number(tmp_path):
+    """Issue 42 (6): a ShareGPT record with two human turns in a row, under a template whose roles must alternate,
+    was 'data.chat_template: rendering a conversation failed', naming neither file nor record. It is one line naming
+    the record, as the data's fault."""
+    good = {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]}
+    doubled = {"conversations": [{"from": "human", "value": "hi"}, *good["conversations"]]}
+    source = tmp_path / "chats.json"
+    source.write_text(json.dumps([good, doubled]))
+    cfg = DataConfig(source=str(source), cache_dir=str(tmp_path / "cache"), seq_len=256, pack=False)
+    with pytest.raises(UserError) as error:
+        token_store(cfg, family_tokenizer("mistral"))
+    message = str(error.value)
+    assert message.startswith(f"data.source: record 2 of '{source}' is a conversation the chat template refuses: ")
+    assert "alternate" in message and "\n" not in message

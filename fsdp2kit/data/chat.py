@@ -546,7 +546,11 @@ class ChatTemplate:
         text = template_text(cfg, tokenizer, model_type or (model_type_of(Path(folder)) if folder else None))
         return cls(tokenizer, text, cfg.train_on_prompt, cfg.mask_history, cfg.train_on_eos)
 
-    def render(self, messages: list[dict], tools: list | None = None, generation_prompt: bool = False) -> str:
+    def render(
+        self, messages: list[dict], tools: list | None = None, generation_prompt: bool = False, where: str = ""
+    ) -> str:
+        """The template's text of the messages; a refusal of a record's conversation (`where`: which record) names
+        the record, as the data's fault (roles that must alternate), not the template's."""
         try:
             with _time_limit(RENDER_SECONDS):
                 text = _render(self.tokenizer, self.template, messages, tools, generation_prompt)
@@ -560,6 +564,11 @@ class ChatTemplate:
                 f"data.chat_template: the template builds {exc}; it writes text of its own without bound"
             ) from None
         except Exception as exc:  # jinja raises TemplateError, and templates raise_exception with their own words
+            if where:
+                raise UserError(
+                    f"data.source: {where} is a conversation the chat template refuses: {exc}; fix or remove the "
+                    "record (LLaMA-Factory leaves such records out)"
+                ) from None
             raise UserError(f"data.chat_template: rendering a conversation failed: {exc}") from None
         if len(text) > MAX_RENDERED_CHARS:
             raise UserError(
@@ -645,7 +654,7 @@ class ChatTemplate:
         render one), left out and counted like any other with nothing to train on."""
         if not chat.messages:
             return [], []
-        text = self.render(chat.messages, chat.tools)
+        text = self.render(chat.messages, chat.tools, where=chat.where)
         spans = self.spans(chat, text)
         if not getattr(self.tokenizer, "is_fast", False):
             raise UserError(
