@@ -615,3 +615,22 @@ def test_a_record_the_template_refuses_is_named_by_file_and_number(tmp_path):
     message = str(error.value)
     assert message.startswith(f"data.source: record 2 of '{source}' is a conversation the chat template refuses: ")
     assert "alternate" in message and "\n" not in message
+
+
+def test_raw_function_schemas_are_given_to_the_template_in_transformers_form():
+    """Issue 42 (12): glaive_toolcall_en_demo's `tools` are raw function schemas ({name, description, parameters});
+    handed over as stored, Qwen's prompt listed `{"name": ...}` where its models are trained on transformers' (and
+    OpenAI's, and LLaMA-Factory's) `{"type": "function", "function": {...}}`. The rendered prompt is exactly what
+    transformers' apply_chat_template gives for the wrapped tools; tools already in that form stay as they are."""
+    record = json.loads((LLAMAFACTORY / "glaive_toolcall_en_demo.json").read_text())[0]
+    raw = json.loads(record["tools"])
+    assert raw and all("name" in tool and "type" not in tool for tool in raw)
+    wrapped = [{"type": "function", "function": tool} for tool in raw]
+    tokenizer = family_tokenizer("qwen2.5")
+    template = ChatTemplate(tokenizer, tokenizer.chat_template)
+    for given in (record, {**record, "tools": wrapped}):
+        chat = to_chat(given, "auto", "record 1")
+        assert chat.tools == wrapped
+        expected = tokenizer.apply_chat_template(chat.messages, tools=wrapped, tokenize=False)
+        assert template.render(chat.messages, chat.tools) == expected
+        assert '{"type": "function", "function": {"name": "search_recipes"' in expected

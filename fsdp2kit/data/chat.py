@@ -358,6 +358,15 @@ def _json_value(value: Any) -> Any:
     return value
 
 
+def _function_tool(tool: Any) -> Any:
+    """A tool as templates are given it: a raw function schema `{name, description, parameters}` (LLaMA-Factory's and
+    glaive's files) wrapped as `{"type": "function", "function": {...}}`, the form of transformers and OpenAI, as
+    LLaMA-Factory wraps it; a tool already in that form (or of another type) as it is."""
+    if isinstance(tool, dict) and "type" not in tool and "name" in tool:
+        return {"type": "function", "function": tool}
+    return tool
+
+
 def _tool_call(call: dict) -> dict:
     function = call.get("function") or call
     return {
@@ -451,6 +460,8 @@ def to_chat(record: dict, fmt: str, where: str) -> Chat:
     tools = _json_value(record.get("tools")) or None
     if tools is not None and not isinstance(tools, list):
         raise UserError(f"data.source: {where} has 'tools' that are not a JSON list of tool definitions")
+    if tools is not None:
+        tools = [_function_tool(tool) for tool in tools]
     # A conversation without an assistant turn (system-only, empty) has no target: the token store leaves it out
     # and counts it (store.py), as it does any conversation with nothing to train on.
     return Chat(messages, tools, where)

@@ -44,7 +44,7 @@ from fsdp2kit.errors import RunFault, UserError, raise_pending_interrupt
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-STORE_FORMAT = 3
+STORE_FORMAT = 4  # 4: raw tool schemas are wrapped as {"type": "function", "function": ...} (issue 42)
 _BATCH_ROWS = 1000  # rows a tokenizer call encodes at once (a task of the pool)
 _ROWS_PER_PROCESS = 5000  # below this a second process costs more to start than it saves
 
