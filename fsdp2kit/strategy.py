@@ -213,6 +213,13 @@ class Strategy:
             )
         return pack_rows(batch, inputs, what, targets)
 
+    def _head_packed(self, head: ValueHead, batch: Batch, inputs: Batch, what: str) -> PackedRows | None:
+        """A value or reward model's batch packed under model.remove_padding, where its outputs are all computed."""
+        packed = self._packed(batch, inputs, what)
+        if packed is not None:
+            head.check_packed(batch, packed.real, what)
+        return packed
+
     def _log_prob_loss(self, batches: list[Batch], loss_fn: LossFn | None) -> tuple[list[Batch], MicroBatchLoss]:
         """A causal LM's micro-batches as the model reads them (packed under model.remove_padding) and their loss:
         loss_fn's over log-probs, or the default cross-entropy."""
@@ -247,7 +254,7 @@ class Strategy:
             )
         model_batches = [head.model_batch(mb, self._model_keys) for mb in batches]
         pairs = enumerate(zip(batches, model_batches, strict=True))
-        packing = [self._packed(mb, m, f"micro-batch {i}") for i, (mb, m) in pairs]
+        packing = [self._head_packed(head, mb, m, f"micro-batch {i}") for i, (mb, m) in pairs]
         model_batches = [p.stream if p is not None else m for p, m in zip(packing, model_batches, strict=True)]
         group, chunk = self.sharded.sp_group, self.chunk_tokens
         return model_batches, HeadOutputLoss(loss_fn, batches, group, chunk, packing=packing, head=head)
@@ -372,7 +379,7 @@ class Strategy:
         if entropy:
             head.require_log_probs("forward_step(entropy=True)")
         model_batch = head.model_batch(api_batch, self._model_keys)
-        packed = self._packed(api_batch, model_batch, "forward_step")
+        packed = self._head_packed(head, api_batch, model_batch, "forward_step")
         model_batch = packed.stream if packed is not None else model_batch
         group = self.sharded.sp_group
         with self._inference():

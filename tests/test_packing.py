@@ -5,6 +5,7 @@ entropies, a per-sample temperature, the loss and every parameter's gradient; at
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -170,3 +171,43 @@ def test_packed_and_budgeted_steps_at_two_ranks_and_ulysses(model_dir, tmp_path)
     assert_step(seen["budget"], reference(model_dir, [whole, second]))
     parts = len(split_rows(whole, BUDGET)) + len(split_rows(second, BUDGET))  # rank 1's empty ones not counted
     assert seen["budget"][0]["metrics"]["rows"] == pytest.approx(6 / parts)
+
+
+def test_packed_scores_and_values_with_another_padding_id_than_pad_token_id(tmp_path):
+    """Issue 42 (1): a reward model whose pad_token_id is 2, on rows padded with 0 (as collators and verl pad) with an
+    attention_mask. Left-padded rows and rows padded with pad_token_id read their score at a real token: packed, it
+    equals the padded computation. Right-padded rows with 0 read it at a padding position, which packing does not
+    compute (it gave exactly 0.0): refused in one line, in forward_step and train_step; padded, they are
+    transformers'. A critic's values at the real tokens equal the padded computation for either padding."""
+    from conftest import make_hf_folder
+    from test_value_models import SMALL
+    from value_case import AUTO_CLASSES, MODEL_CLASSES, load_reference, outputs
+
+    pad = 2
+    mask = torch.tensor([[1] * 7 + [0] * 3, [1] * 10, [1] * 4 + [0] * 6])
+    ids = torch.randint(3, 512, mask.shape, generator=torch.Generator().manual_seed(1))
+    right = {"input_ids": ids.masked_fill(mask == 0, 0), "attention_mask": mask}
+    left = {key: value.flip(1) for key, value in right.items()}
+    with_pad_id = {"input_ids": ids.masked_fill(mask == 0, pad), "attention_mask": mask}
+    for kind, output in (("reward", "scores"), ("critic", "values")):
+        folder = tmp_path / kind
+        settings = {"num_labels": 1, "pad_token_id": pad, "vocab_size": 512, **SMALL}
+        make_hf_folder(folder, "tiny-llama", auto_class=AUTO_CLASSES[kind], **settings)
+        model = load_reference(kind, folder)
+        cfg = config(str(folder), str(tmp_path / f"{kind}-run"), remove_padding=True)
+        cfg["model"]["model_class"] = MODEL_CLASSES[kind]
+        with strategy(cfg) as s:
+            for batch in (left, with_pad_id) if kind == "reward" else (left, right, with_pad_id):
+                padded = outputs(model, batch)
+                got = s.forward_step(batch)[output]
+                expected = padded if kind == "reward" else padded * batch["attention_mask"]
+                torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+            if kind == "critic":
+                continue
+            refusal = "row 0's score is read at its last token that is not pad_token_id 2 (position 9), which"
+            with pytest.raises(UserError, match=re.escape("forward_step: model.remove_padding computes only")):
+                s.forward_step(right)
+            with pytest.raises(UserError, match=re.escape(refusal)):
+                s.train_step([right], lambda scores, batch: (scores.sum(), torch.tensor(1.0)))
+            s.cfg.model.remove_padding = False
+            torch.testing.assert_close(s.forward_step(right)[output], outputs(model, right), rtol=0, atol=1e-5)

@@ -116,6 +116,10 @@ class ValueHead(VariantPart):
         """What the API returns for the batch as given, from the per-token outputs of (at least) its positions."""
         return per_token[:, : batch["input_ids"].shape[1]]
 
+    def check_packed(self, batch: Batch, real: torch.Tensor, what: str) -> None:
+        """Packed (model.remove_padding), only the `real` tokens [B, T] are computed: a value per real token is all
+        a critic gives (0 at padding, as its padded outputs are read)."""
+
     def describe(self) -> dict[str, Any]:
         return {"head": f"values per token ({self.class_name}; classifier_dropout 0 unless the config sets it)"}
 
@@ -152,9 +156,27 @@ class ScoreHead(ValueHead):
 
     def whole(self, per_token: torch.Tensor, batch: Batch) -> torch.Tensor:
         ids = batch["input_ids"]
+        return per_token[torch.arange(ids.shape[0], device=ids.device), self._scored(ids)]
+
+    def _scored(self, ids: torch.Tensor) -> torch.Tensor:
+        """Each row's position its score is read at: the rightmost token that is not pad_token_id (transformers')."""
         positions = torch.arange(ids.shape[1], device=ids.device, dtype=torch.int32)
-        last = (positions * (ids != self.pad_token_id).int()).argmax(-1)
-        return per_token[torch.arange(ids.shape[0], device=ids.device), last]
+        return (positions * (ids != self.pad_token_id).int()).argmax(-1)
+
+    def check_packed(self, batch: Batch, real: torch.Tensor, what: str) -> None:
+        """A row whose score position is padding by its attention_mask (padded with another id than pad_token_id,
+        as collators pad with 0) has a score only the padded computation gives: packed, it would be a silent 0."""
+        ids = batch["input_ids"]
+        scored = self._scored(ids)
+        unpacked = (~real.gather(1, scored[:, None].long())).squeeze(1).nonzero().flatten().tolist()
+        if unpacked:
+            row, position = unpacked[0], int(scored[unpacked[0]])
+            raise UserError(
+                f"{what}: model.remove_padding computes only the tokens attention_mask marks real, but row {row}'s "
+                f"score is read at its last token that is not pad_token_id {self.pad_token_id} (position {position}), "
+                f"which attention_mask marks as padding; pad with pad_token_id {self.pad_token_id}, as transformers "
+                "reads the score, or turn model.remove_padding off"
+            )
 
 
 def _keep_per_token(module: nn.Module, args: Any, output: torch.Tensor) -> None:
