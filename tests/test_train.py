@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import read_metrics, run_cli, set_args
+from conftest import REPO, read_metrics, run_cli, set_args
 
 from fsdp2kit.checkpoint.manager import committed_checkpoints
 from fsdp2kit.config.load import load_config
@@ -76,6 +76,61 @@ def test_schedule_shapes():
     assert lr_factor(6, 10, 2, "linear") == pytest.approx(0.5)
     assert lr_factor(6, 10, 2, "cosine") == pytest.approx(0.5)
     assert lr_factor(10, 10, 2, "cosine") == pytest.approx(0.0)
+
+
+def _learning_rates(cfg, total: int) -> list[float]:
+    """The learning rate of each of `total` optimizer steps under the config's schedule."""
+    from fsdp2kit.train.optim import build_scheduler
+
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=cfg.learning_rate)
+    scheduler = build_scheduler(optimizer, cfg, total)
+    rates = []
+    for _ in range(total):
+        rates.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    return rates
+
+
+def _transformers_rates(name: str, peak: float, warmup: int, total: int) -> list[float]:
+    import transformers
+
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=peak)
+    scheduler = transformers.get_scheduler(name, optimizer, num_warmup_steps=warmup, num_training_steps=total)
+    rates = []
+    for _ in range(total):
+        rates.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    return rates
+
+
+@pytest.mark.parametrize("name", ["linear", "cosine", "constant_with_warmup", "constant"])
+def test_a_config_of_hf_trainer_accelerate_or_roll_arguments_follows_transformers_schedule(name):
+    """Issue 42 (13): fsdp2kit's warmup was one step ahead of transformers' (its first step at peak / W,
+    get_*_schedule_with_warmup's at 0). A config read from ROLL's training_args (HF TrainingArguments), an Accelerate
+    config or the Trainer's fsdp keys sets training.warmup_from_zero: every step's learning rate is transformers'
+    (HF's `constant` without its warmup). The native default stays: the first warmup step already learns."""
+    from fsdp2kit.config.load import load_config
+
+    total, warmup, peak = 12, 3, 1e-4
+    role = "actor_train.training_args"
+    roll = load_config(
+        REPO / "examples/roll_rlvr.yaml",
+        [f"{role}.lr_scheduler_type={name}", f"{role}.warmup_steps={warmup}", f"{role}.learning_rate={peak}"],
+    ).training
+    expected = _transformers_rates(name, peak, warmup, total)
+    assert roll.warmup_from_zero and _learning_rates(roll, total) == pytest.approx(expected, rel=1e-12, abs=0)
+    if name == "constant":
+        return
+    native = [f"training.lr_scheduler_type={name.removesuffix('_with_warmup')}", f"training.warmup_steps={warmup}"]
+    native.append(f"training.learning_rate={peak}")
+    for strategy_file in ("examples/accelerate_fsdp_config.yaml", None):
+        config = "examples/accelerate_trainer.yaml" if strategy_file is None else "examples/demo.yaml"
+        cfg = load_config(REPO / config, native, strategy_file=strategy_file and str(REPO / strategy_file)).training
+        assert _learning_rates(cfg, total) == pytest.approx(expected, rel=1e-12, abs=0)
+    own = load_config(REPO / "examples/demo.yaml", native).training
+    assert not own.warmup_from_zero and _learning_rates(own, total)[0] == pytest.approx(peak / warmup)
 
 
 @pytest.mark.slow

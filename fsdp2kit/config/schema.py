@@ -378,6 +378,12 @@ class TrainingConfig(Section):
     adam_epsilon: float = Field(1.0e-8, gt=0, description="AdamW epsilon")
     lr_scheduler_type: Literal["constant", "linear", "cosine"] = Field("cosine", description="decay after warmup")
     warmup_steps: int = Field(0, ge=0, description="linear warmup steps from 0 to learning_rate")
+    warmup_from_zero: bool = Field(
+        False,
+        description="warmup step s (from 0) at learning_rate x s / warmup, the first at 0, as transformers' "
+        "get_*_schedule_with_warmup (set by configs read from HF Trainer, Accelerate or ROLL arguments); false: "
+        "x (s + 1) / warmup, the first step already learns",
+    )
     warmup_ratio: float = Field(
         0.0, ge=0, le=1, description="without warmup_steps: warm up for this fraction of the run's steps (rounded up)"
     )

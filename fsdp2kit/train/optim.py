@@ -33,10 +33,12 @@ def build_optimizer(model: nn.Module, cfg: TrainingConfig) -> torch.optim.AdamW:
     )
 
 
-def lr_factor(step: int, total_steps: int, warmup_steps: int, kind: str) -> float:
-    """Multiplier of the peak learning rate for optimizer step `step` (0-based)."""
+def lr_factor(step: int, total_steps: int, warmup_steps: int, kind: str, from_zero: bool = False) -> float:
+    """Multiplier of the peak learning rate for optimizer step `step` (0-based). Warmup reaches the peak at its last
+    step, or with `from_zero` (training.warmup_from_zero) at the first step after it, from 0 at step 0: transformers'
+    get_{constant,linear,cosine}_schedule_with_warmup, whose decay this is in either case."""
     if step < warmup_steps:
-        return (step + 1) / warmup_steps
+        return (step + (0 if from_zero else 1)) / warmup_steps
     if kind == "constant":
         return 1.0
     progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
@@ -53,7 +55,8 @@ def warmup_steps(cfg: TrainingConfig, total_steps: int) -> int:
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainingConfig, total_steps: int) -> LambdaLR:
     warmup = warmup_steps(cfg, total_steps)
-    return LambdaLR(optimizer, lambda step: lr_factor(step, total_steps, warmup, cfg.lr_scheduler_type))
+    kind, from_zero = cfg.lr_scheduler_type, cfg.warmup_from_zero
+    return LambdaLR(optimizer, lambda step: lr_factor(step, total_steps, warmup, kind, from_zero))
 
 
 def schedule_warnings(cfg: TrainingConfig, total_steps: int) -> list[str]:
@@ -61,7 +64,8 @@ def schedule_warnings(cfg: TrainingConfig, total_steps: int) -> list[str]:
     warnings = []
     warmup = warmup_steps(cfg, total_steps)
     if warmup > total_steps:
-        peak = cfg.learning_rate * lr_factor(total_steps - 1, total_steps, warmup, cfg.lr_scheduler_type)
+        last = lr_factor(total_steps - 1, total_steps, warmup, cfg.lr_scheduler_type, cfg.warmup_from_zero)
+        peak = cfg.learning_rate * last
         warnings.append(
             f"training.warmup_steps (or warmup_ratio) gives {warmup} warmup steps, more than the run's "
             f"{total_steps}: the learning rate never reaches its peak {cfg.learning_rate:g} (it stops at {peak:.3g})"

@@ -27,6 +27,7 @@ from fsdp2kit.config.dialects.translation import (
     ignored,
     section,
     to,
+    transformers_schedule,
     unknown_key,
     unsupported,
 )
@@ -291,6 +292,7 @@ def translate_file(translation: Translation, data: dict[str, Any], path: str) ->
     if isinstance(fsdp_config, dict) and fsdp_config.get("fsdp_version") is None:
         translation.note("fsdp_config.fsdp_version not given: Accelerate runs FSDP1; its settings read as FSDP2")
     apply_rules(translation, data, ACCELERATE_CONFIG, Written(path, ""))
+    transformers_schedule(translation, Written(path, ""), "an Accelerate config's HF Trainer")
 
 
 def translate_fsdp_config(translation: Translation, values: Any, where: Written, default_wrap_policy: str) -> None:
@@ -341,6 +343,7 @@ def translate_trainer_file(translation: Translation, data: dict[str, Any], path:
     translation.replace(STRATEGY_CONFIG, {}, Written(path, ""))
     translation.note(f"{STRATEGY_CONFIG} read from {path} (Trainer fsdp_config)")
     translate_trainer_fsdp_config(translation, data, Written(path, ""))
+    transformers_schedule(translation, Written(path, ""), "the HF Trainer")
 
 
 def _setting(values: dict[str, Any], name: str) -> tuple[str, Any]:
@@ -388,6 +391,7 @@ def translate_trainer_keys(translation: Translation) -> None:
         _fsdp_options(translation, options, where.child("fsdp"))
     if fsdp_config is not None:
         translate_trainer_fsdp_config(translation, fsdp_config, where.child("fsdp_config"))
+    transformers_schedule(translation, where, "the HF Trainer")
 
 
 def _fsdp_options(translation: Translation, value: Any, key: Written) -> None:

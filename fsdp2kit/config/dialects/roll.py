@@ -27,6 +27,7 @@ from fsdp2kit.config.dialects.translation import (
     ignored,
     section,
     to,
+    transformers_schedule,
     unsupported,
 )
 from fsdp2kit.config.dialects.translation import (
@@ -82,7 +83,7 @@ def _attention(value: str) -> str:
 
 def _scheduler(value: str) -> str:
     """HF scheduler names. fsdp2kit warms up for warmup_steps before any schedule, so constant_with_warmup is its
-    `constant` (HF's `constant` skips the warmup: the two differ only when warmup_steps > 0)."""
+    `constant`; HF's `constant` skips the warmup (`_training_args` drops it)."""
     names = {"cosine": "cosine", "linear": "linear", "constant": "constant", "constant_with_warmup": "constant"}
     if value not in names:
         raise ValueError(f"expected one of {', '.join(names)}")
@@ -318,6 +319,18 @@ TRAINING_ARGS: dict[str, Rule] = {
     "eval_steps": ignored(DROPPED.format("TrainingArguments")),
 }
 
+
+def _training_args(translation: Translation, key: Written, value: Any) -> None:
+    """HF TrainingArguments, whose schedule ROLL builds with transformers' get_scheduler."""
+    section(TRAINING_ARGS)(translation, key, value)
+    transformers_schedule(translation, key, "ROLL's training_args (HF TrainingArguments)")
+    warmup = [name for name in ("warmup_steps", "warmup_ratio") if isinstance(value, dict) and value.get(name)]
+    if isinstance(value, dict) and value.get("lr_scheduler_type") == "constant" and warmup:
+        for name in warmup:  # transformers' get_constant_schedule: no warmup at all
+            translation.replace(f"training.{name}", 0, key.child(name))
+        translation.note(f"{key.child(warmup[0])} dropped: HF's lr_scheduler_type constant does not warm up")
+
+
 DATA_ARGS: dict[str, Rule] = {
     "file_name": _file_name,
     "interleave_probs": _interleave_probs,
@@ -366,7 +379,7 @@ STRATEGY_ARGS: dict[str, Rule] = {
 
 ROLE: dict[str, Rule] = {
     "model_args": section(MODEL_ARGS),
-    "training_args": section(TRAINING_ARGS),
+    "training_args": _training_args,
     "data_args": section(DATA_ARGS),
     "strategy_args": section(STRATEGY_ARGS),
     "device_mapping": to("device_mapping"),

@@ -266,3 +266,14 @@ def chat_template_name(translation: Translation, key: Written, value: Any) -> No
         f"{key} = {value!r} read as data.template: conversations are rendered with the model's own chat template, "
         "which this name must be of"
     )
+
+
+def transformers_schedule(translation: Translation, origin: Written, arguments: str) -> None:
+    """A config read from `arguments` that transformers' schedulers serve (HF Trainer, Accelerate, ROLL) warms up as
+    they do: the first step at learning rate 0 (training.warmup_from_zero), unless the config sets it itself."""
+    if translation.get("training.warmup_from_zero") is None:
+        translation.set("training.warmup_from_zero", True, origin)
+        translation.note(
+            f"training.warmup_from_zero=True: as in {arguments} (transformers' get_*_schedule_with_warmup), the "
+            "first warmup step has learning rate 0"
+        )
