@@ -44,7 +44,9 @@ def _meta_model(src: Path) -> torch.nn.Module:
 
     config = AutoConfig.from_pretrained(src, trust_remote_code=False)  # a checkpoint of ours: plain transformers
     named = getattr(transformers, (getattr(config, "architectures", None) or [""])[0], None)
-    own = isinstance(named, type) and issubclass(named, PreTrainedModel) and isinstance(config, named.config_class)
+    config_class = getattr(named, "config_class", None)
+    own = isinstance(named, type) and issubclass(named, PreTrainedModel) and isinstance(config_class, type)
+    own = own and isinstance(config, config_class)  # type: ignore[arg-type]
     with torch.device("meta"):
         if own:
             return named._from_config(config)  # type: ignore[union-attr]

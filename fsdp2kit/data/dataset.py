@@ -404,7 +404,7 @@ def _chat_table(cfg: DataConfig, files: list[Path], entry: RegistryEntry | None)
     if not records:
         raise UserError(f"data.source: '{cfg.source}' is empty (no documents)")
     if entry is not None:
-        entry.check_columns({key for _, record in records if isinstance(record, dict) for key in record}, cfg.source)
+        entry.check_columns({key for _, record in records if isinstance(record, dict) for key in record}, entry.file)
     return datasets.Dataset.from_dict({"where": [w for w, _ in records], "record": [json.dumps(r) for _, r in records]})
 
 
@@ -429,7 +429,7 @@ def open_source(cfg: DataConfig) -> SourceDocuments:
     if cfg.max_samples is not None:
         table = table.select(range(min(cfg.max_samples, len(table))))
     if entry is not None:
-        entry.check_columns(table.column_names, source)
+        entry.check_columns(table.column_names, entry.file)
     text_key = "text" if kind == "text" else cfg.text_key  # a text file's lines have no field names to choose from
     chat_format = _chat_form(cfg, dict.fromkeys(table.column_names, "")) if kind != "text" else None
     if chat_format is not None:

@@ -233,9 +233,9 @@ def _reading(attrs: dict, formatting: str, where: str) -> tuple[dict[str, str | 
     tags = readings[1]
     missing = [tag for tag in _REQUIRED_TAGS if not tags[tag]]
     if formatting == "sharegpt" and missing:
-        defaults = ", ".join(f"{tag}: {DEFAULT_TAGS[tag]}" for tag in _REQUIRED_TAGS)
+        usual = ", ".join(f"{tag}: {DEFAULT_TAGS[tag]}" for tag in _REQUIRED_TAGS)
         raise UserError(
             f"{where} has tags without {missing[0]}; an entry's tags replace all of LLaMA-Factory's defaults, so "
-            f"give {', '.join(_REQUIRED_TAGS)} (the defaults: {defaults})"
+            f"give {', '.join(_REQUIRED_TAGS)} (the defaults: {usual})"
         )
     return readings[0], tags

@@ -175,7 +175,7 @@ def _read_conversations(source: Path, cfg: DataConfig, entry: RegistryEntry | No
     conversations = []
     records = json_records([source], cfg.max_document_bytes)
     if entry is not None:
-        entry.check_columns({key for _, record in records if isinstance(record, dict) for key in record}, source)
+        entry.check_columns({key for _, record in records if isinstance(record, dict) for key in record}, entry.file)
     for where, record in records:
         if not isinstance(record, dict):
             raise UserError(f"data.source: {where} is not a JSON object")
