@@ -120,9 +120,6 @@ class ValueHead(VariantPart):
         """Packed (model.remove_padding), only the `real` tokens [B, T] are computed: a value per real token is all
         a critic gives (0 at padding, as its padded outputs are read)."""
 
-    def describe(self) -> dict[str, Any]:
-        return {"head": f"values per token ({self.class_name}; classifier_dropout 0 unless the config sets it)"}
-
 
 class ScoreHead(ValueHead):
     """A reward model: `scores` [B], the `score` layer of a transformers `...ForSequenceClassification` (one label)
@@ -146,9 +143,6 @@ class ScoreHead(ValueHead):
 
     def install(self, model: nn.Module, device: torch.device, where: str) -> None:
         model.get_submodule("score").register_forward_hook(_keep_per_token)
-
-    def describe(self) -> dict[str, Any]:
-        return {"head": f"scores per sequence ({self.class_name}; at the last token that is not pad_token_id)"}
 
     def local_outputs(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, Any]:
         outputs = model(**model_inputs(batch), use_cache=False)

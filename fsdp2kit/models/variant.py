@@ -241,6 +241,6 @@ def pick_variant(hf_config: Any, model_cfg: ModelConfig, strategy: StrategyConfi
     if model_cfg.lora_enabled and model_cfg.lora is not None:  # adapters go onto the split experts too
         parts.append(LoraPart(model_cfg.lora))
     head = pick_head(model_cfg, hf_config)
-    if isinstance(head, ValueHead):  # its build hooks and its line in check
+    if isinstance(head, ValueHead):  # its build hooks (its dropout)
         parts.append(head)
     return ModelVariant(VisionModality() if vision else TextModality(), parts, head)
