@@ -33,7 +33,7 @@ OLDEST_TRANSFORMERS = (5, 2)
 
 
 def _release(version: str) -> tuple[int, ...] | None:
-    """(major, minor) of a version string: "2.11.0+cu130", "2.12.0.dev20260101", "5.25.0.dev0": (2, 11), (2, 12), (5, 25)."""
+    """(major, minor) of a version: "2.11.0+cu130", "2.12.0.dev20260101", "5.25.0.dev0": (2, 11), (2, 12), (5, 25)."""
     release = re.match(r"(\d+)\.(\d+)", version)
     return None if release is None else tuple(map(int, release.groups()))
 
