@@ -49,7 +49,7 @@ def is_prefix_change(transform: Any) -> bool:
     return prefix_change is not None and isinstance(transform, prefix_change)
 
 
-def within_row_operations() -> tuple[type, ...]:
+def within_row_operations() -> tuple[type[Any], ...]:
     """The conversion operations that, on a dimension other than 0, work within each row of a stacked tensor:
     `Concatenate` and `Chunk`, and `Interleave` where the release has it (after 5.10)."""
     from transformers import core_model_loading
