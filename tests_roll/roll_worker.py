@@ -110,9 +110,11 @@ def run(engine: str, role: str, model_dir: str, out: str, ranks: int) -> None:
     worker.do_checkpoint(global_step=1)
     saved = after(worker, role, second)
     worker.train_step(share(train_batch(second, {**result, **saved}, role), 1))
-    folder = os.path.join(config.output_dir, worker.worker_name, "checkpoint-1")
-    worker.strategy.load_checkpoint(load_dir=folder if role == "actor" else os.path.join(folder, "critic"))
-    result["saved"], result["loaded"] = saved, after(worker, role, second)
+    result["saved"] = saved
+    if engine == "fsdp2kit" or ranks == 1:  # ROLL's own cannot: rank 1's folder has no DCP .metadata (rank 0's has)
+        folder = os.path.join(config.output_dir, worker.worker_name, "checkpoint-1")
+        worker.strategy.load_checkpoint(load_dir=folder if role == "actor" else os.path.join(folder, "critic"))
+        result["loaded"] = after(worker, role, second)
     torch.save(result, f"{out}.rank{os.environ['RANK']}")
 
 
