@@ -100,6 +100,7 @@ def tiny_qwen2(folder: Path) -> Path:
     config = Qwen2Config(
         vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False, num_labels=1,
+        classifier_dropout=0.0,  # transformers' default 0.1 would make the two critics' training differ by chance
     )
     for model_class, where in ((Qwen2ForCausalLM, folder), (Qwen2ForTokenClassification, folder / "critic")):
         torch.manual_seed(3)

@@ -112,6 +112,7 @@ def test_rolls_critic_worker_on_fsdp2kit_equals_rolls_fsdp2_strategy(model_dir, 
     roll = run_ranks("roll", "critic", model_dir, tmp_path / "roll", ranks)
     figures: dict[str, float] = {}
     for mine, theirs in zip(ours, roll, strict=True):
+        assert (mine["strategy"], theirs["strategy"]) == ("RollStrategy", "FSDP2TrainStrategy")
         figures["values"] = max(figures.get("values", 0.0), (mine["values"] - theirs["values"]).abs().max().item())
         assert figures["values"] <= 1e-5
         assert_same_metrics(mine["train"], theirs["train"], figures)
