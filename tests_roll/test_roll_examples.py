@@ -35,7 +35,7 @@ IN_FOLDERS = sorted(path for path in set(EXAMPLES.glob("*fsdp2*/*.yaml")) - set(
 
 
 def test_the_snapshot_has_rolls_fsdp2_examples():
-    assert len(NAMED) == 6 and len(IN_FOLDERS) == 8
+    assert len(NAMED) == 6 and len(IN_FOLDERS) == 9
 
 
 @pytest.mark.parametrize("path", NAMED + IN_FOLDERS, ids=lambda path: str(path.relative_to(EXAMPLES)))
