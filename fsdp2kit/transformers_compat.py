@@ -1,31 +1,12 @@
 """The transformers releases fsdp2kit runs on (5.2, ROLL's pin, to the newest 5.x; verl pins 5.10) differ in a few
 pieces that no public API gives: how a chat template's inputs are prepared, and which weight-conversion classes
-exist. Each is found here by feature, once, so that the rest of fsdp2kit reads one interface whatever the release,
-and a release below the tested range is refused in one line."""
+exist. Each is found here by feature, once, so that the rest of fsdp2kit reads one interface whatever the release
+(`distributed.py:require_supported_versions` refuses a release older than the suite runs on)."""
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from typing import Any
-
-from fsdp2kit.errors import UserError
-
-# The oldest transformers the whole suite runs on (`make test-floor`): ROLL's pin. 5.0 and 5.1 are untested.
-OLDEST_TRANSFORMERS = (5, 2)
-
-
-def require_supported_transformers() -> None:
-    """One line, before any work, where the installed transformers is older than OLDEST_TRANSFORMERS."""
-    import transformers
-
-    release = re.match(r"(\d+)\.(\d+)", transformers.__version__)  # "5.10.4", "5.25.0.dev0": (5, 10), (5, 25)
-    if release is not None and tuple(map(int, release.groups())) < OLDEST_TRANSFORMERS:
-        oldest = ".".join(map(str, OLDEST_TRANSFORMERS))
-        raise UserError(
-            f"fsdp2kit needs transformers {oldest} or newer (this is transformers {transformers.__version__}): "
-            f"pip install 'transformers>={oldest}'"
-        )
 
 
 def _chat_step(name: str) -> Callable[[Any], Any]:
