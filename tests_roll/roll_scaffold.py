@@ -39,7 +39,6 @@ class SharedStorage:
 def install() -> None:
     """The Ray and platform pieces above, before any ROLL worker is built."""
     import ray
-
     import roll.distributed.executor.worker as worker_module
     import roll.utils.checkpoint_manager as checkpoint_module
     from roll.platforms import current_platform
@@ -76,7 +75,6 @@ def pipeline_config(model_dir: str, output_dir: str, ranks: int, learning_rate: 
     """ROLL's RLVRConfig read from tests_roll/rlvr_tiny.yaml as ROLL's launcher reads a YAML (dacite over the
     dict) and its RLVR pipeline completes it, on `ranks` ranks per role."""
     from dacite import from_dict
-
     from roll.pipeline.rlvr.rlvr_config import RLVRConfig
 
     text = (HERE / "rlvr_tiny.yaml").read_text()
@@ -98,8 +96,15 @@ def tiny_qwen2(folder: Path) -> Path:
     from fsdp2kit.data.builtin import tokenizer_dir
 
     config = Qwen2Config(
-        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False, num_labels=1,
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+        num_labels=1,
         classifier_dropout=0.0,  # transformers' default 0.1 would make the two critics' training differ by chance
     )
     for model_class, where in ((Qwen2ForCausalLM, folder), (Qwen2ForTokenClassification, folder / "critic")):
