@@ -1,8 +1,8 @@
 """One rank of ROLL's own RLVR workers for tests_roll/test_roll_real.py: `python roll_worker.py ENGINE ROLE MODEL_DIR
 OUT RANKS` with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set as ROLL's cluster sets them. ENGINE `roll`: ROLL's
 factory as published (its FSDP2TrainStrategy); `fsdp2kit`: the lines docs/api.md gives a ROLL user. The worker
-(roll/pipeline/rlvr/actor_worker.py:ActorWorker or base_worker.py:CriticWorker) is built from ROLL's RLVRConfig and
-runs an RLVR step as ROLL's pipeline calls it: initialize, compute_log_probs (compute_values), train_step, the model
+(roll/pipeline/rlvr/actor_worker.py:ActorWorker for the actor and the reference, base_worker.py:CriticWorker) is built from ROLL's RLVRConfig and
+runs an RLVR step as ROLL's pipeline calls it (the reference: compute_log_probs): initialize, compute_log_probs (compute_values), train_step, the model
 update, do_checkpoint, a second train_step, and the checkpoint loaded back as ROLL's initialize loads it; what
 each call returned is saved to OUT.rankN."""
 
@@ -94,11 +94,15 @@ def run(engine: str, role: str, model_dir: str, out: str, ranks: int) -> None:
     from roll.pipeline.rlvr.actor_worker import ActorWorker
 
     config = roll_scaffold.pipeline_config(model_dir, out + ".run", ranks)
-    worker_config = config.actor_train if role == "actor" else config.critic
-    worker = (ActorWorker if role == "actor" else CriticWorker)(worker_config=worker_config)
+    worker_config = {"actor": config.actor_train, "reference": config.reference, "critic": config.critic}[role]
+    worker = (CriticWorker if role == "critic" else ActorWorker)(worker_config=worker_config)
     worker.initialize(config)
     first, second = rollout(0), rollout(1)
     result: dict[str, object] = {"strategy": type(worker.strategy).__name__}
+    if role == "reference":  # ROLL's reference: an ActorWorker on fsdp2_infer, asked for log-probs only
+        result.update(worker.compute_log_probs(share(first, 0)).batch.items())
+        torch.save(result, f"{out}.rank{os.environ['RANK']}")
+        return
     if role == "actor":
         before = worker.compute_log_probs(share(first, 0)).batch
         result["log_probs"], result["entropy"] = before["log_probs"], before["entropy"]

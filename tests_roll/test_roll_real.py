@@ -16,7 +16,7 @@ import torch
 
 HERE = Path(__file__).parent
 ROLL_SOURCE = Path(os.environ.get("ROLL_SOURCE", HERE.parent.parent / "shared" / "third_party" / "ROLL"))
-ROLES = {"actor": "actor_train", "critic": "critic"}
+ROLES = {"actor": "actor_train", "reference": "reference", "critic": "critic"}
 
 
 def free_port() -> int:
@@ -121,3 +121,18 @@ def test_rolls_critic_worker_on_fsdp2kit_equals_rolls_fsdp2_strategy(model_dir, 
         assert after <= 1e-3
         assert torch.equal(mine["loaded"]["values"], mine["saved"]["values"])
     report(f"critic at {ranks} rank(s)", figures)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_rolls_reference_worker_on_fsdp2kit_equals_rolls_fsdp2_infer_strategy(model_dir, tmp_path, ranks):
+    """ROLL's reference (an ActorWorker on fsdp2_infer): compute_log_probs, against ROLL's FSDP2InferStrategy."""
+    ours = run_ranks("fsdp2kit", "reference", model_dir, tmp_path / "ours", ranks)
+    roll = run_ranks("roll", "reference", model_dir, tmp_path / "roll", ranks)
+    figures: dict[str, float] = {}
+    for mine, theirs in zip(ours, roll, strict=True):
+        assert (mine["strategy"], theirs["strategy"]) == ("RollStrategy", "FSDP2InferStrategy")
+        for key in ("log_probs", "entropy"):
+            figures[key] = max(figures.get(key, 0.0), (mine[key] - theirs[key]).abs().max().item())
+            assert figures[key] <= 1e-5, key
+    report(f"reference at {ranks} rank(s)", figures)
