@@ -1,10 +1,10 @@
 """One rank of ROLL's own RLVR workers for tests_roll/test_roll_real.py: `python roll_worker.py ENGINE ROLE MODEL_DIR
 OUT RANKS` with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set as ROLL's cluster sets them. ENGINE `roll`: ROLL's
-factory as published (its FSDP2TrainStrategy); `fsdp2kit`: the lines docs/api.md gives a ROLL user. The worker
-(roll/pipeline/rlvr/actor_worker.py:ActorWorker for the actor and the reference, base_worker.py:CriticWorker) is built from ROLL's RLVRConfig and
-runs an RLVR step as ROLL's pipeline calls it (the reference: compute_log_probs): initialize, compute_log_probs (compute_values), train_step, the model
-update, do_checkpoint, a second train_step, and the checkpoint loaded back as ROLL's initialize loads it; what
-each call returned is saved to OUT.rankN."""
+factory as published (its FSDP2 strategies); `fsdp2kit`: the lines docs/api.md gives a ROLL user. The worker
+(roll/pipeline/rlvr/actor_worker.py:ActorWorker for the actor and the reference, base_worker.py:CriticWorker) is
+built from ROLL's RLVRConfig and runs an RLVR step as ROLL's pipeline calls it (the reference: compute_log_probs):
+initialize, compute_log_probs (compute_values), train_step, the model update, do_checkpoint, a second train_step,
+and the checkpoint loaded back as ROLL's initialize loads it; what each call returned is saved to OUT.rankN."""
 
 from __future__ import annotations
 

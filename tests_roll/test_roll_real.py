@@ -36,7 +36,9 @@ def run_ranks(engine: str, role: str, model_dir: Path, out: Path, ranks: int) ->
             "CLUSTER_NAME": ROLES[role], "OMP_NUM_THREADS": "1", "PYTHONPATH": path,
         }  # fmt: skip
         command = [sys.executable, str(HERE / "roll_worker.py"), engine, role, str(model_dir), str(out), str(ranks)]
-        processes.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+        processes.append(  # in out's folder: ROLL's logger writes ./output/logs
+            subprocess.Popen(command, env=env, cwd=out.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        )
     logs = [process.communicate(timeout=300)[0].decode(errors="replace") for process in processes]
     for process, log in zip(processes, logs, strict=True):
         assert process.returncode == 0, log[-4000:]
