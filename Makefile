@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install train test test-floor lint bench clean
+.PHONY: install train test test-floor test-roll lint bench clean
 
 install: $(STAMP)
 
@@ -36,6 +36,22 @@ $(FLOOR_STAMP): pyproject.toml .ci/floor-constraints.txt
 
 test-floor: $(FLOOR_STAMP)
 	OMP_NUM_THREADS=1 $(FLOOR)/bin/python -m pytest -m "not slow" -q
+
+# ROLL's own workers (the snapshot in ../shared/third_party/ROLL, not on the registry: on PYTHONPATH, never installed)
+# driving fsdp2kit and ROLL's own FSDP2 strategy, on ROLL's pins, in their own environment (tests_roll/).
+ROLL_ENV := .venv-roll
+ROLL_STAMP := $(ROLL_ENV)/.installed
+ROLL_SOURCE ?= $(abspath ../shared/third_party/ROLL)
+
+$(ROLL_STAMP): pyproject.toml .ci/floor-constraints.txt tests_roll/requirements.txt
+	test -x $(ROLL_ENV)/bin/python || $(PYTHON) -m venv $(ROLL_ENV)
+	$(ROLL_ENV)/bin/python -m pip install --quiet --upgrade pip
+	$(ROLL_ENV)/bin/python -m pip install --quiet -c .ci/floor-constraints.txt torch==2.13.0
+	$(ROLL_ENV)/bin/python -m pip install --quiet -c .ci/floor-constraints.txt -e '.[test]' -r tests_roll/requirements.txt
+	touch $(ROLL_STAMP)
+
+test-roll: $(ROLL_STAMP)
+	ROLL_SOURCE=$(ROLL_SOURCE) OMP_NUM_THREADS=1 $(ROLL_ENV)/bin/python -m pytest -q -p no:cacheprovider tests_roll
 
 lint: install
 	$(BIN)/ruff check .

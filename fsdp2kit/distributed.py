@@ -21,7 +21,7 @@ import torch.distributed as dist
 # the process ("terminate called without an active exception") after a run has reported its result.
 import torch.distributed.nn.functional  # noqa: F401
 
-from fsdp2kit.errors import UserError
+from fsdp2kit.errors import RunFault, UserError
 
 # The oldest torch the whole test suite was run on (its failures there: torch's own output, its memory tracker; see
 # README). Before it a run fails with a traceback: 2.9 at its end (a DTensor cache `destroy_process_group` clears
@@ -278,6 +278,26 @@ def lost_peer_message(exc: BaseException, runtime: Runtime) -> str | None:
     else:
         return None
     return f"rank {runtime.rank} {what}; the newest complete checkpoint is intact and the same command resumes from it"
+
+
+@contextmanager
+def failing_together(what: str) -> Iterator[None]:
+    """A rank-local part of a collective operation (a collective itself: every rank enters it): an error on any rank
+    is raised on every rank, rather than leaving the others waiting for it in the next collective until the
+    collective timeout. The failing rank raises its own error; the others a RunFault naming it."""
+    error: Exception | None = None
+    try:
+        yield
+    except Exception as exc:
+        error = exc
+    reports: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(reports, None if error is None else f"{type(error).__name__}: {error}")
+    if error is not None:
+        raise error
+    failed = [(rank, report) for rank, report in enumerate(reports) if report is not None]
+    if failed:
+        rank, report = failed[0]
+        raise RunFault(f"{what} failed on rank {rank} ({report}); every rank stopped with it")
 
 
 def watch_parent(interval_s: float = 1.0) -> None:

@@ -124,11 +124,13 @@ class Strategy:
         role: str | None = None,
         overrides: Sequence[str] = (),
         trust_remote_code: bool = False,
+        written: dict[str, Any] | None = None,
     ) -> Strategy:
         """A config as `fsdp2kit train` takes it (a file of any dialect, or a dict in the native schema) and `--set`
         strings. Joins the process group torchrun (or the caller) set up, else runs as a world of one. The schedule
         runs over training.max_steps. `trust_remote_code` (`--trust-remote-code`) lets transformers run a model
-        folder's own code; the config's model.trust_remote_code never does."""
+        folder's own code; the config's model.trust_remote_code never does. `written`: a file's contents a framework
+        holds in memory (of any dialect; `config` then names it in messages)."""
         if not isinstance(config, str | Path | dict):
             raise UserError(
                 "Strategy.from_config: config must be a path to a config file or a dict in the native schema, "
@@ -138,7 +140,7 @@ class Strategy:
             cfg = validate(apply_overrides(dict(config), list(overrides)), "config")
             grant_remote_code(cfg, trust_remote_code)
         else:
-            cfg = load_config(config, list(overrides), role=role, trust_remote_code=trust_remote_code)
+            cfg = load_config(config, list(overrides), role, None, trust_remote_code, written)
         runtime = init_distributed(cfg.device_mapping)
         # The build seeds torch's RNG (training.seed: fresh weights, dropout); the caller's RNG is the caller's.
         with torch.random.fork_rng(devices=[runtime.device] if runtime.device.type == "cuda" else []):

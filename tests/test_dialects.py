@@ -200,6 +200,21 @@ def roll_file(tmp_path: Path, changes: dict | None = None, role_changes: dict | 
     return write_yaml(tmp_path / "roll.yaml", data)
 
 
+def test_roll_s_value_model_is_fsdp2kit_s_critic(tmp_path):
+    """ROLL's critic (its default_value_model_provider with model_type auto_token_classification: the family's
+    AutoModelForTokenClassification, num_labels 1) is a critic here: a LlamaForTokenClassification for a Llama."""
+    from transformers import LlamaConfig, LlamaForTokenClassification
+
+    from fsdp2kit.models.build import load_model_class
+
+    cfg = load_config(roll_file(tmp_path, role_changes={"model_args": {"model_type": "auto_token_classification"}}))
+    assert (cfg.model.model_class, cfg.model.config) == (
+        "transformers:AutoModelForTokenClassification",
+        {"num_labels": 1},
+    )
+    assert load_model_class(cfg.model.model_class, LlamaConfig()) is LlamaForTokenClassification
+
+
 def test_roll_maps_top_level_and_role_keys(tmp_path):
     cfg = load_config(roll_file(tmp_path))
     assert cfg.model.name_or_path == "builtin:tiny-llama"
@@ -338,9 +353,9 @@ def test_role_on_a_native_file_and_roll_file_without_fsdp2_roles(tmp_path, capsy
         (
             {},
             {"model_args": {"model_type": "trl"}},
-            "'actor_train.model_args.model_type' = 'trl' is not supported: ROLL's value-head (trl) and classification "
-            "models are not available in fsdp2kit, which trains and serves causal language models (model_type: ~); "
-            "run the actor_train or reference role",
+            "'actor_train.model_args.model_type' = 'trl' is not supported: fsdp2kit trains causal language models "
+            "(model_type: ~) and critics (model_type: auto_token_classification); ROLL's trl value head and reward "
+            "models are not",
         ),
         (
             {},

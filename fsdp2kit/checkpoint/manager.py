@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from fsdp2kit.checkpoint.committed import STATE_FILE, committed_checkpoints
 from fsdp2kit.checkpoint.dcp_io import METADATA_FILE, damage, read_dcp, refuse_extra_model_tensors
+from fsdp2kit.distributed import failing_together
 from fsdp2kit.durable import disk_full_message, folder_bytes, fsync_dir, fsync_file, ran_out_of_space, write_durable
 from fsdp2kit.errors import RunFault, UserError
 from fsdp2kit.models.export import write_config_and_tokenizer
@@ -145,43 +146,58 @@ class CheckpointManager:
         decides whether it may be replaced, so every rank refuses together)."""
         self.wait()
         if final is not None:
-            problem = [replaceable_problem(final) if self.rank == 0 else None]
-            dist.broadcast_object_list(problem, src=0)
-            if problem[0] is not None:
-                raise UserError(f"save_checkpoint: {problem[0]}")
+            self._refuse_unwritable(final)
         final = final if final is not None else self.root / f"step_{step}"
         tmp = final.with_name(f".tmp-{final.name}")
         with self._writing(step, tmp):
             trainer_state = {**trainer_state, "world_size": dist.get_world_size()}  # which ranks' RNG files it holds
-            if self.rank == 0:
-                shutil.rmtree(tmp, ignore_errors=True)
-                tmp.mkdir(parents=True)
-                if self.saved_config is not None:
-                    self.saved_config.save_pretrained(str(tmp))
-                elif self.hf_config is not None:
-                    dtype = next(model.parameters()).dtype
-                    write_config_and_tokenizer(tmp, self.hf_config, self.tokenizer_path, dtype, model_class_name(model))
-                for file in tmp.iterdir():  # only rank 0's files exist yet; DCP syncs the shards it writes
-                    fsync_file(file)
-            dist.barrier()
-            fault_point("before_save", step, self.rank)
-            model_state, optim_state = get_state_dict(model, optimizer, options=self.options)
-            state = {"model": model_state, "optim": optim_state}
-            rng = io.BytesIO()
-            torch.save(
-                {
-                    "cpu": torch.get_rng_state(),
-                    "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-                },
-                rng,
-            )
-            write_durable(tmp / f"rng_rank{self.rank}.pt", rng.getvalue())
+            with failing_together(f"checkpoint {final.name}"):  # also the barrier: the folder exists for all
+                if self.rank == 0:
+                    self._prepare(tmp, model)
+            with failing_together(f"checkpoint {final.name}"):  # a rank failing here would leave the others in DCP
+                fault_point("before_save", step, self.rank)
+                model_state, optim_state = get_state_dict(model, optimizer, options=self.options)
+                state = {"model": model_state, "optim": optim_state}
+                rng = io.BytesIO()
+                torch.save(
+                    {
+                        "cpu": torch.get_rng_state(),
+                        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+                    },
+                    rng,
+                )
+                write_durable(tmp / f"rng_rank{self.rank}.pt", rng.getvalue())
             if self.async_save and not blocking:
                 future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.group)
                 self.pending = (future, tmp, final, trainer_state)
             else:
                 dcp.save(state, checkpoint_id=str(tmp))  # DCP fsyncs every file it writes
                 self._commit(tmp, final, trainer_state)
+
+    def _refuse_unwritable(self, final: Path) -> None:
+        """Every rank refuses together a folder that may not be written, or one that is not the same on every rank
+        (a checkpoint is one folder holding every rank's shards)."""
+        folders: list[str | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(folders, str(final))
+        if len(set(folders)) > 1:
+            given = ", ".join(f"rank {rank}: '{folder}'" for rank, folder in enumerate(folders))
+            raise UserError(f"save_checkpoint: every rank must give the same folder (one checkpoint of all); {given}")
+        problem = [replaceable_problem(final) if self.rank == 0 else None]
+        dist.broadcast_object_list(problem, src=0)
+        if problem[0] is not None:
+            raise UserError(f"save_checkpoint: {problem[0]}")
+
+    def _prepare(self, tmp: Path, model: nn.Module) -> None:
+        """Rank 0: the empty folder being written, with the model's config and tokenizer."""
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        if self.saved_config is not None:
+            self.saved_config.save_pretrained(str(tmp))
+        elif self.hf_config is not None:
+            dtype = next(model.parameters()).dtype
+            write_config_and_tokenizer(tmp, self.hf_config, self.tokenizer_path, dtype, model_class_name(model))
+        for file in tmp.iterdir():  # only rank 0's files exist yet; DCP syncs the shards it writes
+            fsync_file(file)
 
     def poll(self) -> None:
         """Publish a background write as soon as every rank has finished it (one tiny all-reduce per step),
@@ -225,17 +241,17 @@ class CheckpointManager:
         step = trainer_state["step"]
         fault_point("after_shards", step, self.rank)
         dist.barrier()  # every rank's shards (and rank 0's .metadata) are written and synced
-        if self.rank == 0:
-            fault_point("before_state", step, self.rank)
-            write_durable(tmp / STATE_FILE, json.dumps(trainer_state, indent=2).encode())
-            fault_point("before_rename", step, self.rank)
-            old = retire(final)
-            os.rename(tmp, final)
-            fsync_dir(final.parent)
-            if old is not None:
-                shutil.rmtree(old, ignore_errors=True)
-            self._prune()
-        dist.barrier()
+        with failing_together(f"checkpoint {final.name}"):
+            if self.rank == 0:
+                fault_point("before_state", step, self.rank)
+                write_durable(tmp / STATE_FILE, json.dumps(trainer_state, indent=2).encode())
+                fault_point("before_rename", step, self.rank)
+                old = retire(final)
+                os.rename(tmp, final)
+                fsync_dir(final.parent)
+                if old is not None:
+                    shutil.rmtree(old, ignore_errors=True)
+                self._prune()
         fault_point("after_commit", step, self.rank)
 
     def _complete(self) -> str:

@@ -33,9 +33,11 @@ def load_config(
     role: str | None = None,
     strategy_file: str | None = None,
     trust_remote_code: bool = False,
+    written: dict[str, Any] | None = None,
 ) -> JobConfig:
-    """`trust_remote_code` is the user's own switch (--trust-remote-code): a file's never turns code execution on."""
-    translation = dialects.read_config(path, list(overrides or []), role=role, strategy_file=strategy_file)
+    """`trust_remote_code` is the user's own switch (--trust-remote-code): a file's never turns code execution on.
+    `written`: the file's contents held in memory already (see dialects.read_config)."""
+    translation = dialects.read_config(path, list(overrides or []), role, strategy_file, written)
     cfg = validate(translation.config, str(path), translation.written_as)
     cfg.notes.extend(translation.notes)
     grant_remote_code(cfg, trust_remote_code)

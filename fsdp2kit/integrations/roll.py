@@ -9,13 +9,14 @@ ROLL's workers call on the logits). Nothing here imports ROLL."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from fsdp2kit.config.dialects.roll import OUR_STRATEGIES
 from fsdp2kit.errors import UserError
 from fsdp2kit.labels import IGNORE_INDEX
 from fsdp2kit.strategy import Strategy
@@ -44,16 +45,20 @@ class RollStrategy:
     `meta_info['micro_batch_size']` rows (forward) or `per_device_train_batch_size` rows with an optimizer step every
     `gradient_accumulation_steps` (train), ROLL's loss scaling (`apply_loss_scale`), metrics as ROLL collects them."""
 
-    def __init__(
-        self, strategy: Strategy, name: str = "actor_train", apply_loss_scale: bool = True, entropy_loss: bool = False
-    ) -> None:
+    def __init__(self, worker: Any = None) -> None:
+        """As ROLL's factory builds a strategy: `strategy_cls(worker)`; `initialize` builds the Strategy from the
+        worker's own configuration (its pipeline_config, the role it runs). `from_config` builds one without a
+        worker."""
+        self.worker = worker
+        self.offload_nccl = False  # ROLL's workers read it; gloo/NCCL groups stay up
+        self._receivers: dict[str, Any] = {}
+
+    def _attach(self, strategy: Strategy, name: str, apply_loss_scale: bool, entropy_loss: bool) -> None:
         """`entropy_loss`: train_step's loss_func takes the entropy (op_compute_entropy, with autograd), as ROLL's
         actor does where entropy_loss_coef > 0; it costs a chunked pass over the vocabulary, so it is asked for."""
         self.strategy, self.name, self.apply_loss_scale = strategy, name, apply_loss_scale
         self.entropy_loss = entropy_loss
         self.model, self.tokenizer = strategy.model, strategy.tokenizer
-        self.offload_nccl = False  # ROLL's workers read it; gloo/NCCL groups stay up
-        self._receivers: dict[str, Any] = {}
 
     @classmethod
     def from_config(
@@ -65,9 +70,27 @@ class RollStrategy:
         entropy_loss: bool = False,
     ) -> RollStrategy:
         """A Strategy from a ROLL pipeline YAML's `role` (actor_train, critic, reference...) or a native config;
-        `apply_loss_scale` as ROLL's worker config says (its default: True); `entropy_loss` as in __init__."""
+        `apply_loss_scale` as ROLL's worker config says (its default: True); `entropy_loss` as in _attach."""
+        roll = cls()
         strategy = Strategy.from_config(config, role=role, overrides=overrides)
-        return cls(strategy, role or "actor_train", apply_loss_scale, entropy_loss)
+        roll._attach(strategy, role or "actor_train", apply_loss_scale, entropy_loss)
+        return roll
+
+    def initialize(self, *args: Any, **kwargs: Any) -> None:
+        """ROLL's worker calls it with its model provider: the Strategy is built from the worker's pipeline_config
+        (ROLL's dataclasses as ROLL read the YAML, through fsdp2kit's ROLL dialect) for the worker's role. A
+        strategy from from_config is built already."""
+        if self.worker is None:
+            return
+        pipeline, role = self.worker.pipeline_config, self.worker.worker_config.name
+        source = f"ROLL's pipeline_config ({type(pipeline).__name__})"
+        # ROLL's pipeline sets training_args.max_steps over all ranks (set_max_steps); its FSDP2 strategy divides it
+        # by the data-parallel size for its schedule, as this does
+        steps = self.worker.worker_config.training_args.max_steps
+        overrides = () if steps is None else (f"training.max_steps={steps // self.worker.rank_info.dp_size}",)
+        strategy = Strategy.from_config(source, role, overrides, written=asdict(pipeline))
+        entropy = role == "actor_train" and float(getattr(pipeline, "entropy_loss_coef", 0) or 0) > 0
+        self._attach(strategy, role, bool(self.worker.worker_config.apply_loss_scale), entropy)
 
     @property
     def optimizer(self) -> torch.optim.Optimizer | None:
@@ -76,9 +99,6 @@ class RollStrategy:
     @property
     def scheduler(self) -> torch.optim.lr_scheduler.LRScheduler | None:
         return self.strategy.scheduler
-
-    def initialize(self, *args: Any, **kwargs: Any) -> None:
-        """The Strategy is built already (ROLL builds its model here, from a model provider)."""
 
     def unwrap_model(self) -> torch.nn.Module:
         return self.strategy.model
@@ -216,15 +236,41 @@ class RollStrategy:
         local_state_path: str | None = None,
         **kwargs: Any,
     ) -> dict[str, Any]:
-        """fsdp2kit's checkpoint (model, optimizer, schedule, RNG; atomic) at save_dir, which ROLL's worker names
-        after ckpt_id; returns ROLL's metrics dict (empty: no timings)."""
-        if local_state_path not in (None, save_dir):
-            raise UserError("ROLL strategy: save_checkpoint(local_state_path=...) apart from save_dir is not supported")
-        self.strategy.save_checkpoint(save_dir)
+        """fsdp2kit's checkpoint (model, optimizer, schedule, RNG; atomic; one folder of every rank's shards). ROLL's
+        workers name a folder per rank (`output_dir/actor_train-{rank}/checkpoint-N`): the checkpoint is written
+        once, in rank 0's. `local_state_path` (what ROLL's uploader sends; the critic's holds save_dir) must hold
+        save_dir. Returns ROLL's metrics dict (empty: no timings)."""
+        if local_state_path is not None and not Path(save_dir).is_relative_to(local_state_path):
+            raise UserError(
+                f"ROLL strategy: save_checkpoint(local_state_path={local_state_path!r}) must hold save_dir {save_dir!r}"
+            )
+        self.strategy.save_checkpoint(self._rank_zeros(save_dir))
         return {}
 
     def load_checkpoint(self, load_dir: str, tag: str = "checkpoint", **kwargs: Any) -> None:
-        self.strategy.load_checkpoint(load_dir)
+        """The checkpoint in rank 0's `load_dir` (where save_checkpoint wrote it), on every rank."""
+        self.strategy.load_checkpoint(self._rank_zeros(load_dir))
+
+    def _rank_zeros(self, folder: str) -> str:
+        """Rank 0's folder, for every rank: a checkpoint is one folder, where ROLL names one per rank."""
+        folders = [folder]
+        dist.broadcast_object_list(folders, src=0)
+        return str(folders[0])
+
+
+def fsdp2kit_for_fsdp2(create_strategy: Callable[..., Any]) -> Callable[..., Any]:
+    """ROLL's strategy factory (`roll.distributed.strategy.factory.create_strategy`, which ROLL's workers call as
+    `create_strategy(worker=self)`) with fsdp2kit answering ROLL's FSDP2 strategy names (fsdp2_train, fsdp2_infer:
+    the YAML stays ROLL's, ROLL's own config checks apply); every other name goes to ROLL's factory. ROLL has no
+    strategy registry, and its config refuses strategy names it does not list: docs/api.md shows the lines a ROLL
+    user writes to put this in place."""
+
+    def create(worker: Any, sync_wrapper: bool = False) -> Any:
+        if worker.worker_config.strategy_args.strategy_name in OUR_STRATEGIES:
+            return RollStrategy(worker)
+        return create_strategy(worker=worker, sync_wrapper=sync_wrapper)
+
+    return create
 
 
 class _RollLoss:

@@ -197,6 +197,8 @@ def load_model_class(spec: str, hf_config: PretrainedConfig) -> type[PreTrainedM
         except ImportError as exc:
             raise UserError(f"model.model_class: cannot import '{where}': {exc}") from None
     model_class = getattr(module, class_name, None)
+    if where == "transformers" and class_name.startswith("AutoModel") and model_class is not None:
+        model_class = _auto_model_class(model_class, class_name, hf_config)
     if not (isinstance(model_class, type) and issubclass(model_class, PreTrainedModel)):
         raise UserError(f"model.model_class: '{where}' has no transformers model class named '{class_name}'")
     config_class = model_class.config_class
@@ -206,6 +208,17 @@ def load_model_class(spec: str, hf_config: PretrainedConfig) -> type[PreTrainedM
             f"config is a {type(hf_config).__name__}"
         )
     return model_class
+
+
+def _auto_model_class(auto_class: Any, class_name: str, hf_config: PretrainedConfig) -> Any:
+    """The class a transformers Auto class picks for this config's family (`transformers:AutoModelForToken
+    Classification`: Qwen2ForTokenClassification for a Qwen2), as `from_pretrained` would."""
+    try:
+        return auto_class._model_mapping[type(hf_config)]
+    except KeyError:
+        raise UserError(
+            f"model.model_class: transformers' {class_name} has no class for a {type(hf_config).__name__}"
+        ) from None
 
 
 def resolve_attention(requested: str, ulysses_size: int = 1) -> tuple[str | None, str | None]:

@@ -31,10 +31,16 @@ __all__ = ["Translation", "Written", "read_config"]
 
 
 def read_config(
-    path: str | Path, overrides: list[str], role: str | None = None, strategy_file: str | None = None
+    path: str | Path,
+    overrides: list[str],
+    role: str | None = None,
+    strategy_file: str | None = None,
+    written: dict[str, Any] | None = None,
 ) -> Translation:
+    """`written`: the file's contents read already (a framework's configuration it holds in memory, `path` naming
+    it in messages); else the file at `path` is read."""
     source = str(path)
-    written = read_yaml(path)
+    written = read_yaml(path) if written is None else written
     _refuse_hydra_defaults(written, source)
     raw = _resolve_interpolations(written, source)
     if roll.is_roll_file(raw):

@@ -166,6 +166,19 @@ def _validation(translation: Translation, key: Written, value: Any) -> None:
         translation.ignore(other, "validation settings besides its data file (evaluated like the training data)")
 
 
+def _model_type(translation: Translation, key: Written, value: Any) -> None:
+    """ROLL's value model (`auto_token_classification`, its critic's: AutoModelForTokenClassification of the
+    family, one label) as fsdp2kit's critic; its trl value head and sequence classifiers are refused."""
+    if value != "auto_token_classification":
+        raise UserError(
+            f"{key.file}: '{key}' = {value!r} is not supported: fsdp2kit trains causal language models (model_type: ~) "
+            "and critics (model_type: auto_token_classification); ROLL's trl value head and reward models are not"
+        )
+    translation.set("model.model_class", "transformers:AutoModelForTokenClassification", key)
+    translation.set("model.config.num_labels", 1, key)
+    translation.note(f"mapped {key} = {value} → a critic: model.model_class AutoModelForTokenClassification, one label")
+
+
 def _wrap_embeddings(value: bool) -> bool | str:
     """ROLL wraps the embeddings when asked, and untied ones always (`nn.Embedding` modules when not tied)."""
     return True if value else "untied"
@@ -239,10 +252,7 @@ MODEL_ARGS: dict[str, Rule] = {
     "attn_implementation": to("model.attn_implementation", _attention),
     "model_config_kwargs": to("model.config"),
     "trust_remote_code": file_trust_remote_code,
-    "model_type": unsupported(
-        "ROLL's value-head (trl) and classification models are not available in fsdp2kit, which trains and serves "
-        "causal language models (model_type: ~); run the actor_train or reference role"
-    ),
+    "model_type": _model_type,
     "device_map": ignored("transformers device map; FSDP2 places the shards"),
     "num_labels": ignored("used only by classification model types"),
     "moe_aux_loss_coef": unsupported("the MoE auxiliary loss cannot be weighted yet"),
