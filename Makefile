@@ -50,8 +50,12 @@ $(ROLL_STAMP): pyproject.toml .ci/floor-constraints.txt tests_roll/requirements.
 	$(ROLL_ENV)/bin/python -m pip install --quiet -c .ci/floor-constraints.txt -e '.[test]' -r tests_roll/requirements.txt
 	touch $(ROLL_STAMP)
 
-test-roll: $(ROLL_STAMP)
-	ROLL_SOURCE=$(ROLL_SOURCE) OMP_NUM_THREADS=1 $(ROLL_ENV)/bin/python -m pytest -q -p no:cacheprovider tests_roll
+# Without the snapshot (a checkout without ../shared) it says so in one line and runs nothing.
+test-roll:
+	@if test -d $(ROLL_SOURCE)/roll; then \
+		$(MAKE) --no-print-directory $(ROLL_STAMP) && ROLL_SOURCE=$(ROLL_SOURCE) OMP_NUM_THREADS=1 \
+		$(ROLL_ENV)/bin/python -m pytest -q -p no:cacheprovider tests_roll; \
+	else echo "test-roll: no ROLL snapshot at $(ROLL_SOURCE) (set ROLL_SOURCE=...): ROLL's workers were NOT run"; fi
 
 lint: install
 	$(BIN)/ruff check .
