@@ -117,6 +117,9 @@ def run(engine: str, role: str, model_dir: str, out: str, ranks: int) -> None:
     result["saved"] = saved
     if engine == "fsdp2kit" or ranks == 1:  # ROLL's own cannot: rank 1's folder has no DCP .metadata (rank 0's has)
         folder = os.path.join(config.output_dir, worker.worker_name, "checkpoint-1")
+        pending = getattr(worker.strategy, "checkpoint_future", None)  # ROLL's own saves DCP asynchronously (default)
+        if pending is not None:
+            pending.result()  # as ROLL waits before its next save; loading before it ends finds no .metadata
         worker.strategy.load_checkpoint(load_dir=folder if role == "actor" else os.path.join(folder, "critic"))
         result["loaded"] = after(worker, role, second)
     torch.save(result, f"{out}.rank{os.environ['RANK']}")
