@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install train test lint bench clean
+.PHONY: install train test test-floor lint bench clean
 
 install: $(STAMP)
 
@@ -21,6 +21,21 @@ train: install
 
 test: install
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q --durations=25
+
+# The suite on the oldest releases fsdp2kit supports (ROLL's pins: transformers 5.2.0, peft 0.12.0), held by
+# .ci/floor-constraints.txt through every install, in its own environment.
+FLOOR := .venv-floor
+FLOOR_STAMP := $(FLOOR)/.installed
+
+$(FLOOR_STAMP): pyproject.toml .ci/floor-constraints.txt
+	test -x $(FLOOR)/bin/python || $(PYTHON) -m venv $(FLOOR)
+	$(FLOOR)/bin/python -m pip install --quiet --upgrade pip
+	$(FLOOR)/bin/python -m pip install --quiet -c .ci/floor-constraints.txt torch==2.13.0
+	$(FLOOR)/bin/python -m pip install --quiet -c .ci/floor-constraints.txt -e '.[test]'
+	touch $(FLOOR_STAMP)
+
+test-floor: $(FLOOR_STAMP)
+	OMP_NUM_THREADS=1 $(FLOOR)/bin/python -m pytest -m "not slow" -q
 
 lint: install
 	$(BIN)/ruff check .

@@ -27,16 +27,33 @@ from fsdp2kit.errors import UserError
 # README). Before it a run fails with a traceback: 2.9 at its end (a DTensor cache `destroy_process_group` clears
 # came in 2.10), 2.6 at the first fully_shard (no ignored_params).
 OLDEST_TORCH = (2, 10)
+# The oldest transformers the whole suite runs on (`make test-floor`): ROLL's pin. 5.0 and 5.1 were never run; 4.x
+# lacks the weight-conversion machinery (`transformers.core_model_loading`) that loading and export use.
+OLDEST_TRANSFORMERS = (5, 2)
 
 
-def require_supported_torch() -> None:
-    """One line, before any process group exists, where the installed torch is older than OLDEST_TORCH."""
-    release = re.match(r"(\d+)\.(\d+)", torch.__version__)  # "2.11.0+cu130", "2.12.0.dev20260101": (2, 11), (2, 12)
-    if release is not None and tuple(map(int, release.groups())) < OLDEST_TORCH:
-        oldest = ".".join(map(str, OLDEST_TORCH))
-        raise UserError(
-            f"fsdp2kit needs torch {oldest} or newer (this is torch {torch.__version__}): pip install 'torch>={oldest}'"
-        )
+def _release(version: str) -> tuple[int, ...] | None:
+    """(major, minor) of a version: "2.11.0+cu130", "2.12.0.dev20260101", "5.25.0.dev0": (2, 11), (2, 12), (5, 25)."""
+    release = re.match(r"(\d+)\.(\d+)", version)
+    return None if release is None else tuple(map(int, release.groups()))
+
+
+def require_supported_versions() -> None:
+    """One line, before any process group exists, where the installed torch or transformers is older than the
+    oldest the suite runs on (OLDEST_TORCH, OLDEST_TRANSFORMERS)."""
+    import transformers
+
+    for package, version, oldest_release in (
+        ("torch", torch.__version__, OLDEST_TORCH),
+        ("transformers", transformers.__version__, OLDEST_TRANSFORMERS),
+    ):
+        release = _release(version)
+        if release is not None and release < oldest_release:
+            oldest = ".".join(map(str, oldest_release))
+            raise UserError(
+                f"fsdp2kit needs {package} {oldest} or newer (this is {package} {version}): "
+                f"pip install '{package}>={oldest}'"
+            )
 
 
 @dataclass(frozen=True)
@@ -132,7 +149,7 @@ def collective_timeout() -> timedelta | None:
 
 def init_distributed(device_mapping: list[int] | None) -> Runtime:
     """NCCL on CUDA (gloo kept for CPU tensors), gloo on CPU. Without a launcher, a world of one."""
-    require_supported_torch()
+    require_supported_versions()
     if "RANK" not in os.environ:
         world = dict(
             RANK="0",

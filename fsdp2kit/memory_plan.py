@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor
 from fsdp2kit.config import load_config
 from fsdp2kit.config.schema import JobConfig
 from fsdp2kit.data.dataset import Sample, collate
-from fsdp2kit.distributed import Runtime, destroy_process_group, require_supported_torch
+from fsdp2kit.distributed import Runtime, destroy_process_group, require_supported_versions
 from fsdp2kit.errors import UserError
 from fsdp2kit.models.sharded import build_sharded_model
 from fsdp2kit.parallel.activation_offload import Departed, apply_activation_offload
@@ -79,7 +79,7 @@ def fake_world(world_size: int) -> Iterator[Runtime]:
     """Rank 0 of `world_size` ranks in this process: torch's fake backend, whose collectives move nothing."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    require_supported_torch()
+    require_supported_versions()
     if dist.is_initialized():
         raise RuntimeError("fsdp2kit plan runs in a process without a process group")
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)

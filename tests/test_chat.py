@@ -599,3 +599,28 @@ def test_a_template_that_ignores_add_generation_prompt_trains_no_assistant_heade
     template, ours, theirs = ours_and_transformers(IGNORES_GENERATION_PROMPT)
     assert not template.writes_generation_prompt
     assert ours == theirs
+
+
+# Shows what a template is handed: each message's keys and values (None ones included), reasoning under each name
+# templates read it by, the tools and a special token.
+SHOWS_ITS_INPUTS = (
+    "{% for m in messages %}{{ m | length }}:{{ m.role }}|{{ m.content }}|{{ m.name }}|{{ m.reasoning_content }}|"
+    "{{ m.thinking }}|{{ m.reasoning }}\n{% endfor %}{{ tools | tojson }}{{ eos_token }}"
+)
+
+
+def test_a_template_sees_what_the_installed_transformers_hands_it():
+    """transformers' own preparation of a template's inputs differs by release: 5.24 drops None values and copies
+    `reasoning` under `reasoning_content` and `thinking`; 5.2 and 5.10 hand the messages as they are. Rendering with
+    fsdp2kit's sandbox (transformers_compat) gives what `apply_chat_template` of the installed release gives."""
+    tokenizer = family_tokenizer("chatml")
+    messages = [
+        {"role": "system", "content": "be brief", "name": None},
+        {"role": "user", "content": "why?", "name": "ann"},
+        {"role": "assistant", "content": "so", "reasoning": "because"},
+        {"role": "assistant", "content": "and", "thinking": "then"},
+    ]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
+    theirs = tokenizer.apply_chat_template(messages, tools=tools, chat_template=SHOWS_ITS_INPUTS, tokenize=False)
+    assert ChatTemplate(tokenizer, SHOWS_ITS_INPUTS).render(messages, tools) == theirs
+    assert '"name": "f"' in theirs and tokenizer.eos_token in theirs

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import pytest
-from conftest import run_cli
+from conftest import REPO, run_cli
 
 from fsdp2kit.cli import main
 from fsdp2kit.config.load import load_config, validate
 from fsdp2kit.config.yaml_io import apply_overrides
-from fsdp2kit.distributed import require_supported_torch
+from fsdp2kit.distributed import OLDEST_TRANSFORMERS, require_supported_versions
 from fsdp2kit.errors import UserError
 
 DEMO = "examples/demo.yaml"
@@ -256,4 +256,29 @@ def test_a_torch_older_than_the_tested_ones_is_one_line_before_any_work(command,
     assert not (tmp_path / "run").exists()
     for newer in ("2.10.0+cu128", "2.12.0.dev20260101+cu130", "3.0.0"):  # a nightly counts as its release
         monkeypatch.setattr(torch, "__version__", newer)
-        require_supported_torch()
+        require_supported_versions()
+
+
+@pytest.mark.parametrize("command", ["train", "plan"])
+def test_a_transformers_older_than_the_tested_ones_is_one_line_before_any_work(command, tmp_path, monkeypatch, capsys):
+    """pyproject said transformers>=4.56, but fsdp2kit's loading uses weight conversions 4.x lacks, and the suite
+    runs on 5.2 and newer (`make test-floor`): an older release is refused at once, naming the floor."""
+    import transformers
+
+    monkeypatch.setattr(transformers, "__version__", "5.1.0")
+    code = main([command, DEMO, "--set", f"training.output_dir={tmp_path / 'run'}"])
+    assert code == 2
+    assert capsys.readouterr().err.strip() == (
+        "error: fsdp2kit needs transformers 5.2 or newer (this is transformers 5.1.0): pip install 'transformers>=5.2'"
+    )
+    assert not (tmp_path / "run").exists()
+    for newer in ("5.2.0", "5.10.4", "5.25.0.dev0", "6.0.0"):
+        monkeypatch.setattr(transformers, "__version__", newer)
+        require_supported_versions()
+
+
+def test_the_transformers_floor_is_the_one_pyproject_and_the_floor_environment_state():
+    """The refusal, pyproject's requirement and the constraints `make test-floor` installs name one release."""
+    oldest = ".".join(map(str, OLDEST_TRANSFORMERS))
+    assert f'"transformers>={oldest}"' in (REPO / "pyproject.toml").read_text()
+    assert f"transformers=={oldest}.0\n" in (REPO / ".ci" / "floor-constraints.txt").read_text()

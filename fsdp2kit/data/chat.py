@@ -32,10 +32,10 @@ from typing import Any
 from jinja2 import nodes
 from jinja2.compiler import CodeGenerator, Frame
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from transformers.utils import chat_template_utils as hf_chat
 
 from fsdp2kit.config.schema import DataConfig
 from fsdp2kit.errors import UserError
+from fsdp2kit.transformers_compat import chat_template_environment, chat_template_messages, chat_template_value
 
 CHAT_FORMATS = ("alpaca", "sharegpt", "messages")
 _SHAREGPT_ROLES = {
@@ -181,17 +181,11 @@ class _BoundedSandbox(ImmutableSandboxedEnvironment):
         return super().call_binop(context, operator, left, right)
 
 
-# transformers' own steps before rendering, bound here so that a transformers without them fails at import, loudly,
-# rather than inside a rendering, where the error would read as the template's.
-_normalize_messages, _plain_data = hf_chat._normalize_chat_messages, hf_chat._plain_template_data
-_alias_reasoning, _compile_theirs = hf_chat._alias_reasoning_fields, hf_chat._compile_jinja_template
-
-
 @lru_cache
 def _compiled(template: str) -> Any:
     """The template compiled as transformers compiles it (the same sandbox options, extensions, filters, tests and
     globals: `raise_exception`, `tojson`, `{% generation %}`...), in the bounded sandbox."""
-    theirs = _compile_theirs("").environment
+    theirs = chat_template_environment()
     environment = _BoundedSandbox(
         trim_blocks=theirs.trim_blocks,
         lstrip_blocks=theirs.lstrip_blocks,
@@ -253,12 +247,12 @@ def _bounded_filter(name: str, apply: Callable[..., Any]) -> Callable[..., Any]:
 
 def _render(tokenizer: Any, template: str, messages: list[dict], tools: list | None, generation_prompt: bool) -> str:
     """`tokenizer.apply_chat_template(messages, tools, chat_template=template, tokenize=False)` step for step (the
-    messages' None values dropped, reasoning aliased, the special tokens as variables), in the bounded sandbox."""
-    chat = _alias_reasoning(_plain_data(_normalize_messages(messages)))
-    variables = _plain_data(dict(tokenizer.special_tokens_map))
+    messages and tools prepared as the installed transformers prepares them, the special tokens as variables), in the
+    bounded sandbox."""
+    variables = chat_template_value(dict(tokenizer.special_tokens_map))
     return _compiled(template).render(
-        messages=chat,
-        tools=_plain_data(tools),
+        messages=chat_template_messages(messages),
+        tools=chat_template_value(tools),
         documents=None,
         add_generation_prompt=generation_prompt,
         **variables,

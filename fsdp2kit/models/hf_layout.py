@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from fsdp2kit.transformers_compat import is_prefix_change, within_row_operations
+
 Opener = Callable[[], Any]  # opens one stored tensor lazily: a safetensors slice (get_shape, [index])
 
 
@@ -29,9 +31,8 @@ def checkpoint_conversions(model: Any) -> list:
     a model not loaded by `from_pretrained`: without the legacy renamings and `PrefixChange`s (whose reverse depends
     on what was loaded). Needs the unsharded model: transformers looks its classes up by name."""
     from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import PrefixChange
 
-    return [t for t in get_model_conversion_mapping(model, add_legacy=False) if not isinstance(t, PrefixChange)]
+    return [t for t in get_model_conversion_mapping(model, add_legacy=False) if not is_prefix_change(t)]
 
 
 class ModelShapes:
@@ -64,13 +65,14 @@ def _full_index(index: Any, ndim: int) -> tuple:
 def _stacks_first(converter: Any) -> bool:
     """Whether the converter stacks its listed tensors (one per expert) first and then works only within each one
     (concatenating gate and up, interleaving rows): then rows a..b of the result come from tensors a..b alone."""
-    from transformers.core_model_loading import Chunk, Concatenate, Interleave, MergeModulelist
+    from transformers.core_model_loading import MergeModulelist
 
     first, *rest = converter.operations
+    within_rows = within_row_operations()
     return (
         isinstance(first, MergeModulelist)
         and first.dim == 0
-        and all(isinstance(op, (Concatenate, Interleave, Chunk)) and op.dim != 0 for op in rest)
+        and all(isinstance(op, within_rows) and op.dim != 0 for op in rest)
     )
 
 
@@ -126,7 +128,7 @@ def model_views(
     """Every model tensor the stored tensors give, by its model name, as `from_pretrained` renames and converts
     them: all renamings, then at most one converter; a stored name that is the model's own without the converter
     (a model whose experts are split, reading per-expert files) is read as it is, as transformers does."""
-    from transformers.core_model_loading import apply_renamings, dot_natural_key, rename_source_key
+    from transformers.core_model_loading import dot_natural_key, rename_source_key
 
     renamings, converters = _split(model._weight_conversions)
     by_pattern = {pattern: c for c in converters for pattern in c.source_patterns}
@@ -134,7 +136,7 @@ def model_views(
     groups: dict[str, tuple[Any, dict[str, list[str]]]] = {}  # first target name -> (converter, pattern -> names)
     for key in sorted(stored, key=dot_natural_key):
         renamed, pattern = rename_source_key(key, renamings, converters)
-        plain = apply_renamings(key, renamings)
+        plain, _ = rename_source_key(key, renamings, [])
         if pattern is None or (renamed not in model.shapes and plain in model.shapes):
             views[plain] = StoredTensor(partial(open_stored, key), [key])
             continue
@@ -161,7 +163,7 @@ def stored_tensors(named: Iterable[tuple[str, torch.Tensor]], names: list[str], 
     """(stored name, tensor) for the model's (name, full tensor) pairs, as `save_pretrained` writes them: through
     transformers' `revert_weight_conversion`, one conversion group at a time (a fused experts tensor gives its
     per-expert tensors), so that no more than one group is held. `names` lists every name `named` yields."""
-    from transformers.core_model_loading import apply_converters, apply_renamings, revert_weight_conversion
+    from transformers.core_model_loading import rename_source_key, revert_weight_conversion
 
     conversions = model._weight_conversions
     if not conversions:
@@ -170,14 +172,14 @@ def stored_tensors(named: Iterable[tuple[str, torch.Tensor]], names: list[str], 
     renamings, reverse_converters = _split([t.reverse_transform() for t in conversions[::-1]])
     group_of = {}
     for name in names:
-        renamed, pattern = apply_converters(name, reverse_converters)
+        renamed, pattern = rename_source_key(name, [], reverse_converters)
         group_of[name] = renamed if pattern is not None else None
     left = Counter(group_of.values())  # tensors still to come, per group
     pending: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in named:
         group = group_of[name]
         if group is None:  # no converter: only renamed, as revert_weight_conversion renames it
-            yield apply_renamings(name, renamings), tensor
+            yield rename_source_key(name, renamings, [])[0], tensor
             continue
         pending.setdefault(group, {})[name] = tensor
         left[group] -= 1

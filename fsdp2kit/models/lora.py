@@ -134,8 +134,10 @@ def inject_lora(model: nn.Module, cfg: LoraConfig, dtype: torch.dtype | None) ->
 
 
 def inject_peft(model: nn.Module, config: PeftConfig) -> None:
-    """peft's injection, its refusals as one sentence."""
+    """peft's injection, its refusals as one sentence. Each module to save is then made the adapter's trained copy
+    with peft's `set_adapter`, as `PeftModel` does: peft 0.12 (ROLL's pin) injects it frozen."""
     from peft import inject_adapter_in_model
+    from peft.utils.other import ModulesToSaveWrapper
 
     try:
         inject_adapter_in_model(config, model, adapter_name=ADAPTER)
@@ -144,6 +146,9 @@ def inject_peft(model: nn.Module, config: PeftConfig) -> None:
         raise UserError(
             f"model.lora.target_modules: {str(exc).split('. ')[0][:200]} (linear layers are named like '{linear}')"
         ) from None
+    for module in model.modules():
+        if isinstance(module, ModulesToSaveWrapper):
+            module.set_adapter(ADAPTER)
 
 
 def _structure(model: nn.Module) -> tuple[set[str], set[str]]:
