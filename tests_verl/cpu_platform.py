@@ -55,7 +55,7 @@ class PlatformCPU(PlatformBase):
         return True
 
     def current_device(self) -> Any:
-        """"cpu": verl moves tensors with `.to(get_device_id())`, which the index 0 would send to an accelerator."""
+        """ "cpu": verl moves tensors with `.to(get_device_id())`, which the index 0 would send to an accelerator."""
         return "cpu"
 
     def device_count(self) -> int:

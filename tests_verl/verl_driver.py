@@ -55,7 +55,11 @@ def engine_config(settings: dict, forward_only: bool = False):
 
 def worker(settings: dict, model_type: str, path: str, forward_only: bool = False) -> TrainingWorker:
     optimizer = FSDPOptimizerConfig(
-        lr=settings["lr"], weight_decay=0.01, clip_grad=1.0, total_training_steps=4, lr_scheduler_type="constant"
+        lr=settings["lr"],
+        weight_decay=settings["weight_decay"],
+        clip_grad=1.0,
+        total_training_steps=4,
+        lr_scheduler_type="constant",
     )
     config = TrainingWorkerConfig(
         model_type=model_type,
@@ -153,6 +157,14 @@ def weights(training_worker: TrainingWorker) -> dict:
     return {name: tensor.detach().float().clone() for name, tensor in params}
 
 
+def from_collecting_rank(tensor: torch.Tensor) -> None:
+    """Under Ulysses (here one group: every rank) verl's trainer gets the outputs of the group's first rank and
+    hands the whole group the next batch built from them."""
+    if int(os.environ["VERL_TEST_ULYSSES"]) > 1:
+        assert dist.get_world_size() == int(os.environ["VERL_TEST_ULYSSES"])
+        dist.broadcast(tensor, src=0)
+
+
 def run_actor(settings: dict, rollout: DataProto, checkpoint: Path) -> dict:
     actor = worker(settings, "language_model", settings["model"])
     config = FSDPActorConfig(
@@ -167,7 +179,7 @@ def run_actor(settings: dict, rollout: DataProto, checkpoint: Path) -> dict:
         reference = worker(settings, "language_model", settings["model"], forward_only=True)
         ref = infer(reference, rollout, "log_probs", entropy=False)
     old_log_probs = before["log_probs"] if before else torch.zeros(len(rollout), RESPONSE)
-    dist.broadcast(old_log_probs, src=dist.get_rank() - dist.get_rank() % int(os.environ["VERL_TEST_ULYSSES"]))
+    from_collecting_rank(old_log_probs)
     batch = rollout.union(DataProto.from_single_dict({"old_log_probs": old_log_probs}))
     first = update(actor, batch, entropy=True)
     after = infer(actor, rollout, "log_probs", entropy=True)
@@ -217,7 +229,7 @@ def run_critic(settings: dict, rollout: DataProto) -> dict:
     critic.set_loss_fn(partial(value_loss, config=config))
     before = infer(critic, rollout, "values", entropy=False)
     values = before["values"] if before else torch.zeros(len(rollout), RESPONSE)
-    dist.broadcast(values, src=dist.get_rank() - dist.get_rank() % int(os.environ["VERL_TEST_ULYSSES"]))
+    from_collecting_rank(values)
     batch = rollout.union(DataProto.from_single_dict({"values": values}))
     first = update(critic, batch, entropy=False)
     after = infer(critic, rollout, "values", entropy=False)

@@ -412,7 +412,7 @@ class _MicroBatch:
         ids = data["input_ids"]
         if not (isinstance(ids, torch.Tensor) and ids.is_nested):
             raise UserError("verl batch: input_ids must be a jagged nested tensor (verl's NO_PADDING layout)")
-        self.offsets = ids.offsets()
+        self.offsets: torch.Tensor = getattr(ids, "offsets")()  # noqa: B009 (torch's stubs lack nested tensors')
         self.lengths = self.offsets.diff()
         width = int(self.lengths.max())
         positions = torch.arange(width, device=ids.device)
@@ -465,7 +465,7 @@ class _LossRun:
         """verl's loss function on one micro-batch (1.0 without one, as verl's engine reports), its output
         recorded."""
         if self.loss_function is None:
-            loss, metrics = torch.tensor(1.0), {}
+            loss, metrics = torch.tensor(1.0), dict[str, Any]()
         else:
             loss, metrics = self.loss_function(model_output=model_output, data=part.data, dp_group=self.group)
         output = {"loss": float(loss.detach()), "metrics": metrics}
