@@ -82,12 +82,12 @@ def same_metrics(ours: dict, verl: dict, same_split: bool = True) -> None:
         assert ours[key] == pytest.approx(verl[key], rel=1e-5, abs=1e-6), key
 
 
-def assert_actor_equal(ours: dict, verl: dict, after: float = WEIGHTS, same_split: bool = True) -> None:
+def assert_actor_equal(ours: dict, verl: dict, same_split: bool = True) -> None:
     """`same_split`: both cut the batch into as many micro-batches (not so under Ulysses, whose token budget is
     verl's max_token_len_per_gpu x the Ulysses size)."""
     for key in ("log_probs", "entropy"):
         assert largest(ours["before"][key], verl["before"][key]) <= LOG_PROBS, key
-        assert largest(ours["after"][key], verl["after"][key]) <= after, key
+        assert largest(ours["after"][key], verl["after"][key]) <= LOG_PROBS, key
     if same_split:  # infer_batch(compute_loss=False) reports verl's loss: 1.0 per micro-batch
         assert ours["before"]["metrics"] == verl["before"]["metrics"]
     same_metrics(ours["update"]["reduced"], verl["update"]["reduced"], same_split)
@@ -122,7 +122,7 @@ def test_actor_reference_and_critic_equal_verl_fsdp2_at_one_rank(models):
 def test_actor_and_critic_equal_verl_fsdp2_at_two_ranks(models):
     ours, verl = run(models, "fsdp2kit", ranks=2), run(models, "fsdp2", ranks=2)
     assert ours["dp"] == verl["dp"] == 2
-    assert_actor_equal(ours["actor"], verl["actor"], after=LOG_PROBS)
+    assert_actor_equal(ours["actor"], verl["actor"])
     assert_critic_equal(ours["critic"], verl["critic"])
 
 
@@ -139,8 +139,9 @@ def test_ulysses_equals_verl_over_the_same_batch(models):
 
 @pytest.mark.slow
 def test_verl_s_default_mixed_precision_is_applied(models):
-    """verl's default `mixed_precision` (null: bf16 parameters, fp32 reduction): fsdp2kit computes in bf16 as verl's
-    engine does, within bf16's precision of it, and not as it computes in fp32."""
+    """verl's default `mixed_precision` (null: bf16 parameters, fp32 reduction): fsdp2kit computes with bf16
+    parameters (its log-probs move from its fp32 ones: 3.1e-3 measured) and stays within bf16's precision of verl's
+    (2.2e-2 measured; verl also autocasts its LM head to bf16, which alone moves its log-probs 2.1e-2 from fp32)."""
     ours = run(models, "fsdp2kit", mixed_precision=None, roles=["actor"])["actor"]
     verl = run(models, "fsdp2", mixed_precision=None, roles=["actor"])["actor"]
     fp32 = run(models, "fsdp2kit")["actor"]
