@@ -5,6 +5,7 @@ exist. Each is found here by feature, once, so that the rest of fsdp2kit reads o
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -48,10 +49,32 @@ def is_prefix_change(transform: Any) -> bool:
     return prefix_change is not None and isinstance(transform, prefix_change)
 
 
-def within_row_operations() -> tuple[type, ...]:
+def within_row_operations() -> tuple[type[Any], ...]:
     """The conversion operations that, on a dimension other than 0, work within each row of a stacked tensor:
     `Concatenate` and `Chunk`, and `Interleave` where the release has it (after 5.10)."""
     from transformers import core_model_loading
 
     names = ("Concatenate", "Chunk", "Interleave")
     return tuple(getattr(core_model_loading, name) for name in names if hasattr(core_model_loading, name))
+
+
+def mask_interface_function(build: Callable[..., Any]) -> Callable[..., Any]:
+    """`build(batch_size, q_length, kv_length, q_offset=, kv_offset=, mask_function=, attention_mask=, device=, ...)`
+    as the installed transformers calls a function registered with `AttentionMaskInterface`: with `q_length`,
+    `q_offset` and `device` (5.10 and later), or with `cache_position`, the queries' positions (5.2)."""
+
+    def mask(*args: Any, **kwargs: Any) -> Any:
+        if "q_length" not in kwargs and "cache_position" in kwargs:
+            positions = kwargs.pop("cache_position")
+            kwargs.update(q_length=positions.shape[0], q_offset=positions[0], device=positions.device)
+        return build(*args, **kwargs)
+
+    return mask
+
+
+def configs_check_types() -> bool:
+    """Whether the installed transformers' configs check their fields' types when built: huggingface_hub strict
+    dataclasses (5.10 and 5.24); 5.2's are plain classes, and a field of the wrong type fails in the model's build."""
+    from transformers import PretrainedConfig
+
+    return dataclasses.is_dataclass(PretrainedConfig)

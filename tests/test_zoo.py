@@ -139,16 +139,21 @@ def test_a_family_whose_logits_the_chunks_miss_is_refused_at_build(zoo: Path, tm
 
 
 def test_attention_is_transformers_choice_unless_one_is_named(zoo: Path, tmp_path: Path):
-    """Gemma2 has no SDPA path: by default it runs transformers' choice for it (eager), which check names; asking for
-    sdpa is one line naming the key (it was the forced default, and every Gemma2 was refused)."""
+    """By default a model runs the attention transformers picks for it (Gemma2: eager on 5.24, which has no SDPA
+    path for it; sdpa on 5.2 and 5.10), which check names; asking for sdpa where the family has none is one line
+    naming the key (it was the forced default, and every Gemma2 was refused)."""
     from conftest import process_group
+    from transformers import AutoConfig, AutoModelForCausalLM, Gemma2ForCausalLM
 
     from fsdp2kit.check import describe
     from fsdp2kit.config.load import validate
 
+    theirs = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(zoo / "gemma2")).config._attn_implementation
     config = zoo_config(zoo / "gemma2", tmp_path / "run")
     with process_group(1) as runtime:
-        assert describe(validate(config, "config"), runtime)["attn_implementation"] == "eager"
+        assert describe(validate(config, "config"), runtime)["attn_implementation"] == theirs
+    if Gemma2ForCausalLM._supports_sdpa:
+        pytest.skip("this transformers' Gemma2 has an SDPA path (5.24's has none): no attention to refuse")
     config["model"]["attn_implementation"] = "sdpa"
     with pytest.raises(UserError) as refused:
         one_rank(config)

@@ -238,7 +238,11 @@ class VLEncoder:
 
     @classmethod
     def load(cls, path: Path, hf_config: PretrainedConfig, seq_len: int, data: DataConfig | None = None) -> VLEncoder:
-        from transformers import AutoImageProcessor, AutoTokenizer
+        from transformers import AutoTokenizer
+
+        # From its module: transformers 5.10's top-level name is a placeholder that asks for torchvision, which the
+        # PIL image processors do not need.
+        from transformers.models.auto.image_processing_auto import AutoImageProcessor
 
         tokenizer = AutoTokenizer.from_pretrained(path)
         template = ChatTemplate.from_config(data or DataConfig(), tokenizer, hf_config.model_type)

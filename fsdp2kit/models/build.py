@@ -30,6 +30,7 @@ from fsdp2kit.models.shards import copy_to_shard, module_seed
 from fsdp2kit.models.variant_part import TensorLeeway
 from fsdp2kit.models.vl import auto_model_class, builtin_tokenizer_dir
 from fsdp2kit.parallel.moe import expert_views_from_fused
+from fsdp2kit.transformers_compat import configs_check_types
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
@@ -256,6 +257,15 @@ def build_meta_model(source: ModelSource, cfg: ModelConfig) -> PreTrainedModel:
                 raise
             raise UserError(
                 f"model.name_or_path: transformers cannot build a causal LM from this config: {exc}"
+            ) from None
+        except TypeError as exc:
+            if configs_check_types():
+                raise
+            import transformers
+
+            raise UserError(
+                f"model.name_or_path: transformers cannot build a model from this config: {exc}; transformers "
+                f"{transformers.__version__} does not check config.json's field types: check them"
             ) from None
     model.checkpoint_conversions = checkpoint_conversions(model)
     return model

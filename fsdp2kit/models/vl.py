@@ -137,9 +137,10 @@ def is_vision_language(hf_config: Any) -> bool:
 
 def builtin_processor_dir(model_type: str, patch_size: int) -> Path:
     """A folder with the built-in tokenizer plus the vision tokens, Qwen's chat template and a small-image Qwen2-VL
-    image processor (images of 1 to 16 merged patches), built once per machine."""
-    from transformers import AutoTokenizer
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    image processor (images of 1 to 16 merged patches), built once per machine. `Qwen2VLImageProcessor` is the
+    public name of the PIL one in every transformers 5 (5.2's own class; later an alias of `Qwen2VLImageProcessorPil`,
+    which 5.2 lacks)."""
+    from transformers import AutoTokenizer, Qwen2VLImageProcessor
 
     path = cache_dir() / f"processor-{model_type}-v2"  # v2: the chat template keeps its newlines
     base = tokenizer_dir()
@@ -150,7 +151,7 @@ def builtin_processor_dir(model_type: str, patch_size: int) -> Path:
             tokenizer.eos_token = "<|im_end|>"
             tokenizer.chat_template = CHAT_TEMPLATE
             unit = patch_size * 2  # a merged patch: 2 x 2 patches
-            image_processor = Qwen2VLImageProcessorPil(
+            image_processor = Qwen2VLImageProcessor(
                 patch_size=patch_size,
                 merge_size=2,
                 min_pixels=unit * unit,

@@ -23,6 +23,7 @@ from typing import Any, cast
 import torch
 
 from fsdp2kit.config.schema import DataConfig, ModelConfig
+from fsdp2kit.transformers_compat import mask_interface_function
 
 DOCUMENT_FLEX = "document_flex"
 
@@ -76,7 +77,7 @@ def use_document_attention(model: Any, sub_config: str | None) -> None:
     from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(DOCUMENT_FLEX, document_flex_attention)
-    AttentionMaskInterface.register(DOCUMENT_FLEX, document_block_mask)
+    AttentionMaskInterface.register(DOCUMENT_FLEX, mask_interface_function(document_block_mask))
     model.set_attn_implementation({sub_config: DOCUMENT_FLEX} if sub_config else DOCUMENT_FLEX)
 
 

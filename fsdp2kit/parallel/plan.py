@@ -130,7 +130,10 @@ def _size_based(model: nn.Module, min_num_params: int, taken: set[str]) -> list[
 
 
 def _layer_classes(model: nn.Module) -> list[str]:
-    return list(getattr(model, "_no_split_modules", None) or [])
+    """transformers' `_no_split_modules` classes that the model holds: a family's list may name its sibling's
+    (5.2's Gemma3ForCausalLM names the Siglip tower of Gemma3's vision-language model)."""
+    present = {type(module).__name__ for module in model.modules()}
+    return [name for name in getattr(model, "_no_split_modules", None) or [] if name in present]
 
 
 def _embedding_modules(model: nn.Module) -> tuple[str | None, str | None]:
