@@ -1,5 +1,6 @@
 """verl's own TrainingWorker (verl 0.9.1, transformers 5.10.4, tensordict 0.10.0: verl's pins) drives fsdp2kit's
-engine as verl's PPO trainer drives its actor, reference and critic, and equals verl's own FSDP2 engine
+engine as verl's PPO trainer drives its actor, reference and critic (dense loss masks, after left_right_2_no_padding)
+and as its SFT trainer drives it (jagged loss masks), and equals verl's own FSDP2 engine
 (`FSDPEngineWithLMHead` / `FSDPEngineWithValueHead`, strategy fsdp2) on the same inputs: log-probs, entropy, values,
 losses and every metric verl reports (reduced with verl's reduce_metrics), grad norms, the weights after two
 optimizer steps at lr 1e-2 with weight decay on every parameter, offload and checkpoint round trips; at 1 and 2
@@ -51,7 +52,7 @@ def run(models: dict, backend: str, ranks: int = 1, **settings) -> dict:
         "lr": 1e-2,
         "weight_decay": 0.1,  # norms decayed or not: lr x wd x 2 steps = 2e-3, over the weights' bound
         "remove_padding": True,
-        "roles": ["actor", "critic"],
+        "roles": ["actor", "critic", "sft"],
         "port": free_port(),
         **settings,
     }
@@ -116,6 +117,17 @@ def test_actor_reference_and_critic_equal_verl_fsdp2_at_one_rank(models):
     ours, verl = run(models, "fsdp2kit"), run(models, "fsdp2")
     assert_actor_equal(ours["actor"], verl["actor"])
     assert_critic_equal(ours["critic"], verl["critic"])
+    assert_sft_equal(ours["sft"], verl["sft"])
+
+
+def assert_sft_equal(ours: dict, verl: dict) -> None:
+    """verl's SFT calls on jagged loss masks: the validation loss (infer_batch with verl's sft_loss), the step's loss,
+    grad norm and lr, the log-probs after it."""
+    for stage in ("validation", "step"):
+        assert ours[stage].keys() == verl[stage].keys()
+        for key in verl[stage]:
+            assert ours[stage][key] == pytest.approx(verl[stage][key], rel=GRAD_NORM), (stage, key)
+    assert largest(ours["log_probs"], verl["log_probs"]) <= LOG_PROBS
 
 
 @pytest.mark.slow
@@ -124,6 +136,7 @@ def test_actor_and_critic_equal_verl_fsdp2_at_two_ranks(models):
     assert ours["dp"] == verl["dp"] == 2
     assert_actor_equal(ours["actor"], verl["actor"])
     assert_critic_equal(ours["critic"], verl["critic"])
+    assert_sft_equal(ours["sft"], verl["sft"])
 
 
 @pytest.mark.slow

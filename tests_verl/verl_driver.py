@@ -15,6 +15,7 @@ from pathlib import Path
 import cpu_platform  # noqa: F401  (verl's platform: before verl resolves it)
 import torch
 import torch.distributed as dist
+from tensordict import NonTensorData
 from verl import DataProto
 from verl.trainer.config import CheckpointConfig
 from verl.utils import tensordict_utils as tu
@@ -29,7 +30,7 @@ from verl.workers.config import (
     TrainingWorkerConfig,
 )
 from verl.workers.engine_workers import TrainingWorker
-from verl.workers.utils.losses import ppo_loss, value_loss
+from verl.workers.utils.losses import ppo_loss, sft_loss, value_loss
 from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding
 
 from fsdp2kit.integrations.verl import Fsdp2kitEngineConfig
@@ -236,6 +237,51 @@ def run_critic(settings: dict, rollout: DataProto) -> dict:
     return {"before": before, "update": first, "after": after, "weights": weights(critic)}
 
 
+def sft_batch(path: str) -> object:
+    """What verl's SFT trainer (`verl/trainer/sft_trainer.py`) hands the worker: its no-padding dataset's rows as
+    jagged tensors (input_ids, position_ids, loss_mask over each row's response) and its settings."""
+    from tensordict import TensorDict
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(path).vocab_size
+    generator = torch.Generator().manual_seed(11)
+    lengths = torch.randint(4, PROMPT + RESPONSE + 1, (ROWS,), generator=generator).tolist()
+    ids = [torch.randint(3, vocab, (n,), generator=generator) for n in lengths]
+    masks = [(torch.arange(n) >= n // 2).long() for n in lengths]
+    jagged = lambda rows: torch.nested.as_nested_tensor(rows, layout=torch.jagged)  # noqa: E731
+    data = TensorDict(
+        {
+            "input_ids": jagged(ids),
+            "position_ids": jagged([torch.arange(n) for n in lengths]),
+            "loss_mask": jagged(masks),
+        },
+        batch_size=[ROWS],
+    )
+    tu.assign_non_tensor(data, temperature=1.0, global_batch_size=ROWS, use_remove_padding=True, use_dynamic_bsz=True)
+    return data
+
+
+def run_sft(settings: dict) -> dict:
+    """verl's SFT trainer's calls: train_batch per step (with update_lr_scheduler), infer_batch for validation with
+    its loss (compute_loss), each on this rank's share."""
+    trainer = worker(settings, "language_model", settings["model"])
+    trainer.set_loss_fn(partial(sft_loss, config=None))
+    dp_size, rank = dist.get_world_size(), dist.get_rank()
+    data = tu.chunk_tensordict(sft_batch(settings["model"]), dp_size)[rank]
+    lengths = data["input_ids"].offsets().diff().tolist()
+    validation = trainer.infer_batch(data.copy())
+    tu.assign_non_tensor(data, update_lr_scheduler=True, global_token_num=NonTensorData(lengths))
+    step = trainer.train_batch(data.copy())
+    after = trainer.infer_batch(data.copy())
+    return {
+        "validation": {k: v for k, v in tu.get(validation, "metrics").items() if not k.startswith("perf/")},
+        "step": {k: v for k, v in tu.get(step, "metrics").items() if not k.startswith("perf/") and k != "mfu"},
+        # each row's last position predicts nothing (verl's engine leaves the next row's first token there, fsdp2kit
+        # 0; no loss reads it)
+        "log_probs": torch.cat([row[:-1] for row in tu.get(after, "log_probs").unbind()]),
+    }
+
+
 def main() -> None:
     settings = json.loads(sys.argv[1])
     os.environ["VERL_TEST_ULYSSES"] = str(settings["ulysses"])
@@ -250,6 +296,8 @@ def main() -> None:
         result["actor"] = run_actor(settings, rollout, out.with_suffix(f".ckpt-{settings['backend']}"))
     if "critic" in settings["roles"]:
         result["critic"] = run_critic(settings, rollout)
+    if "sft" in settings["roles"]:
+        result["sft"] = run_sft(settings)
     if dist.get_rank() == 0:
         torch.save(result, out)
     dist.barrier()
