@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install train test test-floor test-roll lint bench clean
+.PHONY: install train test test-floor test-roll test-verl lint bench clean
 
 install: $(STAMP)
 
@@ -56,6 +56,29 @@ test-roll:
 		$(MAKE) --no-print-directory $(ROLL_STAMP) && ROLL_SOURCE=$(ROLL_SOURCE) OMP_NUM_THREADS=1 \
 		$(ROLL_ENV)/bin/python -m pytest -q -p no:cacheprovider tests_roll; \
 	else echo "test-roll: no ROLL snapshot at $(ROLL_SOURCE) (set ROLL_SOURCE=...): ROLL's workers were NOT run"; fi
+
+# verl's own code driving fsdp2kit (tests_verl/): verl 0.9.1 from the package registry with the versions it pins
+# (.ci/verl-constraints.txt: transformers 5.10.4, tensordict 0.10.0) beside the CPU torch, in its own environment;
+# fsdp2kit goes in without its `test` extra (its tensordict pin is the newest) and its dependencies under the same
+# constraints. `pip check` proves nothing pulled another torch or broke a pin.
+VERL := .venv-verl
+VERL_STAMP := $(VERL)/.installed
+
+$(VERL_STAMP): pyproject.toml .ci/verl-constraints.txt
+	test -x $(VERL)/bin/python || $(PYTHON) -m venv $(VERL)
+	$(VERL)/bin/python -m pip install --quiet --upgrade pip
+	$(VERL)/bin/python -m pip install --quiet torch==2.13.0
+	$(VERL)/bin/python -m pip install --quiet -c .ci/verl-constraints.txt verl transformers tensordict uvicorn fastapi
+	$(VERL)/bin/python -c "import tomllib; print(*tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies'], sep='\n')" \
+		> $(VERL)/fsdp2kit-requirements.txt
+	$(VERL)/bin/python -m pip install --quiet -c .ci/verl-constraints.txt -r $(VERL)/fsdp2kit-requirements.txt \
+		pytest pytest-timeout
+	$(VERL)/bin/python -m pip install --quiet --no-deps -e .
+	$(VERL)/bin/python -m pip check
+	touch $(VERL_STAMP)
+
+test-verl: $(VERL_STAMP)
+	OMP_NUM_THREADS=1 $(VERL)/bin/python -m pytest -q -p no:cacheprovider tests_verl --durations=10
 
 lint: install
 	$(BIN)/ruff check .

@@ -23,7 +23,6 @@ import numpy as np
 import pytest
 import torch
 from tensordict import TensorDict
-from test_integration_verl import critic_checkpoint
 from test_strategy import tiny_llama
 
 from fsdp2kit.distributed import shutdown
@@ -284,6 +283,22 @@ def assert_same_as_plain(got: dict, expected: dict, rows: slice) -> None:
     assert got["received"] == set(expected["weights"]) and got["buckets"] > 1
     for name, tensor in expected["weights"].items():
         torch.testing.assert_close(got["rollout"][name], tensor, rtol=0, atol=1e-5, msg=name)
+
+
+def critic_checkpoint(model_dir, folder):
+    """A seeded LlamaForTokenClassification (one label, no classifier dropout) of model_dir's shape, saved with its
+    tokenizer: a critic's checkpoint."""
+    import shutil
+
+    from transformers import AutoConfig, LlamaForTokenClassification
+
+    torch.manual_seed(5)
+    critic = AutoConfig.from_pretrained(model_dir, num_labels=1)
+    critic.classifier_dropout = 0.0  # transformers' default is 0.1: training would not be deterministic
+    LlamaForTokenClassification(critic).save_pretrained(folder)
+    for file in model_dir.glob("tokenizer*"):
+        shutil.copy(file, folder / file.name)
+    return folder
 
 
 def test_roll_s_actor_worker_calls_equal_plain_pytorch(model_dir, tmp_path):

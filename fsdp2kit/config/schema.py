@@ -373,6 +373,9 @@ class DataConfig(Section):
 class TrainingConfig(Section):
     learning_rate: float = Field(1.0e-5, gt=0, description="peak learning rate of AdamW")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay (not applied to biases and norms)")
+    weight_decay_every_parameter: bool = Field(
+        False, description="decay biases and norms too (one AdamW group, as verl's FSDP engine builds it)"
+    )
     adam_beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1")
     adam_beta2: float = Field(0.999, ge=0, lt=1, description="AdamW beta2")
     adam_epsilon: float = Field(1.0e-8, gt=0, description="AdamW epsilon")

@@ -1,11 +1,13 @@
-"""verl's engine interface over `fsdp2kit.Strategy`. verl 0.9's TrainingWorker (`verl/workers/engine_workers.py`)
-builds its engine with `EngineRegistry.new(model_type, backend, model_config=, engine_config=, optimizer_config=,
-checkpoint_config=)` and drives it with the calls of `verl/workers/engine/base.py:BaseEngine`, as
-`verl/workers/engine/fsdp/transformer_impl.py:FSDPEngine` answers them, on verl's batches: a TensorDict whose
-`input_ids` are a jagged nested tensor (verl's NO_PADDING layout) with its settings (micro-batch size or token
-budget, entropy, temperature) as non-tensor entries. `VerlEngine` answers those calls with a Strategy; `register`
-puts it into verl's EngineRegistry. Nothing here imports verl (verl pins its own transformers); tensordict, which
-verl's batches are made of, is imported where a batch is built."""
+"""fsdp2kit as a verl 0.9 engine: `strategy: fsdp2kit` in verl's own configuration. verl's TrainingWorker
+(`verl/workers/engine_workers.py`) builds its engine with `EngineRegistry.new(model_type, backend, model_config=,
+engine_config=, optimizer_config=, checkpoint_config=)` and drives it with the calls of
+`verl/workers/engine/base.py:BaseEngine`, as `verl/workers/engine/fsdp/transformer_impl.py:FSDPEngine` answers them.
+This module is fsdp2kit's side of verl's extension points: `Fsdp2kitEngineConfig` (an EngineConfig with the fields
+verl's workers read), the actor and critic configs that hold it, and `Fsdp2kitEngine`, put into verl's
+EngineRegistry when this module is imported (converting a config whose `_target_` names one of these classes imports
+it). The engine answers verl's calls with a `Strategy`; verl's batches are cut into micro-batches and put back
+together by verl's own functions (`prepare_micro_batches`, `postprocess_batch_func`), so only layouts are translated
+here. The Hydra group files verl's trainer picks up are in `verl_config/` beside this module (docs/api.md)."""
 
 from __future__ import annotations
 
@@ -13,17 +15,23 @@ import json
 import shutil
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from verl.utils import tensordict_utils as tu
+from verl.workers.config import ActorConfig, CriticConfig, EngineConfig
+from verl.workers.engine.base import BaseEngine, EngineRegistry
+from verl.workers.engine.utils import postprocess_batch_func, prepare_micro_batches
 
-from fsdp2kit.dtypes import short_name, torch_dtype
+from fsdp2kit.config.schema import StrategyConfig
+from fsdp2kit.dtypes import short_name
 from fsdp2kit.errors import UserError
+from fsdp2kit.parallel.mesh import mesh_layout
 from fsdp2kit.strategy import Strategy
-from fsdp2kit.train.packing import token_budget_ranges
 
 # verl's loss function: loss_function(model_output=, data=, dp_group=) -> (loss, metrics).
 VerlLoss = Callable[..., tuple[torch.Tensor, dict[str, Any]]]
@@ -31,20 +39,121 @@ VerlLoss = Callable[..., tuple[torch.Tensor, dict[str, Any]]]
 MICRO_BATCH_KEY = "verl_micro_batch"
 # verl's learning-rate schedules that fsdp2kit's schedule reproduces (warmup, then constant or cosine to zero).
 SCHEDULES = ("constant", "cosine")
+# The backend name verl's engine configs give as `strategy`.
+BACKEND = "fsdp2kit"
+
+
+@dataclass
+class Fsdp2kitEngineConfig(EngineConfig):
+    """verl's engine config for fsdp2kit (`trainer/config/engine/fsdp2kit.yaml`): verl's own engine fields, and
+    those of FSDPEngineConfig that verl's workers and fsdp2kit read; `overrides` are fsdp2kit `--set` strings for
+    what verl's configs do not say (e.g. "training.loss_chunk_tokens=512")."""
+
+    _mutable_fields = EngineConfig._mutable_fields | {"ulysses_sequence_parallel_size"}
+
+    strategy: str = BACKEND
+    ulysses_sequence_parallel_size: int = 1
+    model_dtype: str = "fp32"
+    mixed_precision: dict[str, Any] | None = None
+    overrides: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.strategy != BACKEND:
+            raise UserError(f"verl engine config: strategy: {self.strategy} (Fsdp2kitEngineConfig is {BACKEND})")
+
+
+@dataclass
+class Fsdp2kitActorConfig(ActorConfig):
+    """verl's actor (and reference) config with fsdp2kit as its engine (`actor/fsdp2kit_actor.yaml`)."""
+
+    strategy: str = BACKEND
+    grad_clip: float = 1.0
+    ulysses_sequence_parallel_size: int = 1
+    use_remove_padding: bool = False
+    use_rollout_log_probs: bool = False
+    fsdp2kit: Fsdp2kitEngineConfig = field(default_factory=Fsdp2kitEngineConfig)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.engine = self.fsdp2kit
+        if self.ulysses_sequence_parallel_size > 1:  # verl's actor-level key, as FSDPActorConfig reads it
+            self.fsdp2kit.ulysses_sequence_parallel_size = self.ulysses_sequence_parallel_size
+
+
+@dataclass
+class Fsdp2kitCriticConfig(CriticConfig):
+    """verl's critic config with fsdp2kit as its engine (`critic/fsdp2kit_critic.yaml`)."""
+
+    strategy: str = BACKEND
+    grad_clip: float = 1.0
+    ulysses_sequence_parallel_size: int = 1
+    fsdp2kit: Fsdp2kitEngineConfig = field(default_factory=Fsdp2kitEngineConfig)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.engine = self.fsdp2kit
+        if self.ulysses_sequence_parallel_size > 1:
+            self.fsdp2kit.ulysses_sequence_parallel_size = self.ulysses_sequence_parallel_size
 
 
 def job_config(model_config: Any, engine_config: Any, optimizer_config: Any) -> dict[str, Any]:
-    """fsdp2kit's native config from verl's model, engine and optimizer configs. The keys read are those below;
-    a verl setting that fsdp2kit would not honour as verl does is refused in one sentence."""
+    """fsdp2kit's native config from verl's model, engine and optimizer configs; a verl setting that fsdp2kit
+    would not honour as verl's FSDP engine does is refused in one sentence."""
+    config: dict[str, Any] = {
+        "model": {
+            "name_or_path": str(getattr(model_config, "local_path", None) or model_config.path),
+            "trust_remote_code": bool(getattr(model_config, "trust_remote_code", False)),
+            "ulysses_size": int(engine_config.ulysses_sequence_parallel_size),
+            "remove_padding": bool(getattr(engine_config, "use_remove_padding", False)),
+            "dtype": short_name(str(getattr(engine_config, "model_dtype", "fp32"))),
+            **attention(model_config),
+            **model_head(model_config),
+        },
+        "strategy_args": {
+            "strategy_name": "fsdp2_infer" if engine_config.forward_only else "fsdp2_train",
+            "strategy_config": mixed_precision(engine_config),
+        },
+    }
+    if not engine_config.forward_only:
+        config["training"] = {**optimizer_settings(optimizer_config), "seed": int(getattr(engine_config, "seed", 42))}
+    return config
+
+
+def mixed_precision(engine_config: Any) -> dict[str, Any]:
+    """verl's FSDP mixed precision (`mixed_precision`: param bf16, reduce fp32, buffers fp32 unless it says
+    otherwise) as fsdp2kit's strategy dtypes; fsdp2kit keeps buffers in the model's dtype, so another buffer dtype
+    is refused."""
+    precision = dict(getattr(engine_config, "mixed_precision", None) or {})
+    model_dtype = short_name(str(getattr(engine_config, "model_dtype", "fp32")))
+    buffer_dtype = short_name(str(precision.get("buffer_dtype", "fp32")))
+    if buffer_dtype != model_dtype:
+        raise UserError(
+            f"verl engine config: mixed_precision.buffer_dtype: {buffer_dtype} (fsdp2kit keeps buffers in "
+            f"model_dtype, {model_dtype})"
+        )
+    return {
+        "param_dtype": short_name(str(precision.get("param_dtype", "bf16"))),
+        "reduce_dtype": short_name(str(precision.get("reduce_dtype", "fp32"))),
+    }
+
+
+def optimizer_settings(optimizer_config: Any) -> dict[str, Any]:
+    """fsdp2kit's training section from verl's FSDP optimizer config: torch's AdamW with weight decay on every
+    parameter (verl's build_optimizer gives all parameters one group), clipping at clip_grad, verl's schedule."""
     schedule = getattr(optimizer_config, "warmup_style", None) or optimizer_config.lr_scheduler_type
     refusals = {
         f"optim.optimizer: {optimizer_config.optimizer} (fsdp2kit trains with AdamW)": optimizer_config.optimizer
         != "AdamW",
+        f"optim.optimizer_impl: {getattr(optimizer_config, 'optimizer_impl', 'torch.optim')} (fsdp2kit's AdamW is "
+        "torch.optim's)": getattr(optimizer_config, "optimizer_impl", "torch.optim") != "torch.optim",
+        "optim.override_optimizer_config: fsdp2kit's AdamW takes lr, betas and weight_decay only": bool(
+            getattr(optimizer_config, "override_optimizer_config", None)
+        ),
         f"optim.lr_scheduler_type: {schedule} (fsdp2kit's verl engine has {', '.join(SCHEDULES)})": schedule
         not in SCHEDULES,
-        f"optim.min_lr_ratio: {optimizer_config.min_lr_ratio} (fsdp2kit's cosine decays to 0)": bool(
-            optimizer_config.min_lr_ratio
-        ),
+        f"optim.min_lr_ratio: {optimizer_config.min_lr_ratio} (fsdp2kit's cosine decays to 0)": schedule == "cosine"
+        and bool(optimizer_config.min_lr_ratio),
         f"optim.num_cycles: {optimizer_config.num_cycles} (fsdp2kit's cosine is a half cycle, 0.5)": schedule
         == "cosine"
         and optimizer_config.num_cycles != 0.5,
@@ -57,25 +166,23 @@ def job_config(model_config: Any, engine_config: Any, optimizer_config: Any) -> 
     if warmup <= 0:  # verl's rule: the ratio of the total, rounded down
         warmup = int(optimizer_config.lr_warmup_steps_ratio * max(total, 0))
     return {
-        "model": {
-            "name_or_path": str(model_config.path),
-            "trust_remote_code": bool(getattr(model_config, "trust_remote_code", False)),
-            "ulysses_size": int(engine_config.ulysses_sequence_parallel_size),
-            **model_head(model_config),
-        },
-        "strategy_args": {"strategy_name": "fsdp2_infer" if engine_config.forward_only else "fsdp2_train"},
-        "training": {
-            "learning_rate": float(optimizer_config.lr),
-            "weight_decay": float(optimizer_config.weight_decay),
-            "adam_beta1": float(optimizer_config.betas[0]),
-            "adam_beta2": float(optimizer_config.betas[1]),
-            "max_grad_norm": float(optimizer_config.clip_grad),
-            "max_steps": total,
-            "warmup_steps": warmup,
-            "lr_scheduler_type": schedule,
-            "seed": int(getattr(engine_config, "seed", 42)),
-        },
+        "learning_rate": float(optimizer_config.lr),
+        "weight_decay": float(optimizer_config.weight_decay),
+        "weight_decay_every_parameter": True,
+        "adam_beta1": float(optimizer_config.betas[0]),
+        "adam_beta2": float(optimizer_config.betas[1]),
+        "max_grad_norm": float(optimizer_config.clip_grad),
+        "max_steps": total,
+        "warmup_steps": warmup,
+        "lr_scheduler_type": schedule,
     }
+
+
+def attention(model_config: Any) -> dict[str, Any]:
+    """verl's attention choice (`override_config.attn_implementation`) where the user gave one; else fsdp2kit's
+    `auto` (verl's default, flash_attention_2, is what `auto` picks where it is installed)."""
+    chosen = (getattr(model_config, "override_config", None) or {}).get("attn_implementation")
+    return {} if chosen is None else {"attn_implementation": str(chosen)}
 
 
 def model_head(model_config: Any) -> dict[str, Any]:
@@ -88,7 +195,7 @@ def model_head(model_config: Any) -> dict[str, Any]:
         raise UserError(f"verl model_type: {model_type} (fsdp2kit's verl engine has language_model, value_model)")
     from transformers.models.auto.modeling_auto import MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES
 
-    config_file = Path(model_config.path) / "config.json"
+    config_file = Path(getattr(model_config, "local_path", None) or model_config.path) / "config.json"
     family = json.loads(config_file.read_text()).get("model_type") if config_file.is_file() else None
     class_name = MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES.get(family or "")
     if class_name is None:
@@ -98,7 +205,7 @@ def model_head(model_config: Any) -> dict[str, Any]:
 
 class VerlEngine:
     """verl's engine calls answered by a `Strategy` (built in `initialize`, as verl's engines build their model
-    there). `overrides` are fsdp2kit `--set` strings for what verl's configs do not say."""
+    there). The data-parallel layout is known before: verl's TrainingWorker asks for it in its constructor."""
 
     def __init__(
         self,
@@ -106,19 +213,25 @@ class VerlEngine:
         engine_config: Any,
         optimizer_config: Any,
         checkpoint_config: Any,
-        overrides: tuple[str, ...] = (),
+        **kwargs: Any,
     ) -> None:
         self.model_config, self.engine_config = model_config, engine_config
         self.optimizer_config, self.checkpoint_config = optimizer_config, checkpoint_config
-        self.overrides = overrides
         self.mode: str | None = None
         self._strategy: Strategy | None = None
         self._saved: list[Path] = []  # this engine's checkpoints, oldest first (verl's max_ckpt_to_keep)
+        self.layout = mesh_layout(
+            dist.get_world_size() if dist.is_initialized() else 1,
+            StrategyConfig(),
+            int(engine_config.ulysses_sequence_parallel_size),
+        )
 
     def initialize(self) -> None:
-        """Build the model, optimizer and schedule; states go to host memory where verl's offload flags say."""
+        """Build the model, optimizer and schedule (again on a later call, verl's `reset`); states go to host
+        memory where verl's offload flags say."""
         config = job_config(self.model_config, self.engine_config, self.optimizer_config)
-        self._strategy = Strategy.from_config(config, overrides=self.overrides)
+        overrides = tuple(getattr(self.engine_config, "overrides", None) or ())
+        self._strategy = Strategy.from_config(config, overrides=overrides)
         self.to("cpu", model=self.is_param_offload_enabled, optimizer=self.is_optimizer_offload_enabled, grad=False)
 
     @property
@@ -162,39 +275,31 @@ class VerlEngine:
     # ---- steps ----------------------------------------------------------------------------------------------
 
     def train_batch(self, data: Any, loss_function: VerlLoss) -> dict[str, Any]:
-        """One optimizer step over this rank's batch, split into micro-batches as verl's engine splits it; the
-        schedule waits for `lr_scheduler_step`. Returns verl's output: per micro-batch `loss` and `metrics` (lists),
-        `metrics['grad_norm']`."""
-        strategy = self.strategy
-        run = _LossRun(loss_function, self.get_data_parallel_group(), self.get_data_parallel_size())
-        parts = run.prepare(data, self._micro_ranges(data))
-        entropy = bool(_setting(data, "calculate_entropy", False))
+        """One optimizer step over this rank's batch, cut into micro-batches by verl's prepare_micro_batches; the
+        schedule waits for `lr_scheduler_step`. Returns what verl's engine returns: per micro-batch `loss` and
+        `metrics` (verl's append_to_dict of each), `metrics['grad_norm']`."""
+        run = _LossRun(loss_function, self)
+        parts = run.prepare(data)
+        entropy = bool(tu.get_non_tensor_data(data, "calculate_entropy", False))
         loss_fn = run.loss_fn(parts, self.strategy.head.output, entropy)
-        result = strategy.train_step([part.batch for part in parts], loss_fn, step_scheduler=False)
-        metrics: dict[str, Any] = dict(run.metrics)
-        metrics["grad_norm"] = result["grad_norm"]
-        return {"model_output": {}, "loss": run.losses, "metrics": metrics}
+        result = self.strategy.train_step([part.batch for part in parts], loss_fn, step_scheduler=False)
+        output = postprocess_batch_func(output_lst=run.outputs, indices=run.indices, data=data)
+        output["metrics"]["grad_norm"] = float(result["grad_norm"])
+        return output
 
     def infer_batch(self, data: Any, loss_function: VerlLoss | None = None) -> dict[str, Any]:
         """Log-probs (and entropy where `calculate_entropy`) of every token as verl's engine gives them: a jagged
         tensor like `input_ids`, position t holding log p(token t+1), 0 at each sequence's last position; a critic's
-        `values`, one per token; with a loss function, its loss and metrics per micro-batch too."""
-        run = _LossRun(loss_function, self.get_data_parallel_group(), self.get_data_parallel_size())
-        parts = run.prepare(data, self._micro_ranges(data))
-        entropy = bool(_setting(data, "calculate_entropy", False))
+        `values`, one per token; per micro-batch the loss function's loss and metrics, or without one the 1.0
+        verl's engine reports."""
+        run = _LossRun(loss_function, self)
+        parts = run.prepare(data)
+        entropy = bool(tu.get_non_tensor_data(data, "calculate_entropy", False))
         kinds = [self.strategy.head.output, *(["entropy"] if entropy else [])]
-        outputs: dict[str, list[torch.Tensor]] = {kind: [] for kind in kinds}
         for part in parts:
             result = self.strategy.forward_step(part.batch, entropy=entropy)
-            model_output = {key: part.as_verl(key, result[key]) for key in outputs}
-            for key, value in model_output.items():
-                outputs[key] += list(value.unbind())
-            run.call(part, model_output)
-        return {
-            "model_output": {k: torch.nested.as_nested_tensor(v, layout=torch.jagged) for k, v in outputs.items()},
-            "loss": run.losses,
-            "metrics": dict(run.metrics),
-        }
+            run.call(part, {key: part.as_verl(key, result[key]) for key in kinds}, keep_output=True)
+        return postprocess_batch_func(output_lst=run.outputs, indices=run.indices, data=data)
 
     def forward_backward_batch(self, data: Any, loss_function: VerlLoss, forward_only: bool = False) -> Any:
         """forward_only: `infer_batch`. A backward without its optimizer step is refused: fsdp2kit's step takes
@@ -226,27 +331,23 @@ class VerlEngine:
     def get_per_tensor_param(
         self, layered_summon: bool = False, base_sync_done: bool = False, **kwargs: Any
     ) -> tuple[Iterator[tuple[str, torch.Tensor]], dict | None]:
-        """(HF name, full tensor) for the rollout engine, in the mixed-precision param dtype verl's engine sends
-        (bf16 unless engine_config.mixed_precision says otherwise). Always the whole model (LoRA merged), which the
-        None PEFT config tells verl, whatever `base_sync_done` says; gathering is bucketed (`layered_summon`'s
-        purpose) by Strategy.full_weights."""
-        precision = getattr(self.engine_config, "mixed_precision", None) or {}
-        dtype = torch_dtype(short_name(precision.get("param_dtype", "bf16")))
-        return self.strategy.full_weights(dtype=dtype), None
+        """(HF name, full tensor) for the rollout engine, in the parameters' own dtype (model_dtype), as verl's FSDP
+        engine sends its state dict. Always the whole model (LoRA merged), which the None PEFT config tells verl,
+        whatever `base_sync_done` says; gathering is bucketed (`layered_summon`'s purpose) by full_weights."""
+        return self.strategy.full_weights(), None
 
     def get_data_parallel_rank(self) -> int:
-        return self.strategy.data_parallel_rank()
+        return self.layout.data_parallel_rank(dist.get_rank() if dist.is_initialized() else 0)
 
     def get_data_parallel_size(self) -> int:
-        return self.strategy.data_parallel_size()
+        return self.layout.data_parallel_size
 
     def get_data_parallel_group(self) -> dist.ProcessGroup:
         return self.strategy.data_parallel_group()
 
     def is_mp_src_rank_with_outputs(self) -> bool:
         """The first rank of each Ulysses group reports (every rank of it holds the same outputs)."""
-        group = self.strategy.sharded.sp_group
-        return group is None or group.rank() == 0
+        return (dist.get_rank() if dist.is_initialized() else 0) % self.layout.ulysses_size == 0
 
     def to(self, device: str, model: bool = True, optimizer: bool = True, grad: bool = True) -> None:
         """Parameters and/or optimizer state to "cpu" or to this rank's accelerator; gradients are never held
@@ -254,6 +355,8 @@ class VerlEngine:
         if grad and not model:
             raise UserError("verl engine: to(grad=True) needs model=True (gradients move with the parameters)")
         include = [kind for kind, moved in (("model_params", model), ("optimizer_states", optimizer)) if moved]
+        if self.strategy.optimizer is None:  # a forward-only engine (the reference) has no optimizer state
+            include = [kind for kind in include if kind != "optimizer_states"]
         if not include:
             return
         if device == "cpu":
@@ -299,65 +402,17 @@ class VerlEngine:
             raise UserError("verl engine: load_checkpoint(hdfs_path=...) is not supported; give local_path")
         self.strategy.load_checkpoint(local_path)
 
-    # ---- micro-batches --------------------------------------------------------------------------------------
-
-    def _micro_ranges(self, data: Any) -> list[range]:
-        """verl's split of this rank's rows: `micro_batch_size_per_gpu` rows each, or with `use_dynamic_bsz` (verl's
-        default) consecutive rows within `max_token_len_per_gpu` x the Ulysses size tokens, in as many
-        micro-batches on every data-parallel rank (verl's same_micro_num_in_dp)."""
-        lengths = _lengths(data["input_ids"])
-        if not _setting(data, "use_dynamic_bsz", True):
-            size = int(_setting(data, "micro_batch_size_per_gpu", 0))
-            if size <= 0:
-                raise UserError("verl batch: micro_batch_size_per_gpu must be > 0 when use_dynamic_bsz is False")
-            return [range(start, min(start + size, len(lengths))) for start in range(0, len(lengths), size)]
-        budget = int(_setting(data, "max_token_len_per_gpu", 0)) * int(self.strategy.sharded.layout.ulysses_size)
-        if budget <= 0:
-            raise UserError("verl batch: max_token_len_per_gpu must be > 0 when use_dynamic_bsz is True")
-        count = torch.tensor(len(token_budget_ranges(lengths, budget)))
-        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.get_data_parallel_group())
-        return balanced_ranges(lengths, int(count))
-
-
-def balanced_ranges(lengths: list[int], count: int) -> list[range]:
-    """`count` consecutive, non-empty runs of rows with near-equal token counts (so every data-parallel rank takes
-    as many micro-batches)."""
-    if count > len(lengths):
-        raise UserError(
-            f"verl batch: another data-parallel rank needs {count} micro-batches, this rank has {len(lengths)} rows"
-        )
-    total, bounds, running = sum(lengths), [0], 0
-    for row, length in enumerate(lengths):
-        running += length
-        wanted = len(bounds)  # the next boundary: after the row where the share `wanted / count` is reached
-        rows_left, parts_left = len(lengths) - row - 1, count - wanted
-        if wanted < count and (running * count >= total * wanted or rows_left == parts_left):
-            bounds.append(row + 1)
-    return [range(a, b) for a, b in zip(bounds, bounds[1:] + [len(lengths)], strict=True)]
-
-
-def _setting(data: Any, key: str, default: Any) -> Any:
-    """A verl batch's non-tensor setting (tensordict's NonTensorData unwrapped), or `default`."""
-    value = data.get(key, default)
-    return value if isinstance(value, torch.Tensor) else getattr(value, "data", value)
-
-
-def _lengths(input_ids: Any) -> list[int]:
-    """Each row's token count: a jagged tensor's offsets, apart."""
-    if not (isinstance(input_ids, torch.Tensor) and input_ids.is_nested):
-        raise UserError("verl batch: input_ids must be a jagged nested tensor (verl's NO_PADDING layout)")
-    offsets: torch.Tensor = getattr(input_ids, "offsets")()  # noqa: B009 (torch's stubs lack nested tensors' offsets)
-    return [int(n) for n in offsets.diff().tolist()]
-
 
 class _MicroBatch:
-    """One verl micro-batch (a TensorDict row range) and the Strategy batch made from it: right-padded input_ids,
-    attention_mask, position_ids."""
+    """One verl micro-batch (a TensorDict cut by verl) and the Strategy batch made from it: right-padded
+    input_ids, attention_mask, position_ids, temperature."""
 
     def __init__(self, data: Any, index: int) -> None:
         self.data = data
         ids = data["input_ids"]
-        self.offsets = ids.offsets()
+        if not (isinstance(ids, torch.Tensor) and ids.is_nested):
+            raise UserError("verl batch: input_ids must be a jagged nested tensor (verl's NO_PADDING layout)")
+        self.offsets: torch.Tensor = getattr(ids, "offsets")()  # noqa: B009 (torch's stubs lack nested tensors')
         self.lengths = self.offsets.diff()
         width = int(self.lengths.max())
         positions = torch.arange(width, device=ids.device)
@@ -372,7 +427,7 @@ class _MicroBatch:
         position_ids = data.get("position_ids", None)
         if isinstance(position_ids, torch.Tensor) and position_ids.is_nested and position_ids.dim() == 2:
             self.batch["position_ids"] = position_ids.to_padded_tensor(0, output_size=(len(self.lengths), width))
-        temperature = _setting(data, "temperature", None)  # one number, or one per sample (this micro-batch's rows)
+        temperature = tu.get(data, "temperature", None)  # one number, or one per sample (this micro-batch's rows)
         if temperature is not None:
             self.batch["temperature"] = torch.as_tensor(temperature, dtype=torch.float32)
 
@@ -385,36 +440,38 @@ class _MicroBatch:
 
 
 class _LossRun:
-    """verl's loss function over a step's micro-batches: the global settings verl's engine gives it (`dp_size`,
-    `batch_num_tokens`, `global_batch_size`), each micro-batch's loss and metrics collected as verl's engine does."""
+    """verl's loss function over a step's micro-batches: the batch-wide settings verl's engine gives it
+    (`sp_size`, `dp_size`, `batch_num_tokens`), verl's micro-batch cut, and each micro-batch's output in the form
+    verl's engine collects (`postprocess_batch_func`'s input)."""
 
-    def __init__(self, loss_function: VerlLoss | None, group: dist.ProcessGroup, dp_size: int) -> None:
-        self.loss_function, self.group, self.dp_size = loss_function, group, dp_size
-        self.losses: list[float] = []
-        self.metrics: dict[str, list[Any]] = {}
+    def __init__(self, loss_function: VerlLoss | None, engine: VerlEngine) -> None:
+        self.loss_function = loss_function
+        self.group = engine.get_data_parallel_group()
+        self.engine = engine
+        self.outputs: list[dict[str, Any]] = []
+        self.indices: Any = None
 
-    def prepare(self, data: Any, ranges: list[range]) -> list[_MicroBatch]:
-        """The micro-batches of `data`, each with verl's global settings."""
-        # verl's engine: the loss-mask tokens of the global batch (global_batch_size comes from verl's trainer)
-        tokens = data["loss_mask"].values().sum() if "loss_mask" in data.keys() else torch.zeros((), dtype=torch.long)
+    def prepare(self, data: Any) -> list[_MicroBatch]:
+        """The micro-batches of `data` as verl's FSDP engine cuts them, each with verl's batch-wide settings."""
+        tu.assign_non_tensor(data, sp_size=self.engine.layout.ulysses_size)
+        tokens = data["loss_mask"].sum() if "loss_mask" in data.keys() else torch.zeros((), dtype=torch.long)
         tokens = tokens.detach().clone()
         dist.all_reduce(tokens, group=self.group)
-        parts = []
-        for index, rows in enumerate(ranges):
-            micro = data[rows.start : rows.stop]
-            micro.set_non_tensor("dp_size", self.dp_size)
-            micro.set_non_tensor("batch_num_tokens", int(tokens))
-            parts.append(_MicroBatch(micro, index))
-        return parts
+        tu.assign_non_tensor(data, batch_num_tokens=tokens.item(), dp_size=self.engine.get_data_parallel_size())
+        micro_batches, self.indices = prepare_micro_batches(data=data, dp_group=self.group, same_micro_num_in_dp=True)
+        return [_MicroBatch(micro, index) for index, micro in enumerate(micro_batches)]
 
-    def call(self, part: _MicroBatch, model_output: dict[str, torch.Tensor]) -> torch.Tensor | None:
-        """verl's loss function on one micro-batch, its loss and metrics recorded."""
+    def call(self, part: _MicroBatch, model_output: dict[str, torch.Tensor], keep_output: bool) -> torch.Tensor:
+        """verl's loss function on one micro-batch (1.0 without one, as verl's engine reports), its output
+        recorded."""
         if self.loss_function is None:
-            return None
-        loss, metrics = self.loss_function(model_output=model_output, data=part.data, dp_group=self.group)
-        self.losses.append(float(loss.detach()))
-        for key, value in metrics.items():
-            self.metrics.setdefault(key, []).append(value)
+            loss, metrics = torch.tensor(1.0), dict[str, Any]()
+        else:
+            loss, metrics = self.loss_function(model_output=model_output, data=part.data, dp_group=self.group)
+        output = {"loss": float(loss.detach()), "metrics": metrics}
+        if keep_output:
+            output["model_output"] = {key: value.detach() for key, value in model_output.items()}
+        self.outputs.append(output)
         return loss
 
     def loss_fn(self, parts: list[_MicroBatch], output: str, entropy: bool) -> Callable[..., Any]:
@@ -430,8 +487,7 @@ class _LossRun:
             outputs = {output: part.as_verl(output, received)}
             if entropies is not None:
                 outputs["entropy"] = part.as_verl("entropy", entropies)
-            loss = self.call(part, outputs)
-            assert loss is not None  # train_batch always has a loss function
+            loss = self.call(part, outputs, keep_output=False)
             return loss.reshape(()), weight.to(received.device)
 
         if entropy:  # the Strategy computes the entropy for a loss_fn that takes `entropy`
@@ -439,11 +495,11 @@ class _LossRun:
         return lambda received, batch: verl_loss(received, batch)
 
 
-def register(model_type: str = "language_model", backend: str = "fsdp2kit", device: Any = ("cuda", "cpu")) -> type:
-    """Register the engine in verl's EngineRegistry as verl registers its own (a BaseEngine subclass under
-    `model_type`, "language_model" or "value_model", and `backend`, for each device); verl then builds it where its
-    engine config's `strategy` is the backend."""
-    from verl.workers.engine.base import BaseEngine, EngineRegistry
+@EngineRegistry.register(model_type="language_model", backend=BACKEND, device=["cuda", "npu", "cpu"])
+class Fsdp2kitEngine(VerlEngine, BaseEngine):
+    """fsdp2kit in verl's EngineRegistry: verl builds it for an engine config whose `strategy` is fsdp2kit."""
 
-    engine_class = type("Fsdp2kitVerlEngine", (VerlEngine, BaseEngine), {"__module__": __name__})
-    return EngineRegistry.register(model_type=model_type, backend=backend, device=list(device))(engine_class)
+
+@EngineRegistry.register(model_type="value_model", backend=BACKEND, device=["cuda", "npu", "cpu"])
+class Fsdp2kitValueEngine(VerlEngine, BaseEngine):
+    """The critic (verl's value_model): the same engine, its head a one-label token classifier."""

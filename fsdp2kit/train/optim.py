@@ -13,12 +13,14 @@ from fsdp2kit.config.schema import TrainingConfig
 
 
 def build_optimizer(model: nn.Module, cfg: TrainingConfig) -> torch.optim.AdamW:
-    """Biases and norm weights (1-D tensors) get no weight decay, as in HF Trainer. Sharded (DTensor) and
-    replicated (ignored-module) parameters go in separate groups: one foreach op cannot mix the two."""
+    """Biases and norm weights (1-D tensors) get no weight decay, as in HF Trainer, unless
+    `weight_decay_every_parameter` (verl's engine decays all). Sharded (DTensor) and replicated (ignored-module)
+    parameters go in separate groups: one foreach op cannot mix the two."""
     groups: dict[tuple[bool, bool], list[nn.Parameter]] = {}
     for param in model.parameters():
         if param.requires_grad:
-            groups.setdefault((param.dim() >= 2, isinstance(param, DTensor)), []).append(param)
+            decay = param.dim() >= 2 or cfg.weight_decay_every_parameter
+            groups.setdefault((decay, isinstance(param, DTensor)), []).append(param)
     on_cuda = any(p.is_cuda for params in groups.values() for p in params)
     return torch.optim.AdamW(
         [

@@ -1,0 +1,308 @@
+"""One rank of verl's own TrainingWorker (`verl.workers.engine_workers`), called as verl's PPO trainer
+(`verl/trainer/ppo/ray_trainer.py`) calls its actor, reference and critic workers, with the engine that verl's
+config names: fsdp2kit's, or verl's own FSDP2 engine. Launched as `python verl_driver.py SETTINGS_JSON` (one rank) or
+under torchrun (two); rank 0 writes what tests/test_verl_worker.py compares. Ray is not involved: the calls go to
+the worker object, each rank given its share of the batch as verl's dispatch (`chunk` by data-parallel rank) gives."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from functools import partial
+from pathlib import Path
+
+import cpu_platform  # noqa: F401  (verl's platform: before verl resolves it)
+import torch
+import torch.distributed as dist
+from tensordict import NonTensorData
+from verl import DataProto
+from verl.trainer.config import CheckpointConfig
+from verl.utils import tensordict_utils as tu
+from verl.utils.metric import reduce_metrics
+from verl.utils.model import compute_position_id_with_mask
+from verl.workers.config import (
+    FSDPActorConfig,
+    FSDPCriticConfig,
+    FSDPEngineConfig,
+    FSDPOptimizerConfig,
+    HFModelConfig,
+    TrainingWorkerConfig,
+)
+from verl.workers.engine_workers import TrainingWorker
+from verl.workers.utils.losses import ppo_loss, sft_loss, value_loss
+from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding
+
+from fsdp2kit.integrations.verl import Fsdp2kitEngineConfig
+
+ROWS, PROMPT, RESPONSE = 8, 6, 6  # the global batch: 8 rollouts, two mini-batches of 4
+TEMPERATURE = 0.8
+
+
+def engine_config(settings: dict, forward_only: bool = False):
+    """The engine config verl's trainer hands its worker: fsdp2kit's, or verl's FSDP2's with the same settings."""
+    common = {
+        "ulysses_sequence_parallel_size": settings["ulysses"],
+        "mixed_precision": settings["mixed_precision"],
+        "forward_only": forward_only,
+        "use_dynamic_bsz": True,
+        "max_token_len_per_gpu": settings["max_tokens"],
+        "infer_max_token_len_per_gpu": settings["max_tokens"],
+    }
+    if settings["backend"] == "fsdp2kit":
+        return Fsdp2kitEngineConfig(**common, overrides=[f"training.output_dir={settings['out']}.runs"])
+    return FSDPEngineConfig(strategy="fsdp2", use_torch_compile=False, **common)
+
+
+def worker(settings: dict, model_type: str, path: str, forward_only: bool = False) -> TrainingWorker:
+    optimizer = FSDPOptimizerConfig(
+        lr=settings["lr"],
+        weight_decay=settings["weight_decay"],
+        clip_grad=1.0,
+        total_training_steps=4,
+        lr_scheduler_type="constant",
+    )
+    config = TrainingWorkerConfig(
+        model_type=model_type,
+        model_config=HFModelConfig(
+            path=path, use_remove_padding=settings["remove_padding"], override_config={"attn_implementation": "sdpa"}
+        ),
+        engine_config=engine_config(settings, forward_only),
+        optimizer_config=optimizer,
+        checkpoint_config=CheckpointConfig(),
+    )
+    training_worker = TrainingWorker(config)
+    training_worker.reset()
+    return training_worker
+
+
+def rollout_batch(path: str) -> DataProto:
+    """What verl's rollout hands the trainer: left-padded prompts, right-padded responses, of different lengths."""
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(path).vocab_size
+    generator = torch.Generator().manual_seed(7)
+    prompt_lens = torch.randint(2, PROMPT + 1, (ROWS,), generator=generator)
+    response_lens = torch.randint(1, RESPONSE + 1, (ROWS,), generator=generator)
+    prompts = torch.randint(3, vocab, (ROWS, PROMPT), generator=generator)
+    responses = torch.randint(3, vocab, (ROWS, RESPONSE), generator=generator)
+    prompt_mask = torch.arange(PROMPT)[None, :] >= (PROMPT - prompt_lens)[:, None]
+    response_mask = torch.arange(RESPONSE)[None, :] < response_lens[:, None]
+    attention_mask = torch.cat([prompt_mask, response_mask], dim=1).long()
+    input_ids = torch.cat([prompts, responses], dim=1) * attention_mask
+    batch = {
+        "prompts": prompts * prompt_mask,
+        "responses": responses * response_mask,
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "position_ids": compute_position_id_with_mask(attention_mask),
+        "response_mask": response_mask.long(),
+        "advantages": torch.randn(ROWS, RESPONSE, generator=generator) * response_mask,
+        "returns": torch.randn(ROWS, RESPONSE, generator=generator) * response_mask,
+    }
+    return DataProto.from_single_dict(batch, meta_info={"temperature": TEMPERATURE})
+
+
+def share(batch: DataProto) -> DataProto:
+    """This rank's share, as verl's dispatch splits a batch over the data-parallel ranks (its Ulysses peers get
+    the same)."""
+    ulysses = int(os.environ.get("VERL_TEST_ULYSSES", "1"))
+    dp_size = dist.get_world_size() // ulysses
+    return batch.chunk(dp_size)[dist.get_rank() // ulysses]
+
+
+def no_padding(batch: DataProto, **settings) -> object:
+    data = left_right_2_no_padding(batch.to_tensordict())
+    tu.assign_non_tensor(data, **settings)
+    return data
+
+
+def infer(training_worker: TrainingWorker, batch: DataProto, key: str, entropy: bool) -> dict:
+    """verl's _compute_old_log_prob / _compute_ref_log_prob / _compute_values: outputs back in the padded layout."""
+    data = no_padding(batch, calculate_entropy=entropy, compute_loss=False)
+    output = training_worker.infer_batch(data)
+    if output is None:  # a rank verl does not collect from (not its Ulysses group's first)
+        return {}
+    result = {key: no_padding_2_padding(tu.get(output, key), data).float()}
+    if entropy:
+        result["entropy"] = no_padding_2_padding(tu.get(output, "entropy"), data).float()
+    result["metrics"] = {k: v for k, v in tu.get(output, "metrics").items() if not k.startswith("perf/")}
+    return result
+
+
+def update(training_worker: TrainingWorker, batch: DataProto, entropy: bool) -> dict:
+    """verl's _update_actor / _update_critic: two mini-batches of the global batch, then the schedule's step."""
+    extra = {"calculate_entropy": entropy} if entropy else {}
+    mini = ROWS // 2
+    data = no_padding(
+        batch,
+        **extra,
+        global_batch_size=mini,
+        mini_batch_size=mini,
+        epochs=1,
+        seed=1,
+        dataloader_kwargs={"shuffle": False},
+        compute_loss=True,
+    )
+    output = training_worker.train_mini_batch(data)
+    if output is None:
+        return {}
+    metrics = tu.get(output, "metrics")
+    reduced = reduce_metrics({k: v for k, v in metrics.items() if not k.startswith("perf/")})
+    return {"metrics": metrics, "reduced": reduced}
+
+
+def weights(training_worker: TrainingWorker) -> dict:
+    params, peft = training_worker.engine.get_per_tensor_param()
+    assert peft is None
+    return {name: tensor.detach().float().clone() for name, tensor in params}
+
+
+def from_collecting_rank(tensor: torch.Tensor) -> None:
+    """Under Ulysses (here one group: every rank) verl's trainer gets the outputs of the group's first rank and
+    hands the whole group the next batch built from them."""
+    if int(os.environ["VERL_TEST_ULYSSES"]) > 1:
+        assert dist.get_world_size() == int(os.environ["VERL_TEST_ULYSSES"])
+        dist.broadcast(tensor, src=0)
+
+
+def run_actor(settings: dict, rollout: DataProto, checkpoint: Path) -> dict:
+    actor = worker(settings, "language_model", settings["model"])
+    config = FSDPActorConfig(
+        strategy="fsdp2", rollout_n=1, ppo_mini_batch_size=ROWS // 2, use_dynamic_bsz=True, entropy_coeff=0.01
+    )
+    actor.set_loss_fn(partial(ppo_loss, config=config))
+    before = infer(actor, rollout, "log_probs", entropy=True)
+    # verl's own FSDP2 reference (forward_only) shards with CPUOffloadPolicy(pin_memory=True), which needs an
+    # accelerator: the test compares fsdp2kit's reference with verl's actor before its update (the same weights).
+    ref = None
+    if settings["backend"] == "fsdp2kit":
+        reference = worker(settings, "language_model", settings["model"], forward_only=True)
+        ref = infer(reference, rollout, "log_probs", entropy=False)
+    old_log_probs = before["log_probs"] if before else torch.zeros(len(rollout), RESPONSE)
+    from_collecting_rank(old_log_probs)
+    batch = rollout.union(DataProto.from_single_dict({"old_log_probs": old_log_probs}))
+    first = update(actor, batch, entropy=True)
+    after = infer(actor, rollout, "log_probs", entropy=True)
+    params = weights(actor)
+    actor.to("cpu")
+    actor.to("device")
+    offloaded = infer(actor, rollout, "log_probs", entropy=False)
+    actor.save_checkpoint(str(checkpoint), global_step=1)
+    second = update(actor, batch, entropy=True)
+    actor.load_checkpoint(str(checkpoint))
+    restored = infer(actor, rollout, "log_probs", entropy=False)
+    return {
+        "before": before,
+        "ref": ref,
+        "update": first,
+        "after": after,
+        "weights": params,
+        "offloaded": offloaded,
+        "second": second,
+        "restored": restored,
+    }
+
+
+def critic_attention_on_cpu() -> None:
+    """Scaffolding for verl's own critic: verl 0.9.1 loads it with attn_implementation="flash_attention_2" written
+    into `verl/utils/model.py:load_valuehead_model` (no override reaches it), which needs flash-attn and a GPU; here
+    it loads with the attention its config names (sdpa, from the model config's override_config), nothing else
+    changed."""
+    import verl.utils.model as verl_model
+    from transformers import AutoModelForTokenClassification
+
+    def load_valuehead_model(local_path, torch_dtype, model_config, trust_remote_code):
+        return AutoModelForTokenClassification.from_pretrained(
+            local_path, torch_dtype=torch_dtype, config=model_config, trust_remote_code=trust_remote_code
+        )
+
+    verl_model.load_valuehead_model = load_valuehead_model
+
+
+def run_critic(settings: dict, rollout: DataProto) -> dict:
+    if settings["backend"] != "fsdp2kit":
+        critic_attention_on_cpu()
+    critic = worker(settings, "value_model", settings["critic_model"])
+    config = FSDPCriticConfig(
+        strategy="fsdp2", rollout_n=1, ppo_mini_batch_size=ROWS // 2, use_dynamic_bsz=True, cliprange_value=0.5
+    )
+    critic.set_loss_fn(partial(value_loss, config=config))
+    before = infer(critic, rollout, "values", entropy=False)
+    values = before["values"] if before else torch.zeros(len(rollout), RESPONSE)
+    from_collecting_rank(values)
+    batch = rollout.union(DataProto.from_single_dict({"values": values}))
+    first = update(critic, batch, entropy=False)
+    after = infer(critic, rollout, "values", entropy=False)
+    return {"before": before, "update": first, "after": after, "weights": weights(critic)}
+
+
+def sft_batch(path: str) -> object:
+    """What verl's SFT trainer (`verl/trainer/sft_trainer.py`) hands the worker: its no-padding dataset's rows as
+    jagged tensors (input_ids, position_ids, loss_mask over each row's response) and its settings."""
+    from tensordict import TensorDict
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(path).vocab_size
+    generator = torch.Generator().manual_seed(11)
+    lengths = torch.randint(4, PROMPT + RESPONSE + 1, (ROWS,), generator=generator).tolist()
+    ids = [torch.randint(3, vocab, (n,), generator=generator) for n in lengths]
+    masks = [(torch.arange(n) >= n // 2).long() for n in lengths]
+    jagged = lambda rows: torch.nested.as_nested_tensor(rows, layout=torch.jagged)  # noqa: E731
+    data = TensorDict(
+        {
+            "input_ids": jagged(ids),
+            "position_ids": jagged([torch.arange(n) for n in lengths]),
+            "loss_mask": jagged(masks),
+        },
+        batch_size=[ROWS],
+    )
+    tu.assign_non_tensor(data, temperature=1.0, global_batch_size=ROWS, use_remove_padding=True, use_dynamic_bsz=True)
+    return data
+
+
+def run_sft(settings: dict) -> dict:
+    """verl's SFT trainer's calls: train_batch per step (with update_lr_scheduler), infer_batch for validation with
+    its loss (compute_loss), each on this rank's share."""
+    trainer = worker(settings, "language_model", settings["model"])
+    trainer.set_loss_fn(partial(sft_loss, config=None))
+    dp_size, rank = dist.get_world_size(), dist.get_rank()
+    data = tu.chunk_tensordict(sft_batch(settings["model"]), dp_size)[rank]
+    lengths = data["input_ids"].offsets().diff().tolist()
+    validation = trainer.infer_batch(data.copy())
+    tu.assign_non_tensor(data, update_lr_scheduler=True, global_token_num=NonTensorData(lengths))
+    step = trainer.train_batch(data.copy())
+    after = trainer.infer_batch(data.copy())
+    return {
+        "validation": {k: v for k, v in tu.get(validation, "metrics").items() if not k.startswith("perf/")},
+        "step": {k: v for k, v in tu.get(step, "metrics").items() if not k.startswith("perf/") and k != "mfu"},
+        # each row's last position predicts nothing (verl's engine leaves the next row's first token there, fsdp2kit
+        # 0; no loss reads it)
+        "log_probs": torch.cat([row[:-1] for row in tu.get(after, "log_probs").unbind()]),
+    }
+
+
+def main() -> None:
+    settings = json.loads(sys.argv[1])
+    os.environ["VERL_TEST_ULYSSES"] = str(settings["ulysses"])
+    for key, value in {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}.items():
+        os.environ.setdefault(key, value)
+    os.environ.setdefault("MASTER_PORT", str(settings.get("port", 29533)))
+    dist.init_process_group("gloo")
+    rollout = share(rollout_batch(settings["model"]))
+    out = Path(settings["out"])
+    result = {"dp": dist.get_world_size() // settings["ulysses"]}
+    if "actor" in settings["roles"]:
+        result["actor"] = run_actor(settings, rollout, out.with_suffix(f".ckpt-{settings['backend']}"))
+    if "critic" in settings["roles"]:
+        result["critic"] = run_critic(settings, rollout)
+    if "sft" in settings["roles"]:
+        result["sft"] = run_sft(settings)
+    if dist.get_rank() == 0:
+        torch.save(result, out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
