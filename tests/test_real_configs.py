@@ -217,9 +217,9 @@ EXPECTED: dict[str, tuple[str, int, dict | str]] = {
     "roll/examples/docs_examples/example_ppo.yaml": (
         "tiny-qwen3",
         2,
-        "'critic.model_args.model_type' = 'trl' is not supported: ROLL's value-head (trl) and classification models "
-        "are not available in fsdp2kit, which trains and serves causal language models (model_type: ~); run the "
-        "actor_train or reference role",
+        "'critic.model_args.model_type' = 'trl' is not supported: fsdp2kit trains causal language models "
+        "(model_type: ~) and critics (model_type: auto_token_classification); ROLL's trl value head and reward "
+        "models are not",
     ),
     "roll/examples/qwen2.5-7B-agentic_megatron/agentic_val_webshop_amd.yaml": ("tiny-qwen3", 2, HYDRA),
     "roll/examples/qwen3-30BA3B-agentic_fsdp2/agentic_val_sokoban_30a3.yaml": ("tiny-qwen3-moe", 2, HYDRA),
