@@ -83,13 +83,7 @@ def _learning_rates(cfg, total: int) -> list[float]:
     from fsdp2kit.train.optim import build_scheduler
 
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=cfg.learning_rate)
-    scheduler = build_scheduler(optimizer, cfg, total)
-    rates = []
-    for _ in range(total):
-        rates.append(optimizer.param_groups[0]["lr"])
-        optimizer.step()
-        scheduler.step()
-    return rates
+    return _stepped_rates(optimizer, build_scheduler(optimizer, cfg, total), total)
 
 
 def _transformers_rates(name: str, peak: float, warmup: int, total: int) -> list[float]:
@@ -97,6 +91,11 @@ def _transformers_rates(name: str, peak: float, warmup: int, total: int) -> list
 
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=peak)
     scheduler = transformers.get_scheduler(name, optimizer, num_warmup_steps=warmup, num_training_steps=total)
+    return _stepped_rates(optimizer, scheduler, total)
+
+
+def _stepped_rates(optimizer: torch.optim.Optimizer, scheduler, total: int) -> list[float]:
+    """The learning rate the optimizer steps with, at each of `total` steps of the scheduler."""
     rates = []
     for _ in range(total):
         rates.append(optimizer.param_groups[0]["lr"])
