@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -44,8 +45,9 @@ def clip_grad_norm(params: Sequence[torch.Tensor], max_norm: float) -> torch.Ten
     The norm stays on the gradients' device (no host sync here: the step fetches it with the loss, once). A
     non-finite norm scales the gradients to zero or NaN, harmlessly: that step's update is skipped."""
     sharded, plain = _split_sharded(params)
+    groups = [*_by_mesh(sharded), plain]
     squares = []
-    for group in (sharded, plain):
+    for group in groups:
         if group:
             norm = torch.nn.utils.get_total_norm(_grads(group))
             if isinstance(norm, DTensor):  # the norm of this rank's shards, partial until all-reduced
@@ -55,9 +57,18 @@ def clip_grad_norm(params: Sequence[torch.Tensor], max_norm: float) -> torch.Ten
         return torch.zeros(())
     total = torch.stack(squares).sum().sqrt()
     if max_norm > 0:
-        for group in (sharded, plain):
+        for group in groups:
             torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
     return total
+
+
+def _by_mesh(sharded: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """Sharded parameters grouped by their gradients' device mesh: DTensor ops refuse operands on different meshes
+    (a model whose parts are sharded over different meshes, as experts under expert parallelism would be)."""
+    groups: dict[object, list[torch.Tensor]] = {}
+    for param in sharded:
+        groups.setdefault(cast(DTensor, param.grad).device_mesh, []).append(param)
+    return list(groups.values())
 
 
 class LossScaler:
