@@ -39,7 +39,13 @@ def config(run: dict[str, Any]) -> dict[str, Any]:
     return {
         "model": {"name_or_path": run["folder"], "ulysses_size": run["ulysses"], "dtype": "fp32"},
         "strategy_args": {
-            "strategy_config": {"wrap_policy": {"moe_experts": [run["experts"]]}, "apply_expert_patch": per_expert}
+            "strategy_config": {
+                "wrap_policy": {"moe_experts": [run["experts"]] if run["experts"] else []},
+                "apply_expert_patch": per_expert,
+                "ep_size": run.get("ep", 1),
+                "efsdp_size": run.get("efsdp", 1),
+                "moe_use_grouped_mm": run.get("grouped_mm", False),
+            }
         },
         "training": {
             "learning_rate": 1e-3,

@@ -545,12 +545,33 @@ class StrategyConfig(Section):
         1, ge=0, description="explicitly prefetch the previous k shard groups in backward"
     )
     apply_expert_patch: bool = Field(False, description="MoE: every rank runs every expert so collectives match")
+    ep_size: int = Field(
+        1,
+        ge=1,
+        description="MoE expert parallelism: each group of ep_size consecutive ranks splits every layer's experts "
+        "among its ranks and sends each token to its experts' rank (all-to-all); 1 = off",
+    )
+    efsdp_size: int = Field(
+        1,
+        ge=1,
+        description="with ep_size > 1: ranks that shard each expert's weights further with FSDP; efsdp_size x "
+        "ep_size must divide the world, the rest replicate the experts (ROLL's expert mesh [eddp, efsdp, ep])",
+    )
+    moe_use_grouped_mm: bool = Field(
+        False,
+        description="fused experts compute with grouped GEMMs (transformers' grouped_mm experts implementation) "
+        "instead of a loop over the experts",
+    )
     apply_tiled_mlp: bool = Field(False, description="compute MLPs in sequence tiles to cut activation memory")
     tiled_num_shards: int = Field(4, ge=1, description="number of sequence tiles for TiledMLP")
     async_save_ckpt: bool = Field(True, description="overlap checkpoint writes with training")
     ckpt_format: Literal["torch_dcp"] = Field("torch_dcp", description="sharded checkpoint format")
 
-    ALIASES: ClassVar[dict[str, str]] = {"sharding_size": "fsdp_size", "offload_to_cpu": "offload_policy"}
+    ALIASES: ClassVar[dict[str, str]] = {
+        "sharding_size": "fsdp_size",
+        "offload_to_cpu": "offload_policy",
+        "expert_parallel_size": "ep_size",  # MindSpeed-MM's name
+    }
 
     @field_validator("fsdp_size")
     @classmethod

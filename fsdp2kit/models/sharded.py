@@ -22,8 +22,9 @@ from fsdp2kit.models.variant import ModelVariant, pick_variant
 from fsdp2kit.parallel.activation_offload import PinnedHost, apply_activation_offload
 from fsdp2kit.parallel.compile import compile_modules
 from fsdp2kit.parallel.document_attention import attend_documents
+from fsdp2kit.parallel.expert_parallel import apply_expert_parallel
 from fsdp2kit.parallel.fsdp import apply_fsdp, shard_device
-from fsdp2kit.parallel.mesh import MeshLayout, build_mesh, mesh_layout, sequence_parallel_group
+from fsdp2kit.parallel.mesh import MeshLayout, build_expert_mesh, build_mesh, mesh_layout, sequence_parallel_group
 from fsdp2kit.parallel.moe import gather_router_logits
 from fsdp2kit.parallel.plan import ShardingPlan, build_plan
 from fsdp2kit.parallel.recompute import apply_recompute
@@ -62,6 +63,7 @@ def build_sharded_model(
     variant = pick_variant(source.hf_config, model_cfg, strategy)
     layout = mesh_layout(runtime.world_size, strategy, model_cfg.ulysses_size)
     mesh = build_mesh(runtime.device.type, layout)
+    expert_mesh = build_expert_mesh(runtime.device.type, layout)
     sp_group = sequence_parallel_group(layout)
     master_dtype = variant.master_dtype(training, model_cfg.dtype)
     model = build_meta_model(source, model_cfg.model_copy(update={"dtype": master_dtype}))
@@ -79,9 +81,10 @@ def build_sharded_model(
     apply_recompute(model, plan.recompute_modules, plan.use_reentrant)
     apply_tiled_mlp(model, plan.tiled_mlp_modules, plan.tiled_num_shards)
     variant.patch_sharded(model, plan)
+    apply_expert_parallel(model, plan.expert_parallel, expert_mesh and expert_mesh["ep"])
     compile_modules(model, plan.compiled_modules)
     _offload_activations(model, plan, runtime.device)
-    apply_fsdp(model, mesh, plan)
+    apply_fsdp(model, mesh, plan, expert_mesh)
     if materialize:
         shards_on = shard_device(plan, runtime.device)
         materialise(model, source, runtime.device, seed, model_cfg.weights_loading, shards_on, variant.tensor_leeway)

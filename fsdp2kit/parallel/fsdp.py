@@ -39,8 +39,11 @@ def _check_reshard(reshard: bool | int, mesh: DeviceMesh) -> None:
         )
 
 
-def apply_fsdp(model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan) -> list[FSDPModule]:
-    """Shard `model` in place; returns the non-root shard groups in forward order."""
+def apply_fsdp(
+    model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan, expert_mesh: DeviceMesh | None = None
+) -> list[FSDPModule]:
+    """Shard `model` in place; returns the non-root shard groups in forward order. The experts split by expert
+    parallelism are sharded over `expert_mesh` (`_shard_experts`)."""
     if plan.offload and not torch.cuda.is_available():
         raise UserError(
             "strategy_config.offload_policy: CPU offload needs an accelerator (CUDA) and this machine "
@@ -62,7 +65,9 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan) -> list[F
         cast_inputs = plan.cast_forward_inputs and not set(names) & set(plan.no_cast_modules)
         policy = _mp_policy(plan, master_dtype, cast_inputs, root=False)
         modules = [model.get_submodule(n) for n in names]
-        if len(modules) == 1:
+        if names[0] in plan.expert_parallel:
+            _shard_experts(modules[0], cast(DeviceMesh, expert_mesh), dict(common, mp_policy=policy))
+        elif len(modules) == 1:
             fully_shard(modules[0], mp_policy=policy, **common)
         else:
             fully_shard(modules, mp_policy=policy, **common)
@@ -91,9 +96,21 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan) -> list[F
         **dict(common, reshard_after_forward=False),
     )
     if replicated:
-        reduce_across_replicas([*groups, cast(FSDPModule, model)], mesh, torch_dtype(plan.reduce_dtype) == master_dtype)
+        dense = [g for g, names in zip(groups, plan.groups, strict=True) if names[0] not in plan.expert_parallel]
+        reduce_across_replicas([*dense, cast(FSDPModule, model)], mesh, torch_dtype(plan.reduce_dtype) == master_dtype)
     _set_prefetch(groups, plan.forward_prefetch, plan.backward_prefetch)
     return groups
+
+
+def _shard_experts(module: nn.Module, expert_mesh: DeviceMesh, common: dict[str, Any]) -> None:
+    """An experts module split over `ep` is sharded over the rest of its mesh (`efsdp`, replicated over `eddp`).
+    An integer reshard_after_forward names a group size of the dense mesh: the experts reshard fully."""
+    names = cast(tuple[str, ...], expert_mesh.mesh_dim_names)
+    shard_mesh = expert_mesh[names[:-1]] if len(names) == 3 else expert_mesh[names[0]]
+    reshard = common["reshard_after_forward"]
+    fully_shard(
+        module, **dict(common, mesh=shard_mesh, reshard_after_forward=reshard if isinstance(reshard, bool) else True)
+    )
 
 
 def stays_gathered(model: nn.Module) -> bool:

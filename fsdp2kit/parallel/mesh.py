@@ -1,6 +1,8 @@
 """The device mesh: 1-D `[fsdp]`, or HSDP `[ddp, fsdp]` (replicate across ddp, shard within fsdp); and the
 sequence-parallel (Ulysses) groups of `ulysses_size` consecutive ranks, laid over that mesh without changing it:
-FSDP still shards over all ranks (or each fsdp group), while the ranks of an SP group share their samples."""
+FSDP still shards over all ranks (or each fsdp group), while the ranks of an SP group share their samples. Under
+expert parallelism the experts have a mesh of their own, laid out as ROLL lays it out: `[efsdp, ep]`, or
+`[eddp, efsdp, ep]` where efsdp x ep ranks are fewer than the world (`ep` innermost: consecutive ranks)."""
 
 from __future__ import annotations
 
@@ -21,6 +23,16 @@ class MeshLayout:
     shape: tuple[int, ...]
     dim_names: tuple[str, ...]
     ulysses_size: int = 1
+    ep_size: int = 1
+    efsdp_size: int = 1
+
+    @property
+    def expert_shape(self) -> tuple[tuple[int, ...], tuple[str, ...]]:
+        """The experts' mesh (shape, dimension names) under expert parallelism."""
+        eddp = self.world_size // (self.efsdp_size * self.ep_size)
+        if eddp == 1:
+            return (self.efsdp_size, self.ep_size), ("efsdp", "ep")
+        return (eddp, self.efsdp_size, self.ep_size), ("eddp", "efsdp", "ep")
 
     @property
     def world_size(self) -> int:
@@ -51,7 +63,22 @@ def mesh_layout(world_size: int, strategy: StrategyConfig, ulysses_size: int = 1
             f"model.ulysses_size = {ulysses_size} does not divide the world size {world_size}; valid: "
             f"{', '.join(map(str, divisors(world_size)))}"
         )
-    return replace(_fsdp_layout(world_size, strategy), ulysses_size=ulysses_size)
+    layout = replace(_fsdp_layout(world_size, strategy), ulysses_size=ulysses_size)
+    return replace(layout, **_expert_sizes(world_size, strategy))
+
+
+def _expert_sizes(world_size: int, strategy: StrategyConfig) -> dict[str, int]:
+    """ROLL's rule: efsdp_size x ep_size ranks hold every expert once, and must divide the world."""
+    ep, efsdp = strategy.ep_size, strategy.efsdp_size
+    if ep == 1:
+        return {}
+    if world_size % (ep * efsdp):
+        valid = [d for d in divisors(world_size // efsdp) if d > 1] or [1]
+        raise UserError(
+            f"strategy_config.ep_size = {ep} x efsdp_size = {efsdp} does not divide the world size {world_size}; "
+            f"valid ep_size with efsdp_size {efsdp}: {', '.join(map(str, valid))}"
+        )
+    return {"ep_size": ep, "efsdp_size": efsdp}
 
 
 def _fsdp_layout(world_size: int, strategy: StrategyConfig) -> MeshLayout:
@@ -89,6 +116,14 @@ def divisors(n: int) -> list[int]:
 
 def build_mesh(device_type: str, layout: MeshLayout) -> DeviceMesh:
     return init_device_mesh(device_type, layout.shape, mesh_dim_names=layout.dim_names)
+
+
+def build_expert_mesh(device_type: str, layout: MeshLayout) -> DeviceMesh | None:
+    """The experts' own mesh (None without expert parallelism); every rank builds it, as torch requires."""
+    if layout.ep_size == 1:
+        return None
+    shape, names = layout.expert_shape
+    return init_device_mesh(device_type, shape, mesh_dim_names=names)
 
 
 def sequence_parallel_group(layout: MeshLayout) -> ProcessGroup | None:

@@ -1,0 +1,173 @@
+"""Expert parallelism (`strategy_config.ep_size`), as ROLL and torchtitan lay it out: each group of ep_size
+consecutive ranks splits every MoE layer's experts among its ranks, and each token goes to the rank of each expert
+it was routed to and back, by all-to-all.
+
+Each fused experts module (`Qwen3MoeExperts`: 3-D `gate_up_proj` / `down_proj`, experts first) keeps its names and
+full shapes: its parameters become DTensors sharded by expert over the mesh's `ep` dimension, and FSDP shards each
+rank's experts further over `efsdp` (parallel/fsdp.py). So a checkpoint, an export or `full_weights` holds the same
+tensors with and without expert parallelism, and DCP reshards them to another ep_size.
+
+The router and everything around the experts run as before, on this rank's tokens. Only the experts' forward is
+replaced: the (token, expert) pairs are sorted by expert, sent to the experts' ranks with their routing weights,
+computed there by the family's own experts forward (transformers' experts interface: eager loop or grouped GEMMs)
+on this rank's experts, sent back and summed over each token's experts. The gradients come back by the same
+exchanges, so every rank runs the same collectives in every layer whatever the routing: a rank that received no
+token still joins its experts' gradient reduction, with zero gradients."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from fsdp2kit.errors import UserError
+from fsdp2kit.parallel.forward_patch import Forward, replace_forward
+from fsdp2kit.parallel.mesh import divisors
+
+
+def _fused_experts(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Every MoE block's experts module, by name."""
+    return [
+        (f"{name}.experts" if name else "experts", module.experts)
+        for name, module in model.named_modules()
+        if isinstance(getattr(module, "experts", None), nn.Module)
+    ]
+
+
+def expert_parallel_modules(model: nn.Module, ep_size: int) -> list[str]:
+    """The experts modules expert parallelism splits (none where ep_size is 1); a model it cannot split is refused
+    in one line."""
+    if ep_size == 1:
+        return []
+    experts = _fused_experts(model)
+    if not experts:
+        raise UserError(
+            f"strategy_config.ep_size = {ep_size}: the model has no mixture-of-experts layers to split; valid: 1"
+        )
+    names = []
+    for name, module in experts:
+        count = getattr(module, "num_experts", None)
+        params = list(module.parameters(recurse=False))
+        if not isinstance(count, int) or not params or any(p.ndim < 2 or p.shape[0] != count for p in params):
+            raise UserError(
+                f"strategy_config.ep_size = {ep_size}: '{name}' ({type(module).__name__}) does not hold its experts "
+                "as fused tensors (experts first) that expert parallelism splits; set ep_size: 1 (a per-expert "
+                "wrap_policy.moe_experts class splits them: name the fused class instead)"
+            )
+        if count % ep_size:
+            valid = [d for d in divisors(count) if d > 1]
+            raise UserError(
+                f"strategy_config.ep_size = {ep_size} does not divide the {count} experts of '{name}'; valid: 1 or "
+                f"{', '.join(map(str, valid))}"
+            )
+        names.append(name)
+    return names
+
+
+def experts_of_rank(num_experts: int, ep_size: int, ep_rank: int) -> range:
+    """The experts an EP rank holds: a contiguous block, as DTensor's Shard(0) cuts."""
+    local = num_experts // ep_size
+    return range(ep_rank * local, (ep_rank + 1) * local)
+
+
+def apply_expert_parallel(model: nn.Module, names: list[str], ep_mesh: DeviceMesh | None) -> None:
+    """Split each named experts module over `ep_mesh` (its parameters become expert-sharded DTensors, on whatever
+    device they are: the meta device before materialising) and send its tokens to their experts' ranks."""
+    if not names:
+        return
+    assert ep_mesh is not None  # build_expert_mesh made it, as the layout has ep_size > 1
+    ep_rank, ep_size = ep_mesh.get_local_rank(), ep_mesh.size()
+    for name in names:
+        module = model.get_submodule(name)
+        rows = experts_of_rank(module.num_experts, ep_size, ep_rank)
+        for key, param in list(module.named_parameters(recurse=False)):
+            local = param.detach()[rows.start : rows.stop]
+            sharded = DTensor.from_local(
+                local, ep_mesh, [Shard(0)], run_check=False, shape=param.shape, stride=param.stride()
+            )
+            module.register_parameter(key, nn.Parameter(sharded, requires_grad=param.requires_grad))
+    replace_forward(model, names, lambda module, forward: _dispatching(module, ep_mesh))
+
+
+class _LocalExperts:
+    """The experts module as its family's forward sees it here: this rank's experts only (their weights as local
+    tensors, their count); every other attribute (activation, config, flags) is the module's own."""
+
+    def __init__(self, module: nn.Module, weights: dict[str, torch.Tensor], count: int) -> None:
+        self.__dict__.update(_module=module, _weights=weights, num_experts=count)
+
+    def __getattr__(self, name: str) -> Any:
+        weights = self.__dict__["_weights"]
+        return weights[name] if name in weights else getattr(self.__dict__["_module"], name)
+
+
+def _exchange(rows: torch.Tensor, send: list[int], receive: list[int], group: ProcessGroup) -> torch.Tensor:
+    """Send `send[r]` consecutive rows to rank r of the group; the rows that arrive, in rank order."""
+    arrived = rows.new_empty(sum(receive), *rows.shape[1:])
+    dist.all_to_all_single(arrived, rows.contiguous(), receive, send, group=group)
+    return arrived
+
+
+class _Exchange(torch.autograd.Function):
+    """`_exchange` with its gradient: the reverse exchange."""
+
+    @staticmethod
+    def forward(ctx: Any, rows: torch.Tensor, send: list[int], receive: list[int], group: ProcessGroup) -> torch.Tensor:
+        ctx.send, ctx.receive, ctx.group = send, receive, group
+        return _exchange(rows, send, receive, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        return _exchange(grad, ctx.receive, ctx.send, ctx.group), None, None, None
+
+
+class _SumOverEP(torch.autograd.Function):
+    """Identity forward; the gradient divided by ep_size. An expert's gradient sums the tokens of the EP group's
+    ep_size ranks, and FSDP then averages it over the expert mesh's other ranks: divided by ep_size too, it is
+    the average over the world, as every dense gradient is."""
+
+    @staticmethod
+    def forward(ctx: Any, weight: torch.Tensor, ep_size: int) -> torch.Tensor:
+        ctx.ep_size = ep_size
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad / ctx.ep_size, None
+
+
+def _dispatching(module: nn.Module, ep_mesh: DeviceMesh) -> Forward:
+    group, ep_size = ep_mesh.get_group(), ep_mesh.size()
+    family_forward = type(module).forward  # transformers' experts interface picks the implementation
+
+    def forward_ep(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        tokens, top_k = top_k_index.shape
+        local_count = module.num_experts // ep_size
+        experts = top_k_index.reshape(-1)
+        order = torch.argsort(experts, stable=True)  # the (token, expert) pairs, by expert: by destination rank
+        counts = torch.bincount(experts, minlength=module.num_experts)
+        arriving = torch.empty_like(counts)  # per source rank, how many pairs come for each of this rank's experts
+        dist.all_to_all_single(arriving, counts, group=group)
+        splits = torch.stack([counts.view(ep_size, -1).sum(1), arriving.view(ep_size, -1).sum(1)]).tolist()
+        send, receive = splits
+        routed = _Exchange.apply(hidden_states[order // top_k], send, receive, group)
+        weights = _Exchange.apply(top_k_weights.reshape(-1)[order], send, receive, group)
+        local_index = torch.arange(local_count, device=counts.device).repeat(ep_size)
+        local_index = local_index.repeat_interleave(arriving.to(local_index.device))
+        local = {
+            key: _SumOverEP.apply(param.to_local(), ep_size) if isinstance(param, DTensor) else param
+            for key, param in module.named_parameters(recurse=False)
+        }
+        out = family_forward(_LocalExperts(module, local, local_count), routed, local_index[:, None], weights[:, None])
+        if not sum(receive):  # no token here: the weights still get their (zero) gradients, as the other ranks'
+            out = out + sum(w.sum() for w in local.values()) * 0
+        back = _Exchange.apply(out, receive, send, group)
+        pairs = torch.empty_like(back).index_copy(0, order, back)  # back in (token, expert) order
+        return pairs.view(tokens, top_k, -1).sum(1).to(hidden_states.dtype)
+
+    return forward_ep
