@@ -21,6 +21,7 @@ import contextlib
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -28,6 +29,7 @@ import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from fsdp2kit.config import load_config
 from fsdp2kit.config.schema import JobConfig
@@ -120,6 +122,32 @@ def _local_optimizer(
     return torch.optim.AdamW(groups), pairs
 
 
+class GroupedMMInAnyDtype(TorchDispatchMode):
+    """torch's fake grouped_mm (what MoE experts run by default, transformers' grouped_mm) takes bf16 only, the CUDA
+    kernel's rule, while the CPU kernel computes in any dtype: an fp32 model is traced with an output of the shape
+    and dtype the kernel gives. The gradients' grouped_mms in backward are the same op."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._grouped_mm.default and args[0].dtype != torch.bfloat16:
+            shape = _grouped_mm_shape(args[0], args[1], kwargs.get("offs", args[2] if len(args) > 2 else None))
+            if shape is not None:
+                return torch.empty(shape, dtype=kwargs.get("out_dtype") or args[0].dtype, device=args[0].device)
+        return func(*args, **kwargs)
+
+
+def _grouped_mm_shape(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None) -> tuple[int, ...] | None:
+    """grouped_mm's output shape: rows of `a` by groups of `b` (2-D x 3-D), one product per group (2-D x 2-D, cut by
+    `offs`; 3-D x 3-D); None for what MoE layers do not run."""
+    if a.dim() == 2 and b.dim() == 3:
+        return (a.shape[0], b.shape[2])
+    if a.dim() == 2 and b.dim() == 2 and offs is not None:
+        return (offs.shape[0], a.shape[0], b.shape[1])
+    if a.dim() == 3 and b.dim() == 3:
+        return (a.shape[0], a.shape[1], b.shape[2])
+    return None
+
+
 _TRACES: dict[tuple[str, int], dict[str, object]] = {}
 
 
@@ -155,7 +183,7 @@ def _trace(cfg: JobConfig, world_size: int) -> dict[str, object]:
         vocab = model.get_output_embeddings().weight.shape[0]  # type: ignore[operator]
         loss = TokenCrossEntropy(chunk_tokens(cfg.training.loss_chunk_tokens, vocab))
         accumulation = cfg.training.gradient_accumulation_steps
-        with FakeTensorMode(allow_non_fake_inputs=True):
+        with FakeTensorMode(allow_non_fake_inputs=True), GroupedMMInAnyDtype():
             model.to_empty(device="cpu")
             optimizer, pairs = _local_optimizer(build_optimizer(model, cfg.training))
             with unset_fake_temporarily():  # real values: sharding a batch reads them (its documents, its padding)

@@ -74,12 +74,12 @@ def run_main(capsys):
     os.environ.update(saved)
 
 
-def launch_two_ranks(worker: str, *args: object, timeout: int = 600) -> None:
-    """`tests/<worker>` on 2 ranks through torch's launcher (a fresh port, no RANK/WORLD_SIZE of ours), required to
-    succeed: the workers write what the test compares."""
+def launch_two_ranks(worker: str, *args: object, timeout: int = 600, ranks: int = 2) -> None:
+    """`tests/<worker>` on 2 ranks (or `ranks`) through torch's launcher (a fresh port, no RANK/WORLD_SIZE of ours),
+    required to succeed: the workers write what the test compares."""
     from fsdp2kit.distributed import free_port
 
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port"]
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-port"]
     command += [str(free_port()), str(REPO / "tests" / worker), *map(str, args)]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
     result = subprocess.run(

@@ -2,8 +2,11 @@
 RUNS.json` under torchrun's environment (or called in-process by the test, a world of one). Each run of the JSON list
 loads a folder written by transformers' `save_pretrained` through `fsdp2kit.Strategy`, trains `steps` steps of
 next-token cross-entropy (router auxiliary loss included) on this rank's share of seeded global micro-batches, then
-scores a probe batch and (`export`) exports the model; rank 0 saves the losses, the probe's log-probs and the
-`full_weights`."""
+scores a probe batch and (`export`) exports the model; rank 0 saves the losses, gradient norms, the probe's log-probs
+and the `full_weights`. Expert parallelism (`ep`, `efsdp`, tests/test_expert_parallel.py) adds: `forced` routing (every
+token of a Qwen3-MoE to experts 0 and 1: the ranks holding the others receive nothing), `ragged` micro-batches (every
+other one shorter: ranks exchange different token counts), a checkpoint saved after step `save_at` and a run that
+`resume`s from one."""
 
 from __future__ import annotations
 
@@ -19,19 +22,33 @@ import fsdp2kit
 LENGTH, ROWS, VOCAB = 16, 2, 64
 
 
-def micro_batches(step: int, count: int) -> list[dict[str, torch.Tensor]]:
+def micro_batches(step: int, count: int, ragged: bool = False) -> list[dict[str, torch.Tensor]]:
     """`count` micro-batches of step `step` (step -1: the probe), the same in every process, the last row of each
-    right-padded: the router loss leaves padding out."""
+    right-padded: the router loss leaves padding out. `ragged`: every other micro-batch 4 tokens shorter."""
     generator = torch.Generator().manual_seed(2000 + step)
-    mask = torch.ones(ROWS, LENGTH, dtype=torch.long)
-    mask[-1, LENGTH - 5 :] = 0
-    return [
-        {
-            "input_ids": torch.randint(3, VOCAB, (ROWS, LENGTH), generator=generator).masked_fill(mask == 0, 2),
-            "attention_mask": mask,
-        }
-        for _ in range(count)
-    ]
+    batches = []
+    for index in range(count):
+        length = LENGTH - 4 * (ragged and index % 2)
+        mask = torch.ones(ROWS, length, dtype=torch.long)
+        mask[-1, length - 5 :] = 0
+        ids = torch.randint(3, VOCAB, (ROWS, length), generator=generator).masked_fill(mask == 0, 2)
+        batches.append({"input_ids": ids, "attention_mask": mask})
+    return batches
+
+
+def force_routing(model: torch.nn.Module) -> None:
+    """Every token of a Qwen3-MoE to experts 0 and 1, weighted by the router's own probabilities (it still learns)."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+
+    def route(router: torch.nn.Module, args: Any, output: Any) -> Any:
+        logits = output[0]
+        probabilities = logits.float().softmax(dim=-1)[:, :2]
+        weights = probabilities / probabilities.sum(-1, keepdim=True)
+        return logits, weights.to(logits.dtype), torch.tensor([[0, 1]]).expand(len(logits), 2)
+
+    for module in model.modules():
+        if isinstance(module, Qwen3MoeTopKRouter):
+            module.register_forward_hook(route)
 
 
 def config(run: dict[str, Any]) -> dict[str, Any]:
@@ -44,7 +61,7 @@ def config(run: dict[str, Any]) -> dict[str, Any]:
                 "apply_expert_patch": per_expert,
                 "ep_size": run.get("ep", 1),
                 "efsdp_size": run.get("efsdp", 1),
-                "moe_use_grouped_mm": run.get("grouped_mm", False),
+                "moe_use_grouped_mm": run.get("grouped_mm"),
             }
         },
         "training": {
@@ -59,18 +76,25 @@ def config(run: dict[str, Any]) -> dict[str, Any]:
 
 def train(run: dict[str, Any]) -> None:
     strategy = fsdp2kit.Strategy.from_config(config(run))
+    if run.get("forced"):
+        force_routing(strategy.model)
     data_parallel = dist.get_world_size() // run["ulysses"]
     rank = dist.get_rank() // run["ulysses"]  # the ranks of a sequence-parallel group train the same micro-batches
-    losses = []
-    for step in range(run["steps"]):
-        mine = micro_batches(step, run["accumulation"] * data_parallel)[rank::data_parallel]
-        losses.append(strategy.train_step(mine)["loss"])
+    first = strategy.load_checkpoint(run["resume"])["step"] if run.get("resume") else 0
+    losses, grad_norms = [], []
+    for step in range(first, run["steps"]):
+        mine = micro_batches(step, run["accumulation"] * data_parallel, run.get("ragged", False))[rank::data_parallel]
+        result = strategy.train_step(mine)
+        losses.append(result["loss"])
+        grad_norms.append(result["grad_norm"])
+        if step + 1 == run.get("save_at"):
+            strategy.save_checkpoint(run["checkpoint"])
     log_probs = strategy.forward_step(micro_batches(-1, 1)[0])["log_probs"]
     weights = {name: tensor.clone() for name, tensor in strategy.full_weights(bucket_bytes=1 << 14)}
     if run["export"]:
         strategy.export_hf(run["out"] + ".hf")
     if dist.get_rank() == 0:
-        torch.save({"losses": losses, "log_probs": log_probs, "weights": weights}, run["out"])
+        torch.save({"losses": losses, "grad_norms": grad_norms, "log_probs": log_probs, "weights": weights}, run["out"])
 
 
 if __name__ == "__main__":

@@ -71,10 +71,11 @@ FAMILIES: dict[str, tuple[dict[str, Any], str, bool]] = {
 }
 
 
-def saved_folder(folder: Path, family: str) -> Path:
+def saved_folder(folder: Path, family: str, own: dict[str, Any] | None = None) -> Path:
+    """The family's tiny model (its FAMILIES settings, or `own`), saved by transformers with the tokenizer."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    settings = {**SMALL, **FAMILIES[family][0]}
+    settings = {**SMALL, **(FAMILIES[family][0] if own is None else own)}
     torch.manual_seed(5)
     AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **settings)).save_pretrained(folder)
     for file in tokenizer_dir().iterdir():

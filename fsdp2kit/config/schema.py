@@ -557,10 +557,11 @@ class StrategyConfig(Section):
         description="with ep_size > 1: ranks that shard each expert's weights further with FSDP; efsdp_size x "
         "ep_size must divide the world, the rest replicate the experts (ROLL's expert mesh [eddp, efsdp, ep])",
     )
-    moe_use_grouped_mm: bool = Field(
-        False,
-        description="fused experts compute with grouped GEMMs (transformers' grouped_mm experts implementation) "
-        "instead of a loop over the experts",
+    moe_use_grouped_mm: bool | None = Field(
+        None,
+        description="fused experts: true = grouped GEMMs (transformers' grouped_mm experts implementation, its "
+        "per-expert loop where torch has no kernel), false = the eager loop over the experts, unset = transformers' "
+        "default",
     )
     apply_tiled_mlp: bool = Field(False, description="compute MLPs in sequence tiles to cut activation memory")
     tiled_num_shards: int = Field(4, ge=1, description="number of sequence tiles for TiledMLP")

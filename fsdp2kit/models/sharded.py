@@ -25,7 +25,7 @@ from fsdp2kit.parallel.document_attention import attend_documents
 from fsdp2kit.parallel.expert_parallel import apply_expert_parallel
 from fsdp2kit.parallel.fsdp import apply_fsdp, shard_device
 from fsdp2kit.parallel.mesh import MeshLayout, build_expert_mesh, build_mesh, mesh_layout, sequence_parallel_group
-from fsdp2kit.parallel.moe import gather_router_logits
+from fsdp2kit.parallel.moe import gather_router_logits, set_experts_implementation
 from fsdp2kit.parallel.plan import ShardingPlan, build_plan
 from fsdp2kit.parallel.recompute import apply_recompute
 from fsdp2kit.parallel.tiled_mlp import apply_tiled_mlp
@@ -73,6 +73,7 @@ def build_sharded_model(
         apply_ulysses(model, sp_group, variant.attention_config)
         gather_router_logits(model, sp_group)  # the MoE load-balancing loss over the whole sequence
     variant.patch_meta(model, sp_group)
+    set_experts_implementation(model, strategy.moe_use_grouped_mm)
     plan = build_plan(model, strategy, model_cfg, compile_layers=training and compile_layers)
     variant.after_plan(model, plan)
     frozen = set(plan.frozen_parameters)

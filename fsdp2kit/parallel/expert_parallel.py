@@ -8,11 +8,11 @@ rank's experts further over `efsdp` (parallel/fsdp.py). So a checkpoint, an expo
 tensors with and without expert parallelism, and DCP reshards them to another ep_size.
 
 The router and everything around the experts run as before, on this rank's tokens. Only the experts' forward is
-replaced: the (token, expert) pairs are sorted by expert, sent to the experts' ranks with their routing weights,
-computed there by the family's own experts forward (transformers' experts interface: eager loop or grouped GEMMs)
-on this rank's experts, sent back and summed over each token's experts. The gradients come back by the same
-exchanges, so every rank runs the same collectives in every layer whatever the routing: a rank that received no
-token still joins its experts' gradient reduction, with zero gradients."""
+replaced: the (token, expert) pairs are sorted by expert, sent to the experts' ranks, computed there by the family's
+own experts forward (transformers' experts interface: eager loop or grouped GEMMs) on this rank's experts, sent back,
+weighted by their routing weights and summed over each token's experts (as torchtitan and ROLL combine them). The
+gradients come back by the same two exchanges in the same order on every rank, whatever the routing: a rank that
+received no token still joins its experts' gradient reduction, with zero gradients."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch._guards import detect_fake_mode
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
@@ -141,6 +142,24 @@ class _SumOverEP(torch.autograd.Function):
         return grad / ctx.ep_size, None
 
 
+def _routes(experts: torch.Tensor, num_experts: int, group: ProcessGroup) -> tuple[list[int], list[int], torch.Tensor]:
+    """(how many pairs go to each EP rank, how many arrive from each, the local expert of each arriving pair, in the
+    order they arrive: by source rank, then by expert). One exchange of per-expert counts, read on the host."""
+    ep_size = group.size()
+    local_count = num_experts // ep_size
+    if detect_fake_mode(experts) is not None:  # `plan` traces on fake tensors, which hold no routing: balanced
+        pairs = experts.numel()
+        send = [pairs // ep_size + (rank < pairs % ep_size) for rank in range(ep_size)]
+        arriving_pairs = sum(send)  # every rank sends this rank its share, the same as it sends
+        return send, send, torch.arange(arriving_pairs, device=experts.device) % local_count
+    counts = torch.bincount(experts, minlength=num_experts)
+    arriving = torch.empty_like(counts)  # per source rank, how many pairs come for each of this rank's experts
+    dist.all_to_all_single(arriving, counts, group=group)
+    send, receive = torch.stack([counts.view(ep_size, -1).sum(1), arriving.view(ep_size, -1).sum(1)]).tolist()
+    local_index = torch.arange(local_count, device=experts.device).repeat(ep_size)
+    return send, receive, local_index.repeat_interleave(arriving)
+
+
 def _dispatching(module: nn.Module, ep_mesh: DeviceMesh) -> Forward:
     group, ep_size = ep_mesh.get_group(), ep_mesh.size()
     family_forward = type(module).forward  # transformers' experts interface picks the implementation
@@ -150,24 +169,19 @@ def _dispatching(module: nn.Module, ep_mesh: DeviceMesh) -> Forward:
         local_count = module.num_experts // ep_size
         experts = top_k_index.reshape(-1)
         order = torch.argsort(experts, stable=True)  # the (token, expert) pairs, by expert: by destination rank
-        counts = torch.bincount(experts, minlength=module.num_experts)
-        arriving = torch.empty_like(counts)  # per source rank, how many pairs come for each of this rank's experts
-        dist.all_to_all_single(arriving, counts, group=group)
-        splits = torch.stack([counts.view(ep_size, -1).sum(1), arriving.view(ep_size, -1).sum(1)]).tolist()
-        send, receive = splits
+        send, receive, local_index = _routes(experts, module.num_experts, group)
         routed = _Exchange.apply(hidden_states[order // top_k], send, receive, group)
-        weights = _Exchange.apply(top_k_weights.reshape(-1)[order], send, receive, group)
-        local_index = torch.arange(local_count, device=counts.device).repeat(ep_size)
-        local_index = local_index.repeat_interleave(arriving.to(local_index.device))
         local = {
             key: _SumOverEP.apply(param.to_local(), ep_size) if isinstance(param, DTensor) else param
             for key, param in module.named_parameters(recurse=False)
         }
-        out = family_forward(_LocalExperts(module, local, local_count), routed, local_index[:, None], weights[:, None])
-        if not sum(receive):  # no token here: the weights still get their (zero) gradients, as the other ranks'
-            out = out + sum(w.sum() for w in local.values()) * 0
+        unweighted = torch.ones_like(local_index, dtype=top_k_weights.dtype)[:, None]
+        out = family_forward(_LocalExperts(module, local, local_count), routed, local_index[:, None], unweighted)
+        if not sum(receive):  # no token here: still one graph through the weights and the exchange, as elsewhere
+            out = out + (routed.sum() + sum(w.sum() for w in local.values())) * 0
         back = _Exchange.apply(out, receive, send, group)
-        pairs = torch.empty_like(back).index_copy(0, order, back)  # back in (token, expert) order
+        weighted = back * top_k_weights.reshape(-1)[order, None]  # the routing weights, applied where they live
+        pairs = torch.empty_like(weighted).index_copy(0, order, weighted)  # back in (token, expert) order
         return pairs.view(tokens, top_k, -1).sum(1).to(hidden_states.dtype)
 
     return forward_ep

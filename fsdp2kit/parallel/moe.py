@@ -134,6 +134,30 @@ def split_experts(model: nn.Module, class_names: list[str]) -> None:
         setattr(model.get_submodule(parent), attribute, experts.to(parameter.dtype))
 
 
+def _fused_experts_modules(model: nn.Module) -> list[nn.Module]:
+    """The experts modules that dispatch through transformers' experts interface (`config._experts_implementation`)."""
+    return [
+        module.experts
+        for module in model.modules()
+        if is_moe_block(module) and hasattr(getattr(module.experts, "config", None), "_experts_implementation")
+    ]
+
+
+def set_experts_implementation(model: nn.Module, use_grouped_mm: bool | None) -> None:
+    """strategy_config.moe_use_grouped_mm: grouped GEMMs or the per-expert loop for every fused experts module (unset:
+    transformers' own choice)."""
+    if use_grouped_mm is None:
+        return
+    experts = _fused_experts_modules(model)
+    if not experts:
+        raise UserError(
+            f"strategy_config.moe_use_grouped_mm: {str(use_grouped_mm).lower()} applies to fused experts and the "
+            "model has none (no MoE layers, or wrap_policy.moe_experts split them one module per expert); drop it"
+        )
+    for module in experts:
+        module.config._experts_implementation = "grouped_mm" if use_grouped_mm else "eager"
+
+
 def apply_expert_patch(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, ExpertList):

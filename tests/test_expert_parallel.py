@@ -1,0 +1,184 @@
+"""Expert parallelism (issue 43): `strategy_config.ep_size` splits each MoE layer's experts over the ranks of an EP
+group (`efsdp_size` shards them further), and tokens travel to their experts by all-to-all. Every MoE family trains at
+EP 2 on 2 ranks and EP 2 x efsdp 2 on 4 ranks with the losses, gradient norms and weights of one rank without it;
+unbalanced routing (ranks that receive nothing, ragged micro-batches) neither hangs nor changes a number; checkpoints
+resume at another EP size; exports load in transformers with the same log-probs; each rank holds and gathers half
+the experts at EP 2, as `plan` predicts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import launch_two_ranks, process_group
+from moe_families_worker import micro_batches
+from moe_families_worker import train as train_in_process
+from test_moe_families import FAMILIES, saved_folder, stored, transformers_log_probs
+
+from fsdp2kit.distributed import shutdown
+
+STEPS = 3
+QWEN3_MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16, "head_dim": 8}
+SETTINGS = {"qwen3_moe": QWEN3_MOE, **{family: FAMILIES[family][0] for family in FAMILIES}}
+
+
+def run(folder: Path, out: Path, accumulation: int, **options: Any) -> dict[str, Any]:
+    """One run of tests/moe_families_worker.py: fused experts (no per-expert groups), `options` as it reads them."""
+    return {
+        "folder": str(folder),
+        "out": str(out),
+        "experts": "",
+        "per_expert": False,
+        "accumulation": accumulation,
+        "ulysses": 1,
+        "steps": STEPS,
+        "export": False,
+        **options,
+    }
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("ep_families")
+    return {family: saved_folder(root / family, family, settings) for family, settings in SETTINGS.items()}
+
+
+@pytest.fixture(scope="module")
+def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("ep_runs")
+
+
+def results(planned: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    return {key: torch.load(spec["out"]) for key, spec in planned.items()}
+
+
+@pytest.fixture(scope="module")
+def one_rank(folders: dict[str, Path], out: Path) -> dict[str, dict[str, Any]]:
+    """The references, in this process (a world of one, no expert parallelism): 4 micro-batches a step, as 2 ranks x 2
+    and 4 ranks x 1 train; qwen3_moe's also saves a checkpoint after step 2, and trains with forced, ragged routing."""
+    planned = {family: run(folder, out / f"{family}-1.pt", 4) for family, folder in folders.items()}
+    planned["qwen3_moe"].update(save_at=2, checkpoint=str(out / "ckpt-ep1"))
+    planned["forced"] = run(folders["qwen3_moe"], out / "forced-1.pt", 4, forced=True, ragged=True)
+    try:
+        for spec in planned.values():
+            train_in_process(spec)
+    finally:
+        shutdown()
+    return results(planned)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(folders: dict[str, Path], out: Path, one_rank: dict) -> dict[str, dict[str, Any]]:
+    """One 2-rank launch: every family at EP 2 (exported), the forced routing, the eager experts loop, and the
+    resumes from EP 1 to EP 2 and from EP 2 to none."""
+    planned = {
+        family: run(folder, out / f"{family}-ep2.pt", 2, ep=2, export=True) for family, folder in folders.items()
+    }
+    qwen3 = folders["qwen3_moe"]
+    planned["qwen3_moe"].update(save_at=2, checkpoint=str(out / "ckpt-ep2"))
+    planned["forced"] = run(qwen3, out / "forced-ep2.pt", 2, ep=2, forced=True, ragged=True)
+    planned["no ep"] = run(qwen3, out / "noep-2.pt", 2)
+    planned["eager"] = run(qwen3, out / "eager-ep2.pt", 2, ep=2, grouped_mm=False)
+    planned["1->2"] = run(qwen3, out / "resume-1-2.pt", 2, ep=2, resume=str(out / "ckpt-ep1"))
+    planned["2->1"] = run(qwen3, out / "resume-2-1.pt", 2, ep=1, resume=str(out / "ckpt-ep2"))
+    spec = out / "two_ranks.json"
+    spec.write_text(json.dumps(list(planned.values())))
+    launch_two_ranks("moe_families_worker.py", spec)
+    return results(planned)
+
+
+@pytest.fixture(scope="module")
+def four_ranks(folders: dict[str, Path], out: Path, two_ranks: dict) -> dict[str, dict[str, Any]]:
+    """One 4-rank launch: every family at EP 2 x efsdp 2, the forced routing (with the eager loop, which uses no
+    weight of an expert without tokens), and the resume from EP 2 on 2 ranks to EP 2 x efsdp 2."""
+    planned = {
+        family: run(folder, out / f"{family}-ep2x2.pt", 1, ep=2, efsdp=2) for family, folder in folders.items()
+    }
+    planned["forced"] = run(
+        folders["qwen3_moe"], out / "forced-ep2x2.pt", 1, ep=2, efsdp=2, forced=True, ragged=True, grouped_mm=False
+    )
+    planned["2->4"] = run(folders["qwen3_moe"], out / "resume-2-4.pt", 1, ep=2, efsdp=2, resume=str(out / "ckpt-ep2"))
+    spec = out / "four_ranks.json"
+    spec.write_text(json.dumps(list(planned.values())))
+    launch_two_ranks("moe_families_worker.py", spec, ranks=4)
+    return results(planned)
+
+
+def assert_same_training(got: dict[str, Any], expected: dict[str, Any], atol: float = 1e-5) -> None:
+    """Losses and weights within `atol`; gradient norms within 2e-5 of their size: the sums of 4 micro-batches'
+    gradients come in another order at another world size, and without expert parallelism 2 ranks' norms differ
+    from one rank's as much (`test_ep_changes_no_gradient_norm_at_the_same_world_size`)."""
+    assert got["losses"] == pytest.approx(expected["losses"][-len(got["losses"]) :], abs=atol)
+    assert got["grad_norms"] == pytest.approx(expected["grad_norms"][-len(got["grad_norms"]) :], rel=2e-5)
+    assert sorted(got["weights"]) == sorted(expected["weights"])
+    for name, tensor in expected["weights"].items():
+        torch.testing.assert_close(got["weights"][name], tensor, atol=atol, rtol=0, msg=name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", SETTINGS)
+def test_ep2_on_two_ranks_trains_like_one_rank(family, one_rank, two_ranks):
+    assert len(two_ranks[family]["losses"]) == STEPS
+    assert_same_training(two_ranks[family], one_rank[family])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", SETTINGS)
+def test_ep2_by_efsdp2_on_four_ranks_trains_like_one_rank(family, one_rank, four_ranks):
+    assert_same_training(four_ranks[family], one_rank[family])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", SETTINGS)
+def test_an_ep_export_is_save_pretrained_layout_with_transformers_log_probs(family, folders, out, two_ranks):
+    export = out / f"{family}-ep2.pt.hf"
+    written, saved = stored(export), stored(folders[family])
+    assert sorted(written) == sorted(saved)  # the per-expert names save_pretrained writes, not the ranks' slices
+    assert all(written[key].shape == saved[key].shape for key in saved)
+    probe = micro_batches(-1, 1)[0]
+    real = probe["attention_mask"][:, 1:].bool()
+    torch.testing.assert_close(
+        two_ranks[family]["log_probs"][real], transformers_log_probs(export, probe)[real], atol=1e-5, rtol=0
+    )
+
+
+@pytest.mark.slow
+def test_ep_changes_no_gradient_norm_at_the_same_world_size(one_rank, two_ranks):
+    """At 2 ranks the EP run's gradient norms are those of the run without EP (to 1e-6), and both differ from one
+    rank's by the same amount, in the 6th digit."""
+    ep, plain, one = two_ranks["qwen3_moe"], two_ranks["no ep"], one_rank["qwen3_moe"]
+    assert ep["grad_norms"] == pytest.approx(plain["grad_norms"], abs=1e-6)
+    assert plain["grad_norms"] == pytest.approx(one["grad_norms"], rel=2e-5)
+
+
+@pytest.mark.slow
+def test_ranks_that_receive_no_token_and_ragged_batches_train_like_one_rank(one_rank, two_ranks, four_ranks):
+    """Every token goes to experts 0 and 1, both on EP rank 0: EP rank 1's experts receive nothing in every layer,
+    yet join their gradient reduction over efsdp (4 ranks) with zero gradients; every other micro-batch is shorter, so
+    the ranks send different counts."""
+    assert_same_training(two_ranks["forced"], one_rank["forced"])
+    assert_same_training(four_ranks["forced"], one_rank["forced"])
+
+
+@pytest.mark.slow
+def test_the_eager_experts_loop_trains_like_grouped_mm(one_rank, two_ranks):
+    """moe_use_grouped_mm: false runs transformers' eager per-expert loop on each rank's experts; the reference runs
+    transformers' default, grouped_mm."""
+    assert_same_training(two_ranks["eager"], one_rank["qwen3_moe"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("resume", ["1->2", "2->1"])
+def test_a_checkpoint_resumes_at_another_ep_size(resume, one_rank, two_ranks):
+    """EP 1 (one rank) -> EP 2, and EP 2 -> no EP (2 ranks): step 3 as the uninterrupted run's."""
+    resumed = two_ranks[resume]
+    assert len(resumed["losses"]) == 1
+    assert_same_training(resumed, one_rank["qwen3_moe"], atol=1e-6)
+
+
+@pytest.mark.slow
+def test_an_ep2_checkpoint_resumes_at_ep2_by_efsdp2_on_four_ranks(one_rank, four_ranks):
+    assert_same_training(four_ranks["2->4"], one_rank["qwen3_moe"], atol=1e-6)
