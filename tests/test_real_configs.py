@@ -685,16 +685,76 @@ def test_expert_parallel_file_as_written_is_refused_naming_its_key(name, monkeyp
 # The expert-parallel files trained: ROLL's SFT files on Alpaca records (their prompt/query/response keys), its RLVR
 # file on `messages` conversations, MindSpeed-MM's on LLaMA-Factory image+text conversations. Besides EP_SCALED, at
 # 2 ranks: the RLVR file's efsdp 2 -> 1 and Ulysses 4 -> 2; the Qwen3-30B-A3B SFT file's Ulysses 2 -> 1 (Ulysses with
-# packed documents and the router loss fails in fsdp2kit with and without expert parallelism: reported).
+# packed documents and the router loss fails in fsdp2kit with and without expert parallelism: reported). The Qwen3.5
+# SFT file's template qwen2_5 (ROLL: the tokenizer's own template, whatever the model) is named as Qwen3.5's, which
+# fsdp2kit's reading of ROLL's template names requires, and its packing is off (fsdp2kit packs no vision-language
+# model's samples). The RLVR file's qwen2_5 (the tokenizer's own template) is Qwen's ChatML, given as data.chat_template:
+# the stand-in's tokenizer has none.
 EP_TRAINED: dict[str, tuple[str, list[str]]] = {
-    "roll/examples/qwen3-30BA3B-sft_fsdp2/sft_config_ep.yaml": ("alpaca.json", ["sft_train.model_args.ulysses_size=1"]),
-    "roll/examples/qwen3.5-35BA3-sft_fsdp2/sft_config_ep.yaml": ("alpaca.json", []),
+    "roll/examples/qwen3-30BA3B-sft_fsdp2/sft_config_ep.yaml": (
+        "alpaca.json",
+        ["sft_train.model_args.ulysses_size=1", "validation.data_args.file_name={data}"],
+    ),
+    "roll/examples/qwen3.5-35BA3-sft_fsdp2/sft_config_ep.yaml": (
+        "alpaca.json",
+        ["sft_train.data_args.template=qwen3_5", "sft_train.use_sequence_packing=false"],
+    ),
     "roll/examples/qwen3-30BA3B-rlvr_fsdp2/rlvr_config_ep.yaml": (
         "messages.jsonl",
-        [f"{ROLL_STRATEGY.format('actor_train')}.efsdp_size=1", "actor_train.model_args.ulysses_size=2"],
+        [
+            f"{ROLL_STRATEGY.format('actor_train')}.efsdp_size=1",
+            "actor_train.model_args.ulysses_size=2",
+            "data.chat_template={folder}/chatml.jinja",
+        ],
     ),
-    **{name: ("vl/llamafactory.json", []) for name in EP_SCALED if name.startswith("mindspeed_mm/")},
+    **{
+        name: ("vl/llamafactory.json", [])
+        for name in EP_SCALED
+        if name.startswith("mindspeed_mm/") and "kimi" not in name
+    },
+    # Kimi-K2.5's stand-in reads text only: `messages` conversations rendered with ChatML (its tokenizer has no
+    # template; fsdp2kit knows no template named kimi_k25, so the file's name is dropped)
+    "mindspeed_mm/examples/kimik2_5/kimik2_5_config.yaml": (
+        "messages.jsonl",
+        ["data.chat_template={folder}/chatml.jinja", "data.dataset_param.basic_parameters.template=null"],
+    ),
 }
+
+
+def saved_builtin(folder: Path, name: str) -> Path:
+    """A built-in model saved as transformers initialises it (from_config, save_pretrained), with its tokenizer and
+    processor: Qwen3.5-MoE's fresh weights come from transformers here, as fsdp2kit leaves its routers uninitialised
+    (`initialise_weights` runs each module's own `_init_weights`; transformers initialises a router from its MoE
+    block's: reported)."""
+    import shutil
+
+    from transformers import AutoConfig
+
+    from fsdp2kit.models.vl import auto_model_class, builtin_tokenizer_dir
+
+    settings = dict(BUILTIN_VL_MODELS[name])
+    hf_config = AutoConfig.for_model(settings.pop("model_type"), **settings)
+    torch.manual_seed(3)
+    auto_model_class(hf_config).from_config(hf_config).save_pretrained(folder / name)
+    for file in builtin_tokenizer_dir(hf_config).iterdir():
+        shutil.copy(file, folder / name / file.name)
+    return folder / name
+
+
+def saved_remote(folder: Path, name: str) -> Path:
+    """A stand-in shipping its own code (remote_code_folder) with weights as transformers initialises them: fsdp2kit's
+    fresh weights of a model whose sub-model is a transformers model leave that sub-model's experts uninitialised
+    (reported, as for Qwen3.5-MoE above)."""
+    import shutil
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    saved = folder / name
+    shutil.copytree(remote_code_folder(name), saved)
+    hf_config = AutoConfig.from_pretrained(saved, trust_remote_code=True)
+    torch.manual_seed(3)
+    AutoModelForCausalLM.from_config(hf_config, trust_remote_code=True).save_pretrained(saved)
+    return saved
 
 
 def ep_training_data(folder: Path) -> None:
@@ -703,10 +763,15 @@ def ep_training_data(folder: Path) -> None:
     from make_vl_dataset import main as make_dataset
 
     make_dataset(folder / "vl", 8, 0)
-    alpaca = [{"instruction": f"Add {i} and {i}.", "input": str(i) * (i % 2), "output": str(2 * i)} for i in range(16)]
+    alpaca = [{"instruction": f"Add {i} and {i}.", "input": str(i) * (i % 2), "output": str(2 * i)} for i in range(64)]
     (folder / "alpaca.json").write_text(json.dumps(alpaca))
-    turns = [[{"role": "user", "content": f"What is {i} + {i}?"}, {"role": "assistant", "content": str(2 * i)}]]
-    (folder / "messages.jsonl").write_text("".join(json.dumps({"messages": t}) + "\n" for t in turns * 16))
+    turns = [
+        [{"role": "user", "content": f"What is {i} + {i}?"}, {"role": "assistant", "content": str(2 * i)}]
+        for i in range(64)
+    ]
+    chatml = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    (folder / "chatml.jinja").write_text(chatml)
+    (folder / "messages.jsonl").write_text("".join(json.dumps({"messages": t}) + "\n" for t in turns))
 
 
 @pytest.mark.slow
@@ -717,16 +782,20 @@ def test_expert_parallel_files_train_two_steps_on_two_ranks(tmp_path):
     from conftest import launch_two_ranks, read_metrics
 
     ep_training_data(tmp_path)
+    qwen35_moe, kimi = saved_builtin(tmp_path, "tiny-qwen3.5-moe"), saved_remote(tmp_path, "kimi_k25")
     runs = []
     for i, (name, (data, scaled)) in enumerate(EP_TRAINED.items()):
         model = EXPECTED[name][0]
         config, swaps, _ = user_args(name, model, 2)
-        evaluated = ["data.eval_source=null"] if name.startswith("roll/") else []  # ROLL's SFT validation file
+        saved = {
+            "tiny-qwen3.5-moe": [f"model.name_or_path={qwen35_moe}"],
+            "remote:kimi_k25": [f"model.name_or_path={kimi}"],
+        }
         settings = [
             *swaps,
-            *scaled,
+            *saved.get(model, []),
+            *(item.format(data=tmp_path / data, folder=tmp_path) for item in scaled),
             f"data.source={tmp_path / data}",
-            *evaluated,
             "data.seq_len=128",
             "training.max_steps=2",
             f"training.output_dir={tmp_path / f'run{i}'}",
