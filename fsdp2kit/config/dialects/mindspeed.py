@@ -92,7 +92,7 @@ def expert_parallel(translation: Translation, size: Written, value: Any, modules
         translation.ignore(size, f"{modules} lists no module: MindSpeed-MM splits none")
     elif value is not None:
         to(f"{STRATEGY_CONFIG}.ep_size")(translation, size, value)
-    if paths:
+    if paths is not None:
         translation.ignore(modules, f"used only with {size} > 1")
     return False
 
