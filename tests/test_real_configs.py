@@ -950,6 +950,7 @@ def test_check_runs_a_model_folders_code_with_trust_remote_code_on_the_command_l
     """The flag reaches the build (without it the folder is refused: the in-process test above) and check says so."""
     name = "mindspeed_mm/examples/kimik2_5/kimik2_5_config.yaml"
     config, swaps, _ = user_args(name, "remote:kimi_k25", 1)
+    swaps.append("parallel.expert_parallel_size=1")  # one rank: its experts are not split
     args = [config, *[item for swap in swaps for item in ("--set", swap)], "--json"]
     result = run_cli("check", *args, "--trust-remote-code")
     assert result.returncode == 0, result.stderr[-3000:]
