@@ -684,13 +684,13 @@ def test_expert_parallel_file_as_written_is_refused_naming_its_key(name, monkeyp
 
 
 # The expert-parallel files trained: ROLL's SFT files on Alpaca records (their prompt/query/response keys), its RLVR
-# file on `messages` conversations, MindSpeed-MM's on LLaMA-Factory image+text conversations. Besides EP_SCALED, at
-# 2 ranks: the RLVR file's efsdp 2 -> 1 and Ulysses 4 -> 2; the Qwen3-30B-A3B SFT file's Ulysses 2 -> 1 (Ulysses with
-# packed documents and the router loss fails in fsdp2kit with and without expert parallelism: reported). The Qwen3.5
-# SFT file's template qwen2_5 (ROLL: the tokenizer's own template, whatever the model) is named as Qwen3.5's, which
-# fsdp2kit's reading of ROLL's template names requires, and its packing is off (fsdp2kit packs no vision-language
-# model's samples). The RLVR file's qwen2_5 (the tokenizer's own template) is Qwen's ChatML, given as data.chat_template:
-# the stand-in's tokenizer has none.
+# file on `messages` conversations, MindSpeed-MM's on LLaMA-Factory image+text conversations. Changed besides EP_SCALED:
+# - the RLVR file at 2 ranks: efsdp 2 -> 1, Ulysses 4 -> 2; its qwen2_5 template (under ROLL the tokenizer's own) is
+#   given as Qwen's ChatML in data.chat_template, as the stand-in's tokenizer has none;
+# - the Qwen3-30B-A3B SFT file: Ulysses 2 -> 1 (Ulysses with packed documents and the router loss fails in fsdp2kit,
+#   with and without expert parallelism: reported);
+# - the Qwen3.5 SFT file: template qwen2_5 named as Qwen3.5's (fsdp2kit reads ROLL's template names as families) and
+#   no packing (fsdp2kit packs no vision-language model's samples).
 EP_TRAINED: dict[str, tuple[str, list[str]]] = {
     "roll/examples/qwen3-30BA3B-sft_fsdp2/sft_config_ep.yaml": (
         "alpaca.json",
