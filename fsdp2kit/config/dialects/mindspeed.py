@@ -97,13 +97,13 @@ def expert_parallel(translation: Translation, size: Written, value: Any, modules
     return False
 
 
-def experts_sharded_over_the_rest(translation: Translation, size: Written, why: str) -> None:
+def experts_sharded_over_the_rest(translation: Translation, size: Written, why: str, key: str) -> None:
     """MindSpeed-MM's default: each expert is sharded over world / expert_parallel_size ranks (one expert replica).
     fsdp2kit's efsdp_size is a number, fixed before the world size is known: 1 replicates the experts instead."""
     translation.note(
         f"{why}: MindSpeed-MM shards each expert over the world / {size} ranks that hold the same experts; fsdp2kit "
-        f"keeps efsdp_size 1 (each of them holds the experts whole: the same training, more memory); set "
-        f"{STRATEGY_CONFIG}.efsdp_size to world / ep_size to shard them as MindSpeed-MM does"
+        f"keeps efsdp_size 1 (each of them holds the experts whole: the same training, more memory); set {key} to "
+        "world / ep_size to shard them as MindSpeed-MM does"
     )
 
 
@@ -147,7 +147,8 @@ def _expert_parallel(translation: Translation, data: dict[str, Any], where: Writ
     elif data.get("reshard_local_experts") is False:
         to(f"{STRATEGY_CONFIG}.efsdp_size", lambda _: 1)(translation, reshard, False)
     else:
-        experts_sharded_over_the_rest(translation, size, f"{reshard}={data.get('reshard_local_experts', True)!r}")
+        why = f"{reshard}={data.get('reshard_local_experts', True)!r}"
+        experts_sharded_over_the_rest(translation, size, why, f"{STRATEGY_CONFIG}.efsdp_size")
 
 
 def _pin_memory(translation: Translation, data: dict[str, Any], where: Written) -> None:

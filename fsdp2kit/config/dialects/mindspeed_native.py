@@ -252,7 +252,7 @@ def _expert_parallel(translation: Translation, key: Written, values: dict[str, A
             f"experts it splits over the expert mesh, those of {modules}; drop it"
         )
     if values.get("expert_fully_shard_parallel_size") is None:
-        experts_sharded_over_the_rest(translation, size, f"{shard} not given")
+        experts_sharded_over_the_rest(translation, size, f"{shard} not given", str(shard))
     else:
         to(f"{STRATEGY_CONFIG}.efsdp_size")(translation, shard, values["expert_fully_shard_parallel_size"])
     apply_rules(translation, plan, EP_PLAN, where)
