@@ -365,13 +365,6 @@ def test_role_on_a_native_file_and_roll_file_without_fsdp2_roles(tmp_path, capsy
         ),
         (
             {},
-            {"strategy_args": {"strategy_config": {"ep_size": 2, "efsdp_size": 1}}},
-            "'actor_train.strategy_args.strategy_config.ep_size' = 2 is not supported: expert parallelism (ROLL's "
-            "ep_size) is not available in fsdp2kit, which shards experts with FSDP: drop ep_size/efsdp_size, and set "
-            "wrap_policy.moe_experts with apply_expert_patch: true to shard them one by one",
-        ),
-        (
-            {},
             {"training_args": {"learning_rat": 1.0}},
             "unknown key 'actor_train.training_args.learning_rat' "
             "(did you mean 'actor_train.training_args.learning_rate'?)",
@@ -714,6 +707,118 @@ def test_mindspeed_pins_offloaded_memory_by_default(tmp_path):
     path = write_yaml(tmp_path / "fsdp2_config.yaml", {"sharding_size": "auto", "offload_to_cpu": True})
     strategy = load_config("examples/demo.yaml", strategy_file=str(path)).strategy_args.strategy_config
     assert (strategy.offload_policy, strategy.pin_memory) == (True, True)
+
+
+# ---------------------------------------------------------------- expert parallelism (issue 43)
+
+
+def test_roll_expert_parallel_keys_are_the_native_ones_and_wrap_its_experts(tmp_path):
+    """ROLL's ep_size/efsdp_size/moe_use_grouped_mm (fsdp2_strategy.py) are fsdp2kit's; with ep_size > 1 ROLL wraps
+    wrap_policy.moe_experts (fsdp_utils.py apply_fsdp2), without it and the patch it does not (noted)."""
+    experts = {"wrap_policy": {"moe_experts": ["Qwen3MoeExperts"]}}
+    ep = {"ep_size": 2, "efsdp_size": 2, "moe_use_grouped_mm": True, **experts}
+    cfg = load_config(roll_file(tmp_path, role_changes={"strategy_args": {"strategy_config": ep}}))
+    strategy = cfg.strategy_args.strategy_config
+    assert (strategy.ep_size, strategy.efsdp_size, strategy.moe_use_grouped_mm) == (2, 2, True)
+    assert strategy.wrap_policy.moe_experts == ["Qwen3MoeExperts"]
+    cfg = load_config(
+        roll_file(tmp_path, role_changes={"strategy_args": {"strategy_config": {"ep_size": 1, **experts}}})
+    )
+    assert cfg.strategy_args.strategy_config.wrap_policy.moe_experts == []
+    assert (
+        "ignored (ROLL wraps experts only with apply_expert_patch or ep_size > 1): "
+        "actor_train.strategy_args.strategy_config.wrap_policy.moe_experts"
+    ) in cfg.notes
+
+
+MOE_MODULES = ["model.layers.{*}.mlp.experts"]
+
+
+@pytest.mark.parametrize(
+    ("keys", "efsdp_size", "note"),
+    [
+        (
+            {"reshard_local_experts": False},
+            1,
+            "mapped reshard_local_experts=False → strategy_args.strategy_config.efsdp_size=1",
+        ),
+        (
+            {},
+            1,
+            "reshard_local_experts=True: MindSpeed-MM shards each expert over the world / expert_parallel_size ranks "
+            "that hold the same experts; fsdp2kit keeps efsdp_size 1",
+        ),
+    ],
+)
+def test_mindspeed_fsdp2_config_expert_parallel(tmp_path, keys, efsdp_size, note):
+    """MindSpeed-MM's Fsdp2Config (base_model.py _init_ep_model): moe_modules split over expert_parallel_size ranks;
+    reshard_local_experts (default true) shards them over the other world / ep ranks, false keeps them whole."""
+    data = {"sharding_size": "auto", "expert_parallel_size": 2, "moe_modules": MOE_MODULES, **keys}
+    cfg = load_config("examples/demo.yaml", strategy_file=str(write_yaml(tmp_path / "fsdp2_config.yaml", data)))
+    strategy = cfg.strategy_args.strategy_config
+    assert (strategy.ep_size, strategy.efsdp_size) == (2, efsdp_size)
+    assert any(n.startswith(note) for n in cfg.notes), cfg.notes
+
+
+def test_mindspeed_fsdp2_config_expert_parallel_without_modules_or_with_others(tmp_path):
+    path = write_yaml(tmp_path / "fsdp2_config.yaml", {"sharding_size": "auto", "expert_parallel_size": 2})
+    cfg = load_config("examples/demo.yaml", strategy_file=str(path))
+    assert cfg.strategy_args.strategy_config.ep_size == 1
+    assert "ignored (moe_modules lists no module: MindSpeed-MM splits none): expert_parallel_size" in cfg.notes
+    data = {"sharding_size": "auto", "expert_parallel_size": 2, "moe_modules": ["model.layers.{*}.mlp"]}
+    path = write_yaml(tmp_path / "fsdp2_config.yaml", data)
+    assert load_error("examples/demo.yaml", strategy_file=str(path)) == (
+        f"{path}: 'moe_modules' = 'model.layers.{{*}}.mlp' is not supported: fsdp2kit splits the fused experts of "
+        "every MoE block (module paths ending in .experts, such as model.layers.{*}.mlp.experts)"
+    )
+
+
+NATIVE_MOE = "mindspeed_mm/examples/qwen3_5/qwen3_5_35B_config.yaml"  # expert_parallel_size 1, an ep_plan
+
+
+def native_moe(*changes: str):
+    from test_real_configs import user_args
+
+    config, swaps, _ = user_args(NATIVE_MOE, "tiny-qwen3.5-moe", 2)
+    return load_config(config, [*swaps, *changes])
+
+
+def test_native_mindspeed_expert_parallel():
+    """MindSpeed-MM's native trainer (parallel_args.py, torch_parallelize.py apply_ep_modules): ep_plan.apply_modules
+    split over expert_parallel_size ranks, sharded over expert_fully_shard_parallel_size (default world / ep)."""
+    cfg = native_moe("parallel.expert_parallel_size=2", "parallel.expert_fully_shard_parallel_size=1")
+    strategy, notes = cfg.strategy_args.strategy_config, "\n".join(cfg.notes)
+    assert (strategy.ep_size, strategy.efsdp_size) == (2, 1)
+    assert "parallel.ep_plan.dispatcher" in notes and "parallel.ep_plan.apply_modules: fsdp2kit splits" in notes
+    cfg = native_moe("parallel.expert_parallel_size=2", "features.enable_ep_balance=true")
+    notes = "\n".join(cfg.notes)
+    assert "parallel.expert_fully_shard_parallel_size not given: MindSpeed-MM shards each expert" in notes
+    assert "features.enable_ep_balance=True: MindSpeed-MM's load balancing" in notes
+    off = native_moe()  # expert_parallel_size 1: the plan is unused, noted
+    assert off.strategy_args.strategy_config.ep_size == 1
+    assert any("parallel.ep_plan.apply_modules" in n and n.startswith("ignored (used only with") for n in off.notes)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (
+            "parallel.ep_plan.apply_efsdp_modules=[model.language_model.layers.0.mlp.experts]",
+            "'parallel.ep_plan.apply_efsdp_modules' = ['model.language_model.layers.0.mlp.experts'] is not supported: "
+            "fsdp2kit shards the experts it splits over the expert mesh, those of parallel.ep_plan.apply_modules; "
+            "drop it",
+        ),
+        ("parallel.ep_plan.dispatchr=alltoall", "unknown key 'parallel.ep_plan.dispatchr' (did you mean "),
+        (
+            "parallel.ep_plan.dispatcher=ring",
+            "'parallel.ep_plan.dispatcher' = 'ring' is not valid: expected alltoall, allgather or mc2",
+        ),
+    ],
+)
+def test_native_mindspeed_expert_parallel_mistakes_name_the_key(change, message):
+    with pytest.raises(UserError) as error:
+        native_moe("parallel.expert_parallel_size=2", change)
+    assert message in str(error.value)
 
 
 def test_trainer_reads_fsdp1_keys_only_with_version_1(tmp_path):

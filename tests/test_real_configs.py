@@ -23,6 +23,7 @@ from fsdp2kit.check import describe
 from fsdp2kit.config.dialects import mindspeed_native
 from fsdp2kit.config.load import load_config, name_as_written
 from fsdp2kit.errors import UserError
+from fsdp2kit.models.vl import BUILTIN_VL_MODELS
 
 CORPUS = REPO / "tests/fixtures/real_configs"
 MANIFEST = yaml.safe_load((CORPUS / "MANIFEST.yaml").read_text())
@@ -52,6 +53,42 @@ ROLL_MOE = {  # wrap_embeddings/wrap_lm_output, attention and MoE blocks as laye
         "lm_head",
     ],
     "mixed_precision": ["bfloat16", "bfloat16", None, False],
+}
+# With ep_size > 1 ROLL wraps wrap_policy.moe_experts too (the fused experts, each layer's on the expert mesh).
+ROLL_MOE_EP = {
+    **ROLL_MOE,
+    "sharded_modules": [
+        "",
+        "model.embed_tokens",
+        *[f"model.layers.{i}.{part}" for i in range(4) for part in ("self_attn", "mlp", "mlp.experts")],
+        "lm_head",
+    ],
+}
+# Qwen3.5-35B-A3B's ROLL files: its linear-attention (layer 0) and attention (layer 1) blocks and MoE blocks by class,
+# the vision tower left in the root (no class of it is named), no recompute (disable_gradient_checkpointing: true).
+QWEN35_TEXT = "model.language_model"
+ROLL_QWEN35_MOE = {
+    **ROLL_MOE,
+    "sharded_modules": [
+        "",
+        f"{QWEN35_TEXT}.embed_tokens",
+        f"{QWEN35_TEXT}.layers.0.linear_attn",
+        f"{QWEN35_TEXT}.layers.0.mlp",
+        f"{QWEN35_TEXT}.layers.1.self_attn",
+        f"{QWEN35_TEXT}.layers.1.mlp",
+        "lm_head",
+    ],
+    "recompute_modules": [],
+}
+ROLL_QWEN35_MOE_EP = {
+    **ROLL_QWEN35_MOE,
+    "sharded_modules": [
+        *ROLL_QWEN35_MOE["sharded_modules"][:4],
+        f"{QWEN35_TEXT}.layers.0.mlp.experts",
+        *ROLL_QWEN35_MOE["sharded_modules"][4:6],
+        f"{QWEN35_TEXT}.layers.1.mlp.experts",
+        "lm_head",
+    ],
 }
 ACCELERATE_LAYERS = {  # TRANSFORMER_BASED_WRAP of _no_split_modules, FULL_SHARD
     "mesh": [2],
@@ -132,6 +169,16 @@ NATIVE_QWEN3VL = {
     "prefetch": [0, 0],
     "frozen_modules": ["model.visual"],
 }
+# Split by expert parallelism, each layer's experts are a group of their own on the expert mesh (MindSpeed-MM's
+# expert_fully_shard_modules), whether fsdp_plan.apply_modules names them or not.
+NATIVE_QWEN3VL_EP = {
+    **NATIVE_QWEN3VL,
+    "sharded_modules": [
+        *NATIVE_QWEN3VL["sharded_modules"][:-3],
+        *[group for layer in TEXT_LAYERS for group in (layer, f"{layer}.mlp.experts")],
+        "lm_head",
+    ],
+}
 # Kimi-K2.5 (its MoE language model's experts each a group, the LM head named language_model.lm_head) and Step3-VL
 # (a frozen vision model, no prefetch given, no activation offload): module paths of their own code
 # (tests/fixtures/remote_code).
@@ -174,23 +221,37 @@ NATIVE_STEP3_VL = {
     "frozen_modules": [STEP3_TOWER],
 }
 # What a user of these files on this CPU machine changes with --set (keys of the file), each refused as written.
-NO_EXPERT_PARALLEL = "parallel.expert_parallel_size=1"
 NATIVE_CPU_SWAPS: dict[str, list[str]] = {
-    **{f"mindspeed_mm/examples/qwen3_5/qwen3_5_{size}_config.yaml": [NO_EXPERT_PARALLEL] for size in ("122B", "397B")},
     **{f"mindspeed_mm/examples/qwen3_6/qwen3_6_{size}_config.yaml": ["training.load=null"] for size in ("27B", "35B")},
     "mindspeed_mm/examples/qwen3vl/qwen3vl_30B_config_v1_A5.yaml": ["training.quantization_plan.recipe_name=null"],
-    "mindspeed_mm/tests/st/run_configs/finetune_qwen3_5_35B/qwen3_5_35B_config.yaml": [NO_EXPERT_PARALLEL],
-    "mindspeed_mm/examples/kimik2_5/kimik2_5_config.yaml": [NO_EXPERT_PARALLEL],
-    "mindspeed_mm/tests/st/run_configs/finetune_qwen3vl_30B/qwen3vl_30B_config_v1.yaml": [NO_EXPERT_PARALLEL],
+}
+# Expert parallelism as the files write it (8 or 16 ranks per expert group, of 8 to 32) scaled to the 2-4 ranks and
+# the 4 experts of the stand-ins here, through the files' own keys: ep 2, and where the file shards each expert
+# further (efsdp_size 4 of 32 ranks) efsdp 2, at 4 ranks. As written, the sizes do not divide the world (refused).
+ROLL_STRATEGY = "{}.strategy_args.strategy_config"
+EP_SCALED: dict[str, list[str]] = {
+    "roll/examples/qwen3-30BA3B-rlvr_fsdp2/rlvr_config_ep.yaml": [
+        f"{ROLL_STRATEGY.format('actor_train')}.ep_size=2",
+        f"{ROLL_STRATEGY.format('actor_train')}.efsdp_size=2",
+    ],
+    **{
+        f"roll/examples/{name}": [f"{ROLL_STRATEGY.format('sft_train')}.ep_size=2"]
+        for name in ("qwen3-30BA3B-sft_fsdp2/sft_config_ep.yaml", "qwen3.5-35BA3-sft_fsdp2/sft_config_ep.yaml")
+    },
+    **{
+        f"mindspeed_mm/{name}": ["parallel.expert_parallel_size=2"]
+        for name in (
+            "examples/qwen3_5/qwen3_5_122B_config.yaml",
+            "examples/qwen3_5/qwen3_5_397B_config.yaml",
+            "examples/kimik2_5/kimik2_5_config.yaml",
+            "tests/st/run_configs/finetune_qwen3_5_35B/qwen3_5_35B_config.yaml",
+            "tests/st/run_configs/finetune_qwen3vl_30B/qwen3vl_30B_config_v1.yaml",
+        )
+    },
 }
 OFFLOAD_CPU = (
     "'actor_train.strategy_args.strategy_config.offload_policy': CPU offload needs an accelerator (CUDA) and this "
     "machine has none; set offload_policy: false"
-)
-EXPERT_PARALLEL = (
-    "'{}.strategy_args.strategy_config.ep_size' = 8 is not supported: expert parallelism (ROLL's ep_size) is not "
-    "available in fsdp2kit, which shards experts with FSDP: drop ep_size/efsdp_size, and set wrap_policy.moe_experts "
-    "with apply_expert_patch: true to shard them one by one"
 )
 HYDRA = (
     "'defaults' is a Hydra defaults list (../config/traj_envs@_here_), which Hydra composes with the files it names "
@@ -237,28 +298,25 @@ EXPECTED: dict[str, tuple[str, int, dict | str]] = {
         {**ROLL_VL, "frozen_modules": ["model.visual"]},
     ),
     "roll/examples/qwen3-30BA3B-rlvr_fsdp2/rlvr_config.yaml": ("tiny-qwen3-moe", 4, {**ROLL_MOE, "mesh": [4]}),
-    "roll/examples/qwen3-30BA3B-rlvr_fsdp2/rlvr_config_ep.yaml": (
+    "roll/examples/qwen3-30BA3B-rlvr_fsdp2/rlvr_config_ep.yaml": (  # [efsdp 2, ep 2]
         "tiny-qwen3-moe",
-        2,
-        EXPERT_PARALLEL.format("actor_train"),
+        4,
+        {**ROLL_MOE_EP, "mesh": [4], "expert_mesh": [2, 2]},
     ),
     "roll/examples/qwen3-30BA3B-sft_fsdp2/sft_config.yaml": ("tiny-qwen3-moe", 2, ROLL_MOE),
     "roll/examples/qwen3-30BA3B-sft_fsdp2/sft_config_ep.yaml": (
         "tiny-qwen3-moe",
         2,
-        EXPERT_PARALLEL.format("sft_train"),
+        {**ROLL_MOE_EP, "expert_mesh": [1, 2]},
     ),
     "roll/examples/qwen3-8B-rlvr_fsdp2/rlvr_config.yaml": ("tiny-qwen3", 2, ROLL_DENSE),
     "roll/examples/qwen3-8B-rlvr_fsdp2/rlvr_config_wo_cpuoffload.yaml": ("tiny-qwen3", 2, ROLL_DENSE),
-    "roll/examples/qwen3.5-35BA3-sft_fsdp2/sft_config.yaml": (
-        "tiny-qwen3",
+    "roll/examples/qwen3.5-35BA3-sft_fsdp2/sft_config.yaml": ("tiny-qwen3.5-moe", 2, ROLL_QWEN35_MOE),
+    "roll/examples/qwen3.5-35BA3-sft_fsdp2/sft_config_ep.yaml": (
+        "tiny-qwen3.5-moe",
         2,
-        "'sft_train.strategy_args.strategy_config.wrap_policy.transformer_layer_cls_to_wrap': class "
-        "'Qwen3_5MoeAttention' matches no module of the model; its classes are ['Embedding', 'Linear', 'ModuleList', "
-        "'Qwen3Attention', 'Qwen3DecoderLayer', 'Qwen3ForCausalLM', 'Qwen3MLP', 'Qwen3Model', 'Qwen3RMSNorm', "
-        "'Qwen3RotaryEmbedding', 'SiLUActivation']",
+        {**ROLL_QWEN35_MOE_EP, "expert_mesh": [1, 2]},
     ),
-    "roll/examples/qwen3.5-35BA3-sft_fsdp2/sft_config_ep.yaml": ("tiny-qwen3", 2, EXPERT_PARALLEL.format("sft_train")),
     "roll/tests/distributed/strategy/checkpoint/fsdp_config.yaml": ("tiny-qwen3", 2, OFFLOAD_CPU),
     "roll/tests/distributed/strategy/checkpoint/fsdp_lora_config.yaml": ("tiny-qwen3", 2, OFFLOAD_CPU),
     "roll/tests/distributed/strategy/log_probs/log_probs_fsdp_config.yaml": ("tiny-qwen3", 2, OFFLOAD_CPU),
@@ -332,27 +390,30 @@ EXPECTED: dict[str, tuple[str, int, dict | str]] = {
     },
     **{
         f"mindspeed_mm/examples/{name}": ("tiny-qwen3.5-moe", 2, NATIVE_QWEN35_MOE)
-        for name in (
-            "qwen3_5/qwen3_5_35B_config.yaml",
-            "qwen3_5/qwen3_5_122B_config.yaml",
-            "qwen3_5/qwen3_5_397B_config.yaml",
-            "qwen3_6/qwen3_6_35B_config.yaml",
-        )
+        for name in ("qwen3_5/qwen3_5_35B_config.yaml", "qwen3_6/qwen3_6_35B_config.yaml")
+    },
+    **{  # the experts split over ep 2 (EP_SCALED) are the same shard groups, on the expert mesh [efsdp 1, ep 2]
+        f"mindspeed_mm/examples/{name}": ("tiny-qwen3.5-moe", 2, {**NATIVE_QWEN35_MOE, "expert_mesh": [1, 2]})
+        for name in ("qwen3_5/qwen3_5_122B_config.yaml", "qwen3_5/qwen3_5_397B_config.yaml")
     },
     "mindspeed_mm/tests/st/run_configs/finetune_qwen3_5_35B/qwen3_5_35B_config.yaml": (
         "tiny-qwen3.5-moe",
         2,
-        {**NATIVE_QWEN35_MOE, "prefetch": [0, 0]},
+        {**NATIVE_QWEN35_MOE, "prefetch": [0, 0], "expert_mesh": [1, 2]},
     ),
     "mindspeed_mm/examples/qwen3vl/qwen3vl_30B_config_v1.yaml": ("tiny-qwen3-vl-moe", 2, NATIVE_QWEN3VL),
     # Kimi-K2.5 and Step3-VL ship their own model code: tiny stand-ins of their layout, run with --trust-remote-code.
-    "mindspeed_mm/examples/kimik2_5/kimik2_5_config.yaml": ("remote:kimi_k25", 2, NATIVE_KIMI_K25),
+    "mindspeed_mm/examples/kimik2_5/kimik2_5_config.yaml": (
+        "remote:kimi_k25",
+        2,
+        {**NATIVE_KIMI_K25, "expert_mesh": [1, 2]},
+    ),
     "mindspeed_mm/examples/step3_vl/step3_vl_10b_config.yaml": ("remote:step3_vl", 2, NATIVE_STEP3_VL),
     "mindspeed_mm/examples/qwen3vl/qwen3vl_30B_config_v1_A5.yaml": ("tiny-qwen3-vl-moe", 2, NATIVE_QWEN3VL),
     "mindspeed_mm/tests/st/run_configs/finetune_qwen3vl_30B/qwen3vl_30B_config_v1.yaml": (
         "tiny-qwen3-vl-moe",
         2,
-        {**NATIVE_QWEN3VL, "frozen_modules": []},
+        {**NATIVE_QWEN3VL_EP, "frozen_modules": [], "expert_mesh": [1, 2]},
     ),
     # Accelerate and TRL `accelerate config` files.
     "accelerate/examples/config_yaml_templates/fsdp.yaml": ("tiny-llama", 2, ACCELERATE_LAYERS),
@@ -435,8 +496,9 @@ def user_args(name: str, model: str, ranks: int) -> tuple[str, list[str], str | 
         f"device_mapping={list(range(ranks))}",
         "data.source=builtin:corpus",
     ]
-    if name.startswith("roll/") and not model.endswith("-vl"):  # the stand-in keeps the real Qwen's context length
+    if name.startswith("roll/") and model not in BUILTIN_VL_MODELS:  # the stand-in keeps the real Qwen's context
         swaps.append(f"model.config.max_position_embeddings={REAL_CONTEXT}")
+    swaps += EP_SCALED.get(name, [])
     if name.startswith("roll/"):
         return str(CORPUS / name), swaps, None
     if mindspeed_native.is_native_file(yaml.safe_load((CORPUS / name).read_text())):
@@ -455,7 +517,9 @@ def plan_or_refusal(name: str, model: str, ranks: int) -> dict | str:
     except UserError as error:
         return name_as_written(str(error), cfg) if cfg else str(error)
     mixed = plan["mixed_precision"]
-    return {
+    strategy = cfg.strategy_args.strategy_config
+    experts = {"expert_mesh": list(expert_mesh(ranks, cfg))} if strategy.ep_size > 1 else {}
+    return experts | {
         "mesh": plan["mesh"]["shape"],
         "sharded_modules": plan["sharded_modules"],
         "reshard_after_forward": plan["reshard_after_forward"],
@@ -466,6 +530,13 @@ def plan_or_refusal(name: str, model: str, ranks: int) -> dict | str:
         "prefetch": [plan["prefetch"]["forward"], plan["prefetch"]["backward"]],
         "frozen_modules": plan["frozen_modules"],
     }
+
+
+def expert_mesh(ranks: int, cfg) -> tuple[int, ...]:
+    """The experts' mesh of the resolved config (check --json does not show it): [efsdp, ep] or [eddp, efsdp, ep]."""
+    from fsdp2kit.parallel.mesh import mesh_layout
+
+    return mesh_layout(ranks, cfg.strategy_args.strategy_config, cfg.model.ulysses_size).expert_shape[0]
 
 
 def test_the_corpus_is_the_manifest_and_holds_60_real_files():
@@ -577,7 +648,8 @@ def test_docs_table_every_key_of_every_dialect():
         roll.STRATEGY_CONFIG_RULES,
         roll.WRAP_POLICY_RULES,
         mindspeed.RULES,
-        *(getattr(native, table) for table in ("PARALLEL", "FSDP_PLAN", "FEATURES", "LOSS_CFG", "MODEL", "ATTR")),
+        *(getattr(native, table) for table in ("PARALLEL", "FSDP_PLAN", "EP_PLAN", "FEATURES", "LOSS_CFG", "MODEL")),
+        native.ATTR,
         *(getattr(native, table) for table in ("BASIC_PARAMETERS", "PREPROCESS_PARAMETERS", "DATASET_PARAM")),
         *(getattr(native, table) for table in ("DATALOADER_PARAM", "DATA", "TRAINING", "TOOLS")),
         accelerate.ACCELERATE_CONFIG,
@@ -596,6 +668,151 @@ def test_native_file_as_written_is_refused_naming_the_key(name, swap):
     with pytest.raises(UserError) as error:
         load_config(config, [s for s in swaps if s != swap])
     assert str(error.value).startswith(f"{CORPUS / name}: '{swap.split('=')[0]}")
+
+
+@pytest.mark.parametrize("name", sorted(EP_SCALED))
+def test_expert_parallel_file_as_written_is_refused_naming_its_key(name, monkeypatch):
+    """Unscaled, the files' expert-parallel sizes do not divide the 2-4 ranks here: one line naming the file's key."""
+    model, ranks, _ = EXPECTED[name]
+    monkeypatch.delitem(EP_SCALED, name)
+    key = (
+        "parallel.expert_parallel_size" if name.startswith("mindspeed_mm/") else "strategy_args.strategy_config.ep_size"
+    )
+    refusal = plan_or_refusal(name, model, ranks)
+    assert isinstance(refusal, str) and refusal.startswith(f"{CORPUS / name}: '")
+    assert f"{key}' = " in refusal and f"does not divide the world size {ranks}" in refusal
+
+
+# The expert-parallel files trained: ROLL's SFT files on Alpaca records (their prompt/query/response keys), its RLVR
+# file on `messages` conversations, MindSpeed-MM's on LLaMA-Factory image+text conversations. Changed besides EP_SCALED:
+# - the RLVR file at 2 ranks: efsdp 2 -> 1, Ulysses 4 -> 2; its qwen2_5 template (under ROLL the tokenizer's own) is
+#   given as Qwen's ChatML in data.chat_template, as the stand-in's tokenizer has none;
+# - the Qwen3-30B-A3B SFT file: Ulysses 2 -> 1 (Ulysses with packed documents and the router loss fails in fsdp2kit,
+#   with and without expert parallelism: reported);
+# - the Qwen3.5 SFT file: template qwen2_5 named as Qwen3.5's (fsdp2kit reads ROLL's template names as families) and
+#   no packing (fsdp2kit packs no vision-language model's samples).
+EP_TRAINED: dict[str, tuple[str, list[str]]] = {
+    "roll/examples/qwen3-30BA3B-sft_fsdp2/sft_config_ep.yaml": (
+        "alpaca.json",
+        ["sft_train.model_args.ulysses_size=1", "validation.data_args.file_name={data}"],
+    ),
+    "roll/examples/qwen3.5-35BA3-sft_fsdp2/sft_config_ep.yaml": (
+        "alpaca.json",
+        ["sft_train.data_args.template=qwen3_5", "sft_train.use_sequence_packing=false"],
+    ),
+    "roll/examples/qwen3-30BA3B-rlvr_fsdp2/rlvr_config_ep.yaml": (
+        "messages.jsonl",
+        [
+            f"{ROLL_STRATEGY.format('actor_train')}.efsdp_size=1",
+            "actor_train.model_args.ulysses_size=2",
+            "data.chat_template={folder}/chatml.jinja",
+        ],
+    ),
+    **{
+        name: ("vl/llamafactory.json", [])
+        for name in EP_SCALED
+        if name.startswith("mindspeed_mm/") and "kimi" not in name
+    },
+    # Kimi-K2.5's stand-in reads text only: `messages` conversations rendered with ChatML (its tokenizer has no
+    # template; fsdp2kit knows no template named kimi_k25, so the file's name is dropped)
+    "mindspeed_mm/examples/kimik2_5/kimik2_5_config.yaml": (
+        "messages.jsonl",
+        ["data.chat_template={folder}/chatml.jinja", "data.dataset_param.basic_parameters.template=null"],
+    ),
+}
+
+
+def saved_builtin(folder: Path, name: str) -> Path:
+    """A built-in model saved as transformers initialises it (from_config, save_pretrained), with its tokenizer and
+    processor: Qwen3.5-MoE's fresh weights come from transformers here, as fsdp2kit leaves its routers uninitialised
+    (`initialise_weights` runs each module's own `_init_weights`; transformers initialises a router from its MoE
+    block's: reported)."""
+    import shutil
+
+    from transformers import AutoConfig
+
+    from fsdp2kit.models.vl import auto_model_class, builtin_tokenizer_dir
+
+    settings = dict(BUILTIN_VL_MODELS[name])
+    hf_config = AutoConfig.for_model(settings.pop("model_type"), **settings)
+    torch.manual_seed(3)
+    auto_model_class(hf_config).from_config(hf_config).save_pretrained(folder / name)
+    for file in builtin_tokenizer_dir(hf_config).iterdir():
+        shutil.copy(file, folder / name / file.name)
+    return folder / name
+
+
+def saved_remote(folder: Path, name: str) -> Path:
+    """A stand-in shipping its own code (remote_code_folder) with weights as transformers initialises them: fsdp2kit's
+    fresh weights of a model whose sub-model is a transformers model leave that sub-model's experts uninitialised
+    (reported, as for Qwen3.5-MoE above)."""
+    import shutil
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    saved = folder / name
+    shutil.copytree(remote_code_folder(name), saved)
+    hf_config = AutoConfig.from_pretrained(saved, trust_remote_code=True)
+    torch.manual_seed(3)
+    AutoModelForCausalLM.from_config(hf_config, trust_remote_code=True).save_pretrained(saved)
+    return saved
+
+
+def ep_training_data(folder: Path) -> None:
+    """Alpaca records, `messages` conversations and LLaMA-Factory image+text conversations, in `folder`."""
+    sys.path.insert(0, str(REPO / "examples"))
+    from make_vl_dataset import main as make_dataset
+
+    make_dataset(folder / "vl", 8, 0)
+    alpaca = [{"instruction": f"Add {i} and {i}.", "input": str(i) * (i % 2), "output": str(2 * i)} for i in range(64)]
+    (folder / "alpaca.json").write_text(json.dumps(alpaca))
+    turns = [
+        [{"role": "user", "content": f"What is {i} + {i}?"}, {"role": "assistant", "content": str(2 * i)}]
+        for i in range(64)
+    ]
+    chatml = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    (folder / "chatml.jinja").write_text(chatml)
+    (folder / "messages.jsonl").write_text("".join(json.dumps({"messages": t}) + "\n" for t in turns))
+
+
+@pytest.mark.slow
+def test_expert_parallel_files_train_two_steps_on_two_ranks(tmp_path):
+    """ROLL's and MindSpeed-MM's expert-parallel files as written (EP_TRAINED says what is scaled), their stand-in
+    models and data of their kinds: 2 optimizer steps each on 2 ranks, one launch for all, every MoE layer's experts
+    split over the files' ep (2) as DTensors on the expert mesh."""
+    from conftest import launch_two_ranks, read_metrics
+
+    ep_training_data(tmp_path)
+    qwen35_moe, kimi = saved_builtin(tmp_path, "tiny-qwen3.5-moe"), saved_remote(tmp_path, "kimi_k25")
+    runs = []
+    for i, (name, (data, scaled)) in enumerate(EP_TRAINED.items()):
+        model = EXPECTED[name][0]
+        config, swaps, _ = user_args(name, model, 2)
+        saved = {
+            "tiny-qwen3.5-moe": [f"model.name_or_path={qwen35_moe}"],
+            "remote:kimi_k25": [f"model.name_or_path={kimi}"],
+        }
+        settings = [
+            *swaps,
+            *saved.get(model, []),
+            *(item.format(data=tmp_path / data, folder=tmp_path) for item in scaled),
+            f"data.source={tmp_path / data}",
+            "data.seq_len=128",
+            "training.max_steps=2",
+            f"training.output_dir={tmp_path / f'run{i}'}",
+            "training.export_hf=false",
+            "training.report_to=[]",
+        ]
+        runs.append({"config": config, "set": settings, "trust_remote_code": model.startswith("remote:")})
+    (tmp_path / "runs.json").write_text(json.dumps(runs))
+    launch_two_ranks("real_configs_worker.py", tmp_path / "runs.json")
+    for i, name in enumerate(EP_TRAINED):
+        steps = read_metrics(tmp_path / f"run{i}")
+        assert [s["step"] for s in steps] == [1, 2], name
+        assert all(s["loss"] > 0 and s["grad_norm"] > 0 for s in steps), name
+        split = json.loads((tmp_path / f"run{i}" / "experts.json").read_text())
+        assert split and all(key.rsplit(".", 2)[-2] == "experts" for key in split), (name, split)
+        assert {json.dumps(mesh) for mesh in split.values()} == {json.dumps({"mesh": ["efsdp", "ep"], "shape": [1, 2]})}
 
 
 def test_native_file_training_keys_field_by_field():
@@ -733,6 +950,7 @@ def test_check_runs_a_model_folders_code_with_trust_remote_code_on_the_command_l
     """The flag reaches the build (without it the folder is refused: the in-process test above) and check says so."""
     name = "mindspeed_mm/examples/kimik2_5/kimik2_5_config.yaml"
     config, swaps, _ = user_args(name, "remote:kimi_k25", 1)
+    swaps.append("parallel.expert_parallel_size=1")  # one rank: its experts are not split
     args = [config, *[item for swap in swaps for item in ("--set", swap)], "--json"]
     result = run_cli("check", *args, "--trust-remote-code")
     assert result.returncode == 0, result.stderr[-3000:]

@@ -13,13 +13,10 @@ from fsdp2kit.config.load import load_config
 from fsdp2kit.errors import UserError
 
 EXAMPLES = ROLL_SOURCE / "examples"
-# Files in ROLL's *fsdp2* example folders that fsdp2kit refuses, and the sentence it refuses them with.
-REFUSED = {
-    "qwen3-30BA3B-agentic_fsdp2/agentic_val_sokoban_30a3.yaml": "is a Hydra defaults list",
-    "qwen3-30BA3B-rlvr_fsdp2/rlvr_config_ep.yaml": "expert parallelism (ROLL's ep_size) is not available",
-    "qwen3-30BA3B-sft_fsdp2/sft_config_ep.yaml": "expert parallelism (ROLL's ep_size) is not available",
-    "qwen3.5-35BA3-sft_fsdp2/sft_config_ep.yaml": "expert parallelism (ROLL's ep_size) is not available",
-}
+# Files in ROLL's *fsdp2* example folders that fsdp2kit refuses, and the sentence it refuses them with (the
+# expert-parallel ones read: tests/test_real_configs.py plans and trains them).
+REFUSED = {"qwen3-30BA3B-agentic_fsdp2/agentic_val_sokoban_30a3.yaml": "is a Hydra defaults list"}
+EXPERT_PARALLEL = ("rlvr_config_ep.yaml", "sft_config_ep.yaml")
 
 
 def fsdp2_roles(path: Path) -> list[str]:
@@ -46,6 +43,7 @@ def test_rolls_fsdp2_example_reads_as_written(path):
         if refusal is None:
             cfg = load_config(path, role=role)
             assert cfg.model.name_or_path
+            assert (cfg.strategy_args.strategy_config.ep_size == 8) is (path.name in EXPERT_PARALLEL)
         else:
             with pytest.raises(UserError, match=refusal.replace("(", r"\(").replace(")", r"\)")):
                 load_config(path, role=role)

@@ -13,10 +13,10 @@ from fsdp2kit.config.dialects.translation import (
     Rule,
     Translation,
     Written,
+    already_read,
     apply_rules,
     ignored,
     to,
-    unsupported,
 )
 from fsdp2kit.config.schema import pattern_class
 from fsdp2kit.errors import UserError
@@ -65,10 +65,47 @@ def _offload(translation: Translation, key: Written, value: Any) -> None:
     to(f"{STRATEGY_CONFIG}.offload_policy")(translation, key, value)
 
 
-EXPERT_PARALLEL = (
-    "expert parallelism (MindSpeed-MM's expert_parallel_size) is not available in fsdp2kit, which shards experts "
-    "with FSDP: set it to 1, or use strategy_config.wrap_policy.moe_experts with apply_expert_patch"
-)
+def expert_module_patterns(key: Written, value: Any) -> list[str]:
+    """The experts modules MindSpeed-MM splits by expert parallelism (`moe_modules`, `ep_plan.apply_modules`): fsdp2kit
+    splits the fused `experts` module of every MoE block, so each pattern must name such modules."""
+    paths = [value] if isinstance(value, str) else value
+    if not isinstance(paths, list) or not all(isinstance(p, str) for p in paths):
+        raise UserError(f"{key.file}: '{key}' = {value!r} is not valid: expected a list of module paths")
+    others = [p for p in paths if p.rsplit(".", 1)[-1] != "experts"]
+    if others:
+        raise UserError(
+            f"{key.file}: '{key}' = {others[0]!r} is not supported: fsdp2kit splits the fused experts of every MoE "
+            "block (module paths ending in .experts, such as model.layers.{*}.mlp.experts)"
+        )
+    return paths
+
+
+def expert_parallel(translation: Translation, size: Written, value: Any, modules: Written, paths: Any) -> bool:
+    """MindSpeed-MM splits the experts when `size` > 1 and `modules` lists them; either alone splits nothing (noted).
+    Returns whether expert parallelism is on."""
+    if paths and value is not None and value != 1:
+        expert_module_patterns(modules, paths)
+        to(f"{STRATEGY_CONFIG}.ep_size")(translation, size, value)
+        translation.note(f"{modules}: fsdp2kit splits the fused experts of every MoE block, as these paths name them")
+        return True
+    if value is not None and value != 1:
+        translation.ignore(size, f"{modules} lists no module: MindSpeed-MM splits none")
+    elif value is not None:
+        to(f"{STRATEGY_CONFIG}.ep_size")(translation, size, value)
+    if paths is not None:
+        translation.ignore(modules, f"used only with {size} > 1")
+    return False
+
+
+def experts_sharded_over_the_rest(translation: Translation, size: Written, why: str, key: str) -> None:
+    """MindSpeed-MM's default: each expert is sharded over world / expert_parallel_size ranks (one expert replica).
+    fsdp2kit's efsdp_size is a number, fixed before the world size is known: 1 replicates the experts instead."""
+    translation.note(
+        f"{why}: MindSpeed-MM shards each expert over the world / {size} ranks that hold the same experts; fsdp2kit "
+        f"keeps efsdp_size 1 (each of them holds the experts whole: the same training, more memory); set {key} to "
+        "world / ep_size to shard them as MindSpeed-MM does"
+    )
+
 
 RULES: dict[str, Rule] = {
     "sharding_size": _sharding_size,
@@ -93,9 +130,25 @@ RULES: dict[str, Rule] = {
     "align_fsdp_param_groups": ignored(
         "read by MindSpeed-MM's own Qwen3-VL models only; fsdp2kit's groups are unchanged"
     ),
-    "expert_parallel_size": unsupported(EXPERT_PARALLEL, harmless=(1,)),
-    **dict.fromkeys(("reshard_local_experts", "moe_modules"), ignored("used only with expert_parallel_size > 1")),
+    # read together (_expert_parallel): MindSpeed-MM's create_ep_device_mesh and _init_ep_model
+    **dict.fromkeys(("expert_parallel_size", "reshard_local_experts", "moe_modules"), already_read),
 }
+
+
+def _expert_parallel(translation: Translation, data: dict[str, Any], where: Written) -> None:
+    """Experts split over expert_parallel_size ranks; reshard_local_experts (default true) shards each expert
+    further over the world / expert_parallel_size ranks holding the same experts, false keeps them whole there."""
+    size, reshard = where.child("expert_parallel_size"), where.child("reshard_local_experts")
+    if not expert_parallel(
+        translation, size, data.get("expert_parallel_size"), where.child("moe_modules"), data.get("moe_modules")
+    ):
+        if data.get("reshard_local_experts") is not None:
+            translation.ignore(reshard, f"used only with {size} > 1")
+    elif data.get("reshard_local_experts") is False:
+        to(f"{STRATEGY_CONFIG}.efsdp_size", lambda _: 1)(translation, reshard, False)
+    else:
+        why = f"{reshard}={data.get('reshard_local_experts', True)!r}"
+        experts_sharded_over_the_rest(translation, size, why, f"{STRATEGY_CONFIG}.efsdp_size")
 
 
 def _pin_memory(translation: Translation, data: dict[str, Any], where: Written) -> None:
@@ -126,6 +179,7 @@ def translate_file(translation: Translation, data: dict[str, Any], path: str) ->
         )
     apply_rules(translation, data, RULES, where)
     _pin_memory(translation, data, where)
+    _expert_parallel(translation, data, where)
 
 
 def is_mindspeed_config(data: dict[str, Any]) -> bool:

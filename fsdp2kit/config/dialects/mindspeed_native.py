@@ -18,6 +18,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from fsdp2kit.config.dialects.mindspeed import expert_parallel, experts_sharded_over_the_rest
 from fsdp2kit.config.dialects.translation import (
     NO_FSDP2_MEANING,
     STRATEGY_CONFIG,
@@ -31,6 +32,7 @@ from fsdp2kit.config.dialects.translation import (
     ignored,
     section,
     to,
+    unknown_key,
     unsupported,
 )
 from fsdp2kit.config.dialects.translation import (
@@ -41,6 +43,7 @@ from fsdp2kit.errors import UserError
 
 SECTIONS = ("parallel", "data", "model", "features", "training", "tools")
 PARAMS = "mindspeed_mm/fsdp/params"  # where MindSpeed-MM defines each key, for notes
+KERNELS = "an NPU/fused-kernel choice of the same computation"
 
 # MindSpeed-MM's defaults (params/*.py) that differ from fsdp2kit's, applied where the file is silent.
 DEFAULTS: dict[str, dict[str, Any]] = {
@@ -166,10 +169,6 @@ FSDP_PLAN: dict[str, Rule] = {
 }
 
 TENSOR_PARALLEL = "tensor parallelism is not available in fsdp2kit (nor in MindSpeed-MM's FSDP2 trainer); set it to 1"
-EXPERT_PARALLEL = (
-    "expert parallelism is not available in fsdp2kit, which shards experts with FSDP: set it to 1 (the experts are "
-    "then sharded as fsdp_plan.apply_modules says)"
-)
 RING_ATTENTION = "ring attention (context parallel) is not available in fsdp2kit; use ulysses_parallel_size"
 
 
@@ -209,12 +208,54 @@ PARALLEL: dict[str, Rule] = {
     "ring_attention_size": unsupported(RING_ATTENTION, harmless=(1,)),
     "context_parallel_size": unsupported(RING_ATTENTION, harmless=(1,)),
     "ulysses_parallel_size": to("model.ulysses_size"),
-    "expert_parallel_size": unsupported(EXPERT_PARALLEL, harmless=(1,)),
-    **dict.fromkeys(
-        ("expert_fully_shard_parallel_size", "ep_plan"), ignored("used only with expert_parallel_size > 1")
-    ),
+    **dict.fromkeys(("expert_parallel_size", "expert_fully_shard_parallel_size", "ep_plan"), already_read),
     **dict.fromkeys(("recompute", "recompute_plan"), already_read),
 }
+
+
+def _ep_dispatcher(translation: Translation, key: Written, value: Any) -> None:
+    """How MindSpeed-MM exchanges the tokens with the experts' ranks (params/parallel_args.py EPPlanConfig)."""
+    if value not in ("alltoall", "allgather", "mc2"):
+        raise UserError(f"{key.file}: '{key}' = {value!r} is not valid: expected alltoall, allgather or mc2")
+    translation.ignore(key, "fsdp2kit sends each token to its experts' ranks by all-to-all (the same result)")
+
+
+EP_PLAN: dict[str, Rule] = {
+    "apply_modules": already_read,
+    "dispatcher": _ep_dispatcher,
+    "use_npu_fused_ops": ignored(KERNELS),
+    "apply_efsdp_modules": already_read,
+}
+
+
+def _expert_parallel(translation: Translation, key: Written, values: dict[str, Any]) -> None:
+    """MindSpeed-MM splits the experts of ep_plan.apply_modules over expert_parallel_size ranks and FSDP-shards those
+    modules (ep_plan.apply_efsdp_modules, default the same) over expert_fully_shard_parallel_size ranks (default:
+    world / expert_parallel_size): distributed/torch_parallelize.py apply_ep_modules, parallel_state.py."""
+    plan = values.get("ep_plan") or {}
+    if not isinstance(plan, dict):
+        raise UserError(f"{key.file}: '{key.child('ep_plan')}' must be a mapping of keys, not {plan!r}")
+    size, shard, where = (key.child(k) for k in ("expert_parallel_size", "expert_fully_shard_parallel_size", "ep_plan"))
+    modules = where.child("apply_modules")
+    if unknown := sorted(set(plan) - set(EP_PLAN)):
+        raise UserError(unknown_key(where.child(unknown[0]), list(EP_PLAN)))
+    if not expert_parallel(translation, size, values.get("expert_parallel_size"), modules, plan.get("apply_modules")):
+        unused = [shard] if values.get("expert_fully_shard_parallel_size") is not None else []
+        unused += [where.child(name) for name in plan if name != "apply_modules" and plan[name] is not None]
+        for name in unused:
+            translation.ignore(name, f"used only with {size} > 1")
+        return
+    efsdp = plan.get("apply_efsdp_modules")
+    if efsdp and efsdp != plan["apply_modules"]:
+        raise UserError(
+            f"{key.file}: '{where.child('apply_efsdp_modules')}' = {efsdp!r} is not supported: fsdp2kit shards the "
+            f"experts it splits over the expert mesh, those of {modules}; drop it"
+        )
+    if values.get("expert_fully_shard_parallel_size") is None:
+        experts_sharded_over_the_rest(translation, size, f"{shard} not given", str(shard))
+    else:
+        to(f"{STRATEGY_CONFIG}.efsdp_size")(translation, shard, values["expert_fully_shard_parallel_size"])
+    apply_rules(translation, plan, EP_PLAN, where)
 
 
 # ---------------------------------------------------------------- features (and their older place under model)
@@ -309,6 +350,18 @@ LOSS_CFG: dict[str, Rule] = {
 }
 
 
+def _ep_balance(translation: Translation, key: Written, value: Any) -> None:
+    """MindSpeed-MM's EP load balancing copies busy experts to idle ranks for a step (docs/zh/features/EP_balance.md):
+    the same experts and gradients, computed elsewhere. fsdp2kit keeps each expert on its rank."""
+    if value is True:
+        translation.note(
+            f"{key}=True: MindSpeed-MM's load balancing (copies of busy experts on idle ranks) is not done: each "
+            "expert computes on its own rank (the same training, without the balancing)"
+        )
+    else:
+        translation.ignore(key, "EP load balancing is off")
+
+
 FEATURE_PAIRS = ("recompute", "recompute_plan", "enable_chunk_loss", "enable_dynamic_chunk_loss", "chunkloss_plan")
 FEATURES: dict[str, Rule] = {
     **dict.fromkeys(FEATURE_PAIRS, already_read),
@@ -319,7 +372,8 @@ FEATURES: dict[str, Rule] = {
         "result is the same"
     ),
     "chunkmbs_plan": ignored("read only with enable_chunk_mbs"),
-    **dict.fromkeys(("enable_ep_balance", "ep_balance_plan"), ignored("used only with expert_parallel_size > 1")),
+    "enable_ep_balance": _ep_balance,
+    "ep_balance_plan": ignored("settings of enable_ep_balance, MindSpeed-MM's EP load balancing"),
     "skip_moe_pad_tokens": unsupported("MoE routing that skips padding tokens is not available", harmless=(False,)),
 }
 
@@ -347,7 +401,6 @@ def _attention(value: Any) -> str:
     return names[value]
 
 
-KERNELS = "an NPU/fused-kernel choice of the same computation"
 MODEL: dict[str, Rule] = {
     "model_name_or_path": to("model.name_or_path"),
     "trust_remote_code": file_trust_remote_code,
@@ -678,6 +731,7 @@ def translate(raw: dict[str, Any], source: str) -> Translation:
     data = _with_defaults(raw, translation)
     top = Written(source, "")
     _read_features(translation, data["parallel"], top.child("parallel"), older="older MindSpeed-MM files")
+    _expert_parallel(translation, top.child("parallel"), data["parallel"])
     if data.get("features") is not None:
         _read_features(translation, data["features"], top.child("features"))
     _read_features(translation, data["model"], top.child("model"), older="older MindSpeed-MM files")

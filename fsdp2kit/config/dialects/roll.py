@@ -192,12 +192,14 @@ def _offload_policy(translation: Translation, key: Written, value: Any) -> None:
 
 
 def _strategy_config(translation: Translation, key: Written, value: Any) -> None:
-    """ROLL reads wrap_policy.moe_experts only with apply_expert_patch (or expert parallelism): else it is unused."""
-    if isinstance(value, dict) and isinstance(value.get("wrap_policy"), dict) and not value.get("apply_expert_patch"):
+    """ROLL reads wrap_policy.moe_experts only with apply_expert_patch or expert parallelism: else it is unused."""
+    if isinstance(value, dict) and isinstance(value.get("wrap_policy"), dict) and not _wraps_experts(value):
         if value["wrap_policy"].get("moe_experts"):
             value = {**value, "wrap_policy": dict(value["wrap_policy"])}
             del value["wrap_policy"]["moe_experts"]
-            translation.ignore(key.child("wrap_policy.moe_experts"), "ROLL wraps experts only with apply_expert_patch")
+            translation.ignore(
+                key.child("wrap_policy.moe_experts"), "ROLL wraps experts only with apply_expert_patch or ep_size > 1"
+            )
     if isinstance(value, dict) and value.get("apply_expert_patch") is True:
         translation.note(
             f"{key}.apply_expert_patch: ROLL turns it off with transformers >= 5.2 (fused experts); fsdp2kit applies it"
@@ -206,15 +208,16 @@ def _strategy_config(translation: Translation, key: Written, value: Any) -> None
     apply_rules(translation, value, STRATEGY_CONFIG_RULES, key, otherwise=_native_strategy_key)
 
 
+def _wraps_experts(strategy_config: dict[str, Any]) -> bool:
+    """ROLL's condition for wrapping wrap_policy.moe_experts (roll/utils/fsdp_utils.py, apply_fsdp2)."""
+    ep_size = strategy_config.get("ep_size") or 1
+    return bool(strategy_config.get("apply_expert_patch")) or (isinstance(ep_size, int) and ep_size > 1)
+
+
 def _native_strategy_key(translation: Translation, key: Written, value: Any) -> None:
     """A key ROLL does not read is taken as fsdp2kit's own strategy_config key (validated as such)."""
     to(f"{STRATEGY_CONFIG}.{key.path.split('strategy_config.', 1)[1]}")(translation, key, value)
 
-
-EXPERT_PARALLEL = (
-    "expert parallelism (ROLL's ep_size) is not available in fsdp2kit, which shards experts with FSDP: "
-    "drop ep_size/efsdp_size, and set wrap_policy.moe_experts with apply_expert_patch: true to shard them one by one"
-)
 
 WRAP_POLICY_RULES: dict[str, Rule] = {
     "transformer_layer_cls_to_wrap": to(f"{STRATEGY_CONFIG}.wrap_policy.transformer_layer_cls_to_wrap", comma_list),
@@ -228,9 +231,8 @@ STRATEGY_CONFIG_RULES: dict[str, Rule] = {
         translation, value, WRAP_POLICY_RULES, key, otherwise=_native_strategy_key
     ),
     "offload_policy": _offload_policy,
-    "ep_size": unsupported(EXPERT_PARALLEL, harmless=(1,)),
-    "efsdp_size": ignored("ROLL's expert mesh, used only with ep_size > 1"),
-    "moe_use_grouped_mm": ignored("a kernel choice for fused experts"),
+    # ROLL's expert parallelism (fsdp2_strategy.py: create_device_mesh_with_ep, apply_moe_ep): the same keys natively
+    **{name: to(f"{STRATEGY_CONFIG}.{name}") for name in ("ep_size", "efsdp_size", "moe_use_grouped_mm")},
     "model_type": ignored("ROLL's TiledMLP model type; fsdp2kit tiles each decoder layer's MLP"),
     **dict.fromkeys(
         ("save_only_model", "reduce_scatter_during_grad_accumulation"),
