@@ -28,6 +28,7 @@ from fsdp2kit.models.build import (
 )
 from fsdp2kit.models.sharded import build_sharded_model, count_parameters
 from fsdp2kit.parallel.document_attention import document_route
+from fsdp2kit.parallel.expert_parallel import describe_expert_parallel
 from fsdp2kit.parallel.fsdp import describe_groups, model_class_name
 from fsdp2kit.parallel.plan import ShardingPlan
 from fsdp2kit.strategy import INFER_COMMAND, TRAIN_COMMAND
@@ -124,6 +125,8 @@ def describe(cfg: JobConfig, runtime: Runtime) -> dict:
             "groups": sharded.layout.sequence_parallel_groups(),
             "data_parallel_size": sharded.layout.data_parallel_size,
         },
+        # Expert parallelism: the experts' own mesh, the modules split over it, and each rank's experts.
+        "expert_parallel": describe_expert_parallel(model, plan.expert_parallel, sharded.layout),
         "strategy": cfg.strategy_args.strategy_name,
         "model": {
             "name_or_path": cfg.model.name_or_path,

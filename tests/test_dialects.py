@@ -722,9 +722,13 @@ def test_roll_expert_parallel_keys_are_the_native_ones_and_wrap_its_experts(tmp_
     assert (strategy.ep_size, strategy.efsdp_size, strategy.moe_use_grouped_mm) == (2, 2, True)
     assert strategy.wrap_policy.moe_experts == ["Qwen3MoeExperts"]
     cfg = load_config(
-        roll_file(tmp_path, role_changes={"strategy_args": {"strategy_config": {"ep_size": 1, **experts}}})
+        roll_file(
+            tmp_path,
+            role_changes={"strategy_args": {"strategy_config": {"ep_size": 1, "moe_use_grouped_mm": False, **experts}}},
+        )
     )
     assert cfg.strategy_args.strategy_config.wrap_policy.moe_experts == []
+    assert cfg.strategy_args.strategy_config.moe_use_grouped_mm is None  # ROLL's false: transformers' default
     assert (
         "ignored (ROLL wraps experts only with apply_expert_patch or ep_size > 1): "
         "actor_train.strategy_args.strategy_config.wrap_policy.moe_experts"

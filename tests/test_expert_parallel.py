@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import launch_two_ranks, process_group
+from conftest import launch_two_ranks, process_group, run_cli, sharded_model
 from moe_families_worker import micro_batches
 from moe_families_worker import train as train_in_process
 from test_moe_families import FAMILIES, saved_folder, stored, transformers_log_probs
@@ -94,9 +94,7 @@ def two_ranks(folders: dict[str, Path], out: Path, one_rank: dict) -> dict[str, 
 def four_ranks(folders: dict[str, Path], out: Path, two_ranks: dict) -> dict[str, dict[str, Any]]:
     """One 4-rank launch: every family at EP 2 x efsdp 2, the forced routing (with the eager loop, which uses no
     weight of an expert without tokens), and the resume from EP 2 on 2 ranks to EP 2 x efsdp 2."""
-    planned = {
-        family: run(folder, out / f"{family}-ep2x2.pt", 1, ep=2, efsdp=2) for family, folder in folders.items()
-    }
+    planned = {family: run(folder, out / f"{family}-ep2x2.pt", 1, ep=2, efsdp=2) for family, folder in folders.items()}
     planned["forced"] = run(
         folders["qwen3_moe"], out / "forced-ep2x2.pt", 1, ep=2, efsdp=2, forced=True, ragged=True, grouped_mm=False
     )
@@ -182,3 +180,96 @@ def test_a_checkpoint_resumes_at_another_ep_size(resume, one_rank, two_ranks):
 @pytest.mark.slow
 def test_an_ep2_checkpoint_resumes_at_ep2_by_efsdp2_on_four_ranks(one_rank, four_ranks):
     assert_same_training(four_ranks["2->4"], one_rank["qwen3_moe"], atol=1e-6)
+
+
+# ---------------------------------------------------------------- in this process: memory, check, refusals
+
+MOE = ["model.name_or_path=builtin:tiny-qwen3-moe"]  # 4 experts a layer
+
+
+def expert_elements(ep_size: int, world_size: int) -> tuple[int, int]:
+    """(held, gathered) elements of layer 0's experts on rank 0 of `world_size` ranks: the shards it keeps, and
+    what FSDP all-gathers for their forward (their own group under EP, else the decoder layer's)."""
+    from fsdp2kit.config import load_config
+    from fsdp2kit.parallel.fsdp import fsdp_states
+
+    cfg = load_config("examples/demo.yaml", [*MOE, f"strategy_args.strategy_config.ep_size={ep_size}"])
+    with process_group(world_size, 0) as runtime:
+        model = sharded_model(cfg, runtime, training=True, materialize=False).model
+        experts = {id(p) for p in model.model.layers[0].mlp.experts.parameters()}
+        held = sum(p.to_local().numel() for p in model.model.layers[0].mlp.experts.parameters())
+        gathered = sum(
+            fsdp_param._orig_size.numel()
+            for state in fsdp_states(model)
+            if state._fsdp_param_group is not None
+            for fsdp_param in state._fsdp_param_group.fsdp_params
+            if id(fsdp_param.sharded_param) in experts
+        )
+    return held, gathered
+
+
+def test_at_ep2_a_rank_holds_and_gathers_half_the_experts():
+    """EP 2 on 2 ranks: each rank keeps 2 of the 4 experts whole and gathers nothing more, where FSDP alone (2
+    ranks) keeps half of every expert but gathers all 4 for each forward, and one rank holds all 4."""
+    one_rank = expert_elements(1, 1)
+    fsdp_held, fsdp_gathered = expert_elements(1, 2)
+    ep_held, ep_gathered = expert_elements(2, 2)
+    assert ep_held * 2 == one_rank[0] == fsdp_gathered
+    assert ep_gathered * 2 == fsdp_gathered
+    assert fsdp_held == ep_held  # stored shards are halved either way: EP halves what is gathered and computed
+
+
+def test_check_names_the_expert_mesh_and_each_ranks_experts():
+    ep = ["strategy_args.strategy_config.ep_size=2", "strategy_args.strategy_config.efsdp_size=2"]
+    result = run_cli(
+        "check", "examples/demo.yaml", "--json", "--nproc", "4", *[a for s in [*MOE, *ep] for a in ("--set", s)]
+    )
+    assert result.returncode == 0, result.stderr
+    plan = json.loads(result.stdout.strip().splitlines()[-1])
+    described = plan["expert_parallel"]
+    assert described["mesh"] == {"shape": [2, 2], "dim_names": ["efsdp", "ep"]}
+    assert described["modules"] == [f"model.layers.{i}.mlp.experts" for i in range(4)]
+    assert described["experts_by_rank"] == {"4 experts": [[0, 1], [2, 3], [0, 1], [2, 3]]}
+    experts_group = next(g for g in plan["groups"] if g["modules"] == ["model.layers.0.mlp.experts"])
+    assert experts_group["gradient_reduce"] == "reduce-scatter over 2 ranks"  # over efsdp only
+
+
+@pytest.mark.parametrize(
+    "sets, ranks, message",
+    [
+        (
+            [*MOE, "strategy_args.strategy_config.ep_size=3"],
+            3,
+            "strategy_config.ep_size = 3 does not divide the 4 experts of 'model.layers.0.mlp.experts'; valid: 1 or 2, 4",
+        ),
+        (
+            [*MOE, "strategy_args.strategy_config.ep_size=2", "strategy_args.strategy_config.efsdp_size=2"],
+            2,
+            "strategy_config.ep_size = 2 x efsdp_size = 2 does not divide the world size 2; valid ep_size with "
+            "efsdp_size 2: 1",
+        ),
+        (
+            ["strategy_args.strategy_config.ep_size=2"],
+            2,
+            "strategy_config.ep_size = 2: the model has no mixture-of-experts layers to split; valid: 1",
+        ),
+        (
+            [
+                *MOE,
+                "strategy_args.strategy_config.ep_size=2",
+                "strategy_args.strategy_config.wrap_policy.moe_experts=[Qwen3MoeMLP]",
+            ],
+            2,
+            "does not hold its experts as fused tensors",
+        ),
+        (
+            [*MOE, "strategy_args.strategy_config.ep_size=2", "model.lora.r=4", "model.lora.target_modules=[q_proj]"],
+            2,
+            "strategy_config.ep_size = 2: LoRA (model.lora) with expert parallelism is not supported; set ep_size: 1",
+        ),
+    ],
+)
+def test_what_expert_parallelism_cannot_split_is_one_line(sets, ranks, message, run_main):
+    result = run_main("check", "examples/demo.yaml", "--nproc", ranks, *[a for s in sets for a in ("--set", s)])
+    assert result.returncode == 2
+    assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr

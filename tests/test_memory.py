@@ -29,6 +29,9 @@ LLAMA_100M = [
     "training.per_device_train_batch_size=1",
     "training.gradient_accumulation_steps=1",
 ]
+# Qwen3-MoE's 4 experts a layer split over 2 ranks (expert parallelism): the trace assumes balanced routing.
+MOE_EP2 = [*SMALL, "model.name_or_path=builtin:tiny-qwen3-moe", "strategy_args.strategy_config.ep_size=2"]
+MODELS = {"tiny": SMALL, "100M": LLAMA_100M, "moe-ep2": MOE_EP2}
 ZERO = {
     3: ["strategy_args.strategy_config.reshard_after_forward=true"],
     2: ["strategy_args.strategy_config.reshard_after_forward=false"],
@@ -58,10 +61,11 @@ def _measured(tmp_path, nproc: int, overrides: list[str]) -> dict:
         ("tiny", 2, 2, True),
         ("tiny", 4, 3, True),
         ("100M", 2, 3, False),
+        ("moe-ep2", 2, 3, False),
     ],
 )
 def test_plan_predicts_the_measured_peak(tmp_path, model, nproc, zero, recompute):
-    overrides = [*(SMALL if model == "tiny" else LLAMA_100M), *ZERO[zero]]
+    overrides = [*MODELS[model], *ZERO[zero]]
     overrides.append(f"model.gradient_checkpointing={str(recompute).lower()}")
     predicted = predict(ConfigSource("examples/demo.yaml", overrides, None, None), nproc)
     measured = _measured(tmp_path, nproc, overrides)

@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from fsdp2kit.errors import UserError
 from fsdp2kit.parallel.forward_patch import Forward, replace_forward
-from fsdp2kit.parallel.mesh import divisors
+from fsdp2kit.parallel.mesh import MeshLayout, divisors
 
 
 def _fused_experts(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -70,10 +70,33 @@ def expert_parallel_modules(model: nn.Module, ep_size: int) -> list[str]:
     return names
 
 
+def _count(module: nn.Module) -> int:
+    return int(module.num_experts)  # type: ignore[arg-type]  # every fused experts module has it (checked above)
+
+
 def experts_of_rank(num_experts: int, ep_size: int, ep_rank: int) -> range:
     """The experts an EP rank holds: a contiguous block, as DTensor's Shard(0) cuts."""
     local = num_experts // ep_size
     return range(ep_rank * local, (ep_rank + 1) * local)
+
+
+def describe_expert_parallel(model: nn.Module, names: list[str], layout: MeshLayout) -> dict[str, Any] | None:
+    """For `check`: the experts' mesh, the modules split over it and which experts each rank holds (`ep` is the
+    mesh's innermost dimension: rank r is EP rank r mod ep_size)."""
+    if not names:
+        return None
+    shape, dim_names = layout.expert_shape
+    counts = sorted({_count(model.get_submodule(name)) for name in names})
+    return {
+        "mesh": {"shape": list(shape), "dim_names": list(dim_names)},
+        "modules": names,
+        "experts_by_rank": {
+            f"{count} experts": [
+                list(experts_of_rank(count, layout.ep_size, rank % layout.ep_size)) for rank in range(layout.world_size)
+            ]
+            for count in counts
+        },
+    }
 
 
 def apply_expert_parallel(model: nn.Module, names: list[str], ep_mesh: DeviceMesh | None) -> None:
@@ -85,7 +108,7 @@ def apply_expert_parallel(model: nn.Module, names: list[str], ep_mesh: DeviceMes
     ep_rank, ep_size = ep_mesh.get_local_rank(), ep_mesh.size()
     for name in names:
         module = model.get_submodule(name)
-        rows = experts_of_rank(module.num_experts, ep_size, ep_rank)
+        rows = experts_of_rank(_count(module), ep_size, ep_rank)
         for key, param in list(module.named_parameters(recurse=False)):
             local = param.detach()[rows.start : rows.stop]
             sharded = DTensor.from_local(
@@ -166,10 +189,10 @@ def _dispatching(module: nn.Module, ep_mesh: DeviceMesh) -> Forward:
 
     def forward_ep(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         tokens, top_k = top_k_index.shape
-        local_count = module.num_experts // ep_size
+        local_count = _count(module) // ep_size
         experts = top_k_index.reshape(-1)
         order = torch.argsort(experts, stable=True)  # the (token, expert) pairs, by expert: by destination rank
-        send, receive, local_index = _routes(experts, module.num_experts, group)
+        send, receive, local_index = _routes(experts, _count(module), group)
         routed = _Exchange.apply(hidden_states[order // top_k], send, receive, group)
         local = {
             key: _SumOverEP.apply(param.to_local(), ep_size) if isinstance(param, DTensor) else param

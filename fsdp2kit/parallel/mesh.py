@@ -64,21 +64,22 @@ def mesh_layout(world_size: int, strategy: StrategyConfig, ulysses_size: int = 1
             f"{', '.join(map(str, divisors(world_size)))}"
         )
     layout = replace(_fsdp_layout(world_size, strategy), ulysses_size=ulysses_size)
-    return replace(layout, **_expert_sizes(world_size, strategy))
+    ep_size, efsdp_size = _expert_sizes(world_size, strategy)
+    return replace(layout, ep_size=ep_size, efsdp_size=efsdp_size)
 
 
-def _expert_sizes(world_size: int, strategy: StrategyConfig) -> dict[str, int]:
+def _expert_sizes(world_size: int, strategy: StrategyConfig) -> tuple[int, int]:
     """ROLL's rule: efsdp_size x ep_size ranks hold every expert once, and must divide the world."""
     ep, efsdp = strategy.ep_size, strategy.efsdp_size
     if ep == 1:
-        return {}
+        return 1, 1
     if world_size % (ep * efsdp):
         valid = [d for d in divisors(world_size // efsdp) if d > 1] or [1]
         raise UserError(
             f"strategy_config.ep_size = {ep} x efsdp_size = {efsdp} does not divide the world size {world_size}; "
             f"valid ep_size with efsdp_size {efsdp}: {', '.join(map(str, valid))}"
         )
-    return {"ep_size": ep, "efsdp_size": efsdp}
+    return ep, efsdp
 
 
 def _fsdp_layout(world_size: int, strategy: StrategyConfig) -> MeshLayout:

@@ -137,7 +137,7 @@ def split_experts(model: nn.Module, class_names: list[str]) -> None:
 def _fused_experts_modules(model: nn.Module) -> list[nn.Module]:
     """The experts modules that dispatch through transformers' experts interface (`config._experts_implementation`)."""
     return [
-        module.experts
+        cast(nn.Module, module.experts)
         for module in model.modules()
         if is_moe_block(module) and hasattr(getattr(module.experts, "config", None), "_experts_implementation")
     ]
@@ -155,7 +155,7 @@ def set_experts_implementation(model: nn.Module, use_grouped_mm: bool | None) ->
             "model has none (no MoE layers, or wrap_policy.moe_experts split them one module per expert); drop it"
         )
     for module in experts:
-        module.config._experts_implementation = "grouped_mm" if use_grouped_mm else "eager"
+        cast(Any, module.config)._experts_implementation = "grouped_mm" if use_grouped_mm else "eager"
 
 
 def apply_expert_patch(model: nn.Module) -> None:

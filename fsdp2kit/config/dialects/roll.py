@@ -232,7 +232,9 @@ STRATEGY_CONFIG_RULES: dict[str, Rule] = {
     ),
     "offload_policy": _offload_policy,
     # ROLL's expert parallelism (fsdp2_strategy.py: create_device_mesh_with_ep, apply_moe_ep): the same keys natively
-    **{name: to(f"{STRATEGY_CONFIG}.{name}") for name in ("ep_size", "efsdp_size", "moe_use_grouped_mm")},
+    **{name: to(f"{STRATEGY_CONFIG}.{name}") for name in ("ep_size", "efsdp_size")},
+    # ROLL's false leaves transformers' default (grouped_mm since transformers 5.2), natively unset
+    "moe_use_grouped_mm": to(f"{STRATEGY_CONFIG}.moe_use_grouped_mm", lambda value: True if value else None),
     "model_type": ignored("ROLL's TiledMLP model type; fsdp2kit tiles each decoder layer's MLP"),
     **dict.fromkeys(
         ("save_only_model", "reduce_scatter_during_grad_accumulation"),
