@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import launch_two_ranks, process_group, run_cli, sharded_model
+from conftest import launch_two_ranks, process_group, sharded_model
 from moe_families_worker import micro_batches
 from moe_families_worker import train as train_in_process
 from test_moe_families import FAMILIES, saved_folder, stored, transformers_log_probs
@@ -72,8 +72,8 @@ def one_rank(folders: dict[str, Path], out: Path) -> dict[str, dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def two_ranks(folders: dict[str, Path], out: Path, one_rank: dict) -> dict[str, dict[str, Any]]:
-    """One 2-rank launch: every family at EP 2 (exported), the forced routing, the eager experts loop, and the
-    resumes from EP 1 to EP 2 and from EP 2 to none."""
+    """One 2-rank launch: every family at EP 2 (exported), the forced routing, EP over a Ulysses pair, the eager
+    experts loop, and the resumes from EP 1 to EP 2 and from EP 2 to none."""
     planned = {
         family: run(folder, out / f"{family}-ep2.pt", 2, ep=2, export=True) for family, folder in folders.items()
     }
@@ -81,6 +81,7 @@ def two_ranks(folders: dict[str, Path], out: Path, one_rank: dict) -> dict[str, 
     planned["qwen3_moe"].update(save_at=2, checkpoint=str(out / "ckpt-ep2"))
     planned["forced"] = run(qwen3, out / "forced-ep2.pt", 2, ep=2, forced=True, ragged=True)
     planned["no ep"] = run(qwen3, out / "noep-2.pt", 2)
+    planned["ulysses"] = run(qwen3, out / "ulysses-ep2.pt", 4, ep=2, ulysses=2)
     planned["eager"] = run(qwen3, out / "eager-ep2.pt", 2, ep=2, grouped_mm=False)
     planned["1->2"] = run(qwen3, out / "resume-1-2.pt", 2, ep=2, resume=str(out / "ckpt-ep1"))
     planned["2->1"] = run(qwen3, out / "resume-2-1.pt", 2, ep=1, resume=str(out / "ckpt-ep2"))
@@ -162,6 +163,13 @@ def test_ranks_that_receive_no_token_and_ragged_batches_train_like_one_rank(one_
 
 
 @pytest.mark.slow
+def test_ep_over_a_ulysses_pair_trains_like_one_rank(one_rank, two_ranks):
+    """The 2 ranks of a Ulysses pair hold halves of the same sequences and split the experts: 4 micro-batches a
+    step, as the reference."""
+    assert_same_training(two_ranks["ulysses"], one_rank["qwen3_moe"])
+
+
+@pytest.mark.slow
 def test_the_eager_experts_loop_trains_like_grouped_mm(one_rank, two_ranks):
     """moe_use_grouped_mm: false runs transformers' eager per-expert loop on each rank's experts; the reference runs
     transformers' default, grouped_mm."""
@@ -220,12 +228,13 @@ def test_at_ep2_a_rank_holds_and_gathers_half_the_experts():
 
 
 def test_check_names_the_expert_mesh_and_each_ranks_experts():
-    ep = ["strategy_args.strategy_config.ep_size=2", "strategy_args.strategy_config.efsdp_size=2"]
-    result = run_cli(
-        "check", "examples/demo.yaml", "--json", "--nproc", "4", *[a for s in [*MOE, *ep] for a in ("--set", s)]
-    )
-    assert result.returncode == 0, result.stderr
-    plan = json.loads(result.stdout.strip().splitlines()[-1])
+    """`check`'s plan (rank 0 of 4, in this process) at EP 2 x efsdp 2."""
+    from fsdp2kit.check import describe
+    from fsdp2kit.config import load_config
+
+    sets = [*MOE, "strategy_args.strategy_config.ep_size=2", "strategy_args.strategy_config.efsdp_size=2"]
+    with process_group(4, 0) as runtime:
+        plan = describe(load_config("examples/demo.yaml", sets), runtime)
     described = plan["expert_parallel"]
     assert described["mesh"] == {"shape": [2, 2], "dim_names": ["efsdp", "ep"]}
     assert described["modules"] == [f"model.layers.{i}.mlp.experts" for i in range(4)]
@@ -240,7 +249,8 @@ def test_check_names_the_expert_mesh_and_each_ranks_experts():
         (
             [*MOE, "strategy_args.strategy_config.ep_size=3"],
             3,
-            "strategy_config.ep_size = 3 does not divide the 4 experts of 'model.layers.0.mlp.experts'; valid: 1 or 2, 4",
+            "strategy_config.ep_size = 3 does not divide the 4 experts of 'model.layers.0.mlp.experts'; "
+            "valid: 1 or 2, 4",
         ),
         (
             [*MOE, "strategy_args.strategy_config.ep_size=2", "strategy_args.strategy_config.efsdp_size=2"],
@@ -269,7 +279,19 @@ def test_check_names_the_expert_mesh_and_each_ranks_experts():
         ),
     ],
 )
-def test_what_expert_parallelism_cannot_split_is_one_line(sets, ranks, message, run_main):
-    result = run_main("check", "examples/demo.yaml", "--nproc", ranks, *[a for s in sets for a in ("--set", s)])
+def test_what_expert_parallelism_cannot_split_is_one_line(sets, ranks, message):
+    """Each refused as the plan is built (`check`, and every rank of a run), in this process as rank 0 of `ranks`."""
+    from fsdp2kit.config import load_config
+    from fsdp2kit.errors import UserError
+
+    cfg = load_config("examples/demo.yaml", sets)
+    with process_group(ranks, 0) as runtime, pytest.raises(UserError) as refused:
+        sharded_model(cfg, runtime, training=True, materialize=False)
+    assert message in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_a_refusal_is_one_line_and_exit_2_from_the_command_line(run_main):
+    sets = [*MOE, "strategy_args.strategy_config.ep_size=3"]
+    result = run_main("check", "examples/demo.yaml", "--nproc", 3, *[a for s in sets for a in ("--set", s)])
     assert result.returncode == 2
-    assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert "does not divide the 4 experts" in result.stderr and len(result.stderr.strip().splitlines()) == 1
