@@ -135,7 +135,7 @@ def test_the_checks_catch_what_they_look_for():
 # Words that name a model variant (LoRA, vision-language, mixture of experts) in a condition.
 VARIANT_WORDS = re.compile(r"lora|adapter|peft|vision|visual|\bvl\b|_vl\b|image|pixel|moe|expert|router", re.I)
 # Modules whose names name a feature own it; the config layer reads (and the dialects translate) its keys.
-FEATURE_MODULE = re.compile(r"lora|vl|vision|moe|variant|\.config\b")
+FEATURE_MODULE = re.compile(r"lora|vl|vision|moe|expert_parallel|variant|\.config\b")
 
 
 def variant_conditions(trees: dict[str, ast.Module]) -> list[str]:

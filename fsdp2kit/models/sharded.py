@@ -22,7 +22,7 @@ from fsdp2kit.models.variant import ModelVariant, pick_variant
 from fsdp2kit.parallel.activation_offload import PinnedHost, apply_activation_offload
 from fsdp2kit.parallel.compile import compile_modules
 from fsdp2kit.parallel.document_attention import attend_documents
-from fsdp2kit.parallel.expert_parallel import apply_expert_parallel
+from fsdp2kit.parallel.expert_parallel import apply_expert_parallel, expert_meshes
 from fsdp2kit.parallel.fsdp import apply_fsdp, shard_device
 from fsdp2kit.parallel.mesh import MeshLayout, build_expert_mesh, build_mesh, mesh_layout, sequence_parallel_group
 from fsdp2kit.parallel.moe import gather_router_logits, set_experts_implementation
@@ -82,10 +82,10 @@ def build_sharded_model(
     apply_recompute(model, plan.recompute_modules, plan.use_reentrant)
     apply_tiled_mlp(model, plan.tiled_mlp_modules, plan.tiled_num_shards)
     variant.patch_sharded(model, plan)
-    apply_expert_parallel(model, plan.expert_parallel, expert_mesh and expert_mesh["ep"])
+    apply_expert_parallel(model, plan.expert_parallel, expert_mesh)
     compile_modules(model, plan.compiled_modules)
     _offload_activations(model, plan, runtime.device)
-    apply_fsdp(model, mesh, plan, expert_mesh)
+    apply_fsdp(model, mesh, plan, expert_meshes(expert_mesh))
     if materialize:
         shards_on = shard_device(plan, runtime.device)
         materialise(model, source, runtime.device, seed, model_cfg.weights_loading, shards_on, variant.tensor_leeway)

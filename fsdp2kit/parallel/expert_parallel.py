@@ -26,6 +26,7 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from fsdp2kit.config.schema import ModelConfig, StrategyConfig
 from fsdp2kit.errors import UserError
 from fsdp2kit.parallel.forward_patch import Forward, replace_forward
 from fsdp2kit.parallel.mesh import MeshLayout, divisors
@@ -38,6 +39,42 @@ def _fused_experts(model: nn.Module) -> list[tuple[str, nn.Module]]:
         for name, module in model.named_modules()
         if isinstance(getattr(module, "experts", None), nn.Module)
     ]
+
+
+EXPERT_MESH = "experts"  # the name the plan gives the experts' shard mesh (`expert_shard_mesh`)
+
+
+def expert_parallel_plan(
+    model: nn.Module, strategy: StrategyConfig, model_cfg: ModelConfig, notes: list[str]
+) -> list[str]:
+    """The experts modules split over the EP ranks; what expert parallelism does not combine with is refused in
+    one line."""
+    if strategy.ep_size == 1:
+        if strategy.efsdp_size > 1:
+            notes.append(f"efsdp_size {strategy.efsdp_size} changes nothing: it applies with ep_size > 1 only")
+        return []
+    if callable(getattr(model, "_fully_shard", None)):
+        raise UserError(
+            f"strategy_config.ep_size = {strategy.ep_size}: the model shards itself (its own _fully_shard); "
+            "set ep_size: 1"
+        )
+    if model_cfg.lora_enabled:
+        raise UserError(
+            f"strategy_config.ep_size = {strategy.ep_size}: LoRA (model.lora) with expert parallelism is not "
+            "supported; set ep_size: 1"
+        )
+    if strategy.apply_expert_patch:
+        notes.append("apply_expert_patch changes nothing under expert parallelism: each rank runs only its experts")
+    return expert_parallel_modules(model, strategy.ep_size)
+
+
+def expert_meshes(expert_mesh: DeviceMesh | None) -> dict[str, DeviceMesh]:
+    """The meshes `apply_fsdp` shards the plan's other groups over: what FSDP shards each split expert over, its
+    mesh without `ep` (`efsdp`, or `[eddp, efsdp]`: HSDP); none without expert parallelism."""
+    if expert_mesh is None:
+        return {}
+    names = tuple(expert_mesh.mesh_dim_names or ())
+    return {EXPERT_MESH: expert_mesh[names[:-1]] if len(names) == 3 else expert_mesh[names[0]]}
 
 
 def expert_parallel_modules(model: nn.Module, ep_size: int) -> list[str]:
@@ -99,12 +136,14 @@ def describe_expert_parallel(model: nn.Module, names: list[str], layout: MeshLay
     }
 
 
-def apply_expert_parallel(model: nn.Module, names: list[str], ep_mesh: DeviceMesh | None) -> None:
-    """Split each named experts module over `ep_mesh` (its parameters become expert-sharded DTensors, on whatever
-    device they are: the meta device before materialising) and send its tokens to their experts' ranks."""
+def apply_expert_parallel(model: nn.Module, names: list[str], expert_mesh: DeviceMesh | None) -> None:
+    """Split each named experts module over the `ep` dimension of `expert_mesh` (its parameters become
+    expert-sharded DTensors, on whatever device they are: the meta device before materialising) and send its tokens
+    to their experts' ranks."""
     if not names:
         return
-    assert ep_mesh is not None  # build_expert_mesh made it, as the layout has ep_size > 1
+    assert expert_mesh is not None  # build_expert_mesh made it, as the layout has ep_size > 1
+    ep_mesh = expert_mesh["ep"]
     ep_rank, ep_size = ep_mesh.get_local_rank(), ep_mesh.size()
     for name in names:
         module = model.get_submodule(name)

@@ -40,10 +40,10 @@ def _check_reshard(reshard: bool | int, mesh: DeviceMesh) -> None:
 
 
 def apply_fsdp(
-    model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan, expert_mesh: DeviceMesh | None = None
+    model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan, meshes: dict[str, DeviceMesh] | None = None
 ) -> list[FSDPModule]:
-    """Shard `model` in place; returns the non-root shard groups in forward order. The experts split by expert
-    parallelism are sharded over `expert_mesh` (`_shard_experts`)."""
+    """Shard `model` in place; returns the non-root shard groups in forward order. The groups the plan puts on
+    another mesh (`plan.group_meshes`: the experts under expert parallelism) are sharded over `meshes[its name]`."""
     if plan.offload and not torch.cuda.is_available():
         raise UserError(
             "strategy_config.offload_policy: CPU offload needs an accelerator (CUDA) and this machine "
@@ -65,23 +65,18 @@ def apply_fsdp(
         cast_inputs = plan.cast_forward_inputs and not set(names) & set(plan.no_cast_modules)
         policy = _mp_policy(plan, master_dtype, cast_inputs, root=False)
         modules = [model.get_submodule(n) for n in names]
-        if names[0] in plan.expert_parallel:
-            _shard_experts(modules[0], cast(DeviceMesh, expert_mesh), dict(common, mp_policy=policy))
-        elif len(modules) == 1:
-            fully_shard(modules[0], mp_policy=policy, **common)
-        else:
-            fully_shard(modules, mp_policy=policy, **common)
+        own_mesh = plan.group_meshes.get(names[0])
+        options = dict(common, mp_policy=policy)
+        if own_mesh is not None:  # an integer reshard_after_forward names a group size of the dense mesh
+            reshard = plan.reshard_after_forward
+            options.update(mesh=(meshes or {})[own_mesh], reshard_after_forward=reshard is not False)
+        fully_shard(modules[0] if len(modules) == 1 else modules, **options)
 
     groups: list[FSDPModule]
     if plan.custom:
-        policy = _mp_policy(plan, master_dtype, plan.cast_forward_inputs, root=False)
-        model._fully_shard(dict(common, mp_policy=policy))  # type: ignore[operator]  # the model's own method
-        # One entry per fully_shard call: a group of several modules shares one FSDP state.
-        states: dict[int, FSDPModule] = {}
-        for module in model.modules():
-            if isinstance(module, FSDPModule) and module is not model:
-                states.setdefault(id(module._get_fsdp_state()), module)
-        groups = list(states.values())
+        groups = _own_groups(
+            model, dict(common, mp_policy=_mp_policy(plan, master_dtype, plan.cast_forward_inputs, False))
+        )
     else:
         for names in reversed(plan.groups):  # bottom-up: inner groups before the modules that contain them
             shard(names)
@@ -96,21 +91,21 @@ def apply_fsdp(
         **dict(common, reshard_after_forward=False),
     )
     if replicated:
-        dense = [g for g, names in zip(groups, plan.groups, strict=True) if names[0] not in plan.expert_parallel]
+        dense = [g for g, names in zip(groups, plan.groups, strict=True) if names[0] not in plan.group_meshes]
         reduce_across_replicas([*dense, cast(FSDPModule, model)], mesh, torch_dtype(plan.reduce_dtype) == master_dtype)
     _set_prefetch(groups, plan.forward_prefetch, plan.backward_prefetch)
     return groups
 
 
-def _shard_experts(module: nn.Module, expert_mesh: DeviceMesh, common: dict[str, Any]) -> None:
-    """An experts module split over `ep` is sharded over the rest of its mesh (`efsdp`, replicated over `eddp`).
-    An integer reshard_after_forward names a group size of the dense mesh: the experts reshard fully."""
-    names = cast(tuple[str, ...], expert_mesh.mesh_dim_names)
-    shard_mesh = expert_mesh[names[:-1]] if len(names) == 3 else expert_mesh[names[0]]
-    reshard = common["reshard_after_forward"]
-    fully_shard(
-        module, **dict(common, mesh=shard_mesh, reshard_after_forward=reshard if isinstance(reshard, bool) else True)
-    )
+def _own_groups(model: nn.Module, options: dict[str, Any]) -> list[FSDPModule]:
+    """The model's own `_fully_shard` decides the groups; one entry per fully_shard call (a group of several modules
+    shares one FSDP state)."""
+    model._fully_shard(options)  # type: ignore[operator]  # the model's own method
+    states: dict[int, FSDPModule] = {}
+    for module in model.modules():
+        if isinstance(module, FSDPModule) and module is not model:
+            states.setdefault(id(module._get_fsdp_state()), module)
+    return list(states.values())
 
 
 def stays_gathered(model: nn.Module) -> bool:

@@ -13,7 +13,7 @@ import torch.nn as nn
 
 from fsdp2kit.config.schema import ModelConfig, StrategyConfig, pattern_class
 from fsdp2kit.errors import UserError
-from fsdp2kit.parallel.expert_parallel import expert_parallel_modules
+from fsdp2kit.parallel.expert_parallel import EXPERT_MESH, expert_parallel_plan
 from fsdp2kit.parallel.module_paths import modules_of_classes
 from fsdp2kit.parallel.moe import expert_modules, needs_expert_patch, reentrant_allowed, without_moe_blocks
 from fsdp2kit.parallel.vision import default_projector_groups, translate_vl_path, uncast_modules
@@ -97,6 +97,7 @@ class ShardingPlan:
     tiled_num_shards: int
     expert_patch: bool  # every rank runs every separately sharded expert (fsdp2kit.parallel.moe)
     expert_parallel: list[str]  # experts modules split over the ranks of an EP group, each its own shard group
+    group_meshes: dict[str, str]  # group (its first module) -> the mesh it is sharded over, if not the dense one
     frozen_parameters: list[str]
     reshard_after_forward: bool | int
     param_dtype: str | None
@@ -265,30 +266,6 @@ def _shard_groups(model: nn.Module, selected: list[str], extra: list[str], notes
     return sorted(groups, key=lambda g: order.index(g[0]))
 
 
-def _expert_parallel_plan(
-    model: nn.Module, strategy: StrategyConfig, model_cfg: ModelConfig, notes: list[str]
-) -> list[str]:
-    """The experts modules split over the EP ranks (parallel/expert_parallel.py); what expert parallelism does not
-    combine with is refused in one line."""
-    if strategy.ep_size == 1:
-        if strategy.efsdp_size > 1:
-            notes.append(f"efsdp_size {strategy.efsdp_size} changes nothing: it applies with ep_size > 1 only")
-        return []
-    if callable(getattr(model, "_fully_shard", None)):
-        raise UserError(
-            f"strategy_config.ep_size = {strategy.ep_size}: the model shards itself (its own _fully_shard); "
-            "set ep_size: 1"
-        )
-    if model_cfg.lora_enabled:
-        raise UserError(
-            f"strategy_config.ep_size = {strategy.ep_size}: LoRA (model.lora) with expert parallelism is not "
-            "supported; set ep_size: 1"
-        )
-    if strategy.apply_expert_patch:
-        notes.append("apply_expert_patch changes nothing under expert parallelism: each rank runs only its experts")
-    return expert_parallel_modules(model, strategy.ep_size)
-
-
 def _refuse_ignored_overlap(sharded: list[str], ignored: list[str]) -> None:
     overlap = [n for n in sharded if any(_is_ancestor(i, n) or _is_ancestor(n, i) for i in ignored)]
     if overlap:
@@ -343,7 +320,7 @@ def build_plan(
     if custom:
         _no_selection_keys(strategy, type(model).__name__)
     selected, experts = ([], []) if custom else _selected_modules(model, strategy, notes)
-    expert_parallel = _expert_parallel_plan(model, strategy, model_cfg, notes)
+    expert_parallel = expert_parallel_plan(model, strategy, model_cfg, notes)
     selected += [name for name in expert_parallel if name not in selected]
     extra = _embedding_modules_to_wrap(model, strategy)
     _refuse_ignored_overlap(selected + extra, ignored)
@@ -367,6 +344,7 @@ def build_plan(
         tiled_num_shards=strategy.tiled_num_shards,
         expert_patch=expert_patch,
         expert_parallel=expert_parallel,
+        group_meshes=dict.fromkeys(expert_parallel, EXPERT_MESH),
         frozen_parameters=frozen,
         reshard_after_forward=effective_reshard(strategy),
         param_dtype=param_dtype,
