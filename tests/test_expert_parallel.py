@@ -227,6 +227,21 @@ def test_at_ep2_a_rank_holds_and_gathers_half_the_experts():
     assert fsdp_held == ep_held  # stored shards are halved either way: EP halves what is gathered and computed
 
 
+def test_each_rank_reads_only_its_experts_rows():
+    """Rank 1 of EP 2 (x efsdp 2 on 4 ranks: its half of them) loads rows of experts 2 and 3 only: the slice the
+    sliced loader reads from the files (`test_moe_families.py`: a slice reads only those experts' tensors)."""
+    from fsdp2kit.config import load_config
+    from fsdp2kit.models.shards import local_index
+
+    for ranks, efsdp, rows in ((2, 1, slice(2, 4)), (4, 2, slice(2, 3))):
+        sets = [*MOE, "strategy_args.strategy_config.ep_size=2", f"strategy_args.strategy_config.efsdp_size={efsdp}"]
+        with process_group(ranks, 1) as runtime:
+            model = sharded_model(load_config("examples/demo.yaml", sets), runtime, training=False, materialize=False)
+            experts = model.model.model.layers[0].mlp.experts
+            assert local_index(experts.gate_up_proj)[0] == rows, (ranks, efsdp)
+            assert local_index(experts.down_proj)[0] == rows
+
+
 def test_check_names_the_expert_mesh_and_each_ranks_experts():
     """`check`'s plan (rank 0 of 4, in this process) at EP 2 x efsdp 2."""
     from fsdp2kit.check import describe
