@@ -306,7 +306,9 @@ def test_what_expert_parallelism_cannot_split_is_one_line(sets, ranks, message):
 
 
 def test_a_refusal_is_one_line_and_exit_2_from_the_command_line(run_main):
+    """The mesh is checked before any rank starts."""
     sets = [*MOE, "strategy_args.strategy_config.ep_size=3"]
-    result = run_main("check", "examples/demo.yaml", "--nproc", 3, *[a for s in sets for a in ("--set", s)])
+    result = run_main("check", "examples/demo.yaml", "--nproc", 2, *[a for s in sets for a in ("--set", s)])
     assert result.returncode == 2
-    assert "does not divide the 4 experts" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert "ep_size = 3 x efsdp_size = 1 does not divide the world size 2" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
