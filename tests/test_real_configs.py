@@ -517,8 +517,8 @@ def plan_or_refusal(name: str, model: str, ranks: int) -> dict | str:
     except UserError as error:
         return name_as_written(str(error), cfg) if cfg else str(error)
     mixed = plan["mixed_precision"]
-    strategy = cfg.strategy_args.strategy_config
-    experts = {"expert_mesh": list(expert_mesh(ranks, cfg))} if strategy.ep_size > 1 else {}
+    split = plan["expert_parallel"]  # the experts' mesh ([efsdp, ep] or [eddp, efsdp, ep]) under expert parallelism
+    experts = {"expert_mesh": split["mesh"]["shape"]} if split else {}
     return experts | {
         "mesh": plan["mesh"]["shape"],
         "sharded_modules": plan["sharded_modules"],
@@ -530,13 +530,6 @@ def plan_or_refusal(name: str, model: str, ranks: int) -> dict | str:
         "prefetch": [plan["prefetch"]["forward"], plan["prefetch"]["backward"]],
         "frozen_modules": plan["frozen_modules"],
     }
-
-
-def expert_mesh(ranks: int, cfg) -> tuple[int, ...]:
-    """The experts' mesh of the resolved config (check --json does not show it): [efsdp, ep] or [eddp, efsdp, ep]."""
-    from fsdp2kit.parallel.mesh import mesh_layout
-
-    return mesh_layout(ranks, cfg.strategy_args.strategy_config, cfg.model.ulysses_size).expert_shape[0]
 
 
 def test_the_corpus_is_the_manifest_and_holds_60_real_files():
