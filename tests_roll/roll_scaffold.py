@@ -71,9 +71,12 @@ def install() -> None:
         setattr(current_platform, name, function)
 
 
-def pipeline_config(model_dir: str, output_dir: str, ranks: int, learning_rate: float = 1e-2) -> Any:
+def pipeline_config(
+    model_dir: str, output_dir: str, ranks: int, learning_rate: float = 1e-2, actor_strategy: dict | None = None
+) -> Any:
     """ROLL's RLVRConfig read from tests_roll/rlvr_tiny.yaml as ROLL's launcher reads a YAML (dacite over the
-    dict) and its RLVR pipeline completes it, on `ranks` ranks per role."""
+    dict) and its RLVR pipeline completes it, on `ranks` ranks per role; `actor_strategy` adds keys to the actor's
+    strategy_config."""
     from dacite import from_dict
     from roll.pipeline.rlvr.rlvr_config import RLVRConfig
 
@@ -81,6 +84,7 @@ def pipeline_config(model_dir: str, output_dir: str, ranks: int, learning_rate: 
     text = text.replace("MODEL_DIR", model_dir).replace("OUTPUT_DIR", output_dir).replace("RANKS", str(ranks))
     raw = yaml.safe_load(text)
     raw["actor_train"]["training_args"]["learning_rate"] = learning_rate
+    raw["actor_train"]["strategy_args"]["strategy_config"].update(actor_strategy or {})
     config = from_dict(data_class=RLVRConfig, data=raw)
     config.set_max_steps(max_steps=config.max_steps)  # as roll/pipeline/rlvr/rlvr_pipeline.py does
     return config
@@ -112,4 +116,33 @@ def tiny_qwen2(folder: Path) -> Path:
         model_class(config).save_pretrained(where)
         for file in tokenizer_dir().iterdir():
             shutil.copy(file, where / file.name)
+    return folder
+
+
+def tiny_qwen3_moe(folder: Path) -> Path:
+    """A seeded 2-layer Qwen3-MoE (hidden 64; 4 fused experts, 2 per token) with fsdp2kit's built-in tokenizer."""
+    import shutil
+
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from fsdp2kit.data.builtin import tokenizer_dir
+
+    config = Qwen3MoeConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_experts=4,
+        num_experts_per_tok=2,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(3)
+    Qwen3MoeForCausalLM(config).save_pretrained(folder)
+    for file in tokenizer_dir().iterdir():
+        shutil.copy(file, folder / file.name)
     return folder

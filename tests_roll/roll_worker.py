@@ -15,6 +15,17 @@ import roll_scaffold
 import torch
 
 ROWS, PROMPT, RESPONSE = 4, 6, 6
+# The actor's strategy_config keys for ROLE `actor_ep` (Qwen3-MoE, expert parallelism over 2 ranks, as ROLL's
+# examples/qwen3-30BA3B-rlvr_fsdp2/rlvr_config_ep.yaml writes it) and `actor_moe` (the same model without it).
+MOE_LAYERS = {"transformer_layer_cls_to_wrap": ["Qwen3MoeAttention", "Qwen3MoeSparseMoeBlock"]}
+ACTOR_STRATEGY = {
+    "actor_ep": {
+        "ep_size": 2,
+        "moe_use_grouped_mm": False,
+        "wrap_policy": {**MOE_LAYERS, "moe_experts": ["Qwen3MoeExperts"]},
+    },
+    "actor_moe": {"wrap_policy": MOE_LAYERS},
+}
 
 
 def use_fsdp2kit() -> None:
@@ -93,12 +104,15 @@ def run(engine: str, role: str, model_dir: str, out: str, ranks: int) -> None:
     from roll.pipeline.base_worker import CriticWorker
     from roll.pipeline.rlvr.actor_worker import ActorWorker
 
-    config = roll_scaffold.pipeline_config(model_dir, out + ".run", ranks)
+    config = roll_scaffold.pipeline_config(model_dir, out + ".run", ranks, actor_strategy=ACTOR_STRATEGY.get(role))
+    role, moe = ("actor", True) if role in ACTOR_STRATEGY else (role, False)
     worker_config = {"actor": config.actor_train, "reference": config.reference, "critic": config.critic}[role]
     worker = (CriticWorker if role == "critic" else ActorWorker)(worker_config=worker_config)
     worker.initialize(config)
     first, second = rollout(0), rollout(1)
     result: dict[str, object] = {"strategy": type(worker.strategy).__name__}
+    if moe:
+        result["experts"] = experts_layout(worker.strategy.model)
     if role == "reference":  # ROLL's reference: an ActorWorker on fsdp2_infer, asked for log-probs only
         result.update(worker.compute_log_probs(share(first, 0)).batch.items())
         torch.save(result, f"{out}.rank{os.environ['RANK']}")
@@ -123,6 +137,15 @@ def run(engine: str, role: str, model_dir: str, out: str, ranks: int) -> None:
         worker.strategy.load_checkpoint(load_dir=folder if role == "actor" else os.path.join(folder, "critic"))
         result["loaded"] = after(worker, role, second)
     torch.save(result, f"{out}.rank{os.environ['RANK']}")
+
+
+def experts_layout(model: torch.nn.Module) -> dict[str, tuple]:
+    """Each experts weight's mesh dimensions and this rank's local shape: how the strategy split the experts."""
+    return {
+        name: (param.device_mesh.mesh_dim_names, tuple(param.to_local().shape))
+        for name, param in model.named_parameters()
+        if ".experts." in name
+    }
 
 
 def train_batch(tensors: dict[str, torch.Tensor], result: dict, role: str) -> dict[str, torch.Tensor]:

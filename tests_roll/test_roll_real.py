@@ -16,7 +16,13 @@ import torch
 
 HERE = Path(__file__).parent
 ROLL_SOURCE = Path(os.environ.get("ROLL_SOURCE", HERE.parent.parent / "shared" / "third_party" / "ROLL"))
-ROLES = {"actor": "actor_train", "reference": "reference", "critic": "critic"}
+ROLES = {
+    "actor": "actor_train",
+    "actor_ep": "actor_train",
+    "actor_moe": "actor_train",
+    "reference": "reference",
+    "critic": "critic",
+}
 
 
 def free_port() -> int:
@@ -70,6 +76,30 @@ def assert_same_metrics(ours: dict, roll: dict, figures: dict[str, float]) -> No
         assert relative <= 1e-5 or (got - want).abs().max().item() <= 1e-6, (key, got, want)
 
 
+def assert_same_actor(ours: list[dict], roll: list[dict], reference: str = "FSDP2TrainStrategy") -> dict[str, float]:
+    """The actor's figures, rank by rank: log-probs and entropy (1e-5), ROLL's train metrics, the log-probs after
+    the step (1e-3), the checkpoint round trip (exact), and the model update's tensors (rank 0 only, ROLL's names,
+    1e-3); the measured maxima."""
+    figures: dict[str, float] = {}
+    for mine, theirs in zip(ours, roll, strict=True):
+        assert (mine["strategy"], theirs["strategy"]) == ("RollStrategy", reference)
+        for key in ("log_probs", "entropy"):
+            figures[key] = max(figures.get(key, 0.0), (mine[key] - theirs[key]).abs().max().item())
+            assert figures[key] <= 1e-5, key
+        assert_same_metrics(mine["train"], theirs["train"], figures)
+        after = (mine["saved"]["log_probs"] - theirs["saved"]["log_probs"]).abs().max().item()
+        figures["log_probs after the step"] = max(figures.get("log_probs after the step", 0.0), after)
+        assert after <= 1e-3
+        for key in ("log_probs", "entropy"):  # the checkpoint round trip, per rank from ROLL's folders
+            assert torch.equal(mine["loaded"][key], mine["saved"][key]), key
+    update, weights = ours[0]["update"], roll[0]["update"]
+    assert set(update) == set(weights)
+    figures["weights after the step"] = max((update[name] - weights[name]).abs().max().item() for name in update)
+    assert figures["weights after the step"] <= 1e-3
+    assert all(not rank["update"] for rank in ours[1:])  # sent once, from rank 0 (ROLL's separated mode)
+    return figures
+
+
 def report(name: str, figures: dict[str, float]) -> None:
     """The measured maxima, printed (pytest -s) for docs/api.md."""
     print(f"\n{name}: " + ", ".join(f"{key} {value:.2e}" for key, value in sorted(figures.items())))
@@ -85,23 +115,8 @@ def test_rolls_actor_worker_on_fsdp2kit_equals_rolls_fsdp2_strategy(model_dir, t
     .metadata, which rank 0 writes in its own; ROLL's uploader gathers them)."""
     ours = run_ranks("fsdp2kit", "actor", model_dir, tmp_path / "ours", ranks)
     roll = run_ranks("roll", "actor", model_dir, tmp_path / "roll", ranks)
-    figures: dict[str, float] = {}
-    for mine, theirs in zip(ours, roll, strict=True):
-        assert (mine["strategy"], theirs["strategy"]) == ("RollStrategy", "FSDP2TrainStrategy")
-        for key in ("log_probs", "entropy"):
-            figures[key] = max(figures.get(key, 0.0), (mine[key] - theirs[key]).abs().max().item())
-            assert figures[key] <= 1e-5, key
-        assert_same_metrics(mine["train"], theirs["train"], figures)
-        after = (mine["saved"]["log_probs"] - theirs["saved"]["log_probs"]).abs().max().item()
-        figures["log_probs after the step"] = max(figures.get("log_probs after the step", 0.0), after)
-        assert after <= 1e-3
-        for key in ("log_probs", "entropy"):  # the checkpoint round trip, per rank from ROLL's folders
-            assert torch.equal(mine["loaded"][key], mine["saved"][key]), key
-    update, weights = ours[0]["update"], roll[0]["update"]
-    assert list(update) == list(weights) and len(update) == 27  # every tensor, in ROLL's order and names
-    figures["weights after the step"] = max((update[name] - weights[name]).abs().max().item() for name in update)
-    assert figures["weights after the step"] <= 1e-3
-    assert all(not rank["update"] for rank in ours[1:])  # sent once, from rank 0 (ROLL's separated mode)
+    figures = assert_same_actor(ours, roll)
+    assert list(ours[0]["update"]) == list(roll[0]["update"]) and len(ours[0]["update"]) == 27  # in ROLL's order
     report(f"actor at {ranks} rank(s)", figures)
 
 
@@ -138,3 +153,31 @@ def test_rolls_reference_worker_on_fsdp2kit_equals_rolls_fsdp2_infer_strategy(mo
             figures[key] = max(figures.get(key, 0.0), (mine[key] - theirs[key]).abs().max().item())
             assert figures[key] <= 1e-5, key
     report(f"reference at {ranks} rank(s)", figures)
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from roll_scaffold import tiny_qwen3_moe
+
+    return tiny_qwen3_moe(tmp_path_factory.mktemp("roll-moe") / "model")
+
+
+@pytest.mark.slow
+def test_rolls_actor_worker_with_expert_parallelism_on_fsdp2kit_equals_rolls_fsdp2_strategy(moe_dir, tmp_path):
+    """ROLL's ActorWorker on a Qwen3-MoE (4 fused experts, 2 per token) with ROLL's EP example's keys (ep_size 2,
+    wrap_policy.moe_experts) at 2 ranks, on transformers 5.2: fsdp2kit splits the experts over the ranks and gives
+    the actor test's figures of ROLL's own FSDP2 strategy without EP, and of fsdp2kit without EP. (ROLL's own EP
+    cannot run on the CPU: its ExpertParallel._token_dispatch counts tokens per expert with torch.histc on the
+    routing's int64 indices, which raises "histogram_cpu" not implemented for 'Long'.) The model update sends
+    ROLL's names (each expert unfused) in another order within a layer (by projection, then expert; ROLL's: each
+    expert's gate and up, then the downs): its receiver loads by name."""
+    ours = run_ranks("fsdp2kit", "actor_ep", moe_dir, tmp_path / "ours", 2)
+    plain = run_ranks("fsdp2kit", "actor_moe", moe_dir, tmp_path / "plain", 2)
+    roll = run_ranks("roll", "actor_moe", moe_dir, tmp_path / "roll", 2)
+    for rank, (mine, theirs) in enumerate(zip(ours, roll, strict=True)):  # rank r holds experts 2r, 2r + 1 whole
+        assert mine["experts"] and set(mine["experts"]) == set(theirs["experts"])
+        for name, (dims, shape) in mine["experts"].items():
+            assert "ep" in dims and shape[0] == 2, (rank, name, dims, shape)
+            assert theirs["experts"][name][1][0] == 2 and "ep" not in theirs["experts"][name][0]
+    report("actor with ep_size 2 against ROLL's FSDP2 without EP", assert_same_actor(ours, roll))
+    report("actor with ep_size 2 against fsdp2kit without EP", assert_same_actor(ours, plain, "RollStrategy"))
