@@ -90,6 +90,19 @@ def pipeline_config(
     return config
 
 
+# The tiny models' common shape: 2 layers of 64, a 512-token vocabulary, untied head
+TINY_SHAPE = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    tie_word_embeddings=False,
+)
+
+
 def tiny_qwen2(folder: Path) -> Path:
     """A seeded 2-layer Qwen2 (hidden 64) with fsdp2kit's built-in tokenizer, and its critic (a token classifier
     of one label, as ROLL's value model provider loads it) in folder/critic."""
@@ -100,14 +113,7 @@ def tiny_qwen2(folder: Path) -> Path:
     from fsdp2kit.data.builtin import tokenizer_dir
 
     config = Qwen2Config(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        tie_word_embeddings=False,
+        **TINY_SHAPE,
         num_labels=1,
         classifier_dropout=0.0,  # transformers' default 0.1 would make the two critics' training differ by chance
     )
@@ -127,20 +133,7 @@ def tiny_qwen3_moe(folder: Path) -> Path:
 
     from fsdp2kit.data.builtin import tokenizer_dir
 
-    config = Qwen3MoeConfig(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        moe_intermediate_size=32,
-        num_experts=4,
-        num_experts_per_tok=2,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=128,
-        tie_word_embeddings=False,
-    )
+    config = Qwen3MoeConfig(**TINY_SHAPE, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, head_dim=16)
     torch.manual_seed(3)
     Qwen3MoeForCausalLM(config).save_pretrained(folder)
     for file in tokenizer_dir().iterdir():
