@@ -62,6 +62,7 @@ def config(run: dict[str, Any]) -> dict[str, Any]:
                 "ep_size": run.get("ep", 1),
                 "efsdp_size": run.get("efsdp", 1),
                 "moe_use_grouped_mm": run.get("grouped_mm"),
+                **run.get("strategy", {}),
             }
         },
         "training": {

@@ -82,6 +82,10 @@ def two_ranks(folders: dict[str, Path], out: Path, one_rank: dict) -> dict[str, 
     planned["forced"] = run(qwen3, out / "forced-ep2.pt", 2, ep=2, forced=True, ragged=True)
     planned["no ep"] = run(qwen3, out / "noep-2.pt", 2)
     planned["ulysses"] = run(qwen3, out / "ulysses-ep2.pt", 4, ep=2, ulysses=2)
+    planned["no shard"] = run(qwen3, out / "noshard-ep2.pt", 2, ep=2, strategy={"sharding_strategy": "NO_SHARD"})
+    planned["zero2"] = run(
+        qwen3, out / "zero2-ep2.pt", 2, ep=2, strategy={"reshard_after_forward": False, "sync_each_batch": True}
+    )
     planned["eager"] = run(qwen3, out / "eager-ep2.pt", 2, ep=2, grouped_mm=False)
     planned["1->2"] = run(qwen3, out / "resume-1-2.pt", 2, ep=2, resume=str(out / "ckpt-ep1"))
     planned["2->1"] = run(qwen3, out / "resume-2-1.pt", 2, ep=1, resume=str(out / "ckpt-ep2"))
@@ -93,12 +97,14 @@ def two_ranks(folders: dict[str, Path], out: Path, one_rank: dict) -> dict[str, 
 
 @pytest.fixture(scope="module")
 def four_ranks(folders: dict[str, Path], out: Path, two_ranks: dict) -> dict[str, dict[str, Any]]:
-    """One 4-rank launch: every family at EP 2 x efsdp 2, the forced routing (with the eager loop, which uses no
+    """One 4-rank launch: every family at EP 2 x efsdp 2, EP 2 replicated over 2 (the mesh [eddp, efsdp, ep] beside
+    HSDP for the dense parts), the forced routing (with the eager loop, which uses no
     weight of an expert without tokens), and the resume from EP 2 on 2 ranks to EP 2 x efsdp 2."""
     planned = {family: run(folder, out / f"{family}-ep2x2.pt", 1, ep=2, efsdp=2) for family, folder in folders.items()}
     planned["forced"] = run(
         folders["qwen3_moe"], out / "forced-ep2x2.pt", 1, ep=2, efsdp=2, forced=True, ragged=True, grouped_mm=False
     )
+    planned["eddp"] = run(folders["qwen3_moe"], out / "eddp-ep2.pt", 1, ep=2, strategy={"fsdp_size": 2})
     planned["2->4"] = run(folders["qwen3_moe"], out / "resume-2-4.pt", 1, ep=2, efsdp=2, resume=str(out / "ckpt-ep2"))
     spec = out / "four_ranks.json"
     spec.write_text(json.dumps(list(planned.values())))
@@ -167,6 +173,21 @@ def test_ep_over_a_ulysses_pair_trains_like_one_rank(one_rank, two_ranks):
     """The 2 ranks of a Ulysses pair hold halves of the same sequences and split the experts: 4 micro-batches a
     step, as the reference."""
     assert_same_training(two_ranks["ulysses"], one_rank["qwen3_moe"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dense", ["no shard", "zero2"])
+def test_ep_beside_other_dense_strategies_trains_like_one_rank(dense, one_rank, two_ranks):
+    """The dense parts replicated (NO_SHARD: their replicas' all-reduce, the experts' own groups beside it), or kept
+    gathered (ZeRO-2) with a reduction after every micro-batch."""
+    assert_same_training(two_ranks[dense], one_rank["qwen3_moe"])
+
+
+@pytest.mark.slow
+def test_ep_replicated_over_eddp_beside_hsdp_trains_like_one_rank(one_rank, four_ranks):
+    """4 ranks, EP 2 x efsdp 1: the experts' mesh [eddp 2, efsdp 1, ep 2] (each expert on 2 ranks, all-reduced), the
+    dense parts HSDP [ddp 2, fsdp 2]."""
+    assert_same_training(four_ranks["eddp"], one_rank["qwen3_moe"])
 
 
 @pytest.mark.slow
