@@ -3,10 +3,10 @@ RUNS.json` under torchrun's environment (or called in-process by the test, a wor
 loads a folder written by transformers' `save_pretrained` through `fsdp2kit.Strategy`, trains `steps` steps of
 next-token cross-entropy (router auxiliary loss included) on this rank's share of seeded global micro-batches, then
 scores a probe batch and (`export`) exports the model; rank 0 saves the losses, gradient norms, the probe's log-probs
-and the `full_weights`. Expert parallelism (`ep`, `efsdp`, tests/test_expert_parallel.py) adds: `forced` routing (every
-token of a Qwen3-MoE to experts 0 and 1: the ranks holding the others receive nothing), `ragged` micro-batches (every
-other one shorter: ranks exchange different token counts), a checkpoint saved after step `save_at` and a run that
-`resume`s from one."""
+and the `full_weights`. Expert parallelism (`ep`, `efsdp`, tests/test_expert_parallel.py) adds: `packed` documents,
+`forced` routing (every token of a Qwen3-MoE to experts 0 and 1: the ranks holding the others receive nothing),
+`ragged` micro-batches (every other one shorter: ranks exchange different token counts), other `strategy` keys, a
+checkpoint saved after step `save_at` and a run that `resume`s from one."""
 
 from __future__ import annotations
 
@@ -22,9 +22,10 @@ import fsdp2kit
 LENGTH, ROWS, VOCAB = 16, 2, 64
 
 
-def micro_batches(step: int, count: int, ragged: bool = False) -> list[dict[str, torch.Tensor]]:
+def micro_batches(step: int, count: int, ragged: bool = False, packed: bool = False) -> list[dict[str, torch.Tensor]]:
     """`count` micro-batches of step `step` (step -1: the probe), the same in every process, the last row of each
-    right-padded: the router loss leaves padding out. `ragged`: every other micro-batch 4 tokens shorter."""
+    right-padded: the router loss leaves padding out. `ragged`: every other micro-batch 4 tokens shorter; `packed`:
+    two documents a row (their positions count from 0 again), unpadded."""
     generator = torch.Generator().manual_seed(2000 + step)
     batches = []
     for index in range(count):
@@ -32,7 +33,11 @@ def micro_batches(step: int, count: int, ragged: bool = False) -> list[dict[str,
         mask = torch.ones(ROWS, length, dtype=torch.long)
         mask[-1, length - 5 :] = 0
         ids = torch.randint(3, VOCAB, (ROWS, length), generator=generator).masked_fill(mask == 0, 2)
-        batches.append({"input_ids": ids, "attention_mask": mask})
+        if packed:
+            positions = (torch.arange(length) % (length // 2)).expand(ROWS, length)
+            batches.append({"input_ids": ids.masked_fill(mask == 0, 5), "position_ids": positions})
+        else:
+            batches.append({"input_ids": ids, "attention_mask": mask})
     return batches
 
 
@@ -84,7 +89,10 @@ def train(run: dict[str, Any]) -> None:
     first = strategy.load_checkpoint(run["resume"])["step"] if run.get("resume") else 0
     losses, grad_norms = [], []
     for step in range(first, run["steps"]):
-        mine = micro_batches(step, run["accumulation"] * data_parallel, run.get("ragged", False))[rank::data_parallel]
+        everyone = micro_batches(
+            step, run["accumulation"] * data_parallel, run.get("ragged", False), run.get("packed", False)
+        )
+        mine = everyone[rank::data_parallel]
         result = strategy.train_step(mine)
         losses.append(result["loss"])
         grad_norms.append(result["grad_norm"])

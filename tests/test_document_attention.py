@@ -164,12 +164,14 @@ def ulysses_attention(inner: str, documents: bool, window: int | None, qkv: list
     batch's documents (`shard_sequence`'s mask: a BlockMask for DOCUMENT_FLEX, else dense) or plain causal rows."""
     import torch.distributed as dist
 
-    from fsdp2kit.parallel.ulysses import _ulysses_attention, shard_sequence
+    from fsdp2kit.parallel.ulysses import _ulysses_attention, sequence_mask, shard_sequence
 
     ids, positions = (t.to(qkv[0].device) for t in packed_batch())
     group = dist.group.WORLD
-    batch = {"input_ids": ids, "labels": ids, "position_ids": positions}
-    mask = shard_sequence(batch, group, block_mask=inner == DOCUMENT_FLEX)["attention_mask"] if documents else None
+    batch = {"input_ids": ids, "labels": ids, **({"position_ids": positions} if documents else {})}
+    shard_sequence(batch, group, block_mask=inner == DOCUMENT_FLEX)  # leaves its mask (or none) beside the group
+    mask = sequence_mask(group)
+    assert (mask is None) != documents
     assert mask is None or type(mask).__name__ == ("BlockMask" if inner == DOCUMENT_FLEX else "Tensor")
     module = torch.nn.Module()
     module.is_causal, module.num_key_value_groups = True, 1

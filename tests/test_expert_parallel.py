@@ -62,6 +62,7 @@ def one_rank(folders: dict[str, Path], out: Path) -> dict[str, dict[str, Any]]:
     planned = {family: run(folder, out / f"{family}-1.pt", 4) for family, folder in folders.items()}
     planned["qwen3_moe"].update(save_at=2, checkpoint=str(out / "ckpt-ep1"))
     planned["forced"] = run(folders["qwen3_moe"], out / "forced-1.pt", 4, forced=True, ragged=True)
+    planned["packed"] = run(folders["qwen3_moe"], out / "packed-1.pt", 4, packed=True)
     try:
         for spec in planned.values():
             train_in_process(spec)
@@ -82,6 +83,7 @@ def two_ranks(folders: dict[str, Path], out: Path, one_rank: dict) -> dict[str, 
     planned["forced"] = run(qwen3, out / "forced-ep2.pt", 2, ep=2, forced=True, ragged=True)
     planned["no ep"] = run(qwen3, out / "noep-2.pt", 2)
     planned["ulysses"] = run(qwen3, out / "ulysses-ep2.pt", 4, ep=2, ulysses=2)
+    planned["ulysses packed"] = run(qwen3, out / "ulysses-packed-ep2.pt", 4, ep=2, ulysses=2, packed=True)
     planned["no shard"] = run(qwen3, out / "noshard-ep2.pt", 2, ep=2, strategy={"sharding_strategy": "NO_SHARD"})
     planned["zero2"] = run(
         qwen3, out / "zero2-ep2.pt", 2, ep=2, strategy={"reshard_after_forward": False, "sync_each_batch": True}
@@ -188,6 +190,13 @@ def test_ep_replicated_over_eddp_beside_hsdp_trains_like_one_rank(one_rank, four
     """4 ranks, EP 2 x efsdp 1: the experts' mesh [eddp 2, efsdp 1, ep 2] (each expert on 2 ranks, all-reduced), the
     dense parts HSDP [ddp 2, fsdp 2]."""
     assert_same_training(four_ranks["eddp"], one_rank["qwen3_moe"])
+
+
+@pytest.mark.slow
+def test_packed_documents_over_a_ulysses_pair_keep_the_router_loss_of_one_rank(one_rank, two_ranks):
+    """Two documents a row: Ulysses attends through their whole-sequence mask, which the model never gets as its
+    `attention_mask` (transformers' load-balancing loss would read it as a [B, T] padding mask and fail)."""
+    assert_same_training(two_ranks["ulysses packed"], one_rank["packed"])
 
 
 @pytest.mark.slow

@@ -26,7 +26,7 @@ from fsdp2kit.data.dataset import collate, load_documents
 from fsdp2kit.errors import UserError
 from fsdp2kit.labels import IGNORE_INDEX
 from fsdp2kit.parallel.mesh import mesh_layout
-from fsdp2kit.parallel.ulysses import shard_sequence
+from fsdp2kit.parallel.ulysses import sequence_mask, shard_sequence
 
 # The numerics tests' model, data and schedule, with no checkpoints, export or loggers.
 TRAINING = {**NUMERICS_CONFIG["training"], "save_steps": 0, "export_hf": False, "report_to": []}
@@ -98,7 +98,8 @@ def fake_group(rank: int, size: int):
 
 def test_shard_sequence_pads_and_slices_with_global_positions():
     batch = collate([torch.arange(10, 16), torch.arange(20, 24)], pad_id=2)  # 5 and 3 inputs, padded to 5
-    shards = [shard_sequence(batch, fake_group(rank, 2)) for rank in range(2)]
+    groups = [fake_group(rank, 2) for rank in range(2)]
+    shards = [shard_sequence(batch, group) for group in groups]
     joined = {key: torch.cat([s[key] for s in shards], dim=1) for key in ("input_ids", "labels", "position_ids")}
     assert joined["input_ids"][:, :5].tolist() == batch["input_ids"].tolist()
     assert joined["labels"].tolist() == [[11, 12, 13, 14, 15, IGNORE_INDEX], [21, 22, 23] + [IGNORE_INDEX] * 3]
@@ -106,7 +107,8 @@ def test_shard_sequence_pads_and_slices_with_global_positions():
     # padding repeats its last position, and the sequence's own padding to a multiple of k continues it.
     assert joined["position_ids"].tolist() == [list(range(6)), [0, 1, 2, 2, 2, 3]]
     assert shards[1]["position_ids"].tolist() == [[3, 4, 5], [2, 2, 3]]
-    assert "attention_mask" not in shards[0]  # right padding under causal attention needs no mask
+    assert "attention_mask" not in shards[0]  # the model gets no mask (the attention reads the sequence's)
+    assert sequence_mask(groups[1]) is None  # right padding under causal attention needs none
 
 
 def test_shard_sequence_gives_packed_documents_their_full_length_mask():
@@ -115,8 +117,10 @@ def test_shard_sequence_gives_packed_documents_their_full_length_mask():
         "labels": torch.arange(1, 6)[None],
         "position_ids": torch.tensor([[0, 1, 2, 0, 1]]),
     }
-    shard = shard_sequence(packed, fake_group(0, 2))
-    mask = shard["attention_mask"][0, 0].int().tolist()
+    group = fake_group(0, 2)
+    shard = shard_sequence(packed, group)
+    assert "attention_mask" not in shard  # not the model's: MoE's router loss would read it as a padding mask
+    mask = sequence_mask(group)[0, 0].int().tolist()
     # Two documents (positions 0-2 and 3-4), the padding (5) continuing the second: causal within each.
     assert mask == [
         [1, 0, 0, 0, 0, 0],

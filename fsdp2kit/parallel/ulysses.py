@@ -11,7 +11,8 @@ Masks: the model builds none for an implementation transformers does not know (i
 slice). The wrapper applies causal attention over the gathered sequence, which is exact for right-padded samples
 (padding comes after every real token, so no real token attends to it), narrowed to the layer's sliding window if
 it has one. Packed documents need a block-diagonal mask over the whole sequence: `shard_sequence` builds it from
-the global position ids and hands it to the model as a 4-D `attention_mask`, which transformers passes through;
+the global position ids and leaves it beside the group (`remember_tokens`), where the wrapper reads it: the model gets
+no `attention_mask`, which the rest of it (MoE's load-balancing loss) would read as a [B, T] padding mask;
 left-padded samples (RL's prompts) get one too, with the padding masked out as keys. Where the build picked
 FlexAttention for packed documents (parallel/document_attention.py: CUDA, model.attn_implementation auto) the
 wrapper runs DOCUMENT_FLEX over the gathered sequence, and `shard_sequence` hands the same rule as a BlockMask
@@ -106,27 +107,39 @@ def shard_sequence(
     shard = {"input_ids": input_ids[:, local], "position_ids": positions[:, local], "labels": labels[:, local]}
     tokens = torch.ones_like(input_ids, dtype=torch.bool)
     tokens[:, length:] = False
-    remember_tokens(group, tokens if real is None else tokens & real)  # the model gets no 2-D padding mask
     attend = _sequence_mask_function(positions, packed, real)
+    mask = None
     if attend is not None:
         batch_size, total = positions.shape
-        shard["attention_mask"] = (
+        mask = (
             document_block_mask(batch_size, total, total, mask_function=attend, device=positions.device)
             if block_mask
             else _dense_mask(attend, batch_size, total, positions.device)[:, None]
         )
+    # The model gets no mask: its attention (the wrapper) reads the sequence's from here, and nothing else of the
+    # model takes it for a [B, T] padding mask (MoE's load-balancing loss would).
+    remember_tokens(group, tokens if real is None else tokens & real, mask)
     return shard
 
 
 # The tokens ([B, T + padding] booleans) of the micro-batch each sequence-parallel group cut last that a
 # whole-sequence statistic over the group's tokens (MoE's load-balancing loss, parallel/moe.py) counts.
 _COUNTED_TOKENS: dict[int, torch.Tensor] = {}  # by id(group): a group lives as long as the process
+# And the mask over the whole sequence of that micro-batch (packed documents, left padding) that its attention reads.
+_SEQUENCE_MASKS: dict[int, Any] = {}
 
 
-def remember_tokens(group: ProcessGroup, counted: torch.Tensor) -> None:
+def remember_tokens(group: ProcessGroup, counted: torch.Tensor, mask: Any = None) -> None:
     """Record which tokens of the micro-batch just cut for `group` ([B, T + padding] booleans) such a statistic
-    counts: the real ones, or all where the model gets the padding mask itself (a VL micro-batch)."""
+    counts: the real ones, or all where the model gets the padding mask itself (a VL micro-batch); and the mask its
+    attention applies over the whole sequence (a dense [B, 1, T, T] or a BlockMask; None: causal alone)."""
     _COUNTED_TOKENS[id(group)] = counted
+    _SEQUENCE_MASKS[id(group)] = mask
+
+
+def sequence_mask(group: ProcessGroup) -> Any:
+    """The mask over the whole sequence `remember_tokens` recorded for `group` last (None: causal alone)."""
+    return _SEQUENCE_MASKS.get(id(group))
 
 
 def counted_tokens(group: ProcessGroup) -> torch.Tensor | None:
@@ -321,6 +334,8 @@ def _ulysses_attention(inner: str, group: ProcessGroup) -> Callable:
         attention_mask: torch.Tensor | None,
         **kwargs: Any,
     ) -> Any:
+        if attention_mask is None:  # a text micro-batch: the mask `shard_sequence` made for the whole sequence
+            attention_mask = sequence_mask(group)
         inner_attention = _inner_attention(inner, module, ALL_ATTENTION_FUNCTIONS)
         kv_repeats = math.lcm(key.shape[1], size) // key.shape[1]
         if kv_repeats > 1:  # fewer key/value heads than ranks (GQA): repeat them so that every rank gets whole ones
