@@ -15,6 +15,7 @@ from test_document_attention import job, packed_batch
 
 from fsdp2kit.distributed import init_distributed, shutdown
 from fsdp2kit.parallel import document_attention
+from fsdp2kit.parallel.ulysses import sequence_mask
 
 
 @torch.no_grad()
@@ -26,7 +27,8 @@ def ulysses_logits(model_dir: str) -> dict[str, object]:
     local = sharded.model(**{k: v for k, v in shard.items() if k != "labels"}, use_cache=False).logits
     pieces = [torch.empty_like(local) for _ in range(dist.get_world_size())]
     dist.all_gather(pieces, local.contiguous())
-    mask = type(shard["attention_mask"]).__name__
+    assert "attention_mask" not in shard  # the wrapper reads the group's mask; the model gets none
+    mask = type(sequence_mask(sharded.sp_group)).__name__
     return {"logits": torch.cat(pieces, 1), "attention": sharded.model.config._attn_implementation, "mask": mask}
 
 
