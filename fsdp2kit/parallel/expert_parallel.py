@@ -30,18 +30,9 @@ from fsdp2kit.config.schema import ModelConfig, StrategyConfig
 from fsdp2kit.errors import UserError
 from fsdp2kit.parallel.forward_patch import Forward, replace_forward
 from fsdp2kit.parallel.mesh import MeshLayout, divisors
+from fsdp2kit.parallel.moe import moe_experts
 
-
-def _fused_experts(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """Every MoE block's experts module, by name."""
-    return [
-        (f"{name}.experts" if name else "experts", module.experts)
-        for name, module in model.named_modules()
-        if isinstance(getattr(module, "experts", None), nn.Module)
-    ]
-
-
-EXPERT_MESH = "experts"  # the name the plan gives the experts' shard mesh (`expert_shard_mesh`)
+EXPERT_MESH = "experts"  # the name the plan gives the experts' shard mesh (`expert_meshes`)
 
 
 def expert_parallel_plan(
@@ -78,11 +69,8 @@ def expert_meshes(expert_mesh: DeviceMesh | None) -> dict[str, DeviceMesh]:
 
 
 def expert_parallel_modules(model: nn.Module, ep_size: int) -> list[str]:
-    """The experts modules expert parallelism splits (none where ep_size is 1); a model it cannot split is refused
-    in one line."""
-    if ep_size == 1:
-        return []
-    experts = _fused_experts(model)
+    """The experts modules expert parallelism splits (ep_size > 1); a model it cannot split is refused in one line."""
+    experts = moe_experts(model)
     if not experts:
         raise UserError(
             f"strategy_config.ep_size = {ep_size}: the model has no mixture-of-experts layers to split; valid: 1"

@@ -134,12 +134,21 @@ def split_experts(model: nn.Module, class_names: list[str]) -> None:
         setattr(model.get_submodule(parent), attribute, experts.to(parameter.dtype))
 
 
+def moe_experts(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Every MoE block's experts module, by name."""
+    return [
+        (f"{name}.experts" if name else "experts", cast(nn.Module, module.experts))
+        for name, module in model.named_modules()
+        if is_moe_block(module)
+    ]
+
+
 def _fused_experts_modules(model: nn.Module) -> list[nn.Module]:
     """The experts modules that dispatch through transformers' experts interface (`config._experts_implementation`)."""
     return [
-        cast(nn.Module, module.experts)
-        for module in model.modules()
-        if is_moe_block(module) and hasattr(getattr(module.experts, "config", None), "_experts_implementation")
+        experts
+        for _, experts in moe_experts(model)
+        if hasattr(getattr(experts, "config", None), "_experts_implementation")
     ]
 
 
