@@ -716,9 +716,7 @@ EP_TRAINED: dict[str, tuple[str, list[str]]] = {
 
 def saved_builtin(folder: Path, name: str) -> Path:
     """A built-in model saved as transformers initialises it (from_config, save_pretrained), with its tokenizer and
-    processor: Qwen3.5-MoE's fresh weights come from transformers here, as fsdp2kit leaves its routers uninitialised
-    (`initialise_weights` runs each module's own `_init_weights`; transformers initialises a router from its MoE
-    block's: reported)."""
+    processor: a folder of weights, as a user's would be."""
     import shutil
 
     from transformers import AutoConfig
@@ -735,9 +733,7 @@ def saved_builtin(folder: Path, name: str) -> Path:
 
 
 def saved_remote(folder: Path, name: str) -> Path:
-    """A stand-in shipping its own code (remote_code_folder) with weights as transformers initialises them: fsdp2kit's
-    fresh weights of a model whose sub-model is a transformers model leave that sub-model's experts uninitialised
-    (reported, as for Qwen3.5-MoE above)."""
+    """A stand-in shipping its own code (remote_code_folder) with weights as transformers initialises them."""
     import shutil
 
     from transformers import AutoConfig, AutoModelForCausalLM

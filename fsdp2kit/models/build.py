@@ -342,41 +342,106 @@ def _refuse_attention(exc: ValueError, requested: str) -> None:
 def initialise_weights(
     model: PreTrainedModel, seed: int, buffers_only: bool = False, only: set[int] | None = None
 ) -> None:
-    """Run the model family's own `_init_weights` module by module on full-size CPU copies, seeded by the
-    module's name, and keep each rank's slice: the weights depend on the seed only, not on the mesh.
-    Peak extra memory is the largest single module, never the model. `only`: the ids of the parameters to initialise
-    (those a folder lacked), and no buffers."""
-    initialised: set[int] = set()
+    """Fresh weights as transformers' `initialize_weights` gives them: children before their parent, each module by
+    its nearest (sub-)model's own `_init_weights`, a parent's writes into its children winning (a MoE block that
+    initialises its router). Each module's init runs on a full-size CPU copy, seeded by the module's name, and each
+    rank keeps its slice: the weights depend on the seed only, not on the mesh. A copy is real only where that
+    module's init writes, so peak extra memory is one module's share, never the model's. `only`: the ids of the
+    parameters to initialise (those a folder lacked), and no buffers. A tensor no init writes is refused: its value
+    would be whatever memory held."""
+    wanted = {id(p) for p in model.parameters()} if not buffers_only else set()
+    if only is not None:
+        wanted &= only
+    else:
+        wanted |= {id(b) for b in model.buffers()}
+    written: set[int] = set()
     rename = base_renamer(model)
-    for name, module in model.named_modules():
-        params = {
-            k: p
-            for k, p in module._parameters.items()
-            if p is not None and not buffers_only and (only is None or id(p) in only)
-        }
-        buffers = {k: b for k, b in module._buffers.items() if b is not None and only is None}
-        if not params and not buffers:
+    for name, module, owner in _children_first(model):
+        if not any(id(t) in wanted for t in (*module.parameters(), *module.buffers())):
             continue
+        own = {id(t) for t in (*module._parameters.values(), *module._buffers.values()) if t is not None} & wanted
+        module_init = partial(_run_init, module, owner, module_seed(seed, rename(name) or name))  # LoRA: base's name
+        copies = module_init(own)
+        # The meta copies this init wrote into (a MoE block's router): once more, those real too.
+        below = {key for key, (_, copy) in copies.items() if copy.is_meta and copy._version and key in wanted}
+        if below:
+            copies = module_init(own | below)
+        for key in own | below:
+            live, copy = copies[key]
+            # A tied weight keeps its first module's values; a parent's write replaces its child's.
+            if _was_written(copy) and (key not in written or key in below):
+                written.add(key)
+                copy_to_shard(live, copy)
+    missing = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if id(t) in wanted - written]
+    if missing:
+        raise UserError(
+            f"model weights: {type(model).__name__}'s _init_weights leaves '{missing[0]}'"
+            f"{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''} uninitialised (or partly): give"
+            " model.name_or_path a folder with its weights"
+        )
+
+
+def _children_first(
+    module: nn.Module, name: str = "", owner: Any = None, seen: set[int] | None = None
+) -> Iterator[tuple[str, nn.Module, Any]]:
+    """(name, module, the nearest PreTrainedModel at or above it) for each module, children before their parent:
+    the order and dispatch of transformers' `initialize_weights`; a module reached twice is visited once."""
+    from transformers import PreTrainedModel
+
+    seen = set() if seen is None else seen
+    owner = module if isinstance(module, PreTrainedModel) else owner
+    for child_name, child in module.named_children():
+        if id(child) not in seen:
+            seen.add(id(child))
+            yield from _children_first(child, f"{name}.{child_name}" if name else child_name, owner, seen)
+    yield name, module, owner
+
+
+def _run_init(module: nn.Module, owner: Any, seed: int, real: set[int]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """`owner._init_weights` on a copy of `module` (`_shadow`), seeded: {id of a live tensor: (live, copy)}."""
+    shadow, copies = _shadow(module, real)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        owner._init_weights(shadow)
+    return copies
+
+
+def _shadow(module: nn.Module, real: set[int]) -> tuple[nn.Module, dict[int, tuple[torch.Tensor, torch.Tensor]]]:
+    """A copy of `module` and its descendants with their own tensors: full-size on the CPU (floating ones NaN, to
+    tell what the init wrote) for the ids in `real`, on the meta device for the rest (in-place writes still count
+    in their `_version`). Returns it and {id of the live tensor: (live, copy)}."""
+    copies: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def blank(tensor: torch.Tensor) -> torch.Tensor:
+        if id(tensor) not in copies:
+            device = "cpu" if id(tensor) in real else "meta"
+            fill = float("nan") if tensor.is_floating_point() else 0
+            copies[id(tensor)] = (tensor, torch.full(tensor.shape, fill, dtype=tensor.dtype, device=device))
+        return copies[id(tensor)][1]
+
+    def copy_of(original: nn.Module) -> nn.Module:
         # Same class and attributes, own tensors. Not copy.copy: on a module that is itself a shard group (an
         # embedding, a head) it would call FSDP's class __new__, which runs __init__ again without arguments.
-        shadow = object.__new__(type(module))
-        shadow.__dict__.update(module.__dict__)
+        shadow = object.__new__(type(original))
+        shadow.__dict__.update(original.__dict__)
         shadow._parameters = {
-            k: None if p is None else nn.Parameter(torch.empty(p.shape, dtype=p.dtype), requires_grad=False)
-            for k, p in module._parameters.items()
+            k: None if p is None else nn.Parameter(blank(p), requires_grad=False)
+            for k, p in original._parameters.items()
         }
-        shadow._buffers = {
-            k: None if b is None else torch.empty(b.shape, dtype=b.dtype) for k, b in module._buffers.items()
-        }
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(module_seed(seed, rename(name) or name))  # LoRA: by the base's own name
-            model._init_weights(shadow)
-        for key, param in params.items():
-            if id(param) not in initialised:  # a tied weight is initialised once
-                initialised.add(id(param))
-                copy_to_shard(param, shadow._parameters[key])
-        for key, buffer in buffers.items():
-            buffer.copy_(shadow._buffers[key])
+        shadow._buffers = {k: None if b is None else blank(b) for k, b in original._buffers.items()}
+        shadow._modules = {k: None if m is None else copy_of(m) for k, m in original._modules.items()}
+        return shadow
+
+    return copy_of(module), copies
+
+
+def _was_written(copy: torch.Tensor) -> bool:
+    """Whether an init wrote all of this copy: no NaN of its fill is left (any write, even through `.data`), or, for
+    an integer tensor, an in-place op counted."""
+    if not copy.is_floating_point():
+        return copy._version > 0
+    # One pass without a mask: a sum is NaN when a NaN is left (or, rarely, +inf meets -inf: then look closer).
+    return not bool(copy.sum().isnan()) or not bool(copy.isnan().any())
 
 
 def tied_weight_names(model: nn.Module) -> set[str]:
