@@ -103,7 +103,9 @@ def train(run: dict[str, Any]) -> None:
     if run["export"]:
         strategy.export_hf(run["out"] + ".hf")
     if dist.get_rank() == 0:
-        torch.save({"losses": losses, "grad_norms": grad_norms, "log_probs": log_probs, "weights": weights}, run["out"])
+        scale = strategy.scaler.scale
+        results = {"losses": losses, "grad_norms": grad_norms, "log_probs": log_probs, "weights": weights}
+        torch.save({**results, "loss_scale": scale}, run["out"])
 
 
 if __name__ == "__main__":

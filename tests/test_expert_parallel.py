@@ -23,6 +23,7 @@ from fsdp2kit.distributed import shutdown
 STEPS = 3
 QWEN3_MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16, "head_dim": 8}
 SETTINGS = {"qwen3_moe": QWEN3_MOE, **{family: FAMILIES[family][0] for family in FAMILIES}}
+FP16 = {"param_dtype": "fp16", "reduce_dtype": "fp16"}  # fp32 master weights; loss scaling on
 
 
 def run(folder: Path, out: Path, accumulation: int, **options: Any) -> dict[str, Any]:
@@ -63,6 +64,7 @@ def one_rank(folders: dict[str, Path], out: Path) -> dict[str, dict[str, Any]]:
     planned["qwen3_moe"].update(save_at=2, checkpoint=str(out / "ckpt-ep1"))
     planned["forced"] = run(folders["qwen3_moe"], out / "forced-1.pt", 4, forced=True, ragged=True)
     planned["packed"] = run(folders["qwen3_moe"], out / "packed-1.pt", 4, packed=True)
+    planned["fp16"] = run(folders["qwen3_moe"], out / "fp16-1.pt", 4, strategy=FP16)
     try:
         for spec in planned.values():
             train_in_process(spec)
@@ -89,6 +91,7 @@ def two_ranks(folders: dict[str, Path], out: Path, one_rank: dict) -> dict[str, 
         qwen3, out / "zero2-ep2.pt", 2, ep=2, strategy={"reshard_after_forward": False, "sync_each_batch": True}
     )
     planned["eager"] = run(qwen3, out / "eager-ep2.pt", 2, ep=2, grouped_mm=False)
+    planned["fp16"] = run(qwen3, out / "fp16-ep2.pt", 2, ep=2, strategy=FP16)
     planned["1->2"] = run(qwen3, out / "resume-1-2.pt", 2, ep=2, resume=str(out / "ckpt-ep1"))
     planned["2->1"] = run(qwen3, out / "resume-2-1.pt", 2, ep=1, resume=str(out / "ckpt-ep2"))
     spec = out / "two_ranks.json"
@@ -342,3 +345,16 @@ def test_a_refusal_is_one_line_and_exit_2_from_the_command_line(run_main):
     assert result.returncode == 2
     assert "ep_size = 3 x efsdp_size = 1 does not divide the world size 2" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+@pytest.mark.slow
+def test_fp16_loss_scaling_unscales_the_experts_gradients_on_their_own_mesh(one_rank, two_ranks):
+    """fp16 compute and reduction: the loss scaler divides every gradient by its scale, the experts' (on the EP
+    mesh) as the dense ones (on the FSDP mesh), and the run follows one rank's fp16 run within fp16's rounding."""
+    got, expected = two_ranks["fp16"], one_rank["fp16"]
+    assert got["loss_scale"] == expected["loss_scale"] == 2.0**16  # scaled, and no step overflowed
+    assert got["losses"] != pytest.approx(two_ranks["qwen3_moe"]["losses"], rel=1e-6)  # fp16 compute: not fp32's
+    assert got["losses"] == pytest.approx(expected["losses"], rel=2e-3)
+    assert got["grad_norms"] == pytest.approx(expected["grad_norms"], rel=2e-2)
+    for name, tensor in expected["weights"].items():
+        torch.testing.assert_close(got["weights"][name], tensor, atol=2e-3, rtol=0, msg=name)
