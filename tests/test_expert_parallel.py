@@ -118,11 +118,10 @@ def four_ranks(folders: dict[str, Path], out: Path, two_ranks: dict) -> dict[str
 
 
 def assert_same_training(got: dict[str, Any], expected: dict[str, Any], atol: float = 1e-5) -> None:
-    """Losses and weights within `atol`; gradient norms within 2e-5 of their size: the sums of 4 micro-batches'
-    gradients come in another order at another world size, and without expert parallelism 2 ranks' norms differ
-    from one rank's as much (`test_ep_changes_no_gradient_norm_at_the_same_world_size`)."""
+    """Losses and weights within `atol`; gradient norms within 1e-6 of their size (the sums of 4 micro-batches'
+    gradients come in another order at another world size)."""
     assert got["losses"] == pytest.approx(expected["losses"][-len(got["losses"]) :], abs=atol)
-    assert got["grad_norms"] == pytest.approx(expected["grad_norms"][-len(got["grad_norms"]) :], rel=2e-5)
+    assert got["grad_norms"] == pytest.approx(expected["grad_norms"][-len(got["grad_norms"]) :], rel=1e-6)
     assert sorted(got["weights"]) == sorted(expected["weights"])
     for name, tensor in expected["weights"].items():
         torch.testing.assert_close(got["weights"][name], tensor, atol=atol, rtol=0, msg=name)
@@ -157,11 +156,11 @@ def test_an_ep_export_is_save_pretrained_layout_with_transformers_log_probs(fami
 
 @pytest.mark.slow
 def test_ep_changes_no_gradient_norm_at_the_same_world_size(one_rank, two_ranks):
-    """At 2 ranks the EP run's gradient norms are those of the run without EP (to 1e-6), and both differ from one
-    rank's by the same amount, in the 6th digit."""
+    """At 2 ranks the EP run's gradient norms are those of the run without EP, and both one rank's (to 1e-6; they
+    differed by 1e-5 while the norm was torch's CPU kernel's, which accumulates a whole shard in fp32)."""
     ep, plain, one = two_ranks["qwen3_moe"], two_ranks["no ep"], one_rank["qwen3_moe"]
-    assert ep["grad_norms"] == pytest.approx(plain["grad_norms"], abs=1e-6)
-    assert plain["grad_norms"] == pytest.approx(one["grad_norms"], rel=2e-5)
+    assert ep["grad_norms"] == pytest.approx(plain["grad_norms"], rel=1e-6)
+    assert plain["grad_norms"] == pytest.approx(one["grad_norms"], rel=1e-6)
 
 
 @pytest.mark.slow

@@ -46,16 +46,10 @@ def clip_grad_norm(params: Sequence[torch.Tensor], max_norm: float) -> torch.Ten
     non-finite norm scales the gradients to zero or NaN, harmlessly: that step's update is skipped."""
     sharded, plain = _split_sharded(params)
     groups = [*_by_mesh(sharded), plain]
-    squares = []
-    for group in groups:
-        if group:
-            norm = torch.nn.utils.get_total_norm(_grads(group))
-            if isinstance(norm, DTensor):  # the norm of this rank's shards, partial until all-reduced
-                norm = norm.full_tensor()
-            squares.append(norm.float() ** 2)
+    squares = [_squared_norm(_grads(group)) for group in groups if group]
     if not squares:
         return torch.zeros(())
-    total = torch.stack(squares).sum().sqrt()
+    total = torch.stack(squares).sum().sqrt().float()
     if max_norm > 0:
         for group in groups:
             torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
@@ -63,12 +57,42 @@ def clip_grad_norm(params: Sequence[torch.Tensor], max_norm: float) -> torch.Ten
 
 
 def _by_mesh(sharded: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-    """Sharded parameters grouped by their gradients' device mesh: DTensor ops refuse operands on different meshes
-    (a model whose parts are sharded over different meshes, as experts under expert parallelism would be)."""
+    """Sharded parameters grouped by their gradients' device mesh and placements: DTensor ops refuse operands on
+    different meshes (a model whose parts are sharded over different meshes, as experts under expert parallelism
+    are), and a norm is summed over the mesh dimensions its group is sharded on."""
     groups: dict[object, list[torch.Tensor]] = {}
     for param in sharded:
-        groups.setdefault(cast(DTensor, param.grad).device_mesh, []).append(param)
+        grad = cast(DTensor, param.grad)
+        groups.setdefault((grad.device_mesh, grad.placements), []).append(param)
     return list(groups.values())
+
+
+# On the CPU, a norm is taken over rows of this many values, then over the rows' norms in float64.
+_NORM_ROW = 256
+
+
+def _squared_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The squared L2 norm of gradients that are all plain or all DTensors on one mesh with the same placements, the
+    same on every rank. On the CPU, torch's norm kernel accumulates a whole tensor in fp32 and loses up to 1e-2 of a
+    large one's norm (1e-5 on a tiny model's head), so a norm would change with the shards' sizes, hence with the
+    world size: rows of `_NORM_ROW` values, summed in float64, keep it to fp32's rounding."""
+    if grads[0].device.type != "cpu":
+        norm = torch.nn.utils.get_total_norm(grads)
+        if isinstance(norm, DTensor):  # the norm of this rank's shards, partial until all-reduced
+            norm = norm.full_tensor()
+        return norm.double() ** 2
+    total = torch.zeros((), dtype=torch.float64)
+    for grad in grads:
+        local = (grad.to_local() if isinstance(grad, DTensor) else grad).reshape(-1)
+        whole = local.numel() // _NORM_ROW * _NORM_ROW
+        rows = torch.linalg.vector_norm(local[:whole].view(-1, _NORM_ROW), dim=1).double()
+        total += rows.square().sum() + torch.linalg.vector_norm(local[whole:]).double().square()
+    if isinstance(grads[0], DTensor):  # summed over the shards, once over the replicas
+        mesh = grads[0].device_mesh
+        for dim, placement in enumerate(grads[0].placements):
+            if not placement.is_replicate():  # Shard, or FSDP's _StridedShard over another sharding (not a Shard)
+                dist.all_reduce(total, group=mesh.get_group(dim))
+    return total
 
 
 class LossScaler:
