@@ -11,7 +11,7 @@ import sys
 
 import torch
 import torch.distributed as dist
-from strategy_case import LEARNING_RATE, global_micro_batches, policy_loss, strategy_config
+from strategy_case import LEARNING_RATE, clip_grad_norm_exact, global_micro_batches, policy_loss, strategy_config
 from transformers import AutoModelForCausalLM
 
 import fsdp2kit
@@ -61,7 +61,7 @@ def with_ddp(model_dir: str) -> dict:
                 (summed * dist.get_world_size()).backward()  # DDP averages over the ranks
             loss += summed.detach()
         dist.all_reduce(loss)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        clip_grad_norm_exact(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())

@@ -9,7 +9,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-from strategy_case import policy_loss, strategy_config
+from strategy_case import clip_grad_norm_exact, policy_loss, strategy_config
 from torch.distributed.tensor import DTensor
 
 Batch = dict[str, torch.Tensor]
@@ -65,7 +65,7 @@ def plain_step(model_dir: str, micro_batches: list[Batch], loss_fn: Any, max_gra
         metrics.append(result[2] if len(result) > 2 else {})
     loss = torch.stack(sums).sum() / torch.stack(weights).sum()
     loss.backward()
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+    norm = clip_grad_norm_exact(model.parameters(), max_grad_norm)
     grads = {name: p.grad for name, p in model.named_parameters()}
     return {"loss": loss.item(), "grad_norm": norm.item(), "grads": grads, "metrics": metrics}
 

@@ -22,6 +22,7 @@ from enum import Enum
 import numpy as np
 import pytest
 import torch
+from strategy_case import clip_grad_norm_exact
 from tensordict import TensorDict
 from test_strategy import tiny_llama
 
@@ -212,7 +213,7 @@ def reference(model_dir, ranks: int = 1) -> dict:
             pg = (-torch.min(ratio * adv, ratio.clamp(0.8, 1.2) * adv)).sum() / tokens
             kl = k3(log_probs, old[rows] + batch["ref_noise"], mask[rows]).sum() / tokens
             (pg + KL_COEF * kl - ENTROPY_COEF * (entropy * mask[rows]).sum() / tokens).backward()
-            record["grad_norm"].append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
+            record["grad_norm"].append(float(clip_grad_norm_exact(model.parameters(), CLIP)))
             optimizer.step()
             optimizer.zero_grad()
             record["pg"].append(float(pg.detach()))
@@ -376,7 +377,7 @@ def test_roll_s_critic_worker_calls_equal_plain_pytorch(model_dir, tmp_path):
     rows = {key: value[:BACKWARD_ROWS] for key, value in inputs.items()}
     loss, _ = roll_value_loss(DataProto(data.batch[:BACKWARD_ROWS], meta_info=data.meta_info), plain(**rows).logits)
     loss.backward()
-    assert grad_norm == pytest.approx(float(torch.nn.utils.clip_grad_norm_(plain.parameters(), CLIP)), abs=1e-5)
+    assert grad_norm == pytest.approx(float(clip_grad_norm_exact(plain.parameters(), CLIP)), abs=1e-5)
     optimizer.step()
     for name, tensor in plain.state_dict().items():
         torch.testing.assert_close(weights[name], tensor, rtol=0, atol=1e-5, msg=name)

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import launch_two_ranks
+from strategy_case import clip_grad_norm_exact
 from zoo_case import (
     FAMILIES,
     TINY,
@@ -71,7 +72,7 @@ def hf_step(folder: Path) -> tuple[float, float]:
         count += int(keep.sum())
     loss = total / count
     loss.backward()
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
+    norm = clip_grad_norm_exact(model.parameters(), float("inf"))
     return loss.item(), norm.item()
 
 
