@@ -19,8 +19,10 @@ $(STAMP): pyproject.toml
 train: install
 	OMP_NUM_THREADS=1 $(BIN)/fsdp2kit train examples/demo.yaml --nproc 2
 
+# Two pytest processes, a test file each at a time (module fixtures stay in one process): a multi-rank test leaves
+# much of a second core idle while its ranks start, wait and checkpoint, so the other fills it.
 test: install
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q --durations=25
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=25
 
 # The suite on the oldest releases fsdp2kit supports (ROLL's pins: transformers 5.2.0, peft 0.12.0), held by
 # .ci/floor-constraints.txt through every install, in its own environment.

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,6 +18,9 @@ import torch
 import torch.distributed as dist
 
 REPO = Path(__file__).resolve().parent.parent
+# Each pytest process (`make test` runs two, pytest-xdist's) copies remote-code models' modules into a cache of its
+# own, which its subprocesses inherit: two processes writing one module file at once could import it half-written.
+os.environ["HF_MODULES_CACHE"] = tempfile.mkdtemp(prefix="fsdp2kit-hf-modules-")
 
 
 def run_cli(*args: str, timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
