@@ -49,7 +49,7 @@ def clip_grad_norm(params: Sequence[torch.Tensor], max_norm: float) -> torch.Ten
     squares = [_squared_norm(_grads(group)) for group in groups if group]
     if not squares:
         return torch.zeros(())
-    total = torch.stack(squares).sum().sqrt().float()
+    total = torch.stack(squares).sum().sqrt()
     if max_norm > 0:
         for group in groups:
             torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
@@ -80,7 +80,7 @@ def _squared_norm(grads: list[torch.Tensor]) -> torch.Tensor:
         norm = torch.nn.utils.get_total_norm(grads)
         if isinstance(norm, DTensor):  # the norm of this rank's shards, partial until all-reduced
             norm = norm.full_tensor()
-        return norm.double() ** 2
+        return norm.float() ** 2
     total = torch.zeros((), dtype=torch.float64)
     for grad in grads:
         local = (grad.to_local() if isinstance(grad, DTensor) else grad).reshape(-1)
@@ -92,7 +92,7 @@ def _squared_norm(grads: list[torch.Tensor]) -> torch.Tensor:
         for dim, placement in enumerate(grads[0].placements):
             if not placement.is_replicate():  # Shard, or FSDP's _StridedShard over another sharding (not a Shard)
                 dist.all_reduce(total, group=mesh.get_group(dim))
-    return total
+    return total.float()
 
 
 class LossScaler:
