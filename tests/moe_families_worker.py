@@ -103,9 +103,16 @@ def train(run: dict[str, Any]) -> None:
     if run["export"]:
         strategy.export_hf(run["out"] + ".hf")
     if dist.get_rank() == 0:
-        scale = strategy.scaler.scale
-        results = {"losses": losses, "grad_norms": grad_norms, "log_probs": log_probs, "weights": weights}
-        torch.save({**results, "loss_scale": scale}, run["out"])
+        torch.save(
+            {
+                "losses": losses,
+                "grad_norms": grad_norms,
+                "log_probs": log_probs,
+                "weights": weights,
+                "loss_scale": strategy.scaler.scale,
+            },
+            run["out"],
+        )
 
 
 if __name__ == "__main__":

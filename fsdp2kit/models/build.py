@@ -372,7 +372,8 @@ def initialise_weights(
             if _was_written(copy) and (key not in written or key in below):
                 written.add(key)
                 copy_to_shard(live, copy)
-    missing = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if id(t) in wanted - written]
+    unwritten = wanted - written
+    missing = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if id(t) in unwritten]
     if missing:
         raise UserError(
             f"model weights: {type(model).__name__}'s _init_weights leaves '{missing[0]}'"
