@@ -178,6 +178,12 @@ class ModelConfig(Section):
         default_factory=list, description="parameters under these prefixes are frozen"
     )
     ulysses_size: int = Field(1, ge=1, description="sequence-parallel (Ulysses) degree")
+    context_parallel_size: int = Field(
+        1,
+        ge=1,
+        description="context-parallel (ring attention) degree: each rank holds a load-balanced 1/c of every "
+        "sequence and attention passes key/value blocks between the c ranks; composes with ulysses_size",
+    )
     gradient_checkpointing: bool = Field(False, description="recompute every decoder layer in backward")
     remove_padding: bool = Field(
         False,
