@@ -30,6 +30,7 @@ from fsdp2kit.models.sharded import build_sharded_model, count_parameters
 from fsdp2kit.parallel.document_attention import document_route
 from fsdp2kit.parallel.expert_parallel import describe_expert_parallel
 from fsdp2kit.parallel.fsdp import describe_groups, model_class_name
+from fsdp2kit.parallel.mesh import MeshLayout
 from fsdp2kit.parallel.plan import ShardingPlan
 from fsdp2kit.strategy import INFER_COMMAND, TRAIN_COMMAND
 from fsdp2kit.train.run_dir import output_dir_problem
@@ -115,16 +116,19 @@ def describe(cfg: JobConfig, runtime: Runtime) -> dict:
     sharded.variant.head.require_log_probs(TRAIN_COMMAND if training else INFER_COMMAND)
     model, plan = sharded.model, sharded.plan
     trainable, frozen = count_parameters(model)
-    attention_note = resolve_attention(cfg.model.attn_implementation, cfg.model.ulysses_size)[1]
+    layout = sharded.layout
+    attention_note = resolve_attention(cfg.model.attn_implementation, layout.sequence_size)[1]
     return {
         "world_size": runtime.world_size,
         "mesh": {"shape": list(sharded.layout.shape), "dim_names": list(sharded.layout.dim_names)},
         # Ulysses: groups of consecutive ranks that share samples, each rank holding a slice of their tokens.
         "sequence_parallel": {
-            "size": sharded.layout.ulysses_size,
-            "groups": sharded.layout.sequence_parallel_groups(),
-            "data_parallel_size": sharded.layout.data_parallel_size,
+            "size": layout.ulysses_size,
+            "groups": layout.sequence_parallel_groups(),
+            "data_parallel_size": layout.data_parallel_size,
         },
+        # Context parallel: groups across the Ulysses groups; each rank's share of every sequence (`token_order`).
+        "context_parallel": _context_parallel(layout),
         # Expert parallelism: the experts' own mesh, the modules split over it, and each rank's experts.
         "expert_parallel": describe_expert_parallel(model, plan.expert_parallel, sharded.layout),
         "strategy": cfg.strategy_args.strategy_name,
@@ -150,6 +154,19 @@ def describe(cfg: JobConfig, runtime: Runtime) -> dict:
         "document_attention": document_route(model, cfg.model, cfg.data, runtime.device)[1],
         "notes": plan.notes + ([attention_note] if attention_note else []),
         "config_notes": cfg.notes,
+    }
+
+
+def _context_parallel(layout: MeshLayout) -> dict[str, Any]:
+    """The context-parallel groups and which tokens each rank of one holds (`parallel/ulysses.py:token_order`)."""
+    c, k = layout.context_parallel_size, layout.ulysses_size
+    if c == 1:
+        return {"size": 1, "groups": layout.context_parallel_groups()}
+    return {
+        "size": c,
+        "groups": layout.context_parallel_groups(),
+        "chunks": f"rank r: chunks r and {2 * c - 1}-r of {2 * c} (the sequence padded to a multiple of {2 * c * k})"
+        + (f", cut into {k} contiguous Ulysses slices" if k > 1 else ""),
     }
 
 

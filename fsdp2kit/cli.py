@@ -283,7 +283,8 @@ def _plan(args: argparse.Namespace, world_size: int) -> int:
         raise UserError(f"--measure-steps {args.measure_steps}: give >= 2 (the first step warms up and is not timed)")
     source = ConfigSource(args.config, args.overrides, args.role, args.fsdp_config, args.trust_remote_code)
     cfg = source.load()
-    mesh_layout(world_size, cfg.strategy_args.strategy_config, cfg.model.ulysses_size)  # the mesh must exist
+    model = cfg.model
+    mesh_layout(world_size, cfg.strategy_args.strategy_config, model.ulysses_size, model.context_parallel_size)
     report = plan_report(source, world_size, args.budget_gb)
     if args.measure:
         from fsdp2kit.plan_measure import measure_candidates, print_measured, train_command
@@ -429,7 +430,8 @@ def _config_command(args: argparse.Namespace, argv: list[str], cfg: JobConfig) -
     if nproc and nproc > 1 and not _under_launcher():
         from fsdp2kit.parallel.mesh import mesh_layout
 
-        mesh_layout(nproc, cfg.strategy_args.strategy_config, cfg.model.ulysses_size)  # fail before spawning
+        model = cfg.model  # the mesh must exist: fail before spawning
+        mesh_layout(nproc, cfg.strategy_args.strategy_config, model.ulysses_size, model.context_parallel_size)
         return _launch(nproc, argv, Path(cfg.training.output_dir), args.command)
     return _run_rank(args, cfg)
 

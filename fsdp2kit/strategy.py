@@ -33,6 +33,7 @@ from fsdp2kit.models.heads import ValueHead
 from fsdp2kit.models.sharded import ShardedModel, build_sharded_model
 from fsdp2kit.parallel.mesh import data_parallel_group
 from fsdp2kit.parallel.token_logprobs import TokenRequest, chunk_tokens, token_request
+from fsdp2kit.parallel.ulysses import gathered_order
 from fsdp2kit.train.evaluate import EvalResult, eval_loss
 from fsdp2kit.train.grads import LossScaler, NonFiniteGuard
 from fsdp2kit.train.host_states import HostStates, state_tensors
@@ -807,9 +808,12 @@ def _describe(value: object) -> str:
 
 
 def gather_sequence(local: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """The sequence-parallel group's slices [B, t] joined along the sequence, in rank order, with autograd: each
-    rank's gradient is its own slice of the incoming one (every rank computes the same loss on the whole)."""
-    return _GatherSequence.apply(local, group)
+    """The sequence group's shares [B, t] joined along the sequence, in the sequence's order (rank order, but
+    under context parallel, whose shares are chunks from the front and the back: `token_order`), with autograd:
+    each rank's gradient is its own share of the incoming one (every rank computes the same loss on the whole)."""
+    gathered = _GatherSequence.apply(local, group)
+    order = gathered_order(group)
+    return gathered if order is None else gathered[:, torch.argsort(order.to(gathered.device))]
 
 
 class _GatherSequence(torch.autograd.Function):

@@ -1,8 +1,9 @@
 """`fsdp2kit infer` (`fsdp2_infer`): forward-only per-token log-probs of every sample, e.g. an RL reference model.
 
-Sample i goes to data-parallel rank i % (world / ulysses_size); with sequence parallel the ranks of a group each
-read a slice of its tokens and add up their partial sums. Every rank runs the same number of forwards (a rank with
-fewer samples repeats a dummy batch) because each forward all-gathers parameters from all ranks."""
+Sample i goes to data-parallel rank i % (world / (ulysses_size x context_parallel_size)); with sequence or context
+parallel the ranks of a sequence group each read a share of its tokens, gathered back in the sequence's order. Every
+rank runs the same number of forwards (a rank with fewer samples repeats a dummy batch) because each forward
+all-gathers parameters from all ranks."""
 
 from __future__ import annotations
 
@@ -65,7 +66,7 @@ def infer(cfg: JobConfig, runtime: Runtime) -> None:
         ]
 
     gathered: list[list[dict]] = [[] for _ in range(runtime.world_size)]
-    dist.all_gather_object(gathered, results if runtime.rank % layout.ulysses_size == 0 else [])  # once per SP group
+    dist.all_gather_object(gathered, results if runtime.rank % layout.sequence_size == 0 else [])  # once per group
     if not runtime.is_main:
         return
     _write_records(sorted((r for part in gathered for r in part), key=lambda r: r["index"]), cfg)

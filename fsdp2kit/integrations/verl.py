@@ -346,8 +346,8 @@ class VerlEngine:
         return self.strategy.data_parallel_group()
 
     def is_mp_src_rank_with_outputs(self) -> bool:
-        """The first rank of each Ulysses group reports (every rank of it holds the same outputs)."""
-        return (dist.get_rank() if dist.is_initialized() else 0) % self.layout.ulysses_size == 0
+        """The first rank of each sequence group reports (every rank of it holds the same outputs)."""
+        return (dist.get_rank() if dist.is_initialized() else 0) % self.layout.sequence_size == 0
 
     def to(self, device: str, model: bool = True, optimizer: bool = True, grad: bool = True) -> None:
         """Parameters and/or optimizer state to "cpu" or to this rank's accelerator; gradients are never held
@@ -453,7 +453,7 @@ class _LossRun:
 
     def prepare(self, data: Any) -> list[_MicroBatch]:
         """The micro-batches of `data` as verl's FSDP engine cuts them, each with verl's batch-wide settings."""
-        tu.assign_non_tensor(data, sp_size=self.engine.layout.ulysses_size)
+        tu.assign_non_tensor(data, sp_size=self.engine.layout.sequence_size)
         tokens = data["loss_mask"].sum() if "loss_mask" in data.keys() else torch.zeros((), dtype=torch.long)
         tokens = tokens.detach().clone()
         dist.all_reduce(tokens, group=self.group)

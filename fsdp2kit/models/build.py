@@ -231,7 +231,7 @@ def resolve_attention(requested: str, ulysses_size: int = 1) -> tuple[str | None
     if requested != "flash_attention_2":
         return requested, None
     if ulysses_size > 1:
-        why = "does not run inside Ulysses (model.ulysses_size > 1)"
+        why = "does not run inside Ulysses or context parallel (model.ulysses_size or context_parallel_size > 1)"
     elif not torch.cuda.is_available():
         why = "needs CUDA"
     elif importlib.util.find_spec("flash_attn") is None:
@@ -252,7 +252,8 @@ def build_meta_model(source: ModelSource, cfg: ModelConfig) -> PreTrainedModel:
     """The model with every parameter and buffer on the meta device: no memory, any size. It keeps transformers'
     conversions between its tensors and its family's HF folders (`hf_layout.checkpoint_conversions`), taken before
     sharding."""
-    source.hf_config._attn_implementation = resolve_attention(cfg.attn_implementation, cfg.ulysses_size)[0]
+    sequence_size = cfg.ulysses_size * cfg.context_parallel_size
+    source.hf_config._attn_implementation = resolve_attention(cfg.attn_implementation, sequence_size)[0]
     # The model owns its config (transformers' from_config keeps the object it is given): what is switched through
     # it (Ulysses' attention) must not reach another model built from the source's config in the same process.
     config = copy.deepcopy(source.hf_config)

@@ -38,7 +38,7 @@ class ShardedModel:
     plan: ShardingPlan
     layout: MeshLayout
     source: ModelSource
-    sp_group: ProcessGroup | None  # this rank's Ulysses sequence-parallel group; None without
+    sp_group: ProcessGroup | None  # this rank's sequence group (Ulysses x context parallel); None without
     variant: ModelVariant  # what kind of model it is, and what differs with that
 
 
@@ -61,7 +61,7 @@ def build_sharded_model(
     `compile_layers` (training.compile) compiles each decoder layer when training."""
     source = resolve_model(model_cfg, data.tokenizer)
     variant = pick_variant(source.hf_config, model_cfg, strategy)
-    layout = mesh_layout(runtime.world_size, strategy, model_cfg.ulysses_size)
+    layout = mesh_layout(runtime.world_size, strategy, model_cfg.ulysses_size, model_cfg.context_parallel_size)
     mesh = build_mesh(runtime.device.type, layout)
     expert_mesh = build_expert_mesh(runtime.device.type, layout)
     sp_group = sequence_parallel_group(layout)
@@ -71,7 +71,7 @@ def build_sharded_model(
     variant.flex_documents = attend_documents(model, model_cfg, data, runtime.device, variant.attention_config)
     if sp_group is not None:
         apply_ulysses(model, sp_group, variant.attention_config)
-        gather_router_logits(model, sp_group)  # the MoE load-balancing loss over the whole sequence
+        gather_router_logits(model, sp_group)  # the MoE load-balancing loss over the whole sequence (the group's)
     variant.patch_meta(model, sp_group)
     set_experts_implementation(model, strategy.moe_use_grouped_mm)
     plan = build_plan(model, strategy, model_cfg, compile_layers=training and compile_layers)

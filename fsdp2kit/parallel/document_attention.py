@@ -29,12 +29,25 @@ DOCUMENT_FLEX = "document_flex"
 
 
 def document_path(
-    requested: str, documents: bool, ulysses_size: int, device: torch.device, current: str, supports_flex: bool
+    requested: str,
+    documents: bool,
+    ulysses_size: int,
+    device: torch.device,
+    current: str,
+    supports_flex: bool,
+    context_parallel_size: int = 1,
 ) -> tuple[bool, str | None]:
     """Whether a run switches to DOCUMENT_FLEX, and how its packed documents are attended (None: no documents).
-    `requested` is model.attn_implementation as written, `current` what the model resolved it to."""
+    `requested` is model.attn_implementation as written, `current` what the model resolved it to. Context parallel
+    attends with the dense mask of each rank's queries over the gathered keys (its rows are a rank's two chunks,
+    which a block mask over the whole sequence does not describe)."""
     if not documents:
         return False, None
+    if context_parallel_size > 1:
+        return False, (
+            f"{current} with a dense [T/{context_parallel_size}, T] document mask over the gathered keys "
+            "(context parallel)"
+        )
     gathered = " over the gathered sequence (Ulysses)" if ulysses_size > 1 else ""
     flex = f"FlexAttention with a document block mask{gathered} (no [T, T] mask)"
     if DOCUMENT_FLEX in current:  # switched already: alone, or inside Ulysses' wrapper (ulysses_document_flex_...)
@@ -57,7 +70,9 @@ def document_route(model: Any, cfg: ModelConfig, data: DataConfig, device: torch
     current = str(model.config.get_text_config()._attn_implementation)
     supports_flex = bool(getattr(model, "_supports_flex_attn", False))
     documents = (data.pack and data.document_mask) or cfg.remove_padding  # the API's packed rows (train/packing.py)
-    return document_path(cfg.attn_implementation, documents, cfg.ulysses_size, device, current, supports_flex)
+    return document_path(
+        cfg.attn_implementation, documents, cfg.ulysses_size, device, current, supports_flex, cfg.context_parallel_size
+    )
 
 
 def attend_documents(

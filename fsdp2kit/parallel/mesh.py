@@ -1,6 +1,8 @@
 """The device mesh: 1-D `[fsdp]`, or HSDP `[ddp, fsdp]` (replicate across ddp, shard within fsdp); and the
-sequence-parallel (Ulysses) groups of `ulysses_size` consecutive ranks, laid over that mesh without changing it:
-FSDP still shards over all ranks (or each fsdp group), while the ranks of an SP group share their samples. Under
+sequence groups laid over that mesh without changing it: FSDP still shards over all ranks (or each fsdp group),
+while the ulysses_size x context_parallel_size consecutive ranks of a sequence group share their samples, ordered
+`[dp, cp, sp]`: the Ulysses (sp) groups are consecutive ranks, the context-parallel (cp) groups stride across
+them. Under
 expert parallelism the experts have a mesh of their own, laid out as ROLL lays it out: `[efsdp, ep]`, or
 `[eddp, efsdp, ep]` where efsdp x ep ranks are fewer than the world (`ep` innermost: consecutive ranks)."""
 
@@ -23,6 +25,7 @@ class MeshLayout:
     shape: tuple[int, ...]
     dim_names: tuple[str, ...]
     ulysses_size: int = 1
+    context_parallel_size: int = 1
     ep_size: int = 1
     efsdp_size: int = 1
 
@@ -39,31 +42,57 @@ class MeshLayout:
         return math.prod(self.shape)
 
     @property
+    def sequence_size(self) -> int:
+        """How many ranks share their samples, each holding a part of every sequence: Ulysses x context parallel."""
+        return self.ulysses_size * self.context_parallel_size
+
+    @property
     def data_parallel_size(self) -> int:
-        """How many different micro-batches the ranks train on at once: the ranks of an SP group share theirs."""
-        return self.world_size // self.ulysses_size
+        """How many different micro-batches the ranks train on at once: the ranks of a sequence group share theirs."""
+        return self.world_size // self.sequence_size
 
     def data_parallel_rank(self, rank: int) -> int:
-        return rank // self.ulysses_size
+        return rank // self.sequence_size
+
+    def sequence_groups(self) -> list[list[int]]:
+        """The ranks that share samples: sequence_size consecutive ranks."""
+        size = self.sequence_size
+        return [list(range(start, start + size)) for start in range(0, self.world_size, size)]
 
     def sequence_parallel_groups(self) -> list[list[int]]:
+        """The Ulysses groups: ulysses_size consecutive ranks."""
         return [list(range(start, start + self.ulysses_size)) for start in range(0, self.world_size, self.ulysses_size)]
 
+    def context_parallel_groups(self) -> list[list[int]]:
+        """The context-parallel groups: within a sequence group, the ranks of one Ulysses rank (stride ulysses_size)."""
+        k, size = self.ulysses_size, self.sequence_size
+        return [list(range(start + j, start + size, k)) for start in range(0, self.world_size, size) for j in range(k)]
+
     def data_parallel_groups(self) -> list[list[int]]:
-        """The ranks that train different micro-batches together: one of each sequence-parallel group."""
-        return [list(range(offset, self.world_size, self.ulysses_size)) for offset in range(self.ulysses_size)]
+        """The ranks that train different micro-batches together: one of each sequence group."""
+        return [list(range(offset, self.world_size, self.sequence_size)) for offset in range(self.sequence_size)]
 
 
-def mesh_layout(world_size: int, strategy: StrategyConfig, ulysses_size: int = 1) -> MeshLayout:
+def mesh_layout(
+    world_size: int, strategy: StrategyConfig, ulysses_size: int = 1, context_parallel_size: int = 1
+) -> MeshLayout:
     """ROLL's rule: fsdp_size auto, <= 1 or >= world -> pure FSDP; otherwise HSDP (world/fsdp_size, fsdp_size).
     FSDP1/Accelerate names: NO_SHARD replicates everywhere; HYBRID_SHARD shards within a node by default.
-    `ulysses_size` (which must divide the world size) groups consecutive ranks for sequence parallel."""
+    `ulysses_size` (which must divide the world size) groups consecutive ranks for sequence parallel;
+    `context_parallel_size` (which must divide world / ulysses_size) groups that many Ulysses groups."""
     if world_size % ulysses_size:
         raise UserError(
             f"model.ulysses_size = {ulysses_size} does not divide the world size {world_size}; valid: "
             f"{', '.join(map(str, divisors(world_size)))}"
         )
-    layout = replace(_fsdp_layout(world_size, strategy), ulysses_size=ulysses_size)
+    if (world_size // ulysses_size) % context_parallel_size:
+        raise UserError(
+            f"model.context_parallel_size = {context_parallel_size} does not divide world size {world_size} / "
+            f"model.ulysses_size {ulysses_size}; valid: {', '.join(map(str, divisors(world_size // ulysses_size)))}"
+        )
+    layout = replace(
+        _fsdp_layout(world_size, strategy), ulysses_size=ulysses_size, context_parallel_size=context_parallel_size
+    )
     ep_size, efsdp_size = _expert_sizes(world_size, strategy)
     return replace(layout, ep_size=ep_size, efsdp_size=efsdp_size)
 
@@ -127,18 +156,42 @@ def build_expert_mesh(device_type: str, layout: MeshLayout) -> DeviceMesh | None
     return init_device_mesh(device_type, shape, mesh_dim_names=names)
 
 
+@dataclass(frozen=True)
+class SequenceSubgroups:
+    """The parts of a sequence group: its Ulysses group (None: ulysses_size 1) and its context-parallel group (None:
+    context_parallel_size 1)."""
+
+    ulysses: ProcessGroup | None
+    context: ProcessGroup | None
+
+
+# By id(sequence group), the subgroups `sequence_parallel_group` made beside it (a group lives as long as the process).
+_SUBGROUPS: dict[int, SequenceSubgroups] = {}
+
+
+def sequence_subgroups(group: ProcessGroup) -> SequenceSubgroups:
+    """The Ulysses and context-parallel parts of a sequence group; a group made elsewhere is a Ulysses group."""
+    return _SUBGROUPS.get(id(group), SequenceSubgroups(group, None))
+
+
 def sequence_parallel_group(layout: MeshLayout) -> ProcessGroup | None:
-    """This rank's SP group (None without sequence parallel). Every rank creates every group, as torch requires."""
-    if layout.ulysses_size == 1:
+    """This rank's sequence group (None without Ulysses or context parallel), its subgroups recorded beside it
+    (`sequence_subgroups`). Every rank creates every group, as torch requires."""
+    if layout.sequence_size == 1:
         return None
-    group, _ = dist.new_subgroups_by_enumeration(layout.sequence_parallel_groups())
+    group, _ = dist.new_subgroups_by_enumeration(layout.sequence_groups())
+    k, c = layout.ulysses_size, layout.context_parallel_size
+    if c > 1:
+        ulysses = dist.new_subgroups_by_enumeration(layout.sequence_parallel_groups())[0] if k > 1 else None
+        context = dist.new_subgroups_by_enumeration(layout.context_parallel_groups())[0] if k > 1 else group
+        _SUBGROUPS[id(group)] = SequenceSubgroups(ulysses, context)
     return group
 
 
 def data_parallel_group(layout: MeshLayout) -> ProcessGroup | None:
     """This rank's data-parallel group (None: the whole world, without sequence parallel). Every rank creates every
     group, as torch requires."""
-    if layout.ulysses_size == 1:
+    if layout.sequence_size == 1:
         return None
     group, _ = dist.new_subgroups_by_enumeration(layout.data_parallel_groups())
     return group

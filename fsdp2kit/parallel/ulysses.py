@@ -40,7 +40,7 @@ from torch.distributed import ProcessGroup
 from fsdp2kit.errors import UserError
 from fsdp2kit.labels import IGNORE_INDEX
 from fsdp2kit.parallel.document_attention import DOCUMENT_FLEX, document_block_mask, document_flex_attention
-from fsdp2kit.parallel.mesh import divisors
+from fsdp2kit.parallel.mesh import divisors, sequence_subgroups
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -51,7 +51,8 @@ def apply_ulysses(model: PreTrainedModel, group: ProcessGroup, sub_config: str |
     implementation (sdpa or eager), or around DOCUMENT_FLEX where the build picked it for packed documents."""
     from transformers import AttentionInterface
 
-    size = group.size()
+    ulysses = sequence_subgroups(group).ulysses
+    size = ulysses.size() if ulysses is not None else 1
     heads = model.config.get_text_config().num_attention_heads
     if heads % size:
         world = dist.get_world_size()
@@ -76,17 +77,20 @@ def apply_ulysses(model: PreTrainedModel, group: ProcessGroup, sub_config: str |
 def shard_sequence(
     batch: dict[str, torch.Tensor], group: ProcessGroup, block_mask: bool = False
 ) -> dict[str, torch.Tensor]:
-    """This rank's contiguous 1/k of every sample of a collated micro-batch: input ids, labels and the global position
-    ids (rotary embeddings need them; without them, numbered from the 2-D padding mask as generation numbers a
-    left-padded prompt: cumsum(mask) - 1), the sequence padded at the end to a multiple of k with non-target tokens.
-    Packed documents get their block-diagonal causal mask over the whole sequence, and so does padding that comes
-    before a real token (left-padded prompts): no real token attends to it. Right padding needs no mask under causal
-    attention (see the module docstring), so the 2-D mask of a right-padded batch is dropped. `block_mask` (the
-    model attends with DOCUMENT_FLEX): that mask as a BlockMask, never a dense one."""
-    size, rank = group.size(), group.rank()
+    """This rank's share of every sample of a collated micro-batch (`token_order`): input ids, labels (shifted
+    already, before the cut) and the global position ids (rotary embeddings need them; without them, numbered from
+    the 2-D padding mask as generation numbers a left-padded prompt: cumsum(mask) - 1), the sequence padded at the end
+    to a multiple of the cut with non-target tokens. Packed documents get their block-diagonal causal mask over the
+    whole sequence, and so does padding that comes before a real token (left-padded prompts): no real token attends
+    to it. Right padding needs no mask under causal attention (see the module docstring), so the 2-D mask of a
+    right-padded batch is dropped; under context parallel the mask is always made (its rows are this rank's queries,
+    not a prefix). `block_mask` (the model attends with DOCUMENT_FLEX): that mask as a BlockMask, never a dense one."""
+    subgroups = sequence_subgroups(group)
+    ulysses = (subgroups.ulysses.size(), subgroups.ulysses.rank()) if subgroups.ulysses is not None else (1, 0)
+    context = (subgroups.context.size(), subgroups.context.rank()) if subgroups.context is not None else (1, 0)
     input_ids, labels = batch["input_ids"], batch["labels"]
     length = input_ids.shape[1]
-    pad = -length % size
+    pad = -length % (ulysses[0] * context[0] * (2 if context[0] > 1 else 1))
     mask = batch.get("attention_mask")
     real = mask.bool() if mask is not None and mask.dim() == 2 else None
     positions = batch.get("position_ids")
@@ -103,23 +107,37 @@ def shard_sequence(
         # Continuing the last position keeps the padding inside the last document: no extra document to mask.
         positions = torch.cat([positions, positions[:, -1:] + torch.arange(1, pad + 1, device=positions.device)], 1)
         real = F.pad(real, (0, pad), value=False) if real is not None else None
-    local = slice(rank * (length + pad) // size, (rank + 1) * (length + pad) // size)
+    order = token_order(length + pad, context[0], ulysses[0]).to(input_ids.device)
+    local = order[context[1], ulysses[1]]
     shard = {"input_ids": input_ids[:, local], "position_ids": positions[:, local], "labels": labels[:, local]}
     tokens = torch.ones_like(input_ids, dtype=torch.bool)
     tokens[:, length:] = False
-    attend = _sequence_mask_function(positions, packed, real)
+    indices = (order[context[1]].flatten(), order.flatten()) if context[0] > 1 else None
+    attend = _sequence_mask_function(positions, packed, real, causal=indices is not None)
     mask = None
     if attend is not None:
         batch_size, total = positions.shape
         mask = (
             document_block_mask(batch_size, total, total, mask_function=attend, device=positions.device)
             if block_mask
-            else _dense_mask(attend, batch_size, total, positions.device)[:, None]
+            else _dense_mask(attend, batch_size, *(indices or (torch.arange(total, device=positions.device),) * 2))
         )
     # The model gets no mask: its attention (the wrapper) reads the sequence's from here, and nothing else of the
     # model takes it for a [B, T] padding mask (MoE's load-balancing loss would).
-    remember_tokens(group, tokens if real is None else tokens & real, mask)
+    counted = tokens if real is None else tokens & real
+    remember_tokens(group, counted[:, order.flatten()], mask, indices)
     return shard
+
+
+def token_order(length: int, context_size: int, ulysses_size: int) -> torch.Tensor:
+    """Which tokens of a sequence of `length` (a multiple of the cut) each rank of a sequence group holds: [cp rank,
+    Ulysses rank, tokens] global indices. Context parallel cuts the sequence into 2c equal chunks and gives cp rank r
+    chunks r and 2c-1-r, so that under causal attention every rank has as many (query, key) pairs to compute (the
+    load balancing of Llama 3's context parallel and torch's `context_parallel`); Ulysses cuts that share into k
+    contiguous slices. Flattened, it is the order of the tokens gathered over the group in rank order."""
+    chunks = torch.arange(length).view(2 * context_size if context_size > 1 else 1, -1)
+    shares = torch.cat([chunks[:context_size], chunks.flip(0)[:context_size]], 1) if context_size > 1 else chunks
+    return shares.view(context_size, ulysses_size, -1)
 
 
 # The tokens ([B, T + padding] booleans) of the micro-batch each sequence-parallel group cut last that a
@@ -127,14 +145,36 @@ def shard_sequence(
 _COUNTED_TOKENS: dict[int, torch.Tensor] = {}  # by id(group): a group lives as long as the process
 # And the mask over the whole sequence of that micro-batch (packed documents, left padding) that its attention reads.
 _SEQUENCE_MASKS: dict[int, Any] = {}
+# And, under context parallel, the global indices of this rank's queries and of the gathered keys (`token_order`).
+_TOKEN_INDICES: dict[int, tuple[torch.Tensor, torch.Tensor] | None] = {}
 
 
-def remember_tokens(group: ProcessGroup, counted: torch.Tensor, mask: Any = None) -> None:
-    """Record which tokens of the micro-batch just cut for `group` ([B, T + padding] booleans) such a statistic
-    counts: the real ones, or all where the model gets the padding mask itself (a VL micro-batch); and the mask its
-    attention applies over the whole sequence (a dense [B, 1, T, T] or a BlockMask; None: causal alone)."""
+def remember_tokens(
+    group: ProcessGroup,
+    counted: torch.Tensor,
+    mask: Any = None,
+    indices: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> None:
+    """Record which tokens of the micro-batch just cut for `group` ([B, T + padding] booleans, in the order the
+    group's ranks hold them) such a statistic counts: the real ones, or all where the model gets the padding mask
+    itself (a VL micro-batch); the mask its attention applies over the whole sequence (a dense [B, 1, queries, keys]
+    or a BlockMask; None: causal alone); and, under context parallel, the global index of each query this rank
+    attends for and of each key in gathered order (None: both are the whole sequence in order)."""
     _COUNTED_TOKENS[id(group)] = counted
     _SEQUENCE_MASKS[id(group)] = mask
+    _TOKEN_INDICES[id(group)] = indices
+
+
+def token_indices(group: ProcessGroup) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The (queries, keys) global indices `remember_tokens` recorded for `group` last (None: the sequence in order)."""
+    return _TOKEN_INDICES.get(id(group))
+
+
+def gathered_order(group: ProcessGroup) -> torch.Tensor | None:
+    """The global index of each token of the micro-batch cut last, gathered over `group` in rank order (None: that
+    order is the sequence's)."""
+    indices = token_indices(group)
+    return None if indices is None else indices[1]
 
 
 def sequence_mask(group: ProcessGroup) -> Any:
@@ -147,18 +187,21 @@ def counted_tokens(group: ProcessGroup) -> torch.Tensor | None:
     return _COUNTED_TOKENS.get(id(group))
 
 
-def _sequence_mask_function(positions: torch.Tensor, packed: bool, real: torch.Tensor | None) -> Callable | None:
-    """The mask over the whole sequence as a mask function (batch, head, query, key -> True = attend; FlexAttention's
-    form, and indexable with broadcast index tensors) where causal attention alone is not exact: documents packed by
-    the caller's `positions` (`packed`), padding (`real` False) before a real token, masked out as keys. None
-    otherwise. A padding token attends to itself at least (a row with nothing to attend to is NaN)."""
+def _sequence_mask_function(
+    positions: torch.Tensor, packed: bool, real: torch.Tensor | None, causal: bool = False
+) -> Callable | None:
+    """The mask over the whole sequence as a mask function (batch, head, query, key global indices -> True = attend;
+    FlexAttention's form, and indexable with broadcast index tensors) where causal attention alone is not exact:
+    documents packed by the caller's `positions` (`packed`), padding (`real` False) before a real token, masked out
+    as keys. None otherwise, unless `causal` asks for causal attention's own. A padding token attends to itself at
+    least (a row with nothing to attend to is NaN)."""
     documents = None
     if packed:
         # transformers' rule for packed samples: a new document starts wherever the position does not grow by one.
         documents = (torch.diff(positions, prepend=positions[:, :1] - 1) != 1).cumsum(-1)
         documents = documents if documents[:, -1].any() else None
     left_padded = real is not None and bool((~real[:, :-1] & real[:, 1:]).any())
-    if documents is None and not left_padded:
+    if documents is None and not left_padded and not causal:
         return None
 
     def attend(batch: torch.Tensor, head: Any, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
@@ -172,17 +215,18 @@ def _sequence_mask_function(positions: torch.Tensor, packed: bool, real: torch.T
     return attend
 
 
-def _dense_mask(attend: Callable, batch_size: int, length: int, device: torch.device) -> torch.Tensor:
-    """The boolean [B, T, T] mask a mask function describes."""
-    positions = torch.arange(length, device=device)
-    return attend(torch.arange(batch_size, device=device)[:, None, None], None, positions[:, None], positions)
+def _dense_mask(attend: Callable, batch_size: int, queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """The boolean [B, 1, queries, keys] mask a mask function describes at those global indices."""
+    rows = torch.arange(batch_size, device=queries.device)[:, None, None]
+    return attend(rows, None, queries[:, None], keys[None, :])[:, None]
 
 
 def padding_mask(real: torch.Tensor) -> torch.Tensor | None:
     """The causal [B, T, T] mask with the padding (`real` [B, T] False) masked out as keys where it comes before a
     real token (left-padded prompts); None where it does not (right padding needs no mask under causal attention)."""
     attend = _sequence_mask_function(real, False, real)
-    return None if attend is None else _dense_mask(attend, real.shape[0], real.shape[1], real.device)
+    positions = torch.arange(real.shape[1], device=real.device)
+    return None if attend is None else _dense_mask(attend, real.shape[0], positions, positions)[:, 0]
 
 
 def _all_to_all(x: torch.Tensor, group: ProcessGroup, scatter_dim: int, gather_dim: int) -> torch.Tensor:
@@ -252,18 +296,21 @@ def _inner_attention(inner: str, module: torch.nn.Module, functions: Any) -> Cal
 
 def _full_sequence_mask(
     attention_mask: torch.Tensor | None,
+    indices: tuple[torch.Tensor, torch.Tensor] | None,
     length: int,
     sliding_window: int | None,
     additive_dtype: torch.dtype | None,
     device: torch.device,
 ) -> torch.Tensor | None:
-    """The boolean mask over the gathered sequence (True = attend): the packed-document mask the batch brought, or
-    causal (None, which sdpa applies itself), narrowed to a sliding window that is shorter than the sequence.
-    Eager applies no causal mask of its own and adds the mask to the scores: it gets an additive one."""
+    """The boolean mask over the gathered sequence (True = attend): the mask the batch brought (packed documents,
+    left padding; always under context parallel), or causal (None, which sdpa applies itself), narrowed to a sliding
+    window that is shorter than the sequence. Its rows and columns are the global tokens `indices` names (this rank's
+    queries, the gathered keys; None: the sequence in order). Eager applies no causal mask of its own and adds the
+    mask to the scores: it gets an additive one."""
+    queries, keys = indices if indices is not None else (torch.arange(length, device=device),) * 2
     mask = attention_mask
     if sliding_window is not None and length > sliding_window:
-        position = torch.arange(length, device=device)
-        distance = position[:, None] - position[None, :]
+        distance = queries.to(device)[:, None] - keys.to(device)[None, :]
         band = (distance >= 0) & (distance < sliding_window)
         mask = band if mask is None else mask & band
     if additive_dtype is None:
@@ -272,6 +319,26 @@ def _full_sequence_mask(
         mask = torch.ones(length, length, dtype=torch.bool, device=device).tril()
     additive = torch.zeros(mask.shape, dtype=additive_dtype, device=device)
     return additive.masked_fill(~mask, torch.finfo(additive_dtype).min)
+
+
+class _GatherKeys(torch.autograd.Function):
+    """Keys or values [batch, heads, seq/c, dim] all-gathered along the sequence over the context-parallel group,
+    in rank order. Its gradient: each rank's block gets the sum of every rank's gradient of it (a reduce-scatter,
+    written as an all-to-all and a sum, which gloo runs too)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        parts = [torch.empty_like(x) for _ in range(group.size())]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim=2)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        send = torch.stack(grad.chunk(ctx.group.size(), dim=2)).contiguous()
+        received = torch.empty_like(send)
+        dist.all_to_all_single(received, send, group=ctx.group)
+        return received.sum(0), None
 
 
 class _FlexSequenceMask:
@@ -318,12 +385,17 @@ def _indexed_mask(dense: torch.Tensor) -> Callable:
 
 
 def _ulysses_attention(inner: str, group: ProcessGroup) -> Callable:
-    """A transformers attention function: query [batch, heads, seq/k, dim] and key/value [batch, kv_heads, seq/k, dim]
-    in, [batch, seq/k, heads, dim] out, computed by `inner` over the whole sequence with heads/k heads."""
+    """A transformers attention function: query [batch, heads, seq/n, dim] and key/value [batch, kv_heads, seq/n,
+    dim] in, [batch, seq/n, heads, dim] out, computed by `inner` with heads/k heads (Ulysses' all-to-all) for this
+    rank's share of the queries over every key (context parallel: the keys and values all-gathered over the c ranks
+    with the rectangular mask, the exact all-gather form of Llama 3's context parallel, Llama 3 paper sec. 3.3.2,
+    also torch's `context_parallel` and torchtitan; a ring would pass the blocks instead and merge online softmaxes)."""
     from transformers.integrations.sdpa_attention import repeat_kv
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    size = group.size()
+    subgroups = sequence_subgroups(group)
+    ulysses, context = subgroups.ulysses, subgroups.context
+    size = ulysses.size() if ulysses is not None else 1
     flex_mask = _FlexSequenceMask() if inner == DOCUMENT_FLEX else None
 
     def attention(
@@ -341,19 +413,27 @@ def _ulysses_attention(inner: str, group: ProcessGroup) -> Callable:
         if kv_repeats > 1:  # fewer key/value heads than ranks (GQA): repeat them so that every rank gets whole ones
             key, value = repeat_kv(key, kv_repeats), repeat_kv(value, kv_repeats)
             module = _RegroupedAttention(module, query.shape[1] // key.shape[1])
-        if isinstance(getattr(module, "sinks", None), torch.Tensor):
-            module = _RankHeadSinks(module, group)
-        query, key, value = (_AllToAll.apply(t, group, 1, 2) for t in (query, key, value))  # heads out, sequence in
-        batch_size, length, window = query.shape[0], query.shape[2], kwargs.get("sliding_window")
+        if ulysses is not None and isinstance(getattr(module, "sinks", None), torch.Tensor):
+            module = _RankHeadSinks(module, ulysses)
+        if ulysses is not None:  # heads out, sequence in
+            query, key, value = (_AllToAll.apply(t, ulysses, 1, 2) for t in (query, key, value))
+        if context is not None:  # every key and value of the sequence, for this rank's queries
+            key, value = _GatherKeys.apply(key, context), _GatherKeys.apply(value, context)
+        batch_size, length, window = query.shape[0], key.shape[2], kwargs.get("sliding_window")
         mask = (
             flex_mask(attention_mask, batch_size, length, window, query.device)
             if flex_mask is not None
             else _full_sequence_mask(
-                attention_mask, length, window, query.dtype if inner == "eager" else None, query.device
+                attention_mask,
+                token_indices(group),
+                length,
+                window,
+                query.dtype if inner == "eager" else None,
+                query.device,
             )
         )
         output, _ = inner_attention(module, query, key, value, mask, **kwargs)  # [batch, seq, heads/k, dim]
         # The attention weights (eager) cover this rank's heads only; training never reads them.
-        return _AllToAll.apply(output, group, 1, 2), None  # sequence out, heads in
+        return (_AllToAll.apply(output, ulysses, 1, 2) if ulysses is not None else output), None  # sequence out
 
     return attention

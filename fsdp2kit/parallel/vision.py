@@ -18,7 +18,9 @@ import torch
 import torch.nn as nn
 from torch.distributed import ProcessGroup
 
+from fsdp2kit.errors import UserError
 from fsdp2kit.labels import IGNORE_INDEX
+from fsdp2kit.parallel.mesh import sequence_subgroups
 from fsdp2kit.parallel.ulysses import padding_mask, remember_tokens
 
 _PROJECTOR_CLASS = re.compile(r"(Merger|Projector)$")
@@ -139,6 +141,11 @@ def apply_vision_ulysses(model: nn.Module, group: ProcessGroup) -> None:
     image features are merged into the embeddings of the whole sequence and the 3-D (mrope) positions computed over
     it; then, at the entry of the language model, each rank keeps its contiguous 1/k of the tokens. The language
     model's attention is the Ulysses wrapper; the tower's stays the configured one."""
+    if sequence_subgroups(group).context is not None:
+        raise UserError(
+            "model.context_parallel_size > 1 is not available for vision-language models (their tower and mrope "
+            "positions need the whole sequence, cut contiguously); use model.ulysses_size"
+        )
     language_model = vision_tower_owner(model).language_model
     size, rank = group.size(), group.rank()
 
