@@ -6,7 +6,8 @@ scores a probe batch and (`export`) exports the model; rank 0 saves the losses, 
 and the `full_weights`. Expert parallelism (`ep`, `efsdp`, tests/test_expert_parallel.py) adds: `packed` documents,
 `forced` routing (every token of a Qwen3-MoE to experts 0 and 1: the ranks holding the others receive nothing),
 `ragged` micro-batches (every other one shorter: ranks exchange different token counts), other `strategy` keys, a
-checkpoint saved after step `save_at` and a run that `resume`s from one."""
+checkpoint saved after step `save_at` and a run that `resume`s from one. Context parallel (`cp`,
+tests/test_context_parallel.py) adds: a caller's `loss_fn` (`caller_loss`) and the log-probs of a left-padded probe."""
 
 from __future__ import annotations
 
@@ -41,6 +42,21 @@ def micro_batches(step: int, count: int, ragged: bool = False, packed: bool = Fa
     return batches
 
 
+def next_token_loss(log_probs: torch.Tensor, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A caller's loss_fn: the summed negative log-probs of the real next tokens, and their count."""
+    mask = batch.get("attention_mask")
+    real = torch.ones_like(log_probs) if mask is None else (mask[:, :-1] * mask[:, 1:]).to(log_probs.dtype)
+    return -(log_probs * real).sum(), real.sum()
+
+
+def left_padded_probe() -> dict[str, torch.Tensor]:
+    """RL's layout: prompts left-padded by 3 and 5 tokens (their positions counted from the first real one)."""
+    ids = torch.randint(3, VOCAB, (ROWS, LENGTH), generator=torch.Generator().manual_seed(7))
+    mask = torch.ones(ROWS, LENGTH, dtype=torch.long)
+    mask[0, :3], mask[1, :5] = 0, 0
+    return {"input_ids": ids.masked_fill(mask == 0, 2), "attention_mask": mask}
+
+
 def force_routing(model: torch.nn.Module) -> None:
     """Every token of a Qwen3-MoE to experts 0 and 1, weighted by the router's own probabilities (it still learns)."""
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
@@ -59,7 +75,12 @@ def force_routing(model: torch.nn.Module) -> None:
 def config(run: dict[str, Any]) -> dict[str, Any]:
     per_expert = run["per_expert"]
     return {
-        "model": {"name_or_path": run["folder"], "ulysses_size": run["ulysses"], "dtype": "fp32"},
+        "model": {
+            "name_or_path": run["folder"],
+            "ulysses_size": run["ulysses"],
+            "context_parallel_size": run.get("cp", 1),
+            "dtype": "fp32",
+        },
         "strategy_args": {
             "strategy_config": {
                 "wrap_policy": {"moe_experts": [run["experts"]] if run["experts"] else []},
@@ -84,8 +105,9 @@ def train(run: dict[str, Any]) -> None:
     strategy = fsdp2kit.Strategy.from_config(config(run))
     if run.get("forced"):
         force_routing(strategy.model)
-    data_parallel = dist.get_world_size() // run["ulysses"]
-    rank = dist.get_rank() // run["ulysses"]  # the ranks of a sequence-parallel group train the same micro-batches
+    sequence = run["ulysses"] * run.get("cp", 1)
+    data_parallel = dist.get_world_size() // sequence
+    rank = dist.get_rank() // sequence  # the ranks of a sequence group train the same micro-batches
     first = strategy.load_checkpoint(run["resume"])["step"] if run.get("resume") else 0
     losses, grad_norms = [], []
     for step in range(first, run["steps"]):
@@ -93,12 +115,13 @@ def train(run: dict[str, Any]) -> None:
             step, run["accumulation"] * data_parallel, run.get("ragged", False), run.get("packed", False)
         )
         mine = everyone[rank::data_parallel]
-        result = strategy.train_step(mine)
+        result = strategy.train_step(mine, next_token_loss if run.get("caller_loss") else None)
         losses.append(result["loss"])
         grad_norms.append(result["grad_norm"])
         if step + 1 == run.get("save_at"):
             strategy.save_checkpoint(run["checkpoint"])
     log_probs = strategy.forward_step(micro_batches(-1, 1)[0])["log_probs"]
+    left_log_probs = strategy.forward_step(left_padded_probe())["log_probs"] if run.get("left_padded") else None
     weights = {name: tensor.clone() for name, tensor in strategy.full_weights(bucket_bytes=1 << 14)}
     if run["export"]:
         strategy.export_hf(run["out"] + ".hf")
@@ -108,6 +131,9 @@ def train(run: dict[str, Any]) -> None:
                 "losses": losses,
                 "grad_norms": grad_norms,
                 "log_probs": log_probs,
+                "left_log_probs": left_log_probs,
+                "data_parallel_size": strategy.data_parallel_size(),
+                "attention": strategy.model.config.get_text_config()._attn_implementation,
                 "weights": weights,
                 "loss_scale": strategy.scaler.scale,
             },

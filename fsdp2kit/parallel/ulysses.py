@@ -83,8 +83,9 @@ def shard_sequence(
     to a multiple of the cut with non-target tokens. Packed documents get their block-diagonal causal mask over the
     whole sequence, and so does padding that comes before a real token (left-padded prompts): no real token attends
     to it. Right padding needs no mask under causal attention (see the module docstring), so the 2-D mask of a
-    right-padded batch is dropped; under context parallel the mask is always made (its rows are this rank's queries,
-    not a prefix). `block_mask` (the model attends with DOCUMENT_FLEX): that mask as a BlockMask, never a dense one."""
+    right-padded batch is dropped. Under context parallel the mask's rows are this rank's queries and its columns the
+    gathered keys ([B, 1, T/c, T]), and the global index of each is recorded. `block_mask` (the model attends with
+    DOCUMENT_FLEX): that mask as a BlockMask, never a dense one."""
     subgroups = sequence_subgroups(group)
     ulysses = (subgroups.ulysses.size(), subgroups.ulysses.rank()) if subgroups.ulysses is not None else (1, 0)
     context = (subgroups.context.size(), subgroups.context.rank()) if subgroups.context is not None else (1, 0)
@@ -113,7 +114,7 @@ def shard_sequence(
     tokens = torch.ones_like(input_ids, dtype=torch.bool)
     tokens[:, length:] = False
     indices = (order[context[1]].flatten(), order.flatten()) if context[0] > 1 else None
-    attend = _sequence_mask_function(positions, packed, real, causal=indices is not None)
+    attend = _sequence_mask_function(positions, packed, real)
     mask = None
     if attend is not None:
         batch_size, total = positions.shape
@@ -187,21 +188,18 @@ def counted_tokens(group: ProcessGroup) -> torch.Tensor | None:
     return _COUNTED_TOKENS.get(id(group))
 
 
-def _sequence_mask_function(
-    positions: torch.Tensor, packed: bool, real: torch.Tensor | None, causal: bool = False
-) -> Callable | None:
+def _sequence_mask_function(positions: torch.Tensor, packed: bool, real: torch.Tensor | None) -> Callable | None:
     """The mask over the whole sequence as a mask function (batch, head, query, key global indices -> True = attend;
     FlexAttention's form, and indexable with broadcast index tensors) where causal attention alone is not exact:
     documents packed by the caller's `positions` (`packed`), padding (`real` False) before a real token, masked out
-    as keys. None otherwise, unless `causal` asks for causal attention's own. A padding token attends to itself at
-    least (a row with nothing to attend to is NaN)."""
+    as keys. None otherwise. A padding token attends to itself at least (a row with nothing to attend to is NaN)."""
     documents = None
     if packed:
         # transformers' rule for packed samples: a new document starts wherever the position does not grow by one.
         documents = (torch.diff(positions, prepend=positions[:, :1] - 1) != 1).cumsum(-1)
         documents = documents if documents[:, -1].any() else None
     left_padded = real is not None and bool((~real[:, :-1] & real[:, 1:]).any())
-    if documents is None and not left_padded and not causal:
+    if documents is None and not left_padded:
         return None
 
     def attend(batch: torch.Tensor, head: Any, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
@@ -303,20 +301,23 @@ def _full_sequence_mask(
     device: torch.device,
 ) -> torch.Tensor | None:
     """The boolean mask over the gathered sequence (True = attend): the mask the batch brought (packed documents,
-    left padding; always under context parallel), or causal (None, which sdpa applies itself), narrowed to a sliding
-    window that is shorter than the sequence. Its rows and columns are the global tokens `indices` names (this rank's
-    queries, the gathered keys; None: the sequence in order). Eager applies no causal mask of its own and adds the
-    mask to the scores: it gets an additive one."""
-    queries, keys = indices if indices is not None else (torch.arange(length, device=device),) * 2
+    left padding), or causal (None, which sdpa applies itself where queries and keys are the whole sequence in order),
+    narrowed to a sliding window that is shorter than the sequence. Its rows and columns are the global tokens
+    `indices` names (context parallel: this rank's queries, the gathered keys; None: the sequence in order), and
+    causal is by that index. Eager applies no causal mask of its own and adds the mask to the scores: it gets an
+    additive one."""
+    queries, keys = (
+        (t.to(device) for t in indices) if indices is not None else (torch.arange(length, device=device),) * 2
+    )
     mask = attention_mask
     if sliding_window is not None and length > sliding_window:
-        distance = queries.to(device)[:, None] - keys.to(device)[None, :]
+        distance = queries[:, None] - keys[None, :]
         band = (distance >= 0) & (distance < sliding_window)
         mask = band if mask is None else mask & band
+    if mask is None and (indices is not None or additive_dtype is not None):
+        mask = queries[:, None] >= keys[None, :]
     if additive_dtype is None:
         return mask
-    if mask is None:
-        mask = torch.ones(length, length, dtype=torch.bool, device=device).tril()
     additive = torch.zeros(mask.shape, dtype=additive_dtype, device=device)
     return additive.masked_fill(~mask, torch.finfo(additive_dtype).min)
 
@@ -406,6 +407,7 @@ def _ulysses_attention(inner: str, group: ProcessGroup) -> Callable:
         attention_mask: torch.Tensor | None,
         **kwargs: Any,
     ) -> Any:
+        indices = token_indices(group)
         if attention_mask is None:  # a text micro-batch: the mask `shard_sequence` made for the whole sequence
             attention_mask = sequence_mask(group)
         inner_attention = _inner_attention(inner, module, ALL_ATTENTION_FUNCTIONS)
@@ -420,12 +422,16 @@ def _ulysses_attention(inner: str, group: ProcessGroup) -> Callable:
         if context is not None:  # every key and value of the sequence, for this rank's queries
             key, value = _GatherKeys.apply(key, context), _GatherKeys.apply(value, context)
         batch_size, length, window = query.shape[0], key.shape[2], kwargs.get("sliding_window")
+        if context is not None and (indices is None or indices[1].numel() != length):
+            # A forward of tokens no `shard_sequence` cut (the head's probe): each rank's taken as a contiguous part.
+            indices = (torch.arange(query.shape[2]) + context.rank() * query.shape[2], torch.arange(length))
+            attention_mask = None
         mask = (
             flex_mask(attention_mask, batch_size, length, window, query.device)
             if flex_mask is not None
             else _full_sequence_mask(
                 attention_mask,
-                token_indices(group),
+                indices,
                 length,
                 window,
                 query.dtype if inner == "eager" else None,
