@@ -204,8 +204,10 @@ def test_every_gradient_matches_one_process_after_one_step(config_file, uneven_j
 
 
 @pytest.mark.slow
-def test_infer_with_ulysses_matches_one_process(config_file, uneven_jsonl, tmp_path):
-    """fsdp2_infer: per-sample log-prob sums of unpadded samples of uneven lengths, in padded batches of 3."""
+@pytest.mark.parametrize("layout", ["model.ulysses_size", "model.context_parallel_size"])
+def test_infer_with_ulysses_matches_one_process(config_file, uneven_jsonl, tmp_path, layout):
+    """fsdp2_infer: per-sample log-prob sums of unpadded samples of uneven lengths, in padded batches of 3; under
+    Ulysses 2 or context parallel 2 (each sample's chunks gathered back in order, its records written once)."""
     settings = {
         "model.config.num_hidden_layers": 2,
         "model.allow_random_init": True,
@@ -228,7 +230,7 @@ def test_infer_with_ulysses_matches_one_process(config_file, uneven_jsonl, tmp_p
         *set_args(
             settings
             | {
-                "model.ulysses_size": 2,
+                layout: 2,
                 "strategy_args.strategy_name": "fsdp2_infer",
                 "infer_batch_size": 3,
                 "training.output_dir": str(tmp_path),

@@ -314,7 +314,9 @@ def _full_sequence_mask(
         distance = queries[:, None] - keys[None, :]
         band = (distance >= 0) & (distance < sliding_window)
         mask = band if mask is None else mask & band
-    if mask is None and (indices is not None or additive_dtype is not None):
+    if mask is None and indices is None and additive_dtype is None:
+        return None  # sdpa's own causal attention
+    if mask is None:
         mask = queries[:, None] >= keys[None, :]
     if additive_dtype is None:
         return mask
