@@ -2,8 +2,8 @@
 of the tokens, and attention sees the whole sequence through two all-to-alls. Trained that way, the model follows
 one plain PyTorch process with no FSDP and no SP: the same losses, and after one step the same gradient for every
 parameter. Sequence lengths that k does not divide, right padding (unpacked documents), packed documents (their
-block-diagonal mask), HSDP, GQA with fewer key/value heads than ranks, eager attention and a sliding window are
-all covered."""
+block-diagonal mask), HSDP, GQA with fewer key/value heads than ranks, eager attention, a sliding window and
+head counts k does not divide (unaligned Ulysses: uneven heads per rank) are all covered."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import yaml
-from conftest import as_overrides, plain_model, read_metrics, reference_run, run_cli, set_args
+from conftest import as_overrides, launch_two_ranks, plain_model, read_metrics, reference_run, run_cli, set_args
 from safetensors.torch import load_file
 from test_numerics import CONFIG as NUMERICS_CONFIG
 from test_numerics import GLOBAL_BATCH, STEPS, TOLERANCE
@@ -248,6 +248,19 @@ def test_every_gradient_matches_one_process_after_one_step(config_file, uneven_j
         assert error < 1e-4, f"{name}: gradient differs by {error:.2e} of its largest element"
         worst = max(worst, error)
     print("max relative gradient difference:", worst)
+
+
+@pytest.mark.slow
+def test_uneven_heads_attend_exactly_as_the_whole_sequence_in_one_piece(tmp_path):
+    """The attention function alone on 4 ranks, float64: 6 and 5 heads (uneven per rank) with 3 and 1 key/value
+    heads, GPT-OSS's sinks over uneven heads (eager), and an aligned case; output and gradients as one piece."""
+    out = tmp_path / "heads.pt"
+    launch_two_ranks("ulysses_heads_worker.py", out, ranks=4, timeout=300)
+    seen = torch.load(out)
+    assert len(seen) == 4 and "sinks" in seen["6 heads, 2 kv, GPT-OSS sinks, eager"]
+    for case, largest in seen.items():
+        assert max(largest.values()) < 1e-12, (case, largest)
+    print("largest differences:", seen)
 
 
 @pytest.mark.slow
