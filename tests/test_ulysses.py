@@ -2,8 +2,8 @@
 of the tokens, and attention sees the whole sequence through two all-to-alls. Trained that way, the model follows
 one plain PyTorch process with no FSDP and no SP: the same losses, and after one step the same gradient for every
 parameter. Sequence lengths that k does not divide, right padding (unpacked documents), packed documents (their
-block-diagonal mask), HSDP, GQA with fewer key/value heads than ranks, eager attention and a sliding window are
-all covered."""
+block-diagonal mask), HSDP, GQA with fewer key/value heads than ranks, eager attention, a sliding window and
+head counts k does not divide (unaligned Ulysses: uneven heads per rank) are all covered."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import yaml
-from conftest import as_overrides, plain_model, read_metrics, reference_run, run_cli, set_args
+from conftest import as_overrides, launch_two_ranks, plain_model, read_metrics, reference_run, run_cli, set_args
 from safetensors.torch import load_file
 from test_numerics import CONFIG as NUMERICS_CONFIG
 from test_numerics import GLOBAL_BATCH, STEPS, TOLERANCE
@@ -26,13 +26,17 @@ from fsdp2kit.data.dataset import collate, load_documents
 from fsdp2kit.errors import UserError
 from fsdp2kit.labels import IGNORE_INDEX
 from fsdp2kit.parallel.mesh import mesh_layout
-from fsdp2kit.parallel.ulysses import sequence_mask, shard_sequence
+from fsdp2kit.parallel.ulysses import _rank_key_value, _RankHeadSinks, heads_per_rank, sequence_mask, shard_sequence
 
 # The numerics tests' model, data and schedule, with no checkpoints, export or loggers.
 TRAINING = {**NUMERICS_CONFIG["training"], "save_steps": 0, "export_hf": False, "report_to": []}
 CONFIG = {**NUMERICS_CONFIG, "training": TRAINING}
 # An odd sequence length: k = 2 never divides it, so every batch is padded for the split.
 SMALL = {"model.config.num_hidden_layers": 2, "data.seq_len": 63}
+# Unaligned Ulysses: k does not divide the attention heads. Qwen3 (its head_dim is its own, 64: any head count fits
+# its hidden size), sequence length 63. Untied embeddings: with tiny-qwen3's tied ones, plain FSDP without Ulysses
+# already differs from the one-process reference (1.8e-4 at the first step).
+UNALIGNED = SMALL | {"model.name_or_path": "builtin:tiny-qwen3", "model.config.tie_word_embeddings": False}
 
 
 @pytest.fixture(scope="module")
@@ -90,6 +94,40 @@ def test_layout_groups_consecutive_ranks_and_divides_data_parallel():
 def test_ulysses_size_must_divide_the_world():
     with pytest.raises(UserError, match=r"model.ulysses_size = 3 does not divide the world size 4; valid: 1, 2, 4"):
         mesh_layout(4, StrategyConfig(), ulysses_size=3)
+
+
+def test_heads_per_rank_gives_the_first_ranks_one_more():
+    assert heads_per_rank(6, 4) == [2, 2, 1, 1]
+    assert heads_per_rank(3, 2) == [2, 1]
+    assert heads_per_rank(28, 8) == [4, 4, 4, 4, 3, 3, 3, 3]
+    assert heads_per_rank(8, 4) == [2, 2, 2, 2]
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "size"),
+    [(6, 6, 4), (6, 3, 4), (6, 2, 4), (6, 1, 4), (3, 1, 2), (4, 2, 4), (8, 2, 4), (4, 1, 2), (28, 4, 8)],
+)
+def test_each_rank_gets_the_key_value_heads_its_query_heads_read(heads, kv_heads, size):
+    """Query head j reads key/value head j // (heads / kv_heads). After `_rank_key_value`, each rank's contiguous
+    share of the (repeated) key/value heads, read as the inner attention reads it (query head i of the rank's share
+    reads its key/value head i // num_key_value_groups), must be exactly that head for every query head."""
+    module = SimpleNamespace(num_key_value_groups=heads // kv_heads)
+    key = torch.arange(kv_heads, dtype=torch.float)[None, :, None, None]  # each head holds its own index
+    seen, key, _ = _rank_key_value(module, heads, key, key, size)
+    kv_split, query_split = heads_per_rank(key.shape[1], size), heads_per_rank(heads, size)
+    assert all(q == kv * seen.num_key_value_groups for q, kv in zip(query_split, kv_split, strict=True))
+    read = []
+    for share, count in zip(key.split(kv_split, dim=1), query_split, strict=True):
+        read += [int(share[0, i // seen.num_key_value_groups, 0, 0]) for i in range(count)]
+    assert read == [j // (heads // kv_heads) for j in range(heads)]
+    if heads % size == 0 and kv_heads % size == 0:
+        assert key.shape[1] == kv_heads  # the cheap path: nothing repeated
+
+
+def test_rank_head_sinks_are_the_rank_s_own_uneven_heads():
+    module = SimpleNamespace(sinks=torch.arange(6.0))
+    shares = [_RankHeadSinks(module, heads_per_rank(6, 4), rank).sinks.tolist() for rank in range(4)]
+    assert shares == [[0.0, 1.0], [2.0, 3.0], [4.0], [5.0]]
 
 
 def fake_group(rank: int, size: int):
@@ -167,11 +205,22 @@ def test_ulysses_with_data_parallel_and_hsdp_matches_one_process_on_packed_docum
 
 
 @pytest.mark.slow
-def test_every_gradient_matches_one_process_after_one_step(config_file, uneven_jsonl, tmp_path):
+@pytest.mark.parametrize(
+    "model",
+    [
+        # Eager attention, and one key/value head for two ranks (each rank needs its own copy of it).
+        pytest.param({"model.config.num_key_value_heads": 1, "model.attn_implementation": "eager"}, id="eager-mqa"),
+        # Unaligned: 3 heads over 2 ranks (2 and 1), sdpa.
+        pytest.param(
+            UNALIGNED | {"model.config.num_attention_heads": 3, "model.config.num_key_value_heads": 3},
+            id="unaligned-3-heads",
+        ),
+    ],
+)
+def test_every_gradient_matches_one_process_after_one_step(config_file, uneven_jsonl, tmp_path, model):
     """One AdamW step with epsilon >> |grad| and lr = epsilon moves each weight by lr * g / (|g| + eps) = g (to 1e-7):
-    the exported weights give every parameter's gradient. Eager attention, and one key/value head for two ranks
-    (each rank needs its own copy of it)."""
-    settings = SMALL | {"data.source": str(uneven_jsonl), "data.pack": False, "model.config.num_key_value_heads": 1}
+    the exported weights give every parameter's gradient."""
+    settings = SMALL | {"data.source": str(uneven_jsonl), "data.pack": False} | model
     one_step = {
         "training.max_steps": 1,
         "training.learning_rate": 1.0e6,
@@ -187,9 +236,7 @@ def test_every_gradient_matches_one_process_after_one_step(config_file, uneven_j
     train_cli(
         config_file,
         2,
-        settings
-        | one_step
-        | {"model.ulysses_size": 2, "model.attn_implementation": "eager", "training.gradient_accumulation_steps": 4},
+        settings | one_step | {"model.ulysses_size": 2, "training.gradient_accumulation_steps": 4},
         tmp_path,
     )
     trained = {k: v for f in sorted((tmp_path / "hf").glob("*.safetensors")) for k, v in load_file(f).items()}
@@ -201,6 +248,34 @@ def test_every_gradient_matches_one_process_after_one_step(config_file, uneven_j
         assert error < 1e-4, f"{name}: gradient differs by {error:.2e} of its largest element"
         worst = max(worst, error)
     print("max relative gradient difference:", worst)
+
+
+@pytest.mark.slow
+def test_uneven_heads_attend_exactly_as_the_whole_sequence_in_one_piece(tmp_path):
+    """The attention function alone on 4 ranks, float64: 6 and 5 heads (uneven per rank) with 3 and 1 key/value
+    heads, GPT-OSS's sinks over uneven heads (eager), and an aligned case; output and gradients as one piece."""
+    out = tmp_path / "heads.pt"
+    launch_two_ranks("ulysses_heads_worker.py", out, ranks=4, timeout=300)
+    seen = torch.load(out)
+    assert len(seen) == 4 and "sinks" in seen["6 heads, 2 kv, GPT-OSS sinks, eager"]
+    for case, largest in seen.items():
+        assert max(largest.values()) < 1e-12, (case, largest)
+    print("largest differences:", seen)
+
+
+@pytest.mark.slow
+def test_unaligned_ulysses_4_of_6_heads_with_gqa_matches_one_process_on_packed_documents(config_file, tmp_path):
+    """6 query heads over 4 ranks (2, 2, 1, 1) and 3 key/value heads (each rank gets its query heads' own, repeated),
+    packed documents with their mask, 63 tokens padded to 64: per-step losses and gradient norms as one process."""
+    settings = UNALIGNED | {"model.config.num_attention_heads": 6, "model.config.num_key_value_heads": 3}
+    reference = reference_run(reference_config(config_file, settings), STEPS).results
+    train_cli(config_file, 4, settings | {"model.ulysses_size": 4, "training.gradient_accumulation_steps": 4}, tmp_path)
+    records = read_metrics(tmp_path)
+    loss_difference = assert_losses_match([r["loss"] for r in records], [r.loss for r in reference])
+    norms = [(r["grad_norm"], e.grad_norm) for r, e in zip(records, reference, strict=True)]
+    norm_difference = max(abs(a - b) / b for a, b in norms)
+    assert norm_difference < TOLERANCE, norms
+    print("max relative loss difference:", loss_difference, "grad norm difference:", norm_difference)
 
 
 @pytest.mark.slow
@@ -246,7 +321,7 @@ def test_infer_with_ulysses_matches_one_process(config_file, uneven_jsonl, tmp_p
 
 
 @pytest.mark.slow
-def test_heads_not_divisible_by_ulysses_size_is_one_sentence(config_file, tmp_path):
+def test_fewer_heads_than_ulysses_size_is_one_sentence(config_file, tmp_path):
     result = run_cli(
         "train",
         config_file,
@@ -263,7 +338,7 @@ def test_heads_not_divisible_by_ulysses_size_is_one_sentence(config_file, tmp_pa
         ),
     )
     assert result.returncode == 2
-    assert "error: model.ulysses_size = 2 does not divide the model's 1 attention heads" in result.stderr
+    assert "error: model.ulysses_size = 2 exceeds the model's 1 attention heads" in result.stderr
     assert "valid here: 1" in result.stderr
     assert "Traceback" not in result.stderr
 

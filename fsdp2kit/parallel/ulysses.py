@@ -4,8 +4,10 @@ The k consecutive ranks of a sequence-parallel (SP) group train on the same samp
 of every sample's tokens. Everything but attention works token by token, so it runs on the local slice as it is;
 attention needs the whole sequence, so around it an all-to-all trades the sequence split for a head split
 ([batch, heads, seq/k, dim] -> [batch, heads/k, seq, dim]): each rank attends over the whole sequence with 1/k of
-the heads, and a second all-to-all trades back. The model's code is not touched: the wrapper is registered as a
-transformers attention implementation (around the configured sdpa or eager) and the model is switched to it.
+the heads, and a second all-to-all trades back. Where k does not divide the heads (unaligned Ulysses), the first
+heads % k ranks attend with one head more (`heads_per_rank`), and the all-to-alls exchange pieces of uneven sizes.
+The model's code is not touched: the wrapper is registered as a transformers attention implementation (around the
+configured sdpa or eager) and the model is switched to it.
 
 Masks: the model builds none for an implementation transformers does not know (it cannot: it sees only the local
 slice). The wrapper applies causal attention over the gathered sequence, which is exact for right-padded samples
@@ -54,12 +56,11 @@ def apply_ulysses(model: PreTrainedModel, group: ProcessGroup, sub_config: str |
     ulysses = sequence_subgroups(group).ulysses
     size = ulysses.size() if ulysses is not None else 1
     heads = model.config.get_text_config().num_attention_heads
-    if heads % size:
-        world = dist.get_world_size()
-        valid = [d for d in divisors(world) if heads % d == 0]
+    if heads < size:
+        valid = [d for d in divisors(dist.get_world_size()) if d <= heads]
         raise UserError(
-            f"model.ulysses_size = {size} does not divide the model's {heads} attention heads (each rank "
-            f"attends with heads / ulysses_size of them); valid here: {', '.join(map(str, valid))}"
+            f"model.ulysses_size = {size} exceeds the model's {heads} attention heads (each rank attends with at "
+            f"least one); valid here: {', '.join(map(str, valid))}"
         )
     inner = model.config._attn_implementation
     if inner not in ("sdpa", "eager", DOCUMENT_FLEX):
@@ -227,26 +228,58 @@ def padding_mask(real: torch.Tensor) -> torch.Tensor | None:
     return None if attend is None else _dense_mask(attend, real.shape[0], positions, positions)[:, 0]
 
 
-def _all_to_all(x: torch.Tensor, group: ProcessGroup, scatter_dim: int, gather_dim: int) -> torch.Tensor:
-    """Cut `x` into k chunks along `scatter_dim`, send chunk i to rank i of the group, and join the chunks that
-    arrive along `gather_dim`, in rank order."""
-    send = torch.stack(x.chunk(group.size(), dim=scatter_dim))
-    received = torch.empty_like(send)
-    dist.all_to_all_single(received, send, group=group)
-    return torch.cat(received.unbind(0), dim=gather_dim)
+def heads_per_rank(heads: int, size: int) -> list[int]:
+    """How many of `heads` attention heads each rank of a k = `size` group attends with: heads // k, one more on the
+    first heads % k ranks (unaligned Ulysses), each rank a contiguous run of heads in rank order."""
+    return [heads // size + (rank < heads % size) for rank in range(size)]
+
+
+def _all_to_all(
+    x: torch.Tensor,
+    group: ProcessGroup,
+    scatter_dim: int,
+    gather_dim: int,
+    scatter_sizes: list[int],
+    gather_sizes: list[int],
+) -> torch.Tensor:
+    """Cut `x` along `scatter_dim` into pieces of `scatter_sizes`, send piece i to rank i of the group, and join the
+    pieces that arrive along `gather_dim`, in rank order: rank i's is `gather_sizes[i]` long there (and this rank's
+    `scatter_sizes` entry long along `scatter_dim`). Uneven sizes are uneven heads per rank."""
+    pieces = x.split(scatter_sizes, dim=scatter_dim)
+    send = x.new_empty(x.numel())
+    for piece, flat in zip(pieces, send.split([piece.numel() for piece in pieces]), strict=True):
+        flat.view(piece.shape).copy_(piece)  # one copy: each rank's piece contiguous in the send buffer
+    shape = list(x.shape)
+    shape[scatter_dim] = scatter_sizes[group.rank()]
+    shapes = [shape[:gather_dim] + [size] + shape[gather_dim + 1 :] for size in gather_sizes]
+    counts = [math.prod(piece_shape) for piece_shape in shapes]
+    received = x.new_empty(sum(counts))
+    dist.all_to_all_single(received, send, counts, [piece.numel() for piece in pieces], group=group)
+    arrived = [flat.view(piece_shape) for flat, piece_shape in zip(received.split(counts), shapes, strict=True)]
+    return torch.cat(arrived, dim=gather_dim)
 
 
 class _AllToAll(torch.autograd.Function):
     """`_all_to_all` with its gradient: the reverse exchange (gather_dim scattered, scatter_dim gathered)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup, scatter_dim: int, gather_dim: int) -> torch.Tensor:
-        ctx.group, ctx.scatter_dim, ctx.gather_dim = group, scatter_dim, gather_dim
-        return _all_to_all(x, group, scatter_dim, gather_dim)
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        group: ProcessGroup,
+        scatter_dim: int,
+        gather_dim: int,
+        scatter_sizes: list[int],
+        gather_sizes: list[int],
+    ) -> torch.Tensor:
+        ctx.group, ctx.dims, ctx.sizes = group, (scatter_dim, gather_dim), (scatter_sizes, gather_sizes)
+        return _all_to_all(x, group, scatter_dim, gather_dim, scatter_sizes, gather_sizes)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        return _all_to_all(grad, ctx.group, ctx.gather_dim, ctx.scatter_dim), None, None, None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        (scatter_dim, gather_dim), (scatter_sizes, gather_sizes) = ctx.dims, ctx.sizes
+        reverse = _all_to_all(grad, ctx.group, gather_dim, scatter_dim, gather_sizes, scatter_sizes)
+        return reverse, None, None, None, None, None
 
 
 class _RegroupedAttention:
@@ -261,13 +294,33 @@ class _RegroupedAttention:
         return getattr(self._module, name)
 
 
-class _RankHeadSinks:
-    """The attention module as the inner implementation sees it on this rank, which attends with heads/k of the
-    heads: its per-head attention sinks (GPT-OSS's `sinks`) narrowed to those heads, their gradient kept."""
+def _rank_key_value(
+    module: Any, heads: int, key: torch.Tensor, value: torch.Tensor, size: int
+) -> tuple[Any, torch.Tensor, torch.Tensor]:
+    """Key and value with their heads repeated so that each rank's share serves exactly its query heads, and the
+    module as the inner attention then sees it. Where k divides the query heads, each key/value head is repeated just
+    enough that every rank gets whole ones (none where k divides them too). Where it does not, the ranks attend with
+    heads // k and heads // k + 1 query heads, and one ratio of query to key/value heads on every rank (the inner
+    attention's `num_key_value_groups`) divides both counts only if it is 1: key/value are repeated to the query
+    heads and split like them."""
+    from transformers.integrations.sdpa_attention import repeat_kv
 
-    def __init__(self, module: Any, group: ProcessGroup):
+    kv_heads = key.shape[1]
+    repeats = heads // kv_heads if heads % size else math.lcm(kv_heads, size) // kv_heads
+    if repeats == 1:
+        return module, key, value
+    module = _RegroupedAttention(module, heads // (kv_heads * repeats))
+    return module, repeat_kv(key, repeats), repeat_kv(value, repeats)
+
+
+class _RankHeadSinks:
+    """The attention module as the inner implementation sees it on this rank, which attends with its own contiguous
+    run of `split[rank]` heads: its per-head attention sinks (GPT-OSS's `sinks`) narrowed to those heads, their
+    gradient kept."""
+
+    def __init__(self, module: Any, split: list[int], rank: int):
         self._module = module
-        self.sinks = module.sinks.chunk(group.size())[group.rank()]
+        self.sinks = module.sinks.narrow(0, sum(split[:rank]), split[rank])
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._module, name)
@@ -387,18 +440,34 @@ def _indexed_mask(dense: torch.Tensor) -> Callable:
     return attend
 
 
+def _heads_out(
+    module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ulysses: ProcessGroup
+) -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor, tuple[list[int], list[int]]]:
+    """Ulysses' first all-to-all: this rank's heads (`heads_per_rank`, key/value repeated as `_rank_key_value` says)
+    over the Ulysses group's whole share of the sequence; also the module as the inner attention then sees it, and
+    the (head split, sequence pieces) the output's exchange back reverses."""
+    size = ulysses.size()
+    query_split = heads_per_rank(query.shape[1], size)
+    module, key, value = _rank_key_value(module, query.shape[1], key, value, size)
+    if isinstance(getattr(module, "sinks", None), torch.Tensor):
+        module = _RankHeadSinks(module, query_split, ulysses.rank())
+    pieces = [query.shape[2]] * size  # every rank's slice of the sequence is as long (shard_sequence pads it)
+    query = _AllToAll.apply(query, ulysses, 1, 2, query_split, pieces)
+    key, value = (_AllToAll.apply(t, ulysses, 1, 2, heads_per_rank(t.shape[1], size), pieces) for t in (key, value))
+    return module, query, key, value, (query_split, pieces)
+
+
 def _ulysses_attention(inner: str, group: ProcessGroup) -> Callable:
     """A transformers attention function: query [batch, heads, seq/n, dim] and key/value [batch, kv_heads, seq/n,
-    dim] in, [batch, seq/n, heads, dim] out, computed by `inner` with heads/k heads (Ulysses' all-to-all) for this
-    rank's share of the queries over every key (context parallel: the keys and values all-gathered over the c ranks
-    with the rectangular mask, the exact all-gather form of Llama 3's context parallel, Llama 3 paper sec. 3.3.2,
-    also torch's `context_parallel` and torchtitan; a ring would pass the blocks instead and merge online softmaxes)."""
-    from transformers.integrations.sdpa_attention import repeat_kv
+    dim] in, [batch, seq/n, heads, dim] out, computed by `inner` with this rank's heads (`heads_per_rank`, Ulysses'
+    all-to-all) for this rank's share of the queries over every key (context parallel: the keys and values
+    all-gathered over the c ranks with the rectangular mask, the exact all-gather form of Llama 3's context parallel,
+    Llama 3 paper sec. 3.3.2, also torch's `context_parallel` and torchtitan; a ring would pass the blocks instead and
+    merge online softmaxes)."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     subgroups = sequence_subgroups(group)
     ulysses, context = subgroups.ulysses, subgroups.context
-    size = ulysses.size() if ulysses is not None else 1
     flex_mask = _FlexSequenceMask() if inner == DOCUMENT_FLEX else None
 
     def attention(
@@ -413,14 +482,8 @@ def _ulysses_attention(inner: str, group: ProcessGroup) -> Callable:
         if attention_mask is None:  # a text micro-batch: the mask `shard_sequence` made for the whole sequence
             attention_mask = sequence_mask(group)
         inner_attention = _inner_attention(inner, module, ALL_ATTENTION_FUNCTIONS)
-        kv_repeats = math.lcm(key.shape[1], size) // key.shape[1]
-        if kv_repeats > 1:  # fewer key/value heads than ranks (GQA): repeat them so that every rank gets whole ones
-            key, value = repeat_kv(key, kv_repeats), repeat_kv(value, kv_repeats)
-            module = _RegroupedAttention(module, query.shape[1] // key.shape[1])
-        if ulysses is not None and isinstance(getattr(module, "sinks", None), torch.Tensor):
-            module = _RankHeadSinks(module, ulysses)
         if ulysses is not None:  # heads out, sequence in
-            query, key, value = (_AllToAll.apply(t, ulysses, 1, 2) for t in (query, key, value))
+            module, query, key, value, exchange = _heads_out(module, query, key, value, ulysses)
         if context is not None:  # every key and value of the sequence, for this rank's queries
             key, value = _GatherKeys.apply(key, context), _GatherKeys.apply(value, context)
         batch_size, length, window = query.shape[0], key.shape[2], kwargs.get("sliding_window")
@@ -442,6 +505,8 @@ def _ulysses_attention(inner: str, group: ProcessGroup) -> Callable:
         )
         output, _ = inner_attention(module, query, key, value, mask, **kwargs)  # [batch, seq, heads/k, dim]
         # The attention weights (eager) cover this rank's heads only; training never reads them.
-        return (_AllToAll.apply(output, ulysses, 1, 2) if ulysses is not None else output), None  # sequence out
+        if ulysses is not None:  # sequence out, heads in
+            output = _AllToAll.apply(output, ulysses, 1, 2, *reversed(exchange))
+        return output, None
 
     return attention
