@@ -102,6 +102,7 @@ ACCELERATE_LAYERS = {  # TRANSFORMER_BASED_WRAP of _no_split_modules, FULL_SHARD
     "frozen_modules": [],
 }
 FULL_PRECISION = {**ACCELERATE_LAYERS, "mixed_precision": ["float32", "float32", None, True]}
+ACCELERATE_CP = {**ACCELERATE_LAYERS, "recompute_modules": LAYERS}  # the CP files: fsdp_activation_checkpointing
 ROOT_ONLY = {**FULL_PRECISION, "sharded_modules": [""]}  # Accelerate without fsdp_config: NO_WRAP
 # Qwen2.5-VL / Qwen3-VL: _no_split_modules (vision blocks, decoder layers) and fsdp2kit's projector group (issue 15's
 # VL plan; ROLL and MindSpeed-MM leave the merger in the root group); untied embeddings (ROLL); vision groups uncast.
@@ -418,12 +419,8 @@ EXPECTED: dict[str, tuple[str, int, dict | str]] = {
     # Accelerate and TRL `accelerate config` files.
     "accelerate/examples/config_yaml_templates/fsdp.yaml": ("tiny-llama", 2, ACCELERATE_LAYERS),
     "accelerate/examples/slurm/fsdp_config.yaml": ("tiny-llama", 2, FULL_PRECISION),
-    "accelerate/examples/torch_native_parallelism/configs/cp.yaml": (
-        "tiny-llama",
-        2,
-        "'parallelism_config.parallelism_config_cp_size' = 8 is not supported: Accelerate's context parallelism is not "
-        "available in fsdp2kit; use parallelism_config_sp_size (Ulysses sequence parallel) instead",
-    ),
+    # Context parallel over all of its 8 processes (model.context_parallel_size 8), FSDP over dp_shard x cp ranks.
+    "accelerate/examples/torch_native_parallelism/configs/cp.yaml": ("tiny-llama", 8, {**ACCELERATE_CP, "mesh": [8]}),
     "accelerate/examples/torch_native_parallelism/configs/tp_hsdp.yaml": (
         "tiny-llama",
         2,
@@ -439,12 +436,7 @@ EXPECTED: dict[str, tuple[str, int, dict | str]] = {
         "'LlamaModel', 'LlamaRMSNorm', 'LlamaRotaryEmbedding', 'ModuleList', 'SiLUActivation']",
     ),
     "accelerate/tests/tp/fsdp2_tp_preparation_config.yaml": ("tiny-llama", 2, ROOT_ONLY),
-    "trl/examples/accelerate_configs/context_parallel_2gpu.yaml": (
-        "tiny-llama",
-        2,
-        "'parallelism_config.parallelism_config_cp_size' = 2 is not supported: Accelerate's context parallelism is not "
-        "available in fsdp2kit; use parallelism_config_sp_size (Ulysses sequence parallel) instead",
-    ),
+    "trl/examples/accelerate_configs/context_parallel_2gpu.yaml": ("tiny-llama", 2, ACCELERATE_CP),
     "trl/examples/accelerate_configs/fsdp1.yaml": ("tiny-llama", 2, {**ACCELERATE_LAYERS, "prefetch": [1, 1]}),
     "trl/examples/accelerate_configs/fsdp2.yaml": ("tiny-llama", 2, ACCELERATE_LAYERS),
     "trl/tests/distributed/data/accelerate_configs/fsdp2.yaml": ("tiny-llama", 2, ROOT_ONLY),
@@ -1043,3 +1035,60 @@ def test_set_of_a_native_files_own_key_replaces_it():
     assert (cfg.model.name_or_path, cfg.training.learning_rate) == ("builtin:tiny-llama", 3e-5)
     with pytest.raises(UserError, match="unknown key 'foo'"):  # a typo is not a key of the file: refused as before
         load_config(REPO / roll, ["foo=1"])
+
+
+def _trained_weights(cfg) -> dict[str, torch.Tensor]:
+    """Train `cfg` on one rank in this process; its HF export's tensors."""
+    from safetensors.torch import load_file
+
+    from fsdp2kit.trainer import train
+
+    with process_group() as runtime:
+        train(cfg, runtime)
+    hf = Path(cfg.training.output_dir) / "hf"
+    return {key: value for file in sorted(hf.glob("*.safetensors")) for key, value in load_file(file).items()}
+
+
+@pytest.mark.slow
+def test_native_file_decays_every_parameter_as_mindspeed_mm_does(tmp_path):
+    """Issue 53 (3): MindSpeed-MM's build_optimizer decays every parameter (no_decay_modules and no_decay_params
+    empty), so its file with weight_decay 0.1 trains as the native config that says weight_decay_every_parameter:
+    true (1e-6), and otherwise than one leaving biases and norms undecayed (the old reading)."""
+    sys.path.insert(0, str(REPO / "examples"))
+    from make_vl_dataset import main as make_dataset
+
+    make_dataset(tmp_path, 4, 0)
+    name = "mindspeed_mm/examples/qwen3_5/qwen3_5_4B_config.yaml"
+    settings = [
+        "model.name_or_path=builtin:tiny-qwen3.5",
+        "device_mapping=[0]",
+        f"data.source={tmp_path / 'llamafactory.json'}",
+        "data.seq_len=128",
+        "training.micro_batch_size=2",
+        "training.train_iters=2",
+        "training.lr=1.0e-2",
+        "training.weight_decay=0.1",
+        "training.export_hf=true",
+        "training.report_to=[]",
+    ]
+    from_file = load_config(CORPUS / name, [*settings, f"training.output_dir={tmp_path / 'file'}"])
+    assert from_file.training.weight_decay_every_parameter is True
+    assert "training.weight_decay_every_parameter=True: MindSpeed-MM decays every parameter" in "\n".join(
+        from_file.notes
+    )
+    file_weights = _trained_weights(from_file)
+    resolved = tmp_path / "file" / "config.json"  # the run's resolved native config
+    weights = {}
+    for every in (True, False):
+        native = load_config(
+            resolved,
+            [
+                f"training.weight_decay_every_parameter={str(every).lower()}",
+                f"training.output_dir={tmp_path / str(every)}",
+            ],
+        )
+        weights[every] = _trained_weights(native)
+    assert file_weights.keys() == weights[True].keys()
+    assert max((file_weights[k].float() - weights[True][k].float()).abs().max().item() for k in file_weights) <= 1e-6
+    norms = [k for k in file_weights if k.endswith("norm.weight")]
+    assert norms and max((file_weights[k].float() - weights[False][k].float()).abs().max().item() for k in norms) > 1e-4
