@@ -226,6 +226,16 @@ def test_roll_maps_top_level_and_role_keys(tmp_path):
     assert "ignored (no FSDP2 meaning): rollout_batch_size" in cfg.notes
 
 
+def test_roll_decays_every_parameter_as_its_fsdp2_strategy_does(tmp_path):
+    """Issue 53 (3): ROLL's FSDP2 strategy builds one AdamW group over every trainable parameter, so its
+    training_args.weight_decay decays biases and norms too (the HF Trainer, whose arguments they are, would not)."""
+    cfg = load_config(roll_file(tmp_path, role_changes={"training_args": {"weight_decay": 0.1}}))
+    assert (cfg.training.weight_decay, cfg.training.weight_decay_every_parameter) == (0.1, True)
+    assert (
+        "training.weight_decay_every_parameter=True: ROLL's FSDP2 strategy decays every parameter (one AdamW group)"
+    ) in cfg.notes
+
+
 def test_roll_interleave_probs_weigh_its_files_and_eval_file_name_is_the_evaluation(tmp_path):
     data_args = {"file_name": ["a.jsonl", "b.jsonl"], "interleave_probs": "0.7,0.3", "eval_file_name": "val.jsonl"}
     cfg = load_config(roll_file(tmp_path, role_changes={"data_args": data_args}))
