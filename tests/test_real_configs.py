@@ -1095,22 +1095,29 @@ def test_native_file_decays_every_parameter_as_mindspeed_mm_does(tmp_path):
 
 
 # Issue 48's acceptance: the real files asking for context parallelism, planned and trained as written (these tests
-# need the context-parallel runtime of branch `cp`: they pass once it is merged). Accelerate's cp.yaml asks for 8
+# need the context-parallel runtime of branch `cp`: they pass once it is merged; MindSpeed-MM's files are
+# vision-language models, which need that runtime to run CP on VL models too). Accelerate's cp.yaml asks for 8
 # processes (cp 8): planned at 8, trained with its cp scaled to the 2 ranks here through its own key; TRL's file
 # (cp 2) as written; MindSpeed-MM's native files with ring_attention_size: 2 (their stand-in models).
 CP_FILES = {
-    "accelerate/examples/torch_native_parallelism/configs/cp.yaml": 8,
-    "trl/examples/accelerate_configs/context_parallel_2gpu.yaml": 2,
-    "mindspeed_mm/examples/qwen3vl/qwen3vl_30B_config_v1.yaml": 2,
-    "mindspeed_mm/examples/step3_vl/step3_vl_10b_config.yaml": 2,
+    "accelerate": {
+        "accelerate/examples/torch_native_parallelism/configs/cp.yaml": 8,
+        "trl/examples/accelerate_configs/context_parallel_2gpu.yaml": 2,
+    },
+    "mindspeed_vl": {
+        "mindspeed_mm/examples/qwen3vl/qwen3vl_30B_config_v1.yaml": 2,
+        "mindspeed_mm/examples/step3_vl/step3_vl_10b_config.yaml": 2,
+    },
 }
 RING_2 = ["parallel.ring_attention_size=2"]
 
 
-def test_context_parallel_files_plan_as_written_after_the_cp_merge():
+@pytest.mark.slow
+@pytest.mark.parametrize("group", sorted(CP_FILES))
+def test_context_parallel_files_plan_as_written_after_the_cp_merge(group):
     """`check` of each file: its context-parallel group is the file's size (8 for Accelerate's cp.yaml at its 8
     processes); at a world it does not divide, one line naming the key as written."""
-    for name, size in CP_FILES.items():
+    for name, size in CP_FILES[group].items():
         model, ranks, _ = EXPECTED[name]
         config, swaps, strategy_file = user_args(name, model, ranks)
         extra = RING_2 if name.startswith("mindspeed_mm/") else []
@@ -1119,6 +1126,8 @@ def test_context_parallel_files_plan_as_written_after_the_cp_merge():
         with process_group(ranks) as runtime:
             plan = describe(cfg, runtime)
         assert plan["context_parallel"]["size"] == size, name
+    if group != "accelerate":
+        return
     assert plan_or_refusal("accelerate/examples/torch_native_parallelism/configs/cp.yaml", "tiny-llama", 4) == (
         f"{CORPUS / 'accelerate/examples/torch_native_parallelism/configs/cp.yaml'}: "
         "'parallelism_config.parallelism_config_cp_size' = 8 does not divide world size 4 / model.ulysses_size 1; "
@@ -1127,7 +1136,8 @@ def test_context_parallel_files_plan_as_written_after_the_cp_merge():
 
 
 @pytest.mark.slow
-def test_context_parallel_files_train_two_steps_after_the_cp_merge(tmp_path):
+@pytest.mark.parametrize("group", sorted(CP_FILES))
+def test_context_parallel_files_train_two_steps_after_the_cp_merge(group, tmp_path):
     """Each file trains 2 optimizer steps on 2 ranks with its context-parallel group of 2 (layout.json), one launch
     for all: Accelerate's and TRL's on tiny-llama and the built-in corpus, MindSpeed-MM's on image+text
     conversations."""
@@ -1139,7 +1149,7 @@ def test_context_parallel_files_train_two_steps_after_the_cp_merge(tmp_path):
     written["parallelism_config"]["parallelism_config_cp_size"] = 2
     scaled_cp.write_text(yaml.safe_dump(written))
     runs = []
-    for i, name in enumerate(CP_FILES):
+    for i, name in enumerate(CP_FILES[group]):
         model = EXPECTED[name][0]
         config, swaps, strategy_file = user_args(name, model, 2)
         vl = name.startswith("mindspeed_mm/")
@@ -1160,7 +1170,7 @@ def test_context_parallel_files_train_two_steps_after_the_cp_merge(tmp_path):
         )
     (tmp_path / "runs.json").write_text(json.dumps(runs))
     launch_two_ranks("real_configs_worker.py", tmp_path / "runs.json")
-    for i, name in enumerate(CP_FILES):
+    for i, name in enumerate(CP_FILES[group]):
         steps = read_metrics(tmp_path / f"run{i}")
         assert [s["step"] for s in steps] == [1, 2], name
         assert all(s["loss"] > 0 and s["grad_norm"] > 0 for s in steps), name
