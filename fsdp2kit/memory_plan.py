@@ -13,6 +13,11 @@ where the build there attends packed documents with FlexAttention (parallel/docu
 (plain causal attention saves what FlexAttention saves; its block mask, a few int32 per 128 x 128 block, is left
 out). Where the dense mask stays (model.attn_implementation: sdpa or eager, a family without FlexAttention), the
 rows carry their documents and the trace counts it.
+
+Under Ulysses (k) and context parallelism (c) each rank holds T/(k c) of a sequence's tokens, and the trace runs
+that rank's share; `attention_per_rank` also computes, from the layout alone, what one decoder layer's attention
+holds on a rank: heads/k of the heads, T/c queries over all T keys (the key/value blocks all-gathered), so its scores
+shrink by k c and its gathered keys and values by k only.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from fsdp2kit.config import load_config
 from fsdp2kit.config.schema import JobConfig
 from fsdp2kit.data.dataset import Sample, collate
 from fsdp2kit.distributed import Runtime, destroy_process_group, require_supported_versions
+from fsdp2kit.dtypes import torch_dtype
 from fsdp2kit.errors import UserError
 from fsdp2kit.models.sharded import build_sharded_model
 from fsdp2kit.parallel.activation_offload import Departed, apply_activation_offload
@@ -211,7 +217,35 @@ def _trace(cfg: JobConfig, world_size: int) -> dict[str, object]:
         "peak_bytes": peak.pop("total", 0),
         "categories": peak,
         "computed": computed,
+        "attention": attention_per_rank(cfg, sharded.source.hf_config.get_text_config()),
         "document_attention": document_attention,  # as on PLANNED_DEVICE
+    }
+
+
+def attention_per_rank(cfg: JobConfig, text_config: Any) -> dict[str, int]:
+    """One decoder layer's attention on a rank, computed from the layout (issue 48). Ulysses (k) all-to-alls the
+    heads: a rank attends with ceil(heads / k) heads (its key/value heads repeated when fewer than k) over the whole
+    sequence; context parallel (c) holds chunks r and 2c-1-r of 2c: a rank's T/c queries attend over all T keys,
+    all-gathered. The sequence is padded as the run pads it (to a multiple of k, or of 2 c k). The scores, [queries,
+    keys] per head, are what eager attention (and a dense document mask, per row) materialises; fused kernels never
+    do."""
+    k, c = cfg.model.ulysses_size, cfg.model.context_parallel_size
+    multiple = 2 * c * k if c > 1 else k
+    keys = -(-cfg.data.seq_len // multiple) * multiple
+    heads = text_config.num_attention_heads
+    kv_heads = getattr(text_config, "num_key_value_heads", None) or heads
+    head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // heads
+    dtype = cfg.strategy_args.strategy_config.param_dtype or cfg.model.dtype
+    itemsize, batch = torch_dtype(dtype).itemsize, cfg.training.per_device_train_batch_size
+    heads_per_rank, kv_per_rank = -(-heads // k), -(-kv_heads // k)
+    queries = keys // c
+    return {
+        "tokens_per_rank": keys // (k * c),
+        "heads_per_rank": heads_per_rank,
+        "queries_per_rank": queries,
+        "keys_per_rank": keys,
+        "scores_bytes": batch * heads_per_rank * queries * keys * itemsize,
+        "keys_values_bytes": 2 * batch * kv_per_rank * keys * head_dim * itemsize,
     }
 
 
@@ -259,6 +293,7 @@ def predict(source: ConfigSource, world_size: int, extra: list[str] = ()) -> dic
         "categories": categories,
         "host_bytes": sum(host.values()),
         "computed": traced["computed"],
+        "attention": traced["attention"],
         "document_attention": traced["document_attention"],
         "source": "computed (traced without offload, minus what offload keeps on the host)",
     }
@@ -387,6 +422,10 @@ def print_plan(report: dict[str, object], as_json: bool) -> None:
     for key, value in report["computed"].items():  # type: ignore[attr-defined]
         computed.add_row(key, _gib(value))
     console.print(computed)
+    attention = Table("one layer's attention on a rank (computed)", "value")
+    for key, value in report["attention"].items():  # type: ignore[attr-defined]
+        attention.add_row(key, _gib(value) + " GiB" if key.endswith("_bytes") else str(value))
+    console.print(attention)
     strategies = Table("strategy", "recompute", "offload", "peak GiB", "how")
     for row in report["strategies"]:  # type: ignore[attr-defined]
         peak = _gib(row["peak_bytes"]) if "peak_bytes" in row else row["error"]

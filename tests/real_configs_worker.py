@@ -2,10 +2,12 @@
 tests/real_configs_worker.py RUNS.json` under torchrun: each run (a config file, its `--set` items and whether the
 model folder's code may run) is loaded as `fsdp2kit train` loads it and trained by the `train` command's Trainer, one
 after the other in this process, so the files share one launch. Rank 0 writes, per run, the experts that trained split
-over an `ep` mesh dimension, with that mesh, to OUTPUT_DIR/experts.json."""
+over an `ep` mesh dimension, with that mesh, to OUTPUT_DIR/experts.json, and the run's mesh layout (its data, context
+and Ulysses sizes) to OUTPUT_DIR/layout.json. A run may name a strategy file (`--fsdp-config`) beside its config."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -31,7 +33,12 @@ def split_experts(model) -> dict[str, dict[str, list]]:
 def main(runs_file: str) -> None:
     runtime = None
     for run in json.loads(Path(runs_file).read_text()):
-        cfg = load_config(run["config"], run["set"], trust_remote_code=run["trust_remote_code"])
+        cfg = load_config(
+            run["config"],
+            run["set"],
+            strategy_file=run.get("strategy_file"),
+            trust_remote_code=run["trust_remote_code"],
+        )
         runtime = runtime or init_distributed(cfg.device_mapping)
         output_dir = Path(cfg.training.output_dir)
         with OutputDirLock(output_dir, runtime.is_main), StopSignals() as stop:
@@ -39,6 +46,8 @@ def main(runs_file: str) -> None:
             trainer.run()
         if runtime.is_main:
             (output_dir / "experts.json").write_text(json.dumps(split_experts(trainer.strategy.model)))
+            layout = dataclasses.asdict(trainer.strategy.sharded.layout)
+            (output_dir / "layout.json").write_text(json.dumps(layout))
     shutdown()
 
 

@@ -226,6 +226,16 @@ def test_roll_maps_top_level_and_role_keys(tmp_path):
     assert "ignored (no FSDP2 meaning): rollout_batch_size" in cfg.notes
 
 
+def test_roll_decays_every_parameter_as_its_fsdp2_strategy_does(tmp_path):
+    """Issue 53 (3): ROLL's FSDP2 strategy builds one AdamW group over every trainable parameter, so its
+    training_args.weight_decay decays biases and norms too (the HF Trainer, whose arguments they are, would not)."""
+    cfg = load_config(roll_file(tmp_path, role_changes={"training_args": {"weight_decay": 0.1}}))
+    assert (cfg.training.weight_decay, cfg.training.weight_decay_every_parameter) == (0.1, True)
+    assert (
+        "training.weight_decay_every_parameter=True: ROLL's FSDP2 strategy decays every parameter (one AdamW group)"
+    ) in cfg.notes
+
+
 def test_roll_interleave_probs_weigh_its_files_and_eval_file_name_is_the_evaluation(tmp_path):
     data_args = {"file_name": ["a.jsonl", "b.jsonl"], "interleave_probs": "0.7,0.3", "eval_file_name": "val.jsonl"}
     cfg = load_config(roll_file(tmp_path, role_changes={"data_args": data_args}))
@@ -558,6 +568,37 @@ def test_accelerate_parallelism_config_is_the_hsdp_mesh(tmp_path):
     assert (layout.shape, layout.dim_names) == ((2, 2), ("ddp", "fsdp"))
 
 
+def test_accelerate_context_parallel_is_context_parallel_and_fsdp_shards_over_its_ranks(tmp_path):
+    """Issue 48 (4): Accelerate's cp_size is model.context_parallel_size; it shards over dp_shard x cp ranks (its
+    dp_shard_cp mesh), so the fsdp group is that many ranks; what ParallelismConfig refuses is refused."""
+    sizes = {"parallelism_config_dp_shard_size": 2, "parallelism_config_cp_size": 2}
+    strategy, cfg = accelerate_strategy(tmp_path, {}, parallelism_config=sizes)
+    assert (cfg.model.context_parallel_size, cfg.model.ulysses_size, strategy.fsdp_size) == (2, 1, 4)
+    assert (
+        "mapped parallelism_config.parallelism_config_dp_shard_size=2 x parallelism_config_cp_size=2 → "
+        "strategy_args.strategy_config.fsdp_size=4: Accelerate shards the parameters over the dp_shard x cp ranks "
+        "(its dp_shard_cp mesh)"
+    ) in cfg.notes
+    assert "mapped parallelism_config.parallelism_config_cp_size → model.context_parallel_size" in cfg.notes
+    refusals = {
+        "parallelism_config_sp_size": "'parallelism_config.parallelism_config_cp_size' = 2 with "
+        "'parallelism_config.parallelism_config_sp_size' = 2 is not valid: Accelerate refuses context and sequence "
+        "parallelism together; give one of them (natively model.context_parallel_size and model.ulysses_size compose)",
+        "parallelism_config_dp_replicate_size": "'parallelism_config.parallelism_config_cp_size' = 2 is not valid with "
+        "parallelism_config_dp_replicate_size > 1 and parallelism_config_dp_shard_size 1: Accelerate refuses context "
+        "parallelism beside pure replication; set parallelism_config_dp_shard_size > 1 (HSDP)",
+    }
+    for key, message in refusals.items():
+        written = {**sizes, "parallelism_config_dp_shard_size": 1, key: 2}
+        path = write_yaml(tmp_path / "bad.yaml", {"distributed_type": "FSDP", "parallelism_config": written})
+        assert load_error("examples/demo.yaml", strategy_file=str(path)) == f"{path}: {message}"
+    path = write_yaml(tmp_path / "bad.yaml", {"parallelism_config": {"parallelism_config_cp_size": "2"}})
+    assert load_error("examples/demo.yaml", strategy_file=str(path)) == (
+        f"{path}: 'parallelism_config.parallelism_config_cp_size' = '2' is not valid: expected a whole number of "
+        "ranks (1 or more)"
+    )
+
+
 @pytest.mark.parametrize(
     "top, fsdp_config, message",
     [
@@ -823,6 +864,108 @@ def test_native_mindspeed_expert_parallel_mistakes_name_the_key(change, message)
     with pytest.raises(UserError) as error:
         native_moe("parallel.expert_parallel_size=2", change)
     assert message in str(error.value)
+
+
+NATIVE_RING = "mindspeed_mm/examples/qwen3vl/qwen3vl_30B_config_v1.yaml"  # ring_attention_size: 1 as written
+
+
+def native_ring(*changes: str):
+    from test_real_configs import user_args
+
+    config, swaps, _ = user_args(NATIVE_RING, "tiny-qwen3-vl-moe", 2)
+    return load_config(config, [*swaps, *changes])
+
+
+MINDSPEED_HYBRID = ["parallel.ulysses_parallel_size=null", "parallel.context_parallel_algo=hybrid_cp_algo"]
+
+
+@pytest.mark.parametrize(
+    ("changes", "sizes", "note"),
+    [
+        (
+            ["parallel.ring_attention_size=2"],
+            (1, 2),
+            "mapped parallel.ring_attention_size → model.context_parallel_size",
+        ),
+        (  # older native files: context_parallel_size, the ring (ParallelArguments before ring_attention_size)
+            ["parallel.ring_attention_size=null", "parallel.context_parallel_size=2"],
+            (1, 2),
+            "parallel.context_parallel_size: older files' name of ring_attention_size",
+        ),
+        (  # MindSpeed's context_parallel_algo beside it: split as MindSpeed splits it
+            [
+                "parallel.ring_attention_size=null",
+                "parallel.ulysses_parallel_size=null",
+                "parallel.context_parallel_size=2",
+                "parallel.context_parallel_algo=ulysses_cp_algo",
+            ],
+            (2, 1),
+            "parallel.context_parallel_algo='ulysses_cp_algo': parallel.context_parallel_size=2 read as "
+            "model.ulysses_size",
+        ),
+        (
+            ["parallel.ring_attention_size=null", "parallel.context_parallel_size=4"]
+            + ["parallel.context_parallel_algo=megatron_cp_algo"],
+            (1, 4),
+            "parallel.context_parallel_algo='megatron_cp_algo': parallel.context_parallel_size=4 read as "
+            "model.context_parallel_size",
+        ),
+        (
+            ["parallel.ring_attention_size=null", "parallel.context_parallel_size=8", "parallel.ulysses_degree_in_cp=2"]
+            + MINDSPEED_HYBRID,
+            (2, 4),
+            "mapped parallel.context_parallel_size=8 → model.ulysses_size=2 (parallel.ulysses_degree_in_cp) x "
+            "model.context_parallel_size=4",
+        ),
+    ],
+)
+def test_native_mindspeed_context_parallel(changes, sizes, note):
+    """Issue 48 (4): ring_attention_size is context parallel; the older context_parallel_size too, or with
+    MindSpeed's context_parallel_algo as it splits it (mindspeed/arguments.py: ulysses, ring, or
+    ulysses_degree_in_cp Ulysses ranks x the rest ring ranks)."""
+    cfg = native_ring(*changes)
+    assert (cfg.model.ulysses_size, cfg.model.context_parallel_size) == sizes
+    assert note in cfg.notes
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        (
+            ["parallel.context_parallel_size=8", "parallel.ulysses_degree_in_cp=3"],
+            "'parallel.ulysses_degree_in_cp' = 3 is not valid: it must divide 'parallel.context_parallel_size' = 8 "
+            "and be smaller (MindSpeed's rule for hybrid context parallel); valid: 2, 4",
+        ),
+        (
+            ["parallel.context_parallel_size=4", "parallel.ulysses_degree_in_cp=4"],
+            "'parallel.ulysses_degree_in_cp' = 4 is not valid: it must divide 'parallel.context_parallel_size' = 4 "
+            "and be smaller (MindSpeed's rule for hybrid context parallel); valid: 2",
+        ),
+        (
+            ["parallel.context_parallel_size=4"],
+            "'parallel.context_parallel_algo' = 'hybrid_cp_algo' needs 'parallel.ulysses_degree_in_cp', the Ulysses "
+            "ranks of each context-parallel group (MindSpeed's rule); give a divisor of "
+            "'parallel.context_parallel_size' = 4",
+        ),
+        (
+            ["parallel.context_parallel_size=4", "parallel.context_parallel_algo=ring"],
+            "'parallel.context_parallel_algo' = 'ring' is not valid: expected one of ulysses_cp_algo, "
+            "megatron_cp_algo, hybrid_cp_algo, adaptive_cp_algo, hybrid_adaptive_cp_algo",
+        ),
+        (  # both spellings of the ring size, disagreeing
+            [
+                "parallel.ring_attention_size=2",
+                "parallel.context_parallel_size=4",
+                "parallel.context_parallel_algo=null",
+            ],
+            "'parallel.ring_attention_size' = 2 contradicts",
+        ),
+    ],
+)
+def test_native_mindspeed_context_parallel_mistakes_name_the_key(changes, message):
+    with pytest.raises(UserError) as error:
+        native_ring(*MINDSPEED_HYBRID, *changes)
+    assert f"{REPO / 'tests/fixtures/real_configs' / NATIVE_RING}: {message}" in str(error.value)
 
 
 def test_trainer_reads_fsdp1_keys_only_with_version_1(tmp_path):

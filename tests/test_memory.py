@@ -255,3 +255,78 @@ def _page_faults_per_step(strategy, batches: list[dict], steps: int) -> float:
     for _ in range(steps):
         strategy.train_step(batches)
     return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / steps
+
+
+def test_plan_computes_one_layers_attention_per_rank_under_ulysses_and_context_parallel():
+    """Issue 48 (5): under Ulysses k a rank attends with heads/k over the whole sequence, under context parallel c with
+    its T/c queries over all T keys (gathered): the scores shrink by k x c, the gathered keys and values by k only,
+    and the rank holds T/(k c) tokens; the sequence is padded as the run pads it (a multiple of 2 c k)."""
+    from transformers import AutoConfig
+
+    from fsdp2kit.memory_plan import attention_per_rank
+    from fsdp2kit.models.builtin import BUILTIN_MODELS
+
+    settings = dict(BUILTIN_MODELS["tiny-llama"])  # 4 heads, 2 key/value heads of 64
+    text = AutoConfig.for_model(settings.pop("model_type"), **settings)
+    batch, fp32 = 2, 4
+    sizes = {}
+    for k, c in ((1, 1), (2, 1), (1, 2), (2, 2)):
+        cfg = load_config(
+            "examples/demo.yaml",
+            ["data.seq_len=60", f"training.per_device_train_batch_size={batch}", f"model.ulysses_size={k}"]
+            + [f"model.context_parallel_size={c}"],
+        )
+        sizes[k, c] = attention_per_rank(cfg, text)
+    assert sizes[1, 1] == {
+        "tokens_per_rank": 60,
+        "heads_per_rank": 4,
+        "queries_per_rank": 60,
+        "keys_per_rank": 60,
+        "scores_bytes": batch * 4 * 60 * 60 * fp32,
+        "keys_values_bytes": 2 * batch * 2 * 60 * 64 * fp32,
+    }
+    assert (sizes[2, 1]["tokens_per_rank"], sizes[2, 1]["heads_per_rank"], sizes[2, 1]["keys_per_rank"]) == (30, 2, 60)
+    assert sizes[2, 1]["scores_bytes"] * 2 == sizes[1, 1]["scores_bytes"]
+    # context parallel 2: 60 tokens, a multiple of 4 (chunks r and 3-r of 4): 30 queries a rank over 60 keys
+    cp2 = sizes[1, 2]
+    assert (cp2["tokens_per_rank"], cp2["queries_per_rank"], cp2["keys_per_rank"]) == (30, 30, 60)
+    assert sizes[1, 2]["scores_bytes"] == batch * 4 * 30 * 60 * fp32
+    assert sizes[1, 2]["keys_values_bytes"] == sizes[1, 1]["keys_values_bytes"]  # all keys and values gathered
+    # both: padded to a multiple of 8 (64 tokens), 16 a rank; 2 heads, 32 queries over 64 keys
+    assert sizes[2, 2] == {
+        "tokens_per_rank": 16,
+        "heads_per_rank": 2,
+        "queries_per_rank": 32,
+        "keys_per_rank": 64,
+        "scores_bytes": batch * 2 * 32 * 64 * fp32,
+        "keys_values_bytes": 2 * batch * 1 * 64 * 64 * fp32,
+    }
+
+
+def test_plan_reports_the_attention_of_its_layout():
+    """`plan`'s report carries the computed attention beside the traced peak: under Ulysses 2 at 2 ranks, 2 heads a
+    rank over the whole sequence."""
+    tiny = ["model.config.num_hidden_layers=2", "data.seq_len=32", "training.per_device_train_batch_size=1"]
+    report = predict(ConfigSource("examples/demo.yaml", [*tiny, "model.ulysses_size=2"], None, None), 2)
+    assert report["attention"] == {
+        "tokens_per_rank": 16,
+        "heads_per_rank": 2,
+        "queries_per_rank": 32,
+        "keys_per_rank": 32,
+        "scores_bytes": 2 * 32 * 32 * 4,
+        "keys_values_bytes": 2 * 1 * 32 * 64 * 4,
+    }
+
+
+@pytest.mark.slow
+def test_plan_under_context_parallel_after_the_cp_merge():
+    """Issue 48 (5), traced (needs branch `cp`'s runtime): with eager attention over 512 tokens the scores dominate a
+    layer's activations; context parallel 2 at 2 ranks traces each rank's half of the queries against all keys, and
+    the predicted peak falls by at least the computed scores' saving of one layer."""
+    long = ["model.attn_implementation=eager", "data.seq_len=512", "training.per_device_train_batch_size=1"]
+    long += ["training.gradient_accumulation_steps=1"]
+    plain = predict(ConfigSource("examples/demo.yaml", long, None, None), 2)
+    context = predict(ConfigSource("examples/demo.yaml", [*long, "model.context_parallel_size=2"], None, None), 2)
+    assert context["attention"]["scores_bytes"] * 2 == plain["attention"]["scores_bytes"]
+    saving = plain["attention"]["scores_bytes"] - context["attention"]["scores_bytes"]
+    assert plain["peak_bytes"] - context["peak_bytes"] >= saving

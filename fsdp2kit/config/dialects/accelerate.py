@@ -30,6 +30,7 @@ from fsdp2kit.config.dialects.translation import (
     transformers_schedule,
     unknown_key,
     unsupported,
+    whole_ranks,
 )
 from fsdp2kit.errors import UserError
 
@@ -162,18 +163,55 @@ TRAINER_FSDP1_ONLY = ignored("TrainingArguments reads it only with version 1 (FS
 
 
 def _parallelism(translation: Translation, key: Written, value: Any) -> None:
-    """Accelerate's N-D mesh: dp_shard is our fsdp_size; dp_replicate follows from it and the world size."""
+    """Accelerate's N-D mesh (accelerate/parallelism_config.py, ParallelismConfig), laid [dp_replicate, dp_shard, cp,
+    sp]: FSDP shards over dp_shard x cp ranks (its `dp_shard_cp` mesh) and replicates across dp_replicate, which
+    fsdp2kit derives from the world size; the cp ranks of a sequence are consecutive, as in fsdp2kit's layout."""
     section(PARALLELISM)(translation, key, value)
     replicate = value.get("parallelism_config_dp_replicate_size")
-    if isinstance(replicate, int) and replicate > 1 and value.get("parallelism_config_dp_shard_size") is None:
+    shard = value.get("parallelism_config_dp_shard_size")
+    if isinstance(replicate, int) and replicate > 1 and shard is None:
         raise UserError(
             f"{key.file}: '{key}' sets parallelism_config_dp_replicate_size without "
             "parallelism_config_dp_shard_size; give the shard size (fsdp2kit derives the replicate size)"
         )
+    context = _context_parallel_size(key, value)
+    if shard is None:
+        return
+    shard_key = key.child("parallelism_config_dp_shard_size")
+    if context == 1:
+        to(f"{STRATEGY_CONFIG}.fsdp_size", whole_ranks)(translation, shard_key, shard)
+        return
+    fsdp_size = converted(shard_key, shard, whole_ranks) * context
+    translation.set(f"{STRATEGY_CONFIG}.fsdp_size", fsdp_size, shard_key)
+    translation.note(
+        f"mapped {shard_key}={shard} x parallelism_config_cp_size={context} → {STRATEGY_CONFIG}.fsdp_size={fsdp_size}: "
+        "Accelerate shards the parameters over the dp_shard x cp ranks (its dp_shard_cp mesh)"
+    )
+
+
+def _context_parallel_size(key: Written, value: dict[str, Any]) -> int:
+    """The cp size, after Accelerate's own refusals of what it cannot combine with it (ParallelismConfig)."""
+    cp_key = key.child("parallelism_config_cp_size")
+    context = converted(cp_key, value.get("parallelism_config_cp_size", 1), whole_ranks)
+    sequence = value.get("parallelism_config_sp_size") or 1
+    if context > 1 and sequence != 1:
+        raise UserError(
+            f"{key.file}: '{cp_key}' = {context} with '{key.child('parallelism_config_sp_size')}' = {sequence} is not "
+            "valid: Accelerate refuses context and sequence parallelism together; give one of them (natively "
+            "model.context_parallel_size and model.ulysses_size compose)"
+        )
+    if context > 1 and (value.get("parallelism_config_dp_replicate_size") or 1) > 1:
+        if value.get("parallelism_config_dp_shard_size") == 1:
+            raise UserError(
+                f"{key.file}: '{cp_key}' = {context} is not valid with parallelism_config_dp_replicate_size > 1 and "
+                "parallelism_config_dp_shard_size 1: Accelerate refuses context parallelism beside pure replication; "
+                "set parallelism_config_dp_shard_size > 1 (HSDP)"
+            )
+    return context
 
 
 PARALLELISM: dict[str, Rule] = {
-    "parallelism_config_dp_shard_size": to(f"{STRATEGY_CONFIG}.fsdp_size"),
+    "parallelism_config_dp_shard_size": already_read,
     "parallelism_config_dp_replicate_size": ignored("the replicate size is the world size / fsdp_size"),
     "parallelism_config_sp_size": to("model.ulysses_size"),
     "parallelism_config_tp_size": unsupported(
@@ -181,15 +219,14 @@ PARALLELISM: dict[str, Rule] = {
         "(parallelism_config_dp_shard_size and dp_replicate_size still give the HSDP mesh)",
         harmless=(1,),
     ),
-    "parallelism_config_cp_size": unsupported(
-        "Accelerate's context parallelism is not available in fsdp2kit; use parallelism_config_sp_size "
-        "(Ulysses sequence parallel) instead",
-        harmless=(1,),
+    "parallelism_config_cp_size": to("model.context_parallel_size"),
+    "parallelism_config_cp_comm_strategy": ignored(
+        "how torch's context_parallel passes key/value blocks (allgather or alltoall); fsdp2kit all-gathers them, "
+        "the same attention"
     ),
+    "parallelism_config_cp_backend": ignored("torch is Accelerate's only context-parallel backend, as here"),
     **dict.fromkeys(
         (
-            "parallelism_config_cp_backend",
-            "parallelism_config_cp_comm_strategy",
             "parallelism_config_sp_backend",
             "parallelism_config_sp_seq_length",
             "parallelism_config_sp_seq_length_is_variable",

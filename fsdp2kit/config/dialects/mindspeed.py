@@ -15,8 +15,10 @@ from fsdp2kit.config.dialects.translation import (
     Written,
     already_read,
     apply_rules,
+    converted,
     ignored,
     to,
+    whole_ranks,
 )
 from fsdp2kit.config.schema import pattern_class
 from fsdp2kit.errors import UserError
@@ -104,6 +106,58 @@ def experts_sharded_over_the_rest(translation: Translation, size: Written, why: 
         f"{why}: MindSpeed-MM shards each expert over the world / {size} ranks that hold the same experts; fsdp2kit "
         f"keeps efsdp_size 1 (each of them holds the experts whole: the same training, more memory); set {key} to "
         "world / ep_size to shard them as MindSpeed-MM does"
+    )
+
+
+# MindSpeed's --context-parallel-algo (mindspeed/arguments.py, _add_cp_args and its checks): which of the
+# context-parallel ranks attend by Ulysses (all-to-all over heads) and which by ring attention. The adaptive variants
+# schedule the same ring differently.
+CP_ALGOS = ("ulysses_cp_algo", "megatron_cp_algo", "hybrid_cp_algo", "adaptive_cp_algo", "hybrid_adaptive_cp_algo")
+
+
+def context_parallel(translation: Translation, where: Written, values: dict[str, Any]) -> None:
+    """`context_parallel_size` split by `context_parallel_algo` as MindSpeed splits it: Ulysses (ulysses_cp_algo),
+    ring (megatron_cp_algo, adaptive_cp_algo), or both (hybrid_*: `ulysses_degree_in_cp` Ulysses ranks, consecutive,
+    times context_parallel_size / ulysses_degree_in_cp ring ranks across them; mindspeed/core/parallel_state.py lays
+    the ring ranks at stride ulysses_degree_in_cp, as fsdp2kit lays [dp, cp, sp])."""
+    size_key, algo_key = where.child("context_parallel_size"), where.child("context_parallel_algo")
+    degree_key = where.child("ulysses_degree_in_cp")
+    algo, degree = values.get("context_parallel_algo"), values.get("ulysses_degree_in_cp")
+    if algo not in CP_ALGOS:
+        raise UserError(f"{where.file}: '{algo_key}' = {algo!r} is not valid: expected one of {', '.join(CP_ALGOS)}")
+    size = converted(size_key, values.get("context_parallel_size", 1), whole_ranks)
+    hybrid = size > 1 and algo.startswith("hybrid")
+    if degree is not None and not hybrid:
+        translation.ignore(degree_key, f"used only with {algo_key} hybrid_cp_algo and {size_key} > 1")
+    if size == 1:
+        translation.ignore(algo_key, f"{size_key} is 1: nothing is split")
+    elif hybrid:
+        if degree is None:
+            raise UserError(
+                f"{where.file}: '{algo_key}' = {algo!r} needs '{degree_key}', the Ulysses ranks of each "
+                f"context-parallel group (MindSpeed's rule); give a divisor of '{size_key}' = {size}"
+            )
+        _hybrid(translation, size_key, size, degree_key, converted(degree_key, degree, whole_ranks))
+        translation.note(f"{algo_key}={algo!r}: {size_key} split as MindSpeed splits it (Ulysses x ring)")
+    else:
+        native = "model.ulysses_size" if algo == "ulysses_cp_algo" else "model.context_parallel_size"
+        to(native)(translation, size_key, size)
+        translation.note(f"{algo_key}={algo!r}: {size_key}={size} read as {native}")
+
+
+def _hybrid(translation: Translation, size_key: Written, size: int, degree_key: Written, degree: int) -> None:
+    """MindSpeed refuses a Ulysses degree that does not divide the context-parallel size or leaves one ring rank."""
+    ring, remainder = divmod(size, degree)
+    if remainder or ring <= 1:
+        valid = [str(d) for d in range(2, size) if size % d == 0]
+        raise UserError(
+            f"{degree_key.file}: '{degree_key}' = {degree} is not valid: it must divide '{size_key}' = {size} and be "
+            f"smaller (MindSpeed's rule for hybrid context parallel); valid: {', '.join(valid) or 'none'}"
+        )
+    translation.set("model.ulysses_size", degree, degree_key)
+    translation.set("model.context_parallel_size", ring, size_key)
+    translation.note(
+        f"mapped {size_key}={size} → model.ulysses_size={degree} ({degree_key}) x model.context_parallel_size={ring}"
     )
 
 

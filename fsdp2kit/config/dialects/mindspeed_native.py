@@ -18,7 +18,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from fsdp2kit.config.dialects.mindspeed import expert_parallel, experts_sharded_over_the_rest
+from fsdp2kit.config.dialects.mindspeed import context_parallel, expert_parallel, experts_sharded_over_the_rest
 from fsdp2kit.config.dialects.translation import (
     NO_FSDP2_MEANING,
     STRATEGY_CONFIG,
@@ -169,7 +169,6 @@ FSDP_PLAN: dict[str, Rule] = {
 }
 
 TENSOR_PARALLEL = "tensor parallelism is not available in fsdp2kit (nor in MindSpeed-MM's FSDP2 trainer); set it to 1"
-RING_ATTENTION = "ring attention (context parallel) is not available in fsdp2kit; use ulysses_parallel_size"
 
 
 def _recompute_pair(translation: Translation, key: Written, values: dict[str, Any], older: str | None) -> None:
@@ -205,9 +204,9 @@ PARALLEL: dict[str, Rule] = {
     "fsdp_plan": section(FSDP_PLAN),
     "tensor_parallel_size": unsupported(TENSOR_PARALLEL, harmless=(1,)),
     "tp_plan": ignored("used only with tensor_parallel_size > 1"),
-    "ring_attention_size": unsupported(RING_ATTENTION, harmless=(1,)),
-    "context_parallel_size": unsupported(RING_ATTENTION, harmless=(1,)),
+    "ring_attention_size": to("model.context_parallel_size"),
     "ulysses_parallel_size": to("model.ulysses_size"),
+    **dict.fromkeys(("context_parallel_size", "context_parallel_algo", "ulysses_degree_in_cp"), already_read),
     **dict.fromkeys(("expert_parallel_size", "expert_fully_shard_parallel_size", "ep_plan"), already_read),
     **dict.fromkeys(("recompute", "recompute_plan"), already_read),
 }
@@ -256,6 +255,22 @@ def _expert_parallel(translation: Translation, key: Written, values: dict[str, A
     else:
         to(f"{STRATEGY_CONFIG}.efsdp_size")(translation, shard, values["expert_fully_shard_parallel_size"])
     apply_rules(translation, plan, EP_PLAN, where)
+
+
+def _context_parallel(translation: Translation, where: Written, values: dict[str, Any]) -> None:
+    """Older files' `context_parallel_size` is the ring size (ParallelArguments before ring_attention_size, at
+    Ascend/MindSpeed-MM 4fbb3722: "Size for context parallelism(ring)"). With MindSpeed's `context_parallel_algo`
+    beside it (its Megatron route's argument, which the FSDP2 trainer does not read) it is split as MindSpeed splits
+    it: Ulysses and ring attention give the same result, only the layout differs."""
+    if values.get("context_parallel_algo") is not None:
+        context_parallel(translation, where, values)
+        return
+    size, size_key = values.get("context_parallel_size"), where.child("context_parallel_size")
+    if size is not None:
+        to("model.context_parallel_size")(translation, size_key, size)
+        translation.note(f"{size_key}: older files' name of ring_attention_size")
+    if values.get("ulysses_degree_in_cp") is not None:
+        translation.ignore(where.child("ulysses_degree_in_cp"), "used only with context_parallel_algo hybrid_cp_algo")
 
 
 # ---------------------------------------------------------------- features (and their older place under model)
@@ -647,8 +662,15 @@ TRAINING: dict[str, Rule] = {
     ),
     "val_micro_batch_size": to("training.per_device_eval_batch_size"),
     **dict.fromkeys(CHECKPOINT_SWITCHES, ignored("fsdp2kit saves and resumes the whole training state")),
-    "no_decay_modules": unsupported("fsdp2kit leaves biases and norms undecayed", harmless=([],)),
-    "no_decay_params": unsupported("fsdp2kit leaves biases and norms undecayed", harmless=([],)),
+    **dict.fromkeys(
+        ("no_decay_modules", "no_decay_params"),
+        unsupported(
+            "exclusions from weight decay by module class or name are not available; fsdp2kit decays every "
+            "parameter (as MindSpeed-MM with these lists empty) or, with training.weight_decay_every_parameter: "
+            "false, all but biases and norms (1-D tensors)",
+            harmless=([],),
+        ),
+    ),
     "save_ckpt_dtype": unsupported("checkpoints keep the training dtype"),
     "max_steps": unsupported("MindSpeed-MM's per-epoch step cap (for debugging); use train_iters"),
     "enable_full_determinism": unsupported("deterministic kernels are not switched on", harmless=(False,)),
@@ -732,6 +754,7 @@ def translate(raw: dict[str, Any], source: str) -> Translation:
     top = Written(source, "")
     _read_features(translation, data["parallel"], top.child("parallel"), older="older MindSpeed-MM files")
     _expert_parallel(translation, top.child("parallel"), data["parallel"])
+    _context_parallel(translation, top.child("parallel"), data["parallel"])
     if data.get("features") is not None:
         _read_features(translation, data["features"], top.child("features"))
     _read_features(translation, data["model"], top.child("model"), older="older MindSpeed-MM files")
@@ -782,11 +805,15 @@ def _processor(translation: Translation, data: dict[str, Any], top: Written) -> 
 
 
 def _weight_decay(translation: Translation, training: dict[str, Any], top: Written) -> None:
-    if training.get("weight_decay"):
-        translation.note(
-            f"{top.child('training.weight_decay')}: MindSpeed-MM decays every parameter; fsdp2kit leaves biases "
-            "and norms undecayed"
-        )
+    """MindSpeed-MM's build_optimizer (mindspeed_mm/fsdp/optimizer/optimizer.py) decays every parameter but those
+    of training.no_decay_modules / no_decay_params, both empty by default (refused otherwise): whatever the value,
+    so that a --set of weight_decay decays as MindSpeed-MM would."""
+    where = top.child("training.weight_decay") if training.get("weight_decay") is not None else top.child("training")
+    translation.set("training.weight_decay_every_parameter", True, where)
+    translation.note(
+        "training.weight_decay_every_parameter=True: MindSpeed-MM decays every parameter, biases and norms too "
+        "(no_decay_modules and no_decay_params empty)"
+    )
 
 
 __all__ = ["NO_FSDP2_MEANING", "PARAMS", "file_overrides", "is_native_file", "translate"]

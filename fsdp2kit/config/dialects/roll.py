@@ -338,6 +338,12 @@ def _training_args(translation: Translation, key: Written, value: Any) -> None:
     """HF TrainingArguments, whose schedule ROLL builds with transformers' get_scheduler."""
     section(TRAINING_ARGS)(translation, key, value)
     transformers_schedule(translation, key, "ROLL's training_args (HF TrainingArguments)")
+    # ROLL's FSDP2 strategy builds torch's AdamW over every trainable parameter in one group (fsdp2_strategy.py
+    # initialize): biases and norms are decayed too, unlike the HF Trainer whose arguments these are.
+    translation.set("training.weight_decay_every_parameter", True, key.child("weight_decay"))
+    translation.note(
+        "training.weight_decay_every_parameter=True: ROLL's FSDP2 strategy decays every parameter (one AdamW group)"
+    )
     warmup = [name for name in ("warmup_steps", "warmup_ratio") if isinstance(value, dict) and value.get(name)]
     if isinstance(value, dict) and value.get("lr_scheduler_type") == "constant" and warmup:
         for name in warmup:  # transformers' get_constant_schedule: no warmup at all

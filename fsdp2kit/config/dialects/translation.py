@@ -202,6 +202,13 @@ def converted(key: Written, value: Any, convert: Callable[[Any], Any]) -> Any:
         raise UserError(f"{key.file}: '{key}' = {value!r} is not valid: {exc.args[0] if exc.args else exc}") from None
 
 
+def whole_ranks(value: Any) -> int:
+    """A parallel degree as the tools write it: a whole number of ranks (a `convert` for `to`)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError("expected a whole number of ranks (1 or more)")
+    return value
+
+
 def ignored(reason: str = NO_FSDP2_MEANING) -> Rule:
     def rule(translation: Translation, key: Written, value: Any) -> None:
         translation.ignore(key, reason)
