@@ -652,7 +652,7 @@ class LogProbLoss:
         received, keywords, outputs = self.outputs(model, index, batch)
         terms = _checked_terms(self.fn(received, self.batches[index], **keywords))
         if aux_loss_weight:  # the router loss's weight per unit of the loss's weight
-            terms.loss_sum = with_aux_loss(terms.loss_sum, outputs, aux_loss_weight * terms.weight)
+            terms.loss_sum = with_aux_loss(terms.loss_sum, outputs, aux_loss_weight * terms.weight, self.sp_group)
         return terms
 
     def outputs(self, model: torch.nn.Module, index: int, batch: Batch) -> tuple[torch.Tensor, Batch, Any]:

@@ -6,7 +6,8 @@ scores a probe batch and (`export`) exports the model; rank 0 saves the losses, 
 and the `full_weights`. Expert parallelism (`ep`, `efsdp`, tests/test_expert_parallel.py) adds: `packed` documents,
 `forced` routing (every token of a Qwen3-MoE to experts 0 and 1: the ranks holding the others receive nothing),
 `ragged` micro-batches (every other one shorter: ranks exchange different token counts), other `strategy` keys, a
-checkpoint saved after step `save_at` and a run that `resume`s from one."""
+checkpoint saved after step `save_at` and a run that `resume`s from one. `router_only` trains through a caller's
+loss_fn (the RL adapters' path) whose own loss has no gradient: what moves is the router loss alone."""
 
 from __future__ import annotations
 
@@ -39,6 +40,12 @@ def micro_batches(step: int, count: int, ragged: bool = False, packed: bool = Fa
         else:
             batches.append({"input_ids": ids, "attention_mask": mask})
     return batches
+
+
+def router_only(log_probs: torch.Tensor, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A loss_fn whose own term is 0 with autograd, weighted by the batch's targets: the step's gradient is the
+    router loss's alone."""
+    return (log_probs * 0).sum(), batch["attention_mask"][:, 1:].sum().float()
 
 
 def force_routing(model: torch.nn.Module) -> None:
@@ -93,7 +100,7 @@ def train(run: dict[str, Any]) -> None:
             step, run["accumulation"] * data_parallel, run.get("ragged", False), run.get("packed", False)
         )
         mine = everyone[rank::data_parallel]
-        result = strategy.train_step(mine)
+        result = strategy.train_step(mine, router_only if run.get("router_only") else None)
         losses.append(result["loss"])
         grad_norms.append(result["grad_norm"])
         if step + 1 == run.get("save_at"):

@@ -20,6 +20,7 @@ from fsdp2kit.data.dataset import input_token_count, model_inputs
 from fsdp2kit.errors import UserError
 from fsdp2kit.labels import IGNORE_INDEX
 from fsdp2kit.parallel.fsdp import before_micro_batch, stays_gathered
+from fsdp2kit.parallel.moe import once_per_group
 from fsdp2kit.parallel.token_logprobs import TokenRequest, token_request
 from fsdp2kit.parallel.ulysses import shard_sequence
 from fsdp2kit.train.grads import NonFiniteGuard, all_reduce_replicated_grads, clip_grad_norm, scale_grads_
@@ -49,11 +50,14 @@ def token_loss_sum(
     return with_aux_loss(loss, outputs, aux_loss_weight)
 
 
-def with_aux_loss(loss: torch.Tensor, outputs: Any, aux_loss_weight: float | torch.Tensor) -> torch.Tensor:
-    """`loss` plus `aux_loss_weight` times the router's load-balancing loss, where the model returns one."""
+def with_aux_loss(
+    loss: torch.Tensor, outputs: Any, aux_loss_weight: float | torch.Tensor, whole_sequence: ProcessGroup | None = None
+) -> torch.Tensor:
+    """`loss` plus `aux_loss_weight` times the router's load-balancing loss, where the model returns one; for a loss
+    every rank of the sequence group `whole_sequence` computes alike (counted once per group), as such a loss."""
     aux_loss = getattr(outputs, "aux_loss", None)
     if isinstance(aux_loss, torch.Tensor) and (isinstance(aux_loss_weight, torch.Tensor) or aux_loss_weight):
-        loss = loss + aux_loss_weight * aux_loss.float()
+        loss = loss + aux_loss_weight * once_per_group(aux_loss.float(), whole_sequence)
     return loss
 
 
