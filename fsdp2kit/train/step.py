@@ -183,16 +183,20 @@ def _add_metrics(sums: _Sums, metrics: dict[str, torch.Tensor], share: int) -> N
 COLLECTIVE_CALLS = ("train_step", "full_weights", "forward_step")
 
 
-def micro_batch_extremes(count: int, device: torch.device, call: str = "train_step") -> tuple[int, int]:
+def micro_batch_extremes(
+    count: int, device: torch.device, call: str = "train_step", refused: UserError | None = None
+) -> tuple[int, int]:
     """The fewest and the most micro-batches any rank has, in one all_reduce that also checks that every rank is in
-    the same `call`: ranks in different calls are one error on every rank, not a hang in mismatched collectives. On
-    the host (a CPU tensor: no wait for the device) where the process group has a CPU backend (ours: gloo beside
-    NCCL), else on `device` (a caller's NCCL-only group)."""
+    the same `call` and that no rank `refused` its batch (`agree_on_refusal`): ranks in different calls, or a batch
+    one rank refuses, are one error on every rank, not a hang in mismatched collectives. On the host (a CPU tensor:
+    no wait for the device) where the process group has a CPU backend (ours: gloo beside NCCL), else on `device` (a
+    caller's NCCL-only group)."""
     on_host = any(name in str(dist.get_backend()) for name in ("gloo", "fake"))
     kind = COLLECTIVE_CALLS.index(call)
-    extremes = torch.tensor([count, -count, kind, -kind], dtype=torch.int64, device="cpu" if on_host else device)
-    dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
-    most, negated_fewest, last_kind, negated_first_kind = extremes.tolist()
+    extremes = [count, -count, kind, -kind, refused is not None]
+    agreed = torch.tensor(extremes, dtype=torch.int64, device="cpu" if on_host else device)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+    most, negated_fewest, last_kind, negated_first_kind, any_refused = agreed.tolist()
     if last_kind != -negated_first_kind:
         calls = (COLLECTIVE_CALLS[-negated_first_kind], COLLECTIVE_CALLS[last_kind])
         why = (
@@ -201,7 +205,20 @@ def micro_batch_extremes(count: int, device: torch.device, call: str = "train_st
             else "every rank must make the same call"
         )
         raise UserError(f"{call}: some ranks are in {calls[0]}() and others in {calls[1]}(); {why}")
+    if any_refused:
+        raise agree_on_refusal(refused)
     return -negated_fewest, most
+
+
+def agree_on_refusal(refused: UserError | None) -> UserError:
+    """The refusal of the lowest rank that refused its batch, as every rank raises it (a collective every rank
+    reaches once one has refused): the other ranks return too, rather than wait in the step's collectives."""
+    if refused is not None and dist.get_world_size() == 1:
+        return refused
+    reasons: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(reasons, None if refused is None else str(refused))
+    rank, reason = next((r, reason) for r, reason in enumerate(reasons) if reason is not None)
+    return UserError(f"{reason} (rank {rank}'s batch; no rank took this step)")
 
 
 def agree_on_micro_batch_count(count: int, device: torch.device, call: str = "train_step") -> None:
