@@ -17,6 +17,7 @@ from typing import Any, cast
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
@@ -246,7 +247,7 @@ class Strategy:
         loss_fn's over log-probs, or the default cross-entropy."""
         shifted = [self._shifted(mb, loss_fn is None) for mb in batches]
         packing = [
-            self._packed(mb, s, f"micro-batch {i}", s["labels"])
+            self._packed(mb, s, f"micro-batch {i}", s["labels"][:, :-1])
             for i, (mb, s) in enumerate(zip(batches, shifted, strict=True))
         ]
         model_batches = [p.stream if p is not None else s for p, s in zip(packing, shifted, strict=True)]
@@ -402,13 +403,15 @@ class Strategy:
         """forward_step's log-probs (and entropies) of one batch, packed under model.remove_padding: checked now,
         computed when called."""
         shifted = self._shifted(api_batch, default_targets=False)
-        packed = self._packed(api_batch, shifted, "forward_step", shifted["labels"])
+        packed = self._packed(api_batch, shifted, "forward_step", shifted["labels"][:, :-1])
         temperature = api_batch.get("temperature")
 
         def forward() -> dict[str, torch.Tensor]:
             with self._inference():
-                if packed is None:
+                if packed is None:  # the last position predicts nothing
                     log_probs, entropies = self.token_logprobs(shifted, entropy, temperature)
+                    log_probs = log_probs[:, :-1]
+                    entropies = entropies[:, :-1] if entropies is not None else None
                 else:
                     log_probs, entropies = self.token_logprobs(
                         packed.stream, entropy, packed.token_temperature(temperature)
@@ -665,21 +668,17 @@ class Strategy:
         return moved
 
     def _shifted(self, batch: Batch, default_targets: bool) -> Batch:
-        """The model's inputs for positions 0..T-2 and each position's target: the next token, or with
-        `default_targets` the next label (the next token where attention_mask allows, if there are no labels)."""
+        """The model's inputs, every position 0..T-1 (a MoE router loss counts each row's last token, as
+        transformers' does), and each position's target: the next token, or with `default_targets` the next label
+        (the next token where attention_mask allows, if there are no labels); the last position has none."""
+        inputs = {k: v for k, v in batch.items() if k in self._model_keys and isinstance(v, torch.Tensor)}
         ids = batch["input_ids"]
-        shifted = {
-            key: value[:, :-1] if value.dim() >= 2 and value.shape[:2] == ids.shape else value
-            for key, value in batch.items()
-            if key in self._model_keys and isinstance(value, torch.Tensor)
-        }
         targets = ids[:, 1:]
         if default_targets and "labels" in batch:
             targets = batch["labels"][:, 1:]
         elif default_targets and "attention_mask" in batch:
             targets = targets.masked_fill(batch["attention_mask"][:, 1:] == 0, IGNORE_INDEX)
-        shifted["labels"] = targets.contiguous()
-        return shifted
+        return inputs | {"labels": F.pad(targets, (0, 1), value=IGNORE_INDEX)}
 
 
 @dataclass

@@ -88,3 +88,38 @@ def test_two_ulysses_groups_on_four_ranks_train_like_one_rank(folder, one_rank, 
     four = launched(folder, tmp_path, 4, (1, 2))
     for key, result in four.items():
         assert_same_training(result, one_rank[key[0]])
+
+
+def test_the_router_loss_is_transformers_load_balancing_loss_of_the_whole_rows(tmp_path):
+    """transformers counts each row's last token in its load-balancing loss (its forward reads every token); the
+    API's batches left it out of the model's inputs: 10.524712 against 10.526814 at coefficient 1. Now the router loss
+    a step adds (here alone, under a loss_fn whose own term is 0) is transformers' `load_balancing_loss_func` of the
+    same weights and batch, and the default loss is transformers' own training loss."""
+    from strategy_case import global_micro_batches
+    from test_strategy import strategy
+    from transformers import AutoModelForCausalLM
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+    config = {
+        "model": {
+            "name_or_path": "builtin:tiny-qwen3-moe",
+            "config": {"num_hidden_layers": 1, "router_aux_loss_coef": 1.0},
+        },
+        "training": {"max_steps": 2, "lr_scheduler_type": "constant", "output_dir": str(tmp_path / "run")},
+    }
+    batch = global_micro_batches(0, 1)[0]
+    batch["attention_mask"][0] = 1  # row 0 whole (its last token real), row 1 right-padded
+    weight = batch["attention_mask"][:, 1:].sum().float()
+    with strategy(config) as s:
+        s.export_hf(tmp_path / "hf")
+        router_loss = s.train_step([batch], lambda log_probs, _: ((log_probs * 0).sum(), weight))["loss"]
+    with strategy(config) as s:
+        default_loss = s.train_step([batch])["loss"]
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+    outputs = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=labels)
+    expected = load_balancing_loss_func(
+        outputs.router_logits, model.config.num_experts, model.config.num_experts_per_tok, batch["attention_mask"]
+    )
+    assert router_loss == pytest.approx(expected.item(), abs=1e-6)
+    assert default_loss == pytest.approx(outputs.loss.item(), abs=1e-5)
