@@ -17,6 +17,7 @@ from typing import Any, cast
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
@@ -31,6 +32,7 @@ from fsdp2kit.labels import IGNORE_INDEX
 from fsdp2kit.models.export import export_hf, hf_tensors
 from fsdp2kit.models.heads import ValueHead
 from fsdp2kit.models.sharded import ShardedModel, build_sharded_model
+from fsdp2kit.parallel.fsdp import discard_unreduced_grads
 from fsdp2kit.parallel.mesh import data_parallel_group
 from fsdp2kit.parallel.token_logprobs import TokenRequest, chunk_tokens, token_request
 from fsdp2kit.parallel.ulysses import gathered_order
@@ -178,31 +180,49 @@ class Strategy:
         rate stays until `scheduler_step` (several optimizer steps per RL step). With `max_tokens` each micro-batch's
         rows are cut into runs of at most that many real tokens (`_budgeted`); with model.remove_padding each
         micro-batch is packed (train/packing.py) and loss_fn gets the same [B, T-1] layout, 0 at padding."""
+        model_batches: list[Batch] = []
+        refused: UserError | None = None
+        try:  # this rank's own checks, all before the step's first collective
+            model_batches, loss = self._step_inputs(micro_batches, loss_fn, max_tokens)
+        except UserError as error:
+            refused = error  # raised on every rank by `_agree`: none waits in the step's collectives
+        empty = self._agree(len(model_batches), "train_step", refused)
+        if max_tokens is not None and empty:  # else unequal counts are refused by the step
+            real = len(model_batches)
+            model_batches += [empty_micro_batch(model_batches[0]) for _ in range(empty)]
+            loss = WithEmptyMicroBatches(loss, real)
+        return _reported(self.step(model_batches, loss, step_scheduler=step_scheduler))
+
+    def _step_inputs(
+        self, micro_batches: Sequence[Batch], loss_fn: LossFn | None, max_tokens: int | None
+    ) -> tuple[list[Batch], MicroBatchLoss]:
+        """train_step's micro-batches as the model reads them and their loss, or this rank's UserError on them (no
+        collective)."""
         if not micro_batches:
             raise UserError("train_step: give at least one micro-batch (a dict with input_ids [B, T])")
         self._require_loaded(STATE_KINDS, "train_step")
+        self._require_step_ready()
         batches = [self.device_batch(mb, f"micro-batch {i}") for i, mb in enumerate(micro_batches)]
-        batches, empty = self._budgeted(batches, max_tokens, "train_step")
+        batches = self._budgeted(batches, max_tokens, "train_step")
         if isinstance(self.head, ValueHead):  # a value or reward model: loss_fn gets its values or scores
-            model_batches, loss = self._head_loss(self.head, batches, loss_fn)
-        else:
-            model_batches, loss = self._log_prob_loss(batches, loss_fn)
-        if empty:
-            model_batches += [empty_micro_batch(model_batches[0]) for _ in range(empty)]
-            loss = WithEmptyMicroBatches(loss, len(batches))
-        return _reported(self.step(model_batches, loss, step_scheduler=step_scheduler))
+            return self._head_loss(self.head, batches, loss_fn)
+        return self._log_prob_loss(batches, loss_fn)
 
-    def _budgeted(self, batches: list[Batch], max_tokens: int | None, what: str) -> tuple[list[Batch], int]:
-        """The micro-batches within a token budget, and how many empty ones this rank adds so that every rank runs
-        as many (the most any rank needs, agreed in one all_reduce that also checks that every rank is in this call:
-        with full_weights read on rank 0 alone, the ranks met in mismatched collectives and hung)."""
+    def _agree(self, count: int, what: str, refused: UserError | None = None) -> int:
+        """One all_reduce before a call's first collective, on every rank: that every rank is in this call (with
+        full_weights read on rank 0 alone, the ranks met in mismatched collectives and hung), that none `refused`
+        its batch (raised on every rank, see `agree_on_refusal`), and how many empty micro-batches this rank adds
+        to its `count` so that every rank runs as many."""
+        _, most = micro_batch_extremes(count, self.runtime.device, what, refused)
+        return most - count
+
+    def _budgeted(self, batches: list[Batch], max_tokens: int | None, what: str) -> list[Batch]:
+        """The micro-batches cut to a token budget (`_agree` evens the ranks' counts)."""
         if max_tokens is None:
-            return batches, 0
+            return batches
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise UserError(f"{what}: max_tokens must be a whole number >= 1 (real tokens per micro-batch)")
-        parts = [part for batch in batches for part in split_rows(batch, max_tokens)]
-        _, most = micro_batch_extremes(len(parts), self.runtime.device, what)
-        return parts, most - len(parts)
+        return [part for batch in batches for part in split_rows(batch, max_tokens)]
 
     def _packed(self, batch: Batch, inputs: Batch, what: str, targets: torch.Tensor | None = None) -> PackedRows | None:
         """The batch (its model `inputs`, and a causal LM's shifted `targets`) packed into one stream of its real
@@ -228,7 +248,7 @@ class Strategy:
         loss_fn's over log-probs, or the default cross-entropy."""
         shifted = [self._shifted(mb, loss_fn is None) for mb in batches]
         packing = [
-            self._packed(mb, s, f"micro-batch {i}", s["labels"])
+            self._packed(mb, s, f"micro-batch {i}", s["labels"][:, :-1])
             for i, (mb, s) in enumerate(zip(batches, shifted, strict=True))
         ]
         model_batches = [p.stream if p is not None else s for p, s in zip(packing, shifted, strict=True)]
@@ -270,6 +290,35 @@ class Strategy:
         step_scheduler: bool = True,
     ) -> StepResult:
         """One optimizer step over shifted micro-batches on this rank's device (the `train` command's batches)."""
+        optimizer = self._require_step_ready()
+        if loss is None:
+            self.head.require_log_probs(TRAIN_COMMAND)
+        reuse_freed_memory(self.runtime.device)
+        try:
+            result = train_step(
+                self.model,
+                micro_batches,
+                optimizer,
+                self.scheduler if step_scheduler else None,
+                self.guard,
+                self.cfg.training.max_grad_norm,
+                self.aux_loss_coef,
+                self.sharded.sp_group,
+                self.sharded.variant.shard_batch,
+                on_micro_batch_done=on_micro_batch_done,
+                loss=loss if loss is not None else TokenCrossEntropy(self.chunk_tokens),
+                sync_each_batch=self.cfg.strategy_args.strategy_config.sync_each_batch,
+            )
+        except UserError:  # raised part-way (on every rank: a loss_fn's result, all-reduced weights)
+            optimizer.zero_grad(set_to_none=True)  # the gradients of the micro-batches before: no step took them
+            discard_unreduced_grads(self.model)
+            reshard(self.model)  # a forward without its backward leaves the root's parameters gathered
+            raise
+        self.steps_done += 1
+        return result
+
+    def _require_step_ready(self) -> torch.optim.Optimizer:
+        """The optimizer, where this rank can take a step: no full_weights() iterator half-read, a schedule set."""
         optimizer = self._trainer_optimizer()
         if self.open_weight_streams:
             raise UserError(
@@ -277,27 +326,9 @@ class Strategy:
                 "(or close() it) before a step: the other ranks wait in its gathers, and its rest would be the "
                 "stepped weights"
             )
-        if loss is None:
-            self.head.require_log_probs(TRAIN_COMMAND)
         if self.scheduler is None:
             raise UserError("train_step: the learning-rate schedule is not set (Strategy.set_schedule)")
-        reuse_freed_memory(self.runtime.device)
-        result = train_step(
-            self.model,
-            micro_batches,
-            optimizer,
-            self.scheduler if step_scheduler else None,
-            self.guard,
-            self.cfg.training.max_grad_norm,
-            self.aux_loss_coef,
-            self.sharded.sp_group,
-            self.sharded.variant.shard_batch,
-            on_micro_batch_done=on_micro_batch_done,
-            loss=loss if loss is not None else TokenCrossEntropy(self.chunk_tokens),
-            sync_each_batch=self.cfg.strategy_args.strategy_config.sync_each_batch,
-        )
-        self.steps_done += 1
-        return result
+        return optimizer
 
     def scheduler_step(self) -> float:
         """Advance the learning-rate schedule by one step (after `train_step(..., step_scheduler=False)`); returns
@@ -339,55 +370,80 @@ class Strategy:
         `temperature` (one number or one per sample; or the batch's own `temperature`): of logits / temperature.
         With `max_tokens`, forwards of at most that many real tokens (as many on every data-parallel rank); with
         model.remove_padding, of the packed real tokens, 0 where token t or t+1 is padding."""
+        forwards: list[Callable[[], dict[str, torch.Tensor]]] = []
+        parts: list[Batch] = []
+        refused: UserError | None = None
+        try:  # this rank's own checks, all before the first collective
+            parts, forwards = self._forward_inputs(batch, entropy, temperature, max_tokens)
+        except UserError as error:
+            refused = error  # raised on every rank by `_agree`: none waits in the forward's all-gathers
+        empty = self._agree(len(forwards), "forward_step", refused)
+        results = [forward() for forward in forwards]
+        for _ in range(empty if max_tokens is not None else 0):  # as many forwards as other ranks (resharded after)
+            with self._inference():
+                self.model(**model_inputs(self._sequence_slice(empty_micro_batch(parts[0]))), use_cache=False)
+        return {key: torch.cat([result[key] for result in results]) for key in results[0]}
+
+    def _forward_inputs(
+        self, batch: Batch, entropy: bool, temperature: float | torch.Tensor | None, max_tokens: int | None
+    ) -> tuple[list[Batch], list[Callable[[], dict[str, torch.Tensor]]]]:
+        """forward_step's parts of the batch on the device, and their forwards, checked and ready to run (no
+        collective yet)."""
         if temperature is not None:
             if batch.get("temperature") is not None:
                 raise UserError("forward_step: give the temperature once, as the argument or as the batch's key")
             batch = {**batch, "temperature": torch.as_tensor(temperature)}
         self._require_loaded(("model_params",), "forward_step")
-        api_batch = self.device_batch(batch, "batch")
-        parts, empty = self._budgeted([api_batch], max_tokens, "forward_step")
+        parts = self._budgeted([self.device_batch(batch, "batch")], max_tokens, "forward_step")
         head = self.head
         if isinstance(head, ValueHead):  # a value or reward model: its values or scores
-            results = [self._head_forward(head, part, entropy) for part in parts]
-        else:
-            results = [self._token_outputs(part, entropy) for part in parts]
-        for _ in range(empty):  # as many forwards (rounds of parameter all-gathers, resharded after) as other ranks
-            with self._inference():
-                self.model(**model_inputs(self._sequence_slice(empty_micro_batch(parts[0]))), use_cache=False)
-        return {key: torch.cat([result[key] for result in results]) for key in results[0]}
+            return parts, [self._head_forward(head, part, entropy) for part in parts]
+        return parts, [self._token_outputs(part, entropy) for part in parts]
 
-    def _token_outputs(self, api_batch: Batch, entropy: bool) -> dict[str, torch.Tensor]:
-        """forward_step's log-probs (and entropies) of one batch, packed under model.remove_padding."""
+    def _token_outputs(self, api_batch: Batch, entropy: bool) -> Callable[[], dict[str, torch.Tensor]]:
+        """forward_step's log-probs (and entropies) of one batch, packed under model.remove_padding: checked now,
+        computed when called."""
         shifted = self._shifted(api_batch, default_targets=False)
-        packed = self._packed(api_batch, shifted, "forward_step", shifted["labels"])
+        packed = self._packed(api_batch, shifted, "forward_step", shifted["labels"][:, :-1])
         temperature = api_batch.get("temperature")
-        with self._inference():
-            if packed is None:
-                log_probs, entropies = self.token_logprobs(shifted, entropy, temperature)
-            else:
-                log_probs, entropies = self.token_logprobs(
-                    packed.stream, entropy, packed.token_temperature(temperature)
-                )
-                log_probs = packed.unpack(log_probs)
-                entropies = packed.unpack(entropies) if entropies is not None else None
-        return {"log_probs": log_probs} | ({"entropy": entropies} if entropies is not None else {})
+
+        def forward() -> dict[str, torch.Tensor]:
+            with self._inference():
+                if packed is None:  # the last position predicts nothing
+                    log_probs, entropies = self.token_logprobs(shifted, entropy, temperature)
+                    log_probs = log_probs[:, :-1]
+                    entropies = entropies[:, :-1] if entropies is not None else None
+                else:
+                    log_probs, entropies = self.token_logprobs(
+                        packed.stream, entropy, packed.token_temperature(temperature)
+                    )
+                    log_probs = packed.unpack(log_probs)
+                    entropies = packed.unpack(entropies) if entropies is not None else None
+            return {"log_probs": log_probs} | ({"entropy": entropies} if entropies is not None else {})
+
+        return forward
 
     def _sequence_slice(self, batch: Batch) -> Batch:
         """This rank's slice of a shifted batch under sequence parallel; the batch itself otherwise."""
         group = self.sharded.sp_group
         return self.sharded.variant.shard_batch(batch, group) if group is not None else batch
 
-    def _head_forward(self, head: ValueHead, api_batch: Batch, entropy: bool) -> dict[str, torch.Tensor]:
-        """`values` [B, T] or `scores` [B] of the batch as given, in eval mode."""
+    def _head_forward(self, head: ValueHead, api_batch: Batch, entropy: bool) -> Callable[[], dict[str, torch.Tensor]]:
+        """`values` [B, T] or `scores` [B] of the batch as given, in eval mode: checked now, computed when called."""
         if entropy:
             head.require_log_probs("forward_step(entropy=True)")
         model_batch = head.model_batch(api_batch, self._model_keys)
         packed = self._head_packed(head, api_batch, model_batch, "forward_step")
         model_batch = packed.stream if packed is not None else model_batch
         group = self.sharded.sp_group
-        with self._inference():
-            outputs, _ = head_outputs(self.model, head, self._sequence_slice(model_batch), api_batch, group, packed)
-        return {head.output: outputs}
+
+        def forward() -> dict[str, torch.Tensor]:
+            with self._inference():
+                local = self._sequence_slice(model_batch)
+                outputs, _ = head_outputs(self.model, head, local, api_batch, group, packed)
+            return {head.output: outputs}
+
+        return forward
 
     @torch.no_grad()
     def evaluate(self, micro_batches: Iterable[Batch]) -> EvalResult:
@@ -613,21 +669,17 @@ class Strategy:
         return moved
 
     def _shifted(self, batch: Batch, default_targets: bool) -> Batch:
-        """The model's inputs for positions 0..T-2 and each position's target: the next token, or with
-        `default_targets` the next label (the next token where attention_mask allows, if there are no labels)."""
+        """The model's inputs, every position 0..T-1 (a MoE router loss counts each row's last token, as
+        transformers' does), and each position's target: the next token, or with `default_targets` the next label
+        (the next token where attention_mask allows, if there are no labels); the last position has none."""
+        inputs = {k: v for k, v in batch.items() if k in self._model_keys and isinstance(v, torch.Tensor)}
         ids = batch["input_ids"]
-        shifted = {
-            key: value[:, :-1] if value.dim() >= 2 and value.shape[:2] == ids.shape else value
-            for key, value in batch.items()
-            if key in self._model_keys and isinstance(value, torch.Tensor)
-        }
         targets = ids[:, 1:]
         if default_targets and "labels" in batch:
             targets = batch["labels"][:, 1:]
         elif default_targets and "attention_mask" in batch:
             targets = targets.masked_fill(batch["attention_mask"][:, 1:] == 0, IGNORE_INDEX)
-        shifted["labels"] = targets.contiguous()
-        return shifted
+        return inputs | {"labels": F.pad(targets, (0, 1), value=IGNORE_INDEX)}
 
 
 @dataclass
@@ -653,7 +705,7 @@ class LogProbLoss:
         received, keywords, outputs = self.outputs(model, index, batch)
         terms = _checked_terms(self.fn(received, self.batches[index], **keywords))
         if aux_loss_weight:  # the router loss's weight per unit of the loss's weight
-            terms.loss_sum = with_aux_loss(terms.loss_sum, outputs, aux_loss_weight * terms.weight)
+            terms.loss_sum = with_aux_loss(terms.loss_sum, outputs, aux_loss_weight * terms.weight, self.sp_group)
         return terms
 
     def outputs(self, model: torch.nn.Module, index: int, batch: Batch) -> tuple[torch.Tensor, Batch, Any]:

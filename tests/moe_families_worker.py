@@ -7,7 +7,9 @@ and the `full_weights`. Expert parallelism (`ep`, `efsdp`, tests/test_expert_par
 `forced` routing (every token of a Qwen3-MoE to experts 0 and 1: the ranks holding the others receive nothing),
 `ragged` micro-batches (every other one shorter: ranks exchange different token counts), other `strategy` keys, a
 checkpoint saved after step `save_at` and a run that `resume`s from one. Context parallel (`cp`,
-tests/test_context_parallel.py) adds: a caller's `loss_fn` (`caller_loss`) and the log-probs of a left-padded probe."""
+tests/test_context_parallel.py) adds: a caller's `loss_fn` (`caller_loss`) and the log-probs of a left-padded probe.
+`router_only` trains through a caller's loss_fn (the RL adapters' path) whose own loss has no gradient: what moves is
+the router loss alone."""
 
 from __future__ import annotations
 
@@ -55,6 +57,12 @@ def left_padded_probe() -> dict[str, torch.Tensor]:
     mask = torch.ones(ROWS, LENGTH, dtype=torch.long)
     mask[0, :3], mask[1, :5] = 0, 0
     return {"input_ids": ids.masked_fill(mask == 0, 2), "attention_mask": mask}
+
+
+def router_only(log_probs: torch.Tensor, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A loss_fn whose own term is 0 with autograd, weighted by the batch's targets: the step's gradient is the
+    router loss's alone."""
+    return (log_probs * 0).sum(), batch["attention_mask"][:, 1:].sum().float()
 
 
 def force_routing(model: torch.nn.Module) -> None:
@@ -115,7 +123,8 @@ def train(run: dict[str, Any]) -> None:
             step, run["accumulation"] * data_parallel, run.get("ragged", False), run.get("packed", False)
         )
         mine = everyone[rank::data_parallel]
-        result = strategy.train_step(mine, next_token_loss if run.get("caller_loss") else None)
+        loss_fn = next_token_loss if run.get("caller_loss") else router_only if run.get("router_only") else None
+        result = strategy.train_step(mine, loss_fn)
         losses.append(result["loss"])
         grad_norms.append(result["grad_norm"])
         if step + 1 == run.get("save_at"):

@@ -6,7 +6,10 @@ saved after each part, so that a part that hangs leaves the parts before it):
   steps with, the gradient norm and the metrics against plain transformers on the whole global batch;
 - Ulysses 2: left-padded prompts without position_ids against transformers' padded log-probs, then a plain
   transformers model built from the strategy's source config in the same process;
-- unequal micro-batch counts (rank 0 two, rank 1 one): the error each rank raises and how long it took."""
+- unequal micro-batch counts (rank 0 two, rank 1 one): the error each rank raises and how long it took;
+- a batch only rank 1 refuses (train_step: an id outside the vocabulary; forward_step: no rows) and a loss_fn that
+  fails part-way (at micro-batch 1, on both ranks): each call's error and time, then a good step against a fresh
+  strategy's first step."""
 
 from __future__ import annotations
 
@@ -86,6 +89,48 @@ def unequal_counts(strategy: fsdp2kit.Strategy, rank: int) -> dict:
     return {"unequal_error": error, "unequal_seconds": time.monotonic() - start}
 
 
+def timed_errors(calls: list) -> tuple[list[str | None], list[float]]:
+    """Each call's UserError (None: it returned) and its seconds."""
+    errors, seconds = [], []
+    for call in calls:
+        start = time.monotonic()
+        try:
+            call()
+            errors.append(None)
+        except UserError as exc:
+            errors.append(str(exc))
+        seconds.append(time.monotonic() - start)
+    return errors, seconds
+
+
+def refused_batches(model_dir: str, out: str, rank: int) -> dict:
+    good = global_micro_batches(2, 2)
+    out_of_vocabulary = {**good[0], "input_ids": good[0]["input_ids"].clone().fill_(1 << 20)}
+    no_rows = {key: value[:0] for key, value in good[0].items()}
+    calls_made = []
+
+    def fails_at_micro_batch_1(log_probs: torch.Tensor, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        calls_made.append(1)
+        return policy_loss(log_probs, batch) if len(calls_made) == 1 else (log_probs.sum(), "not a tensor")
+
+    strategy = fsdp2kit.Strategy.from_config(clipped_config(model_dir, out + ".refused", 3))
+    errors, seconds = timed_errors(
+        [
+            lambda: strategy.train_step([out_of_vocabulary, good[1]] if rank == 1 else good, policy_loss),
+            lambda: strategy.forward_step(no_rows if rank == 1 else good[0]),
+            lambda: strategy.train_step(good, fails_at_micro_batch_1),
+        ]
+    )
+    after = strategy.train_step(good, policy_loss)
+    first = fsdp2kit.Strategy.from_config(clipped_config(model_dir, out + ".clean", 3)).train_step(good, policy_loss)
+    return {
+        "refused_errors": errors,
+        "refused_seconds": seconds,
+        "after_refusals": (after["loss"], after["grad_norm"]),
+        "clean_step": (first["loss"], first["grad_norm"]),
+    }
+
+
 def main(model_dir: str, out: str) -> None:
     """Each part's measurements, or the error it raised, saved as soon as the part ends."""
     rank = int(os.environ["RANK"])
@@ -95,6 +140,7 @@ def main(model_dir: str, out: str) -> None:
         "metrics": lambda: metrics(strategy, rank),
         "ulysses": lambda: ulysses(model_dir, out),
         "unequal": lambda: unequal_counts(strategy, rank),
+        "refused": lambda: refused_batches(model_dir, out, rank),
     }
     measured: dict = {}
     for name, part in parts.items():

@@ -242,6 +242,22 @@ def test_unequal_micro_batch_counts_are_one_error_on_every_rank(two_ranks):
         assert "micro-batch" in rank["unequal_error"] and rank["unequal_seconds"] < 10
 
 
+@pytest.mark.slow
+def test_a_batch_one_rank_refuses_is_the_same_error_on_every_rank(two_ranks):
+    """A batch only rank 1 refuses (train_step: an id outside the vocabulary; forward_step: no rows) was rank 1's
+    error while rank 0 waited in the step's collectives until the timeout; a loss_fn failing at micro-batch 1 (on
+    both ranks) left micro-batch 0's gradients for the next step. Now every rank raises the same error at once, and
+    the next good step is a fresh strategy's first step."""
+    for rank in two_ranks:
+        assert "refused_failure" not in rank, rank["refused_failure"]
+        assert all(error is not None for error in rank["refused_errors"]), rank["refused_errors"]
+        assert max(rank["refused_seconds"]) < 10
+        assert rank["after_refusals"] == pytest.approx(rank["clean_step"], rel=1e-6, abs=1e-6)
+    assert [rank["refused_errors"] for rank in two_ranks][0] == two_ranks[1]["refused_errors"]
+    train_error, forward_error, _ = two_ranks[0]["refused_errors"]
+    assert "vocabulary" in train_error and "rank 1" in train_error and "rows" in forward_error
+
+
 def test_a_loss_fn_on_a_mixture_of_experts_adds_transformers_router_loss(tmp_path):
     """One micro-batch with a loss_fn: the loss and gradient norm are transformers' loss_sum / weight plus
     router_aux_loss_coef x its load-balancing loss (its weight comes with the loss, so the router term is scaled by

@@ -125,6 +125,18 @@ def before_micro_batch(model: nn.Module, last: bool, sync_each_batch: bool, gath
         cast(FSDPModule, model).set_reshard_after_backward(last)
 
 
+def discard_unreduced_grads(model: nn.Module) -> None:
+    """Drop the gradients FSDP holds unsharded between the micro-batches of a step (gradient sync off until the
+    last): after a step that failed part-way, the next starts from none. Its sharded `.grad`s are the optimizer's."""
+    for state in fsdp_states(model):
+        group = state._fsdp_param_group  # (private) the group's parameters with their unsharded gradients
+        for param in group.fsdp_params if group is not None else []:
+            param.unsharded_accumulated_grad = None  # the reduce-dtype accumulation
+            unsharded = getattr(param, "_unsharded_param", None)  # set at the first all-gather
+            if unsharded is not None:
+                unsharded.grad = None
+
+
 def model_class_name(model: nn.Module) -> str:
     """The model's own class name: fully_shard swaps the root's class for an `FSDP<Class>` subclass of it."""
     return next(c.__name__ for c in type(model).__mro__ if not issubclass(c, FSDPModule))

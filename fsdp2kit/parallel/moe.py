@@ -25,6 +25,7 @@ from functools import partial
 from typing import Any, cast
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed import ProcessGroup
 
@@ -317,12 +318,11 @@ def routed_shares(model: nn.Module) -> dict[int, float]:
 
 
 def gather_router_logits(model: nn.Module, group: ProcessGroup) -> None:
-    """Under Ulysses each rank routes its slice of the sequence, but the load-balancing loss multiplies per-expert
-    means over all of a micro-batch's tokens: slices' losses do not average to the sequence's. Each router (the
-    module transformers records `router_logits` from) hands the recorder the whole sequence's logits, all-gathered
-    with autograd (the gradient of each rank's own logits comes back summed over the ranks, as every rank adds the
-    same loss), while its routing stays on this rank's tokens: every rank computes the sequence's loss, as 1 rank."""
-    from torch.distributed.nn.functional import all_gather
+    """Under sequence parallel each rank routes its slice of the sequence, but the load-balancing loss multiplies
+    per-expert means over all of a micro-batch's tokens: slices' losses do not average to the sequence's. Each router
+    (the module transformers records `router_logits` from) hands the recorder the whole sequence's logits,
+    all-gathered over `group` (the sequence group, whatever ranks make it) with autograd (`gather_router_rows`),
+    while its routing stays on this rank's tokens: every rank computes the sequence's loss, as 1 rank."""
     from transformers import PreTrainedModel
 
     config: Any = model.config
@@ -347,14 +347,46 @@ def gather_router_logits(model: nn.Module, group: ProcessGroup) -> None:
         def gathering(module: nn.Module, forward: Forward, index: int = recorder.index) -> Forward:
             def forward_gathered(*args: Any, **kwargs: Any) -> Any:
                 outputs = list(cast(tuple, forward(*args, **kwargs)))
-                outputs[index] = _sequence_rows(
-                    torch.stack(all_gather(outputs[index].contiguous(), group=group)), group
-                )
+                outputs[index] = _sequence_rows(gather_router_rows(outputs[index], group), group)
                 return tuple(outputs)
 
             return forward_gathered
 
         replace_forward(model, routers, gathering)
+
+
+def gather_router_rows(local: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """The group's router logits [ranks, rows, experts], rank r's rows from rank r, with autograd: the gradient of
+    each rank's own rows is the sum of the group's gradients of them (reduce-scatter), the gradient of the ranks'
+    summed losses, every one of which reads every rank's rows. Collectives on `group` only (torch's
+    `distributed.nn.all_gather` backward on gloo scatters from group ranks taken for global ones: a group without
+    global rank 0 failed)."""
+    return cast(torch.Tensor, _GatherRows.apply(local, group))
+
+
+class _GatherRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, local: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        gathered = local.new_empty((group.size() * local.shape[0], *local.shape[1:]))  # gloo takes this form
+        dist.all_gather_into_tensor(gathered, local.contiguous(), group=group)
+        return gathered.unflatten(0, (group.size(), local.shape[0]))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        mine = grad.new_empty(grad.shape[1:])
+        dist.reduce_scatter_tensor(mine, grad.flatten(0, 1).contiguous(), group=ctx.group)
+        return mine, None
+
+
+def once_per_group(loss: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """A router loss that every rank of the sequence `group` computes alike, as a loss the step counts once per group
+    (a caller's loss_fn over whole sequences) takes it: its value, with 1/size of its gradient on each rank, as the
+    gradients of its gathered logits sum over the group (`gather_router_rows`)."""
+    if group is None or group.size() == 1:
+        return loss
+    share = loss / group.size()
+    return share + (loss - share).detach()
 
 
 def _sequence_rows(gathered: torch.Tensor, group: ProcessGroup) -> torch.Tensor:

@@ -20,6 +20,7 @@ from fsdp2kit.data.dataset import input_token_count, model_inputs
 from fsdp2kit.errors import UserError
 from fsdp2kit.labels import IGNORE_INDEX
 from fsdp2kit.parallel.fsdp import before_micro_batch, stays_gathered
+from fsdp2kit.parallel.moe import once_per_group
 from fsdp2kit.parallel.token_logprobs import TokenRequest, token_request
 from fsdp2kit.parallel.ulysses import shard_sequence
 from fsdp2kit.train.grads import NonFiniteGuard, all_reduce_replicated_grads, clip_grad_norm, scale_grads_
@@ -49,11 +50,14 @@ def token_loss_sum(
     return with_aux_loss(loss, outputs, aux_loss_weight)
 
 
-def with_aux_loss(loss: torch.Tensor, outputs: Any, aux_loss_weight: float | torch.Tensor) -> torch.Tensor:
-    """`loss` plus `aux_loss_weight` times the router's load-balancing loss, where the model returns one."""
+def with_aux_loss(
+    loss: torch.Tensor, outputs: Any, aux_loss_weight: float | torch.Tensor, whole_sequence: ProcessGroup | None = None
+) -> torch.Tensor:
+    """`loss` plus `aux_loss_weight` times the router's load-balancing loss, where the model returns one; for a loss
+    every rank of the sequence group `whole_sequence` computes alike (counted once per group), as such a loss."""
     aux_loss = getattr(outputs, "aux_loss", None)
     if isinstance(aux_loss, torch.Tensor) and (isinstance(aux_loss_weight, torch.Tensor) or aux_loss_weight):
-        loss = loss + aux_loss_weight * aux_loss.float()
+        loss = loss + aux_loss_weight * once_per_group(aux_loss.float(), whole_sequence)
     return loss
 
 
@@ -179,16 +183,20 @@ def _add_metrics(sums: _Sums, metrics: dict[str, torch.Tensor], share: int) -> N
 COLLECTIVE_CALLS = ("train_step", "full_weights", "forward_step")
 
 
-def micro_batch_extremes(count: int, device: torch.device, call: str = "train_step") -> tuple[int, int]:
+def micro_batch_extremes(
+    count: int, device: torch.device, call: str = "train_step", refused: UserError | None = None
+) -> tuple[int, int]:
     """The fewest and the most micro-batches any rank has, in one all_reduce that also checks that every rank is in
-    the same `call`: ranks in different calls are one error on every rank, not a hang in mismatched collectives. On
-    the host (a CPU tensor: no wait for the device) where the process group has a CPU backend (ours: gloo beside
-    NCCL), else on `device` (a caller's NCCL-only group)."""
+    the same `call` and that no rank `refused` its batch (`agree_on_refusal`): ranks in different calls, or a batch
+    one rank refuses, are one error on every rank, not a hang in mismatched collectives. On the host (a CPU tensor:
+    no wait for the device) where the process group has a CPU backend (ours: gloo beside NCCL), else on `device` (a
+    caller's NCCL-only group)."""
     on_host = any(name in str(dist.get_backend()) for name in ("gloo", "fake"))
     kind = COLLECTIVE_CALLS.index(call)
-    extremes = torch.tensor([count, -count, kind, -kind], dtype=torch.int64, device="cpu" if on_host else device)
-    dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
-    most, negated_fewest, last_kind, negated_first_kind = extremes.tolist()
+    extremes = [count, -count, kind, -kind, refused is not None]
+    agreed = torch.tensor(extremes, dtype=torch.int64, device="cpu" if on_host else device)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+    most, negated_fewest, last_kind, negated_first_kind, any_refused = agreed.tolist()
     if last_kind != -negated_first_kind:
         calls = (COLLECTIVE_CALLS[-negated_first_kind], COLLECTIVE_CALLS[last_kind])
         why = (
@@ -197,7 +205,20 @@ def micro_batch_extremes(count: int, device: torch.device, call: str = "train_st
             else "every rank must make the same call"
         )
         raise UserError(f"{call}: some ranks are in {calls[0]}() and others in {calls[1]}(); {why}")
+    if any_refused:
+        raise agree_on_refusal(refused)
     return -negated_fewest, most
+
+
+def agree_on_refusal(refused: UserError | None) -> UserError:
+    """The refusal of the lowest rank that refused its batch, as every rank raises it (a collective every rank
+    reaches once one has refused): the other ranks return too, rather than wait in the step's collectives."""
+    if refused is not None and dist.get_world_size() == 1:
+        return refused
+    reasons: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(reasons, None if refused is None else str(refused))
+    rank, reason = next((r, reason) for r, reason in enumerate(reasons) if reason is not None)
+    return UserError(f"{reason} (rank {rank}'s batch; no rank took this step)")
 
 
 def agree_on_micro_batch_count(count: int, device: torch.device, call: str = "train_step") -> None:
