@@ -323,26 +323,12 @@ def gather_router_logits(model: nn.Module, group: ProcessGroup) -> None:
     with autograd (the gradient of each rank's own logits comes back summed over the ranks, as every rank adds the
     same loss), while its routing stays on this rank's tokens: every rank computes the sequence's loss, as 1 rank."""
     from torch.distributed.nn.functional import all_gather
-    from transformers import PreTrainedModel
 
     config: Any = model.config
     if not getattr(config.get_text_config(), "output_router_logits", False):
         return  # no loss reads them: routers keep their own tokens' logits, with no collective
-    recorders = [
-        getattr(module, "_can_record_outputs", None) or {}
-        for module in model.modules()
-        if isinstance(module, PreTrainedModel)
-    ]
-    for recorder in (r["router_logits"] for r in recorders if "router_logits" in r):
-        routers = [
-            name
-            for name, m in model.named_modules()
-            if (
-                isinstance(m, recorder.target_class)
-                if recorder.target_class
-                else type(m).__name__ == recorder.class_name
-            )
-        ]
+    for recorder in _router_recorders(model):
+        routers = _recorded_modules(model, recorder)
 
         def gathering(module: nn.Module, forward: Forward, index: int = recorder.index) -> Forward:
             def forward_gathered(*args: Any, **kwargs: Any) -> Any:
@@ -355,6 +341,31 @@ def gather_router_logits(model: nn.Module, group: ProcessGroup) -> None:
             return forward_gathered
 
         replace_forward(model, routers, gathering)
+
+
+def router_modules(model: nn.Module) -> list[str]:
+    """The modules transformers records a mixture of experts' router logits from: its routers."""
+    return [name for recorder in _router_recorders(model) for name in _recorded_modules(model, recorder)]
+
+
+def _router_recorders(model: nn.Module) -> list[Any]:
+    """transformers' records of where `router_logits` come from, one per model class that declares them."""
+    from transformers import PreTrainedModel
+
+    recorders = [
+        getattr(module, "_can_record_outputs", None) or {}
+        for module in model.modules()
+        if isinstance(module, PreTrainedModel)
+    ]
+    return [r["router_logits"] for r in recorders if "router_logits" in r]
+
+
+def _recorded_modules(model: nn.Module, recorder: Any) -> list[str]:
+    return [
+        name
+        for name, m in model.named_modules()
+        if (isinstance(m, recorder.target_class) if recorder.target_class else type(m).__name__ == recorder.class_name)
+    ]
 
 
 def _sequence_rows(gathered: torch.Tensor, group: ProcessGroup) -> torch.Tensor:

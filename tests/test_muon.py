@@ -1,0 +1,142 @@
+"""`training.optimizer: muon`: torch.optim.Muon's update on the hidden matrices of an FSDP2 model, each computed on
+the whole matrix by one owner rank (the work divided among the ranks), AdamW on the rest; equal to one process
+running torch.optim.Muon and torch.optim.AdamW on the same split, at 1, 2 and 4 ranks (HSDP), through a checkpoint
+and across world sizes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import launch_two_ranks, process_group
+from muon_worker import (
+    GLOBAL_MICRO_BATCHES,
+    MATRICES,
+    MUON_LEARNING_RATE,
+    WEIGHT_DECAY,
+    step_on_given_gradients,
+)
+from muon_worker import run as run_worker
+from strategy_case import clip_grad_norm_exact, global_micro_batches, policy_loss
+from test_strategy import next_token_logprobs, tiny_llama
+
+from fsdp2kit.distributed import shutdown
+
+STEPS = 3
+# On gradients given to it, the optimizer is exact (test_muon_step_on_given_gradients_is_torch_muon_and_adamw). In
+# training, FSDP's gradients differ from one process's in their last fp32 bits (sums in another order); Newton-Schulz
+# starts from the update rounded to bf16, where such a difference flips a rounding now and then, and its first
+# iterations multiply the matrix's small singular directions by up to 3.4445 each (torch's coefficient a): after 3
+# steps at learning rate 1e-4 the weights differ by up to 1.1e-5 (measured: AdamW's embeddings, which follow the
+# matrices' trajectory; Muon's matrices 5e-6), about 4% of what the 3 steps moved them, while the losses agree to 1e-9.
+WEIGHTS_ATOL = 2e-5
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_llama(tmp_path_factory.mktemp("muon") / "model")
+
+
+def torch_muon_split(model: torch.nn.Module) -> tuple[list[str], list[str]]:
+    """What Muon takes, written out for this Llama: its 2-D matrices but the embeddings and the LM head."""
+    matrices = [n for n, p in model.named_parameters() if p.ndim == 2 and not n.startswith(("model.embed", "lm_head"))]
+    return matrices, [n for n, _ in model.named_parameters() if n not in matrices]
+
+
+@pytest.fixture(scope="module")
+def expected(model_dir: Path) -> dict:
+    """The same training as one process: transformers' model, torch.optim.Muon on the matrices (Moonlight's learning
+    rate matching, fsdp2kit's default) and torch.optim.AdamW on the rest (no decay on 1-D tensors)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    params = dict(model.named_parameters())
+    matrices, rest = torch_muon_split(model)
+    muon = torch.optim.Muon(
+        [params[n] for n in matrices], lr=MUON_LEARNING_RATE, weight_decay=WEIGHT_DECAY, adjust_lr_fn="match_rms_adamw"
+    )
+    decayed = [params[n] for n in rest if params[n].ndim >= 2]
+    adamw = torch.optim.AdamW(
+        [
+            {"params": decayed, "weight_decay": WEIGHT_DECAY},
+            {"params": [params[n] for n in rest if params[n].ndim < 2]},
+        ],
+        lr=MUON_LEARNING_RATE,
+        weight_decay=0.0,
+    )
+    losses = []
+    for step in range(STEPS):
+        terms = []
+        for batch in global_micro_batches(step, GLOBAL_MICRO_BATCHES):
+            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+            terms.append(policy_loss(next_token_logprobs(logits, batch["input_ids"]), batch))
+        loss = torch.stack([t[0] for t in terms]).sum() / torch.stack([t[1] for t in terms]).sum()
+        loss.backward()
+        clip_grad_norm_exact(model.parameters(), 1.0)
+        muon.step()
+        adamw.step()
+        model.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "weights": model.state_dict(), "matrices": matrices}
+
+
+def assert_same_training(result: dict, expected: dict, first_step: int = 0) -> None:
+    assert result["losses"] == pytest.approx(expected["losses"][first_step:], abs=1e-6)
+    for name, tensor in expected["weights"].items():
+        torch.testing.assert_close(result["weights"][name], tensor, rtol=0, atol=WEIGHTS_ATOL, msg=name)
+
+
+def test_muon_at_one_rank_equals_torch_muon_and_adamw(model_dir, expected, tmp_path):
+    try:
+        result = run_worker(str(model_dir), str(tmp_path / "out.pt"), 1, STEPS, 0, "-")
+    finally:
+        shutdown()
+    assert_same_training(result, expected)
+    assert result["losses"][0] != result["losses"][-1]  # it trained
+    (only,) = result["ranks"]
+    assert only["orthogonalised"] == [sorted(expected["matrices"])] * STEPS or all(
+        sorted(names) == sorted(expected["matrices"]) for names in only["orthogonalised"]
+    )
+    assert only["calls"] == [len(expected["matrices"])] * STEPS
+
+
+def test_muon_step_on_given_gradients_is_torch_muon_and_adamw(tmp_path):
+    """The optimizer alone, on gradients given to it: fsdp2kit's Muon + AdamW steps the weights exactly as
+    torch.optim.Muon + torch.optim.AdamW (here one rank; the multi-rank launches check 2 and 4 ranks)."""
+    with process_group():
+        result = step_on_given_gradients(1)
+    assert result["largest_difference"] == 0.0
+    assert result["orthogonalised"] == [MATRICES, MATRICES]
+
+
+def assert_work_divided(ranks: list[dict], shard_groups: list[list[int]], matrices: list[str]) -> None:
+    """Within each shard group every matrix was orthogonalised by exactly one rank, each rank calling torch's
+    Newton-Schulz once per matrix it owns; no rank did them all."""
+    for group in shard_groups:
+        for step in range(len(ranks[group[0]]["calls"])):
+            owned = [ranks[rank]["orthogonalised"][step] for rank in group]
+            assert sorted(name for names in owned for name in names) == sorted(matrices)
+            assert all(0 < len(names) < len(matrices) for names in owned)
+            assert [ranks[rank]["calls"][step] for rank in group] == [len(names) for names in owned]
+        given = [ranks[rank]["given_gradients"]["orthogonalised"] for rank in group]
+        for step in range(len(given[0])):
+            assert sorted(name for names in given for name in names[step]) == sorted(MATRICES)
+
+
+@pytest.mark.slow
+def test_muon_at_two_and_four_ranks_equals_one_process_and_resumes_across_world_sizes(model_dir, expected, tmp_path):
+    """2 ranks (FSDP) train 3 steps, saving after the first; 4 ranks (HSDP: 2 replicas of 2 shards) resume from that
+    checkpoint and train the other 2. Both equal the one-process torch.optim.Muon run; the resumed losses equal the
+    uninterrupted ones; each shard group divides the orthogonalisations between its ranks."""
+    two, four = tmp_path / "two.pt", tmp_path / "four.pt"
+    launch_two_ranks("muon_worker.py", model_dir, two, 2, STEPS, 1, "-", ranks=2)
+    launch_two_ranks("muon_worker.py", model_dir, four, 2, STEPS, 0, f"{two}.ckpt", ranks=4)
+    at_two, at_four = torch.load(two), torch.load(four)
+    assert_same_training(at_two, expected)
+    assert_same_training(at_four, expected, first_step=1)
+    assert at_four["losses"] == pytest.approx(at_two["losses"][1:], abs=1e-6)
+    assert_work_divided(at_two["ranks"], [[0, 1]], expected["matrices"])
+    assert_work_divided(at_four["ranks"], [[0, 1], [2, 3]], expected["matrices"])
+    for rank in [*at_two["ranks"], *at_four["ranks"]]:
+        assert rank["given_gradients"]["largest_difference"] == 0.0
