@@ -15,13 +15,15 @@ from muon_worker import (
     MATRICES,
     MUON_LEARNING_RATE,
     WEIGHT_DECAY,
+    muon_config,
     step_on_given_gradients,
 )
 from muon_worker import run as run_worker
 from strategy_case import clip_grad_norm_exact, global_micro_batches, policy_loss
-from test_strategy import next_token_logprobs, tiny_llama
+from test_strategy import next_token_logprobs, strategy, tiny_llama
 
 from fsdp2kit.distributed import shutdown
+from fsdp2kit.errors import UserError
 
 STEPS = 3
 # On gradients given to it, the optimizer is exact (test_muon_step_on_given_gradients_is_torch_muon_and_adamw). In
@@ -140,3 +142,30 @@ def test_muon_at_two_and_four_ranks_equals_one_process_and_resumes_across_world_
     assert_work_divided(at_four["ranks"], [[0, 1], [2, 3]], expected["matrices"])
     for rank in [*at_two["ranks"], *at_four["ranks"]]:
         assert rank["given_gradients"]["largest_difference"] == 0.0
+
+
+def test_checkpoint_round_trip_continues_the_same_muon_run(model_dir, tmp_path):
+    """save_checkpoint after one step, load_checkpoint into a fresh strategy: its second step (Muon's momentum
+    buffers and AdamW's moments from the checkpoint) equals the uninterrupted run's, bit for bit; a checkpoint of a
+    Muon run does not continue under AdamW (its state is another optimizer's): one line."""
+    config = muon_config(str(model_dir), str(tmp_path / "run"), 3, 1)
+    with strategy(config) as s:
+        for step in range(2):
+            s.train_step(global_micro_batches(step, 2), policy_loss)
+        s.save_checkpoint(tmp_path / "ckpt")
+        buffers = [s.optimizer.state[p]["momentum_buffer"].clone() for p in s.optimizer.matrices]
+        uninterrupted = s.train_step(global_micro_batches(2, 2), policy_loss)["loss"]
+    with strategy(config) as s:
+        state = s.load_checkpoint(tmp_path / "ckpt")
+        assert all(
+            torch.equal(s.optimizer.state[p]["momentum_buffer"], b) for p, b in zip(s.optimizer.matrices, buffers, strict=True)
+        )
+        resumed = s.train_step(global_micro_batches(2, 2), policy_loss)["loss"]
+    assert state["step"] == 2 and resumed == uninterrupted
+    config["training"]["optimizer"] = "adamw"
+    with strategy(config) as s, pytest.raises(UserError) as error:
+        s.load_checkpoint(tmp_path / "ckpt")
+    assert str(error.value) == (
+        f"training.resume: '{tmp_path / 'ckpt'}' holds the state of training.optimizer muon, this run has adamw; set "
+        "training.optimizer: muon to continue it, or training.resume: never to start afresh"
+    )
