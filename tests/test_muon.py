@@ -157,9 +157,8 @@ def test_checkpoint_round_trip_continues_the_same_muon_run(model_dir, tmp_path):
         uninterrupted = s.train_step(global_micro_batches(2, 2), policy_loss)["loss"]
     with strategy(config) as s:
         state = s.load_checkpoint(tmp_path / "ckpt")
-        assert all(
-            torch.equal(s.optimizer.state[p]["momentum_buffer"], b) for p, b in zip(s.optimizer.matrices, buffers, strict=True)
-        )
+        loaded = [s.optimizer.state[p]["momentum_buffer"] for p in s.optimizer.matrices]
+        assert all(torch.equal(a, b) for a, b in zip(loaded, buffers, strict=True))
         resumed = s.train_step(global_micro_batches(2, 2), policy_loss)["loss"]
     assert state["step"] == 2 and resumed == uninterrupted
     config["training"]["optimizer"] = "adamw"
