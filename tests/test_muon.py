@@ -5,11 +5,13 @@ and across world sizes."""
 
 from __future__ import annotations
 
+import json
+import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import launch_two_ranks, process_group
+from conftest import REPO, launch_two_ranks, plain_model, process_group
 from muon_worker import (
     GLOBAL_MICRO_BATCHES,
     MATRICES,
@@ -21,7 +23,9 @@ from muon_worker import (
 from muon_worker import run as run_worker
 from strategy_case import clip_grad_norm_exact, global_micro_batches, policy_loss
 from test_strategy import next_token_logprobs, strategy, tiny_llama
+from torch.distributed.checkpoint import FileSystemReader
 
+from fsdp2kit.config.load import load_config
 from fsdp2kit.distributed import shutdown
 from fsdp2kit.errors import UserError
 
@@ -167,4 +171,96 @@ def test_checkpoint_round_trip_continues_the_same_muon_run(model_dir, tmp_path):
     assert str(error.value) == (
         f"training.resume: '{tmp_path / 'ckpt'}' holds the state of training.optimizer muon, this run has adamw; set "
         "training.optimizer: muon to continue it, or training.resume: never to start afresh"
+    )
+
+
+NATIVE = REPO / "tests/fixtures/real_configs/mindspeed_mm/examples/qwen3_5/qwen3_5_4B_config.yaml"
+
+
+def native_file_with(tmp_path: Path, optimizer_lines: str) -> Path:
+    """MindSpeed-MM's Qwen3.5-4B trainer file with its `optimizer: adamw` line replaced, as a user edits it."""
+    text = NATIVE.read_text()
+    assert text.count("  optimizer: adamw\n") == 1
+    path = tmp_path / NATIVE.name
+    path.write_text(text.replace("  optimizer: adamw\n", optimizer_lines))
+    return path
+
+
+def test_mindspeed_native_file_with_muon_maps_and_trains(tmp_path, run_main):
+    """MindSpeed-MM's FSDP2 trainer keys (`optimizer: muon`, `matched_adamw_rms`, `muon_momentum`, `ns_steps`) map to
+    training.optimizer and Muon's settings; the file (a tiny Qwen3.5 and image+text conversations) trains 2 steps with
+    Muon, whose momentum buffers are in the final checkpoint; `adamw_swap` is one line."""
+    sys.path.insert(0, str(REPO / "examples"))
+    from make_vl_dataset import main as make_dataset
+
+    lines = "  optimizer: muon\n  matched_adamw_rms: 0.3\n  muon_momentum: 0.9\n  ns_steps: 4\n"
+    path = native_file_with(tmp_path, lines)
+    settings = ["model.name_or_path=builtin:tiny-qwen3.5", "data.source=builtin:corpus"]
+    training = load_config(str(path), settings).training
+    assert (training.optimizer, training.muon_lr_adjustment, training.muon_matched_adamw_rms) == (
+        "muon",
+        "match_rms_adamw",
+        0.3,
+    )
+    assert (training.muon_momentum, training.muon_ns_steps) == (0.9, 4)
+    make_dataset(tmp_path, 4, 0)
+    settings = [
+        "model.name_or_path=builtin:tiny-qwen3.5",
+        f"data.source={tmp_path / 'llamafactory.json'}",
+        "data.seq_len=256",
+        "training.max_steps=2",
+        f"training.output_dir={tmp_path / 'run'}",
+        "training.export_hf=false",
+        "training.report_to=[]",
+    ]
+    result = run_main("train", path, *(a for s in settings for a in ("--set", s)))
+    assert result.returncode == 0, result.stderr[-3000:]
+    steps = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps] == [1, 2] and all(s["loss"] > 0 for s in steps)
+    checkpoint = tmp_path / "run" / "checkpoints" / "step_2"
+    keys = FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
+    buffers = [key for key in keys if key.endswith(".momentum_buffer")]
+    assert any(".language_model.layers." in key for key in buffers)
+    assert not [key for key in buffers if any(word in key for word in ("embed", "lm_head", "norm", "bias"))]
+    with pytest.raises(UserError) as refused:
+        load_config(str(native_file_with(tmp_path, "  optimizer: adamw_swap\n")), settings)
+    assert str(refused.value).startswith(
+        f"{tmp_path / NATIVE.name}: 'training.optimizer' = 'adamw_swap' is not supported"
+    )
+
+
+def test_plan_counts_one_momentum_buffer_per_matrix_and_the_gathered_matrix():
+    """`plan` at 2 ranks: Muon's state is one buffer per matrix (AdamW's two moments for the rest), traced and
+    computed alike; the largest matrix rank 0 orthogonalises is counted whole, with Newton-Schulz's working set."""
+    from fsdp2kit.memory_plan import ConfigSource, predict
+
+    tiny = ["data.seq_len=64", "model.config.num_hidden_layers=2", "training.gradient_accumulation_steps=1"]
+    plans = {
+        name: predict(ConfigSource("examples/demo.yaml", [*tiny, f"training.optimizer={name}"], None, None), 2)
+        for name in ("adamw", "muon")
+    }
+    model, _ = plain_model(load_config("examples/demo.yaml", tiny))
+    matrices, _ = torch_muon_split(model)
+    parameters = dict(model.named_parameters())
+    matrix_bytes = sum(parameters[name].numel() * 4 for name in matrices) // 2  # fp32, each sharded over 2 ranks
+    adamw, muon = plans["adamw"]["computed"], plans["muon"]["computed"]
+    assert adamw["optimizer_states"] == 2 * adamw["sharded_grads"]
+    assert muon["optimizer_states"] == adamw["optimizer_states"] - matrix_bytes
+    traced = {name: plan["categories"]["optstate"] for name, plan in plans.items()}
+    assert traced["adamw"] - traced["muon"] == pytest.approx(matrix_bytes, rel=1e-3)
+    largest = max((parameters[name].shape for name in matrices), key=lambda shape: shape.numel())
+    small, large = sorted(largest)
+    assert muon["muon_gathered_matrix"] <= 2 * (3 * small * large + 2 * small * small)
+    assert "muon_gathered_matrix" not in adamw
+
+
+def test_muon_with_cpu_offload_is_one_line():
+    with pytest.raises(UserError) as refused:
+        load_config(
+            "examples/demo.yaml", ["training.optimizer=muon", "strategy_args.strategy_config.offload_policy=true"]
+        )
+    assert str(refused.value) == (
+        "training.optimizer: muon is not available with strategy_args.strategy_config.offload_policy: true (Muon "
+        "gathers each matrix on a rank's device to orthogonalise it; the offloaded ones stay in host memory); turn "
+        "offload_policy off, or use training.optimizer: adamw"
     )

@@ -15,6 +15,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from fsdp2kit.dtypes import short_name
+from fsdp2kit.errors import UserError
 
 
 def _pattern_list(value: Any) -> Any:
@@ -660,10 +661,12 @@ class JobConfig(Section):
 
     @model_validator(mode="after")
     def _muon_on_the_device(self) -> JobConfig:
+        """Raised as a UserError, not a ValueError: one sentence naming both keys, not the whole config."""
         if self.training.optimizer == "muon" and self.strategy_args.strategy_config.offload_policy:
-            raise ValueError(
-                "training.optimizer: muon does not run with strategy_config.offload_policy (its matrices are "
-                "exchanged between the ranks' devices); use optimizer adamw to offload, or turn offload_policy off"
+            raise UserError(
+                "training.optimizer: muon is not available with strategy_args.strategy_config.offload_policy: true "
+                "(Muon gathers each matrix on a rank's device to orthogonalise it; the offloaded ones stay in host "
+                "memory); turn offload_policy off, or use training.optimizer: adamw"
             )
         return self
 
