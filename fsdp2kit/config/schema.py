@@ -378,8 +378,10 @@ class DataConfig(Section):
 
 
 class TrainingConfig(Section):
-    learning_rate: float = Field(1.0e-5, gt=0, description="peak learning rate of AdamW")
-    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay (not applied to biases and norms)")
+    learning_rate: float = Field(1.0e-5, gt=0, description="peak learning rate of AdamW (and of Muon, then adjusted)")
+    weight_decay: float = Field(
+        0.0, ge=0, description="decoupled weight decay of AdamW and Muon (not applied to biases and norms)"
+    )
     weight_decay_every_parameter: bool = Field(
         False, description="decay biases and norms too (one AdamW group, as verl's FSDP engine builds it)"
     )
