@@ -165,6 +165,11 @@ def test_checkpoint_round_trip_continues_the_same_muon_run(model_dir, tmp_path):
         assert all(torch.equal(a, b) for a, b in zip(loaded, buffers, strict=True))
         resumed = s.train_step(global_micro_batches(2, 2), policy_loss)["loss"]
     assert state["step"] == 2 and resumed == uninterrupted
+    config["training"]["muon_momentum"] = 0.9  # a resumed run continues with its own settings, as AdamW's do
+    with strategy(config) as s:
+        s.load_checkpoint(tmp_path / "ckpt")
+        (muon_group,) = [group for group in s.optimizer.param_groups if group["muon"]]
+        assert (muon_group["momentum"], muon_group["ns_steps"], "betas" in muon_group) == (0.9, 5, False)
     config["training"]["optimizer"] = "adamw"
     with strategy(config) as s, pytest.raises(UserError) as error:
         s.load_checkpoint(tmp_path / "ckpt")
@@ -264,3 +269,33 @@ def test_muon_with_cpu_offload_is_one_line():
         "gathers each matrix on a rank's device to orthogonalise it; the offloaded ones stay in host memory); turn "
         "offload_policy off, or use training.optimizer: adamw"
     )
+
+
+def test_check_names_what_muon_and_adamw_take():
+    """A mixture of experts: attention projections to Muon; embeddings, LM head, norms, the router and the 3-D stacked
+    experts to AdamW."""
+    from fsdp2kit.check import describe
+
+    cfg = load_config(
+        "examples/demo.yaml",
+        ["model.name_or_path=builtin:tiny-qwen3-moe", "model.config.num_hidden_layers=1", "training.optimizer=muon"],
+    )
+    with process_group() as runtime:
+        optimizer = describe(cfg, runtime)["optimizer"]
+    attention = [f"model.layers.0.self_attn.{p}_proj.weight" for p in "qkvo"]
+    assert optimizer == {
+        "name": "muon",
+        "muon": attention,
+        "adamw": [
+            "model.embed_tokens.weight",
+            "model.layers.0.self_attn.q_norm.weight",
+            "model.layers.0.self_attn.k_norm.weight",
+            "model.layers.0.mlp.experts.gate_up_proj",
+            "model.layers.0.mlp.experts.down_proj",
+            "model.layers.0.mlp.gate.weight",
+            "model.layers.0.input_layernorm.weight",
+            "model.layers.0.post_attention_layernorm.weight",
+            "model.norm.weight",
+            "lm_head.weight",
+        ],
+    }
