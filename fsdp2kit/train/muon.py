@@ -5,10 +5,10 @@ A Newton-Schulz step on a shard is not the step on the matrix. So each matrix's 
 the shards) is sent to one owner rank of the matrix's shard group in bf16 (what torch's Newton-Schulz starts from);
 the owner orthogonalises the whole matrix with torch's own iteration and sends every rank its rows back; each rank
 then applies weight decay and the update to its own rows, as torch.optim.Muon applies them to the whole parameter.
-The owners are balanced by Newton-Schulz cost, largest matrix first (the owner assignment of PyTorch's distributed
-Muon design, torchtitan's dion Muon and hyper_parallel's HSDP Muon); the exchanges go in rounds, each rank receiving
-one matrix of its own per round in one all-to-all and returning the results in another, so no rank ever holds more
-than one gathered matrix. Under HSDP every replica's shard group does the same, each rank a 1/fsdp_size share. The
+The exchanges go in rounds, as dion's Muon (torchtitan's experiments) does them: each rank receives one matrix of its
+own per round in one all-to-all and returns the results in another, so no rank ever holds more than one gathered
+matrix; here a round mixes shapes and uneven row splits, and the owners are balanced by Newton-Schulz cost, largest
+matrix first (as hyper_parallel's HSDP Muon assigns them). Under HSDP every replica's shard group does the same, each rank a 1/fsdp_size share. The
 momentum buffer is a DTensor sharded like its parameter: DCP saves it and reshards it to another world size like
 AdamW's moments."""
 
