@@ -8,9 +8,9 @@ then applies weight decay and the update to its own rows, as torch.optim.Muon ap
 The exchanges go in rounds, as dion's Muon (torchtitan's experiments) does them: each rank receives one matrix of its
 own per round in one all-to-all and returns the results in another, so no rank ever holds more than one gathered
 matrix; here a round mixes shapes and uneven row splits, and the owners are balanced by Newton-Schulz cost, largest
-matrix first (as hyper_parallel's HSDP Muon assigns them). Under HSDP every replica's shard group does the same, each rank a 1/fsdp_size share. The
-momentum buffer is a DTensor sharded like its parameter: DCP saves it and reshards it to another world size like
-AdamW's moments."""
+matrix first (as hyper_parallel's HSDP Muon assigns them). Under HSDP every replica's shard group does the same,
+each rank a 1/fsdp_size share. The momentum buffer is a DTensor sharded like its parameter: DCP saves it and
+reshards it to another world size like AdamW's moments."""
 
 from __future__ import annotations
 
