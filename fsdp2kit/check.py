@@ -33,6 +33,7 @@ from fsdp2kit.parallel.fsdp import describe_groups, model_class_name
 from fsdp2kit.parallel.mesh import MeshLayout
 from fsdp2kit.parallel.plan import ShardingPlan
 from fsdp2kit.strategy import INFER_COMMAND, TRAIN_COMMAND
+from fsdp2kit.train.optim import describe_optimizer
 from fsdp2kit.train.run_dir import output_dir_problem
 
 
@@ -142,6 +143,8 @@ def describe(cfg: JobConfig, runtime: Runtime) -> dict:
         **_plan_fields(plan),
         "frozen_modules": cfg.model.freeze_module_prefix,
         "trainable_parameters": trainable,
+        # training.optimizer: muon names the matrices Muon orthogonalises and what AdamW takes.
+        "optimizer": describe_optimizer(model, cfg.training),
         "frozen_parameters": frozen,
         "master_dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
         "ulysses_size": cfg.model.ulysses_size,

@@ -37,7 +37,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fsdp2kit.config import load_config
-from fsdp2kit.config.schema import JobConfig
+from fsdp2kit.config.schema import JobConfig, TrainingConfig
 from fsdp2kit.data.dataset import Sample, collate
 from fsdp2kit.distributed import Runtime, destroy_process_group, require_supported_versions
 from fsdp2kit.dtypes import torch_dtype
@@ -48,6 +48,7 @@ from fsdp2kit.parallel.document_attention import document_route
 from fsdp2kit.parallel.fsdp import before_micro_batch, fsdp_states, stays_gathered
 from fsdp2kit.parallel.token_logprobs import chunk_tokens, install_token_head
 from fsdp2kit.train.memory import tracker_peak
+from fsdp2kit.train.muon import MuonWithAdamW, gathered_matrix_bytes
 from fsdp2kit.train.optim import build_optimizer
 from fsdp2kit.train.step import TokenCrossEntropy
 
@@ -111,21 +112,28 @@ def _synthetic_micro_batch(cfg: JobConfig, dense_documents: bool) -> dict[str, t
 
 
 def _local_optimizer(
-    optimizer: torch.optim.AdamW,
-) -> tuple[torch.optim.AdamW, list[tuple[torch.Tensor, nn.Parameter]]]:
-    """The same AdamW over each parameter's local shard. Under FakeTensorMode the tracker also counts DTensor's
+    optimizer: torch.optim.Optimizer, cfg: TrainingConfig
+) -> tuple[torch.optim.Optimizer, list[tuple[torch.Tensor, nn.Parameter]]]:
+    """The same optimizer over each parameter's local shard. Under FakeTensorMode the tracker also counts DTensor's
     sharding-propagation tensors as allocations (it tells them apart only in eager mode), which would double the
-    optimizer's share; the local shards hold exactly the bytes the real step touches."""
-    pairs = []
-    groups = []
-    for group in optimizer.param_groups:
-        local_params = []
-        for param in group["params"]:
-            local = nn.Parameter(param.to_local() if isinstance(param, DTensor) else param.data)
-            pairs.append((param, local))
-            local_params.append(local)
-        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": local_params})
-    return torch.optim.AdamW(groups), pairs
+    optimizer's share; the local shards hold exactly the bytes the real step touches. Muon's matrices are
+    orthogonalised shard by shard here: `computed` adds the whole matrix the real step gathers."""
+    pairs: list[tuple[torch.Tensor, nn.Parameter]] = []
+
+    def local(param: torch.Tensor) -> nn.Parameter:
+        shard = nn.Parameter(param.to_local() if isinstance(param, DTensor) else param.data)
+        pairs.append((param, shard))
+        return shard
+
+    def local_adamw(adamw: torch.optim.Optimizer) -> torch.optim.AdamW:
+        groups = [{**group, "params": [local(p) for p in group["params"]]} for group in adamw.param_groups]
+        return torch.optim.AdamW(groups)
+
+    if isinstance(optimizer, MuonWithAdamW):
+        matrices = [(name, local(param)) for name, param in zip(optimizer.names, optimizer.matrices, strict=True)]
+        adamw = local_adamw(optimizer.adamw) if optimizer.adamw is not None else None
+        return MuonWithAdamW(matrices, adamw, cfg), pairs
+    return local_adamw(optimizer), pairs
 
 
 class GroupedMMInAnyDtype(TorchDispatchMode):
@@ -191,7 +199,8 @@ def _trace(cfg: JobConfig, world_size: int) -> dict[str, object]:
         accumulation = cfg.training.gradient_accumulation_steps
         with FakeTensorMode(allow_non_fake_inputs=True), GroupedMMInAnyDtype():
             model.to_empty(device="cpu")
-            optimizer, pairs = _local_optimizer(build_optimizer(model, cfg.training))
+            sharded_optimizer = build_optimizer(model, cfg.training)
+            optimizer, pairs = _local_optimizer(sharded_optimizer, cfg.training)
             with unset_fake_temporarily():  # real values: sharding a batch reads them (its documents, its padding)
                 micro_batches = [_synthetic_micro_batch(cfg, not flex) for _ in range(accumulation)]
             tracker = FSDPMemTracker(model, optimizer)
@@ -212,7 +221,9 @@ def _trace(cfg: JobConfig, world_size: int) -> dict[str, object]:
                     optimizer.zero_grad(set_to_none=True)
                     model.zero_grad(set_to_none=True)
             peak = tracker_peak(tracker, torch.device("cpu"))
-            computed = computed_sizes(model)  # after the first forward: FSDP sets compute dtypes lazily
+            computed = computed_sizes(
+                model, sharded_optimizer
+            )  # after the first forward: FSDP sets compute dtypes lazily
     return {
         "peak_bytes": peak.pop("total", 0),
         "categories": peak,
@@ -249,8 +260,9 @@ def attention_per_rank(cfg: JobConfig, text_config: Any) -> dict[str, int]:
     }
 
 
-def computed_sizes(model: nn.Module) -> dict[str, int]:
-    """Per-rank bytes from the shard shapes alone: what the ZeRO tables count."""
+def computed_sizes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Per-rank bytes from the shard shapes alone: what the ZeRO tables count. AdamW keeps two moments per parameter,
+    Muon one momentum buffer per matrix (and gathers a whole matrix while it orthogonalises it)."""
 
     def local_bytes(tensor: torch.Tensor) -> int:
         local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
@@ -258,6 +270,10 @@ def computed_sizes(model: nn.Module) -> dict[str, int]:
 
     params = list(dict.fromkeys(model.parameters()))
     trainable = [p for p in params if p.requires_grad]
+    matrices = {id(p) for p in optimizer.matrices} if isinstance(optimizer, MuonWithAdamW) else set()
+    gathered = (
+        {"muon_gathered_matrix": gathered_matrix_bytes(optimizer)} if isinstance(optimizer, MuonWithAdamW) else {}
+    )
     groups = []  # unsharded bytes of each fully_shard group, in its compute dtype
     for state in fsdp_states(model):
         if (group := state._fsdp_param_group) is not None:
@@ -267,9 +283,10 @@ def computed_sizes(model: nn.Module) -> dict[str, int]:
     return {
         "sharded_params": sum(local_bytes(p) for p in params),
         "sharded_grads": sum(local_bytes(p) for p in trainable),
-        "optimizer_states": 2 * sum(local_bytes(p) for p in trainable),  # AdamW: exp_avg and exp_avg_sq
+        "optimizer_states": sum((1 if id(p) in matrices else 2) * local_bytes(p) for p in trainable),
         "largest_unsharded_group": max(groups, default=0),
         "buffers": sum(b.numel() * b.element_size() for b in model.buffers()),
+        **gathered,
     }
 
 

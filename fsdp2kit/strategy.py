@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from fsdp2kit.checkpoint.manager import CheckpointManager
+from fsdp2kit.checkpoint.manager import CheckpointManager, read_trainer_state
 from fsdp2kit.config.load import grant_remote_code, load_config, validate
 from fsdp2kit.config.schema import JobConfig
 from fsdp2kit.config.yaml_io import apply_overrides
@@ -47,7 +47,13 @@ from fsdp2kit.train.packing import (
     pack_rows,
     split_rows,
 )
-from fsdp2kit.train.resume import apply_settings, changed_optimizer_keys, check_trainer_state, optimizer_settings
+from fsdp2kit.train.resume import (
+    apply_settings,
+    changed_optimizer_keys,
+    check_same_optimizer,
+    check_trainer_state,
+    optimizer_settings,
+)
 from fsdp2kit.train.step import (
     MicroBatchLoss,
     MicroBatchTerms,
@@ -555,6 +561,7 @@ class Strategy:
         """A checkpoint's state, continued with this run's optimizer settings (learning rate, betas, eps, weight
         decay: the moments and the schedule's step come from the checkpoint), each change said in one line."""
         optimizer = self._trainer_optimizer()
+        check_same_optimizer(path, read_trainer_state(path).get("config", {}), self.cfg.training.optimizer)
         settings = optimizer_settings(optimizer)
         with returning_freed_memory(self.runtime.device):
             state = manager.load(path, self.model, optimizer)

@@ -15,6 +15,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from fsdp2kit.dtypes import short_name
+from fsdp2kit.errors import UserError
 
 
 def _pattern_list(value: Any) -> Any:
@@ -377,14 +378,35 @@ class DataConfig(Section):
 
 
 class TrainingConfig(Section):
-    learning_rate: float = Field(1.0e-5, gt=0, description="peak learning rate of AdamW")
-    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay (not applied to biases and norms)")
+    learning_rate: float = Field(1.0e-5, gt=0, description="peak learning rate of AdamW (and of Muon, then adjusted)")
+    weight_decay: float = Field(
+        0.0, ge=0, description="decoupled weight decay of AdamW and Muon (not applied to biases and norms)"
+    )
     weight_decay_every_parameter: bool = Field(
         False, description="decay biases and norms too (one AdamW group, as verl's FSDP engine builds it)"
     )
     adam_beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1")
     adam_beta2: float = Field(0.999, ge=0, lt=1, description="AdamW beta2")
     adam_epsilon: float = Field(1.0e-8, gt=0, description="AdamW epsilon")
+    optimizer: Literal["adamw", "muon"] = Field(
+        "adamw",
+        description="adamw; muon: torch.optim.Muon's orthogonalised update for the hidden 2-D matrices (each computed "
+        "on the whole matrix, the work divided among the ranks), AdamW for embeddings, LM head, routers, norms, biases",
+    )
+    muon_momentum: float = Field(0.95, ge=0, lt=1, description="with optimizer muon: the momentum of Muon's matrices")
+    muon_nesterov: bool = Field(True, description="with optimizer muon: Nesterov momentum")
+    muon_ns_steps: int = Field(
+        5, ge=1, lt=100, description="with optimizer muon: Newton-Schulz iterations per orthogonalisation"
+    )
+    muon_lr_adjustment: Literal["match_rms_adamw", "original"] = Field(
+        "match_rms_adamw",
+        description="with optimizer muon: the learning rate of an A x B matrix times muon_matched_adamw_rms x "
+        "sqrt(max(A, B)), so that AdamW's learning rate and weight decay carry over (Moonlight, MindSpeed-MM); "
+        "original: times sqrt(max(1, A / B)) (Keller Jordan's; torch.optim.Muon's default)",
+    )
+    muon_matched_adamw_rms: float = Field(
+        0.2, gt=0, description="with muon_lr_adjustment match_rms_adamw: the update RMS matched (torch's 0.2)"
+    )
     lr_scheduler_type: Literal["constant", "linear", "cosine"] = Field("cosine", description="decay after warmup")
     warmup_steps: int = Field(0, ge=0, description="linear warmup steps from 0 to learning_rate")
     warmup_from_zero: bool = Field(
@@ -638,6 +660,17 @@ class JobConfig(Section):
     def written_as(self, native_key: str) -> tuple[str, str] | None:
         """Where a native key was written, or None when the config was read without a record of that."""
         return self._written_as(native_key) if self._written_as else None
+
+    @model_validator(mode="after")
+    def _muon_on_the_device(self) -> JobConfig:
+        """Raised as a UserError, not a ValueError: one sentence naming both keys, not the whole config."""
+        if self.training.optimizer == "muon" and self.strategy_args.strategy_config.offload_policy:
+            raise UserError(
+                "training.optimizer: muon is not available with strategy_args.strategy_config.offload_policy: true "
+                "(Muon gathers each matrix on a rank's device to orthogonalise it; the offloaded ones stay in host "
+                "memory); turn offload_policy off, or use training.optimizer: adamw"
+            )
+        return self
 
     @model_validator(mode="after")
     def _merged_export_needs_lora(self) -> JobConfig:

@@ -323,26 +323,12 @@ def gather_router_logits(model: nn.Module, group: ProcessGroup) -> None:
     (the module transformers records `router_logits` from) hands the recorder the whole sequence's logits,
     all-gathered over `group` (the sequence group, whatever ranks make it) with autograd (`gather_router_rows`),
     while its routing stays on this rank's tokens: every rank computes the sequence's loss, as 1 rank."""
-    from transformers import PreTrainedModel
 
     config: Any = model.config
     if not getattr(config.get_text_config(), "output_router_logits", False):
         return  # no loss reads them: routers keep their own tokens' logits, with no collective
-    recorders = [
-        getattr(module, "_can_record_outputs", None) or {}
-        for module in model.modules()
-        if isinstance(module, PreTrainedModel)
-    ]
-    for recorder in (r["router_logits"] for r in recorders if "router_logits" in r):
-        routers = [
-            name
-            for name, m in model.named_modules()
-            if (
-                isinstance(m, recorder.target_class)
-                if recorder.target_class
-                else type(m).__name__ == recorder.class_name
-            )
-        ]
+    for recorder in _router_recorders(model):
+        routers = _recorded_modules(model, recorder)
 
         def gathering(module: nn.Module, forward: Forward, index: int = recorder.index) -> Forward:
             def forward_gathered(*args: Any, **kwargs: Any) -> Any:
@@ -387,6 +373,31 @@ def once_per_group(loss: torch.Tensor, group: ProcessGroup | None) -> torch.Tens
         return loss
     share = loss / group.size()
     return share + (loss - share).detach()
+
+
+def router_modules(model: nn.Module) -> list[str]:
+    """The modules transformers records a mixture of experts' router logits from: its routers."""
+    return [name for recorder in _router_recorders(model) for name in _recorded_modules(model, recorder)]
+
+
+def _router_recorders(model: nn.Module) -> list[Any]:
+    """transformers' records of where `router_logits` come from, one per model class that declares them."""
+    from transformers import PreTrainedModel
+
+    recorders = [
+        getattr(module, "_can_record_outputs", None) or {}
+        for module in model.modules()
+        if isinstance(module, PreTrainedModel)
+    ]
+    return [r["router_logits"] for r in recorders if "router_logits" in r]
+
+
+def _recorded_modules(model: nn.Module, recorder: Any) -> list[str]:
+    return [
+        name
+        for name, m in model.named_modules()
+        if (isinstance(m, recorder.target_class) if recorder.target_class else type(m).__name__ == recorder.class_name)
+    ]
 
 
 def _sequence_rows(gathered: torch.Tensor, group: ProcessGroup) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""AdamW with weight-decay groups, and warmup followed by constant, linear or cosine decay."""
+"""AdamW with weight-decay groups (or Muon with AdamW: train/muon.py), and warmup followed by constant, linear or
+cosine decay."""
 
 from __future__ import annotations
 
@@ -10,17 +11,36 @@ from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
 from fsdp2kit.config.schema import TrainingConfig
+from fsdp2kit.train.muon import MuonWithAdamW, muon_split, require_torch_muon
 
 
-def build_optimizer(model: nn.Module, cfg: TrainingConfig) -> torch.optim.AdamW:
+def build_optimizer(model: nn.Module, cfg: TrainingConfig) -> torch.optim.Optimizer:
+    """AdamW over every trainable parameter, or (training.optimizer: muon) Muon over the hidden matrices and AdamW
+    over the rest (train/muon.py)."""
+    trainable = [param for param in model.parameters() if param.requires_grad]
+    if cfg.optimizer == "adamw":
+        return adamw(trainable, cfg)
+    require_torch_muon()
+    matrices, rest = muon_split(model)
+    return MuonWithAdamW(matrices, adamw([param for _, param in rest], cfg) if rest else None, cfg)
+
+
+def describe_optimizer(model: nn.Module, cfg: TrainingConfig) -> dict[str, object]:
+    """For `check`: the optimizer, and with Muon which parameters it takes and which AdamW takes."""
+    if cfg.optimizer == "adamw":
+        return {"name": "adamw"}
+    matrices, rest = muon_split(model)
+    return {"name": "muon", "muon": [name for name, _ in matrices], "adamw": [name for name, _ in rest]}
+
+
+def adamw(params: list[nn.Parameter], cfg: TrainingConfig) -> torch.optim.AdamW:
     """Biases and norm weights (1-D tensors) get no weight decay, as in HF Trainer, unless
     `weight_decay_every_parameter` (verl's engine decays all). Sharded (DTensor) and replicated (ignored-module)
     parameters go in separate groups: one foreach op cannot mix the two."""
     groups: dict[tuple[bool, bool], list[nn.Parameter]] = {}
-    for param in model.parameters():
-        if param.requires_grad:
-            decay = param.dim() >= 2 or cfg.weight_decay_every_parameter
-            groups.setdefault((decay, isinstance(param, DTensor)), []).append(param)
+    for param in params:
+        decay = param.dim() >= 2 or cfg.weight_decay_every_parameter
+        groups.setdefault((decay, isinstance(param, DTensor)), []).append(param)
     on_cuda = any(p.is_cuda for params in groups.values() for p in params)
     return torch.optim.AdamW(
         [

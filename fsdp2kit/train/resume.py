@@ -63,15 +63,53 @@ def _refuse_or_warn(what: str, consequence: str, allow_changes: bool) -> None:
         print(f"warning: training.resume: {what} (allowed by training.resume_allow_changes)", flush=True)
 
 
-# What a run's optimizer takes from its config: AdamW's param-group settings, and the schedule's peak.
-OPTIMIZER_SETTINGS = ("weight_decay", "betas", "eps", "initial_lr")
-OPTIMIZER_KEYS = ("learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon")
+# What a run's optimizer takes from its config: AdamW's and Muon's param-group settings, and the schedule's peak.
+OPTIMIZER_SETTINGS = (
+    "weight_decay",
+    "betas",
+    "eps",
+    "momentum",
+    "nesterov",
+    "ns_steps",
+    "adjust_lr_fn",
+    "matched_adamw_rms",
+)
+OPTIMIZER_KEYS = (
+    "learning_rate",
+    "weight_decay",
+    "adam_beta1",
+    "adam_beta2",
+    "adam_epsilon",
+    "muon_momentum",
+    "muon_nesterov",
+    "muon_ns_steps",
+    "muon_lr_adjustment",
+    "muon_matched_adamw_rms",
+)
 
 
 def optimizer_settings(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
     """Each param group's settings as this run's config made them, read before a checkpoint's state replaces them
     (torch's load_state_dict restores the saved run's learning rate, betas, eps and weight decay with the moments)."""
-    return [{key: group.get(key, group["lr"]) for key in OPTIMIZER_SETTINGS} for group in optimizer.param_groups]
+    return [
+        {
+            **{key: group[key] for key in OPTIMIZER_SETTINGS if key in group},
+            "initial_lr": group.get("initial_lr", group["lr"]),
+        }
+        for group in optimizer.param_groups
+    ]
+
+
+def check_same_optimizer(checkpoint: Path, saved: dict, optimizer: str) -> None:
+    """A checkpoint's optimizer state continues only under the optimizer that wrote it (AdamW's two moments are not
+    Muon's momentum): another is one line, before anything is read."""
+    old = _at(saved, "training.optimizer")
+    old = "adamw" if old is _MISSING else old  # written before Muon: AdamW
+    if old != optimizer:
+        raise UserError(
+            f"training.resume: '{checkpoint}' holds the state of training.optimizer {old}, this run has {optimizer}; "
+            f"set training.optimizer: {old} to continue it, or training.resume: never to start afresh"
+        )
 
 
 def apply_settings(optimizer: torch.optim.Optimizer, scheduler: LRScheduler, settings: list[dict[str, Any]]) -> None:

@@ -618,6 +618,18 @@ def _load(translation: Translation, key: Written, value: Any, model_path: Any) -
     )
 
 
+def _optimizer(translation: Translation, key: Written, value: Any) -> None:
+    """MindSpeed-MM's FSDP2 trainer builds AdamW, Muon (for 2-D matrices, AdamW for the rest) or adamw_swap (AdamW
+    whose states wait in host memory between steps)."""
+    if value == "adamw_swap":
+        raise UserError(
+            f"{key.file}: '{key}' = 'adamw_swap' is not supported: fsdp2kit keeps AdamW's states on the device "
+            "between steps; write adamw, or adamw with parallel.fsdp_plan.cpu_offload: true to keep parameters, "
+            "gradients and optimizer states (and the step) on the host"
+        )
+    to("training.optimizer")(translation, key, value)
+
+
 CHECKPOINT_SWITCHES = ("no_load_optim", "no_load_rng", "no_save_optim", "no_save_rng", "load_strict")
 TRAINING: dict[str, Rule] = {
     "micro_batch_size": to("training.per_device_train_batch_size"),
@@ -646,7 +658,7 @@ TRAINING: dict[str, Rule] = {
     "load": already_read,
     "load_format": unsupported("fsdp2kit reads HF folders", harmless=("auto", "hf")),
     "load_rank0_and_broadcast": to("model.weights_loading", lambda on: "rank0_broadcast" if on else "sliced"),
-    "optimizer": unsupported("fsdp2kit's optimizer is AdamW", harmless=("adamw",)),
+    "optimizer": _optimizer,
     "log_interval": to("training.logging_steps"),
     "plugin": ignored("paths of MindSpeed-MM's own model and dataset plugins"),
     "lora": to("model.lora"),
@@ -656,10 +668,10 @@ TRAINING: dict[str, Rule] = {
         ("adam_fused", "clip_grad_foreach", "use_deter_comp", "allow_hf32", "manual_gc_interval", "ckpt_manager"),
         ignored(KERNELS),
     ),
-    **dict.fromkeys(
-        ("mem_fraction_static", "matched_adamw_rms", "muon_momentum", "ns_steps"),
-        ignored("used only by the adamw_swap and muon optimizers"),
-    ),
+    "mem_fraction_static": ignored("used only by the adamw_swap optimizer"),
+    "matched_adamw_rms": to("training.muon_matched_adamw_rms"),
+    "muon_momentum": to("training.muon_momentum"),
+    "ns_steps": to("training.muon_ns_steps"),
     "val_micro_batch_size": to("training.per_device_eval_batch_size"),
     **dict.fromkeys(CHECKPOINT_SWITCHES, ignored("fsdp2kit saves and resumes the whole training state")),
     **dict.fromkeys(
