@@ -51,7 +51,7 @@ def test_every_field_of_verl_s_actor_and_critic_configs_has_a_verdict():
 
 
 def test_verl_s_default_model_config_recomputes_every_layer(tmp_path):
-    model = HFModelConfig(path=str(tiny_qwen2(tmp_path / "actor")))
+    model = HFModelConfig(path=str(tiny_qwen2(tmp_path / "actor")), override_config={"attn_implementation": "sdpa"})
     assert model.enable_gradient_checkpointing  # verl's default, which its FSDP engine applies
     config = job_config(model, Fsdp2kitEngineConfig(), FSDPOptimizerConfig(total_training_steps=2))
     assert config["model"]["gradient_checkpointing"] is True
