@@ -7,11 +7,11 @@ verl's workers read), the actor and critic configs that hold it, and `Fsdp2kitEn
 EngineRegistry when this module is imported (converting a config whose `_target_` names one of these classes imports
 it). The engine answers verl's calls with a `Strategy`; verl's batches are cut into micro-batches and put back
 together by verl's own functions (`prepare_micro_batches`, `postprocess_batch_func`), so only layouts are translated
-here. The Hydra group files verl's trainer picks up are in `verl_config/` beside this module (docs/api.md)."""
+here; verl's config fields are translated in `verl_keys.py`. The Hydra group files verl's trainer picks up are in
+`verl_config/` beside this module (docs/api.md)."""
 
 from __future__ import annotations
 
-import json
 import shutil
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
@@ -28,8 +28,8 @@ from verl.workers.engine.base import BaseEngine, EngineRegistry
 from verl.workers.engine.utils import postprocess_batch_func, prepare_micro_batches
 
 from fsdp2kit.config.schema import StrategyConfig
-from fsdp2kit.dtypes import short_name
 from fsdp2kit.errors import UserError
+from fsdp2kit.integrations.verl_keys import ACTOR_REFUSED, job_config, refuse
 from fsdp2kit.parallel.mesh import mesh_layout
 from fsdp2kit.strategy import Strategy
 
@@ -37,8 +37,6 @@ from fsdp2kit.strategy import Strategy
 VerlLoss = Callable[..., tuple[torch.Tensor, dict[str, Any]]]
 # The key of a Strategy batch that tells the adapter's loss which verl micro-batch it has.
 MICRO_BATCH_KEY = "verl_micro_batch"
-# verl's learning-rate schedules that fsdp2kit's schedule reproduces (warmup, then constant or cosine to zero).
-SCHEDULES = ("constant", "cosine")
 # The backend name verl's engine configs give as `strategy`.
 BACKEND = "fsdp2kit"
 
@@ -76,6 +74,7 @@ class Fsdp2kitActorConfig(ActorConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        refuse(self, ACTOR_REFUSED, "actor")
         self.engine = self.fsdp2kit
         if self.ulysses_sequence_parallel_size > 1:  # verl's actor-level key, as FSDPActorConfig reads it
             self.fsdp2kit.ulysses_sequence_parallel_size = self.ulysses_sequence_parallel_size
@@ -95,112 +94,6 @@ class Fsdp2kitCriticConfig(CriticConfig):
         self.engine = self.fsdp2kit
         if self.ulysses_sequence_parallel_size > 1:
             self.fsdp2kit.ulysses_sequence_parallel_size = self.ulysses_sequence_parallel_size
-
-
-def job_config(model_config: Any, engine_config: Any, optimizer_config: Any) -> dict[str, Any]:
-    """fsdp2kit's native config from verl's model, engine and optimizer configs; a verl setting that fsdp2kit
-    would not honour as verl's FSDP engine does is refused in one sentence."""
-    config: dict[str, Any] = {
-        "model": {
-            "name_or_path": str(getattr(model_config, "local_path", None) or model_config.path),
-            "trust_remote_code": bool(getattr(model_config, "trust_remote_code", False)),
-            "ulysses_size": int(engine_config.ulysses_sequence_parallel_size),
-            "remove_padding": bool(getattr(engine_config, "use_remove_padding", False)),
-            "dtype": short_name(str(getattr(engine_config, "model_dtype", "fp32"))),
-            **attention(model_config),
-            **model_head(model_config),
-        },
-        "strategy_args": {
-            "strategy_name": "fsdp2_infer" if engine_config.forward_only else "fsdp2_train",
-            "strategy_config": mixed_precision(engine_config),
-        },
-    }
-    if not engine_config.forward_only:
-        config["training"] = {**optimizer_settings(optimizer_config), "seed": int(getattr(engine_config, "seed", 42))}
-    return config
-
-
-def mixed_precision(engine_config: Any) -> dict[str, Any]:
-    """verl's FSDP mixed precision (`mixed_precision`: param bf16, reduce fp32, buffers fp32 unless it says
-    otherwise) as fsdp2kit's strategy dtypes; fsdp2kit keeps buffers in the model's dtype, so another buffer dtype
-    is refused."""
-    precision = dict(getattr(engine_config, "mixed_precision", None) or {})
-    model_dtype = short_name(str(getattr(engine_config, "model_dtype", "fp32")))
-    buffer_dtype = short_name(str(precision.get("buffer_dtype", "fp32")))
-    if buffer_dtype != model_dtype:
-        raise UserError(
-            f"verl engine config: mixed_precision.buffer_dtype: {buffer_dtype} (fsdp2kit keeps buffers in "
-            f"model_dtype, {model_dtype})"
-        )
-    return {
-        "param_dtype": short_name(str(precision.get("param_dtype", "bf16"))),
-        "reduce_dtype": short_name(str(precision.get("reduce_dtype", "fp32"))),
-    }
-
-
-def optimizer_settings(optimizer_config: Any) -> dict[str, Any]:
-    """fsdp2kit's training section from verl's FSDP optimizer config: torch's AdamW with weight decay on every
-    parameter (verl's build_optimizer gives all parameters one group), clipping at clip_grad, verl's schedule."""
-    schedule = getattr(optimizer_config, "warmup_style", None) or optimizer_config.lr_scheduler_type
-    refusals = {
-        f"optim.optimizer: {optimizer_config.optimizer} (fsdp2kit trains with AdamW)": optimizer_config.optimizer
-        != "AdamW",
-        f"optim.optimizer_impl: {getattr(optimizer_config, 'optimizer_impl', 'torch.optim')} (fsdp2kit's AdamW is "
-        "torch.optim's)": getattr(optimizer_config, "optimizer_impl", "torch.optim") != "torch.optim",
-        "optim.override_optimizer_config: fsdp2kit's AdamW takes lr, betas and weight_decay only": bool(
-            getattr(optimizer_config, "override_optimizer_config", None)
-        ),
-        f"optim.lr_scheduler_type: {schedule} (fsdp2kit's verl engine has {', '.join(SCHEDULES)})": schedule
-        not in SCHEDULES,
-        f"optim.min_lr_ratio: {optimizer_config.min_lr_ratio} (fsdp2kit's cosine decays to 0)": schedule == "cosine"
-        and bool(optimizer_config.min_lr_ratio),
-        f"optim.num_cycles: {optimizer_config.num_cycles} (fsdp2kit's cosine is a half cycle, 0.5)": schedule
-        == "cosine"
-        and optimizer_config.num_cycles != 0.5,
-    }
-    refused = [what for what, applies in refusals.items() if applies]
-    if refused:
-        raise UserError(f"verl config: {refused[0]}")
-    total = int(optimizer_config.total_training_steps)
-    warmup = int(optimizer_config.lr_warmup_steps or 0)
-    if warmup <= 0:  # verl's rule: the ratio of the total, rounded down
-        warmup = int(optimizer_config.lr_warmup_steps_ratio * max(total, 0))
-    return {
-        "learning_rate": float(optimizer_config.lr),
-        "weight_decay": float(optimizer_config.weight_decay),
-        "weight_decay_every_parameter": True,
-        "adam_beta1": float(optimizer_config.betas[0]),
-        "adam_beta2": float(optimizer_config.betas[1]),
-        "max_grad_norm": float(optimizer_config.clip_grad),
-        "max_steps": total,
-        "warmup_steps": warmup,
-        "lr_scheduler_type": schedule,
-    }
-
-
-def attention(model_config: Any) -> dict[str, Any]:
-    """verl's attention choice (`override_config.attn_implementation`) where the user gave one; else fsdp2kit's
-    `auto` (verl's default, flash_attention_2, is what `auto` picks where it is installed)."""
-    chosen = (getattr(model_config, "override_config", None) or {}).get("attn_implementation")
-    return {} if chosen is None else {"attn_implementation": str(chosen)}
-
-
-def model_head(model_config: Any) -> dict[str, Any]:
-    """The model section's head for verl's model_type: a causal LM ("language_model"), or for a critic
-    ("value_model") the family's ...ForTokenClassification with one label, as verl builds its critic."""
-    model_type = getattr(model_config, "model_type", None) or "language_model"
-    if model_type == "language_model":
-        return {}
-    if model_type != "value_model":
-        raise UserError(f"verl model_type: {model_type} (fsdp2kit's verl engine has language_model, value_model)")
-    from transformers.models.auto.modeling_auto import MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES
-
-    config_file = Path(getattr(model_config, "local_path", None) or model_config.path) / "config.json"
-    family = json.loads(config_file.read_text()).get("model_type") if config_file.is_file() else None
-    class_name = MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES.get(family or "")
-    if class_name is None:
-        raise UserError(f"verl value_model: {config_file} names no model family with a token-classification class")
-    return {"model_class": f"transformers:{class_name}", "config": {"num_labels": 1}}
 
 
 class VerlEngine:
