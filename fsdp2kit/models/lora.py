@@ -413,7 +413,8 @@ def merged_by_peft(adapted: AdaptedTensor, full: torch.Tensor) -> torch.Tensor:
     holder = nn.Module()
     for leaf in _merged_leaves(layer):
         whole = full if leaf == adapted.leaf else full_tensor(getattr(base, leaf))
-        holder.register_parameter(leaf, nn.Parameter(whole.float(), requires_grad=False))
+        fp32_copy = whole.to(torch.float32, copy=True)  # never the live tensor: the merge adds in place
+        holder.register_parameter(leaf, nn.Parameter(fp32_copy, requires_grad=False))
     shadow: Any = object.__new__(type(layer))
     shadow.__dict__.update(layer.__dict__)
     shadow._modules = {key: _gathered_copy(child) for key, child in layer._modules.items() if key != "base_layer"}
