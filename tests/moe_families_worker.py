@@ -6,7 +6,7 @@ scores a probe batch and (`export`) exports the model; rank 0 saves the losses, 
 and the `full_weights`. Expert parallelism (`ep`, `efsdp`, tests/test_expert_parallel.py) adds: `packed` documents,
 `forced` routing (every token of a Qwen3-MoE to experts 0 and 1: the ranks holding the others receive nothing),
 `ragged` micro-batches (every other one shorter: ranks exchange different token counts), other `strategy` keys, a
-checkpoint saved after step `save_at` and a run that `resume`s from one."""
+checkpoint saved after step `save_at` and a run that `resume`s from one; `lora`: the run's model.lora."""
 
 from __future__ import annotations
 
@@ -59,7 +59,12 @@ def force_routing(model: torch.nn.Module) -> None:
 def config(run: dict[str, Any]) -> dict[str, Any]:
     per_expert = run["per_expert"]
     return {
-        "model": {"name_or_path": run["folder"], "ulysses_size": run["ulysses"], "dtype": "fp32"},
+        "model": {
+            "name_or_path": run["folder"],
+            "ulysses_size": run["ulysses"],
+            "dtype": "fp32",
+            **({"lora": run["lora"]} if run.get("lora") else {}),
+        },
         "strategy_args": {
             "strategy_config": {
                 "wrap_policy": {"moe_experts": [run["experts"]] if run["experts"] else []},

@@ -18,7 +18,7 @@ import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn as nn
@@ -366,9 +366,9 @@ def adapted_tensors(model: nn.Module) -> dict[str, AdaptedTensor]:
         if not (isinstance(module, LoraLayer) and ADAPTER in layer.lora_A):
             continue
         path, base = f"{name}.base_layer", layer.base_layer
-        while isinstance(base, BaseTunerLayer):
-            path, base = f"{path}.base_layer", base.base_layer
-        adapted.update({f"{path}.{leaf}": AdaptedTensor(module, leaf) for leaf in _merged_leaves(module)})
+        while isinstance(base, BaseTunerLayer):  # nested: one wrapper per adapted parameter of the same module
+            path, base = f"{path}.base_layer", cast(Any, base).base_layer
+        adapted.update({f"{path}.{leaf}": AdaptedTensor(layer, leaf) for leaf in _merged_leaves(layer)})
     return adapted
 
 
