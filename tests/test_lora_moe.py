@@ -157,6 +157,23 @@ def test_every_merged_export_gives_the_trained_models_log_probs(case, trained):
     assert bool(changed_experts) == CASES[case][2], changed_experts[:3]
 
 
+def test_an_adapter_no_tensor_can_hold_is_refused_not_dropped(tmp_path):
+    """`lora_bias` on a layer without a bias (Qwen2-MoE's o_proj): peft's forward adds it, no merged model can."""
+    import fsdp2kit
+    from fsdp2kit.errors import UserError
+
+    folder = family_folder(tmp_path, next(f for f in MOE_FAMILIES if f.name == "qwen2_moe"))
+    cfg = zoo_config(folder, tmp_path / "out")
+    cfg["model"] |= {"dtype": "fp32", "lora": peft_adapter(target_modules=["o_proj"], lora_bias=True)(folder)}
+    try:
+        strategy = fsdp2kit.Strategy.from_config(cfg)
+        with pytest.raises(UserError, match=r"adapter on 'model.layers.0.self_attn.o_proj.base_layer' .* 'bias'"):
+            strategy.export_hf(tmp_path / "hf")
+        assert not (tmp_path / "hf").exists()
+    finally:
+        shutdown()
+
+
 @pytest.mark.slow
 def test_two_ranks_merge_the_sharded_experts_adapters(tmp_path):
     """2 ranks, each holding half of every fused experts tensor and of its adapters (Mixtral, all-linear): the

@@ -379,11 +379,11 @@ def merged_state(model: nn.Module) -> dict[str, tuple[torch.Tensor, AdaptedTenso
     state = model.state_dict(keep_vars=True)
     adapted = adapted_tensors(model)
     unknown = sorted(set(adapted) - set(state))
-    if unknown:
-        layer = type(adapted[unknown[0]].layer).__name__
+    if unknown:  # peft's MultiheadAttention; lora_bias over a layer without a bias
+        owner, _, leaf = unknown[0].rpartition(".")
         raise UserError(
-            f"model.lora.target_modules: a {layer} adapter (on '{unknown[0]}') cannot be merged into the model's "
-            "weights here; export the adapter folder instead (training.export_merged: false)"
+            f"model.lora: the {type(adapted[unknown[0]].layer).__name__} adapter on '{owner}' cannot be merged into "
+            f"the model's weights (the module has no tensor '{leaf}' for it); use the adapter folder, not a merged one"
         )
     merged: dict[str, tuple[torch.Tensor, AdaptedTensor | None]] = {}
     for key, tensor in state.items():
