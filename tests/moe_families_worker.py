@@ -9,7 +9,7 @@ and the `full_weights`. Expert parallelism (`ep`, `efsdp`, tests/test_expert_par
 checkpoint saved after step `save_at` and a run that `resume`s from one. Context parallel (`cp`,
 tests/test_context_parallel.py) adds: a caller's `loss_fn` (`caller_loss`) and the log-probs of a left-padded probe.
 `router_only` trains through a caller's loss_fn (the RL adapters' path) whose own loss has no gradient: what moves is
-the router loss alone."""
+the router loss alone. `lora`: the run's model.lora."""
 
 from __future__ import annotations
 
@@ -88,6 +88,7 @@ def config(run: dict[str, Any]) -> dict[str, Any]:
             "ulysses_size": run["ulysses"],
             "context_parallel_size": run.get("cp", 1),
             "dtype": "fp32",
+            **({"lora": run["lora"]} if run.get("lora") else {}),
         },
         "strategy_args": {
             "strategy_config": {

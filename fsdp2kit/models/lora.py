@@ -18,7 +18,7 @@ import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn as nn
@@ -335,14 +335,57 @@ def write_adapter_folder(out_dir: Path, config: PeftConfig, tensors: dict[str, t
         raise
 
 
-def merged_state(model: nn.Module) -> dict[str, tuple[torch.Tensor, nn.Module | None]]:
-    """The base model's tensors under their own names, each with the LoRA layer whose update peft adds to it
-    (`get_delta_weight`), if any; a module to save gives its trained copy."""
-    from peft.tuners.lora import LoraLayer
+@dataclass(frozen=True)
+class AdaptedTensor:
+    """A base tensor that peft's `merge` of a LoRA layer writes: the layer and the tensor's name in its base module."""
 
+    layer: nn.Module
+    leaf: str
+
+
+def _merged_leaves(layer: Any) -> list[str]:
+    """The base module's tensors peft's `merge` of `layer` writes: a `ParamWrapper`'s parameter (`parameter_name`: a
+    fused experts tensor, a router's weight; peft >= 0.17), else the weight, and the bias where the adapter trains one
+    (`lora_bias`)."""
+    wrapped = getattr(layer, "parameter_name", None)
+    if wrapped is not None:
+        return [wrapped]
+    return ["weight", *(["bias"] if getattr(layer, "lora_bias", {}).get(ADAPTER) else [])]
+
+
+def adapted_tensors(model: nn.Module) -> dict[str, AdaptedTensor]:
+    """Each base tensor an adapter changes, by its state-dict key. peft nests a wrapper per targeted parameter
+    (`experts.base_layer.base_layer.gate_up_proj` is adapted by `experts.base_layer`, `...down_proj` by `experts`):
+    each layer's tensors belong to the module at the end of its `base_layer` chain."""
+    from peft.tuners.lora import LoraLayer
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    adapted: dict[str, AdaptedTensor] = {}
+    for name, module in model.named_modules():
+        layer: Any = module
+        if not (isinstance(module, LoraLayer) and ADAPTER in layer.lora_A):
+            continue
+        path, base = f"{name}.base_layer", layer.base_layer
+        while isinstance(base, BaseTunerLayer):  # nested: one wrapper per adapted parameter of the same module
+            path, base = f"{path}.base_layer", cast(Any, base).base_layer
+        adapted.update({f"{path}.{leaf}": AdaptedTensor(layer, leaf) for leaf in _merged_leaves(layer)})
+    return adapted
+
+
+def merged_state(model: nn.Module) -> dict[str, tuple[torch.Tensor, AdaptedTensor | None]]:
+    """The base model's tensors under their own names, each with the LoRA layer whose `merge` changes it, if any;
+    a module to save gives its trained copy."""
     rename = base_renamer(model)
     state = model.state_dict(keep_vars=True)
-    merged: dict[str, tuple[torch.Tensor, nn.Module | None]] = {}
+    adapted = adapted_tensors(model)
+    unknown = sorted(set(adapted) - set(state))
+    if unknown:  # peft's MultiheadAttention; lora_bias over a layer without a bias
+        owner, _, leaf = unknown[0].rpartition(".")
+        raise UserError(
+            f"model.lora: the {type(adapted[unknown[0]].layer).__name__} adapter on '{owner}' cannot be merged into "
+            f"the model's weights (the module has no tensor '{leaf}' for it); use the adapter folder, not a merged one"
+        )
+    merged: dict[str, tuple[torch.Tensor, AdaptedTensor | None]] = {}
     for key, tensor in state.items():
         new = rename(key)
         if new is None:
@@ -350,17 +393,48 @@ def merged_state(model: nn.Module) -> dict[str, tuple[torch.Tensor, nn.Module | 
         owner, _, leaf = key.rpartition(".")
         if owner.endswith(".original_module"):  # a module to save: its trained copy replaces it
             tensor = state[f"{owner.removesuffix('.original_module')}.modules_to_save.{ADAPTER}.{leaf}"]
-        layer = model.get_submodule(owner.removesuffix(".base_layer")) if owner.endswith(".base_layer") else None
-        merged[new] = (tensor, layer if isinstance(layer, LoraLayer) and leaf == "weight" else None)
+        merged[new] = (tensor, adapted.get(key))
     return merged
 
 
-def merged_full_tensor(tensor: torch.Tensor, layer: Any) -> torch.Tensor:
-    """The whole weight with its LoRA update added in fp32 (every rank joins the gathers)."""
+def merged_full_tensor(tensor: torch.Tensor, adapted: AdaptedTensor | None) -> torch.Tensor:
+    """The whole tensor with its adapter merged in (every rank joins the gathers), in the base tensor's dtype."""
     full = full_tensor(tensor)
-    if layer is None:
-        return full
-    return full.float() + full_tensor(layer.get_delta_weight(ADAPTER)).float()
+    return full if adapted is None else merged_by_peft(adapted, full)
+
+
+@torch.no_grad()
+def merged_by_peft(adapted: AdaptedTensor, full: torch.Tensor) -> torch.Tensor:
+    """peft's own `merge` of the layer, run on a copy of it that holds whole tensors: its adapter modules gathered,
+    its base module reduced to the (fp32) tensors the merge writes. The sum is taken in fp32 and rounded once to the
+    base's dtype. The live layer is left as it is (it stays unmerged)."""
+    layer: Any = adapted.layer
+    base = layer.get_base_layer()
+    holder = nn.Module()
+    for leaf in _merged_leaves(layer):
+        whole = full if leaf == adapted.leaf else full_tensor(getattr(base, leaf))
+        fp32_copy = whole.to(torch.float32, copy=True)  # never the live tensor: the merge adds in place
+        holder.register_parameter(leaf, nn.Parameter(fp32_copy, requires_grad=False))
+    shadow: Any = object.__new__(type(layer))
+    shadow.__dict__.update(layer.__dict__)
+    shadow._modules = {key: _gathered_copy(child) for key, child in layer._modules.items() if key != "base_layer"}
+    shadow._modules["base_layer"] = holder
+    shadow.merged_adapters = []  # the live layer's list and cache are not shared
+    shadow._caches = {}
+    shadow.merge(adapter_names=[ADAPTER])
+    return getattr(holder, adapted.leaf).detach().to(full.dtype)
+
+
+def _gathered_copy(module: nn.Module) -> nn.Module:
+    """A shallow copy of `module` and its children with every parameter and buffer whole (a collective)."""
+    clone = copy.copy(module)
+    clone._parameters = {
+        key: None if p is None else nn.Parameter(full_tensor(p), requires_grad=False)
+        for key, p in module._parameters.items()
+    }
+    clone._buffers = {key: None if b is None else full_tensor(b) for key, b in module._buffers.items()}
+    clone._modules = {key: None if c is None else _gathered_copy(c) for key, c in module._modules.items()}
+    return clone
 
 
 def add_input_grad_hooks(model: nn.Module, names: list[str]) -> None:
