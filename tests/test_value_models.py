@@ -188,3 +188,21 @@ def test_a_critic_or_reward_folder_converts_to_dcp_and_back_exactly(kind, tmp_pa
 
     loaded = getattr(transformers, AUTO_CLASSES[kind]).from_pretrained(tmp_path / "back")
     assert type(loaded).__name__ == MODEL_CLASSES[kind].split(":")[1]
+
+
+@pytest.mark.parametrize("kind", ["critic", "reward"])
+def test_plan_predicts_a_value_or_reward_model(kind, models):
+    """`fsdp2kit plan`'s prediction traces a value or reward model's training step (its num_labels-wide `score`
+    head, no LM head): the shards it counts are the model's own parameters, and the traced peak holds them with their
+    gradients and AdamW's two states. It died on the LM head it looked for (StopIteration)."""
+    import transformers
+
+    from fsdp2kit.memory_plan import ConfigSource, predict
+
+    sets = ["model.name_or_path=" + str(models[kind]), "model.model_class=" + MODEL_CLASSES[kind], "data.seq_len=32"]
+    report = predict(ConfigSource("examples/demo.yaml", sets, None, None), 1)
+    model = getattr(transformers, AUTO_CLASSES[kind]).from_pretrained(models[kind], dtype=torch.float32)
+    assert model.score.weight.shape == (1, SMALL["hidden_size"])
+    parameter_bytes = 4 * sum(p.numel() for p in model.parameters())
+    assert report["computed"]["sharded_params"] == report["categories"]["sharded_param"] == parameter_bytes
+    assert report["peak_bytes"] > 4 * parameter_bytes  # parameters, gradients, exp_avg, exp_avg_sq
