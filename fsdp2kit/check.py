@@ -21,6 +21,7 @@ from fsdp2kit.errors import UserError
 from fsdp2kit.models.build import (
     attention_implementation,
     check_data_fits,
+    check_safetensors,
     open_safetensors,
     resolve_attention,
     resolve_model,
@@ -114,6 +115,9 @@ def describe(cfg: JobConfig, runtime: Runtime) -> dict:
     # The commands train and score next tokens: a value or reward model (the API's) is refused as the run would.
     sharded.variant.head.require_log_probs(TRAIN_COMMAND if training else INFER_COMMAND)
     model, plan = sharded.model, sharded.plan
+    folder = sharded.source.weights_dir
+    if folder is not None and sharded.source.weights_format == "safetensors":  # names and shapes, from headers
+        check_safetensors(model, folder, sharded.variant.tensor_leeway)
     trainable, frozen = count_parameters(model)
     attention_note = resolve_attention(cfg.model.attn_implementation, cfg.model.ulysses_size)[1]
     return {

@@ -520,7 +520,7 @@ def _safetensors_views(
             handles[file] = open_safetensors(file)
         return handles[file].get_slice(key)
 
-    available = model_views(index, stored_view, layout_of(model, state))
+    available = model_views(index, stored_view, layout_of(model, state), index)
     # MoE experts split into one module per expert, read from fused experts in the files.
     split = expert_views_from_fused(model, [n for n in state if n not in available], available)
     available.update({name: StoredTensor(*found) for name, found in split.items()})
@@ -573,6 +573,17 @@ class LoadSkips:
 
 def _listed(names: list[str]) -> str:
     return ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+
+
+def check_safetensors(model: nn.Module, folder: Path, leeway: TensorLeeway = NO_LEEWAY) -> None:
+    """What `load_safetensors` refuses (a tensor missing, extra or of another shape, per-expert tensors that do not
+    stack), refused from the files' headers alone, on the model built on the meta device: `check`'s word."""
+    handles: dict[Path, Any] = {}
+    try:
+        _safetensors_views(model, folder, handles, leeway)
+    finally:
+        for handle in handles.values():
+            handle.__exit__(None, None, None)
 
 
 @torch.no_grad()
