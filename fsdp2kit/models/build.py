@@ -347,13 +347,14 @@ def initialise_weights(
     initialises its router). Each module's init runs on a full-size CPU copy, seeded by the module's name, and each
     rank keeps its slice: the weights depend on the seed only, not on the mesh. A copy is real only where that
     module's init writes, so peak extra memory is one module's share, never the model's. `only`: the ids of the
-    parameters to initialise (those a folder lacked), and no buffers. A tensor no init writes is refused: its value
-    would be whatever memory held."""
-    wanted = {id(p) for p in model.parameters()} if not buffers_only else set()
-    if only is not None:
-        wanted &= only
+    parameters to initialise (those a folder lacked), and no buffers. `buffers_only`: the buffers a folder does not
+    hold (rotary tables: not in the state dict); the persistent ones are read with the weights, as `from_pretrained`
+    reads them. A tensor no init writes is refused: its value would be whatever memory held."""
+    if buffers_only:
+        wanted = {id(b) for b in model.buffers()} - {id(t) for t in model.state_dict(keep_vars=True).values()}
     else:
-        wanted |= {id(b) for b in model.buffers()}
+        wanted = {id(p) for p in model.parameters()}
+        wanted = wanted & only if only is not None else wanted | {id(b) for b in model.buffers()}
     written: set[int] = set()
     rename = base_renamer(model)
     for name, module, owner in _children_first(model):
