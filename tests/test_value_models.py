@@ -206,3 +206,36 @@ def test_plan_predicts_a_value_or_reward_model(kind, models):
     parameter_bytes = 4 * sum(p.numel() for p in model.parameters())
     assert report["computed"]["sharded_params"] == report["categories"]["sharded_param"] == parameter_bytes
     assert report["peak_bytes"] > 4 * parameter_bytes  # parameters, gradients, exp_avg, exp_avg_sq
+
+
+@pytest.mark.parametrize("kind", ["critic", "reward"])
+def test_an_exported_value_model_without_model_class_is_refused_naming_its_class(kind, models, tmp_path):
+    """fsdp2kit's own export of a critic or reward model (config.json: its ...ForTokenClassification or
+    ...ForSequenceClassification) given without model.model_class: one sentence naming the folder's class and the
+    key to set, not "config and weights do not match"; with the key set it loads and gives the exported outputs."""
+    batch = micro_batches(0, 1)[0]
+    cfg = config(kind, str(models[kind]), str(tmp_path / "run"))
+    try:
+        strategy = fsdp2kit.Strategy.from_config(cfg)
+        exported = strategy.forward_step(batch)
+        strategy.export_hf(tmp_path / "hf")
+    finally:
+        shutdown()
+    class_name = MODEL_CLASSES[kind].partition(":")[2]
+    del cfg["model"]["model_class"]
+    cfg["model"]["name_or_path"] = str(tmp_path / "hf")
+    said = (
+        f"model.model_class: '{tmp_path / 'hf'}' holds a {class_name} (its config.json's architectures) and "
+        "model.model_class is not set, so a causal LM would be built on it; set model.model_class: "
+        f"transformers:{class_name} to load it as it is (forward_step then gives its {next(iter(exported))})"
+    )
+    with pytest.raises(UserError) as refused:
+        fsdp2kit.Strategy.from_config(cfg)
+    shutdown()
+    assert str(refused.value) == said
+    cfg["model"]["model_class"] = MODEL_CLASSES[kind]
+    try:
+        reloaded = fsdp2kit.Strategy.from_config(cfg).forward_step(batch)
+    finally:
+        shutdown()
+    torch.testing.assert_close(reloaded, exported, rtol=0, atol=0)
