@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor, Shard
 from fsdp2kit.config.schema import ModelConfig, StrategyConfig
 from fsdp2kit.errors import UserError
 from fsdp2kit.parallel.forward_patch import Forward, replace_forward
-from fsdp2kit.parallel.mesh import MeshLayout, divisors
+from fsdp2kit.parallel.mesh import MeshLayout, divisors, expert_parallel_sizes
 from fsdp2kit.parallel.moe import moe_experts
 
 EXPERT_MESH = "experts"  # the name the plan gives the experts' shard mesh (`expert_meshes`)
@@ -56,7 +56,7 @@ def expert_parallel_plan(
         )
     if strategy.apply_expert_patch:
         notes.append("apply_expert_patch changes nothing under expert parallelism: each rank runs only its experts")
-    return expert_parallel_modules(model, strategy.ep_size)
+    return expert_parallel_modules(model, strategy.ep_size, strategy.efsdp_size)
 
 
 def expert_meshes(expert_mesh: DeviceMesh | None) -> dict[str, DeviceMesh]:
@@ -68,7 +68,7 @@ def expert_meshes(expert_mesh: DeviceMesh | None) -> dict[str, DeviceMesh]:
     return {EXPERT_MESH: expert_mesh[names[:-1]] if len(names) == 3 else expert_mesh[names[0]]}
 
 
-def expert_parallel_modules(model: nn.Module, ep_size: int) -> list[str]:
+def expert_parallel_modules(model: nn.Module, ep_size: int, efsdp_size: int) -> list[str]:
     """The experts modules expert parallelism splits (ep_size > 1); a model it cannot split is refused in one line."""
     experts = moe_experts(model)
     if not experts:
@@ -86,13 +86,20 @@ def expert_parallel_modules(model: nn.Module, ep_size: int) -> list[str]:
                 "wrap_policy.moe_experts class splits them: name the fused class instead)"
             )
         if count % ep_size:
-            valid = [d for d in divisors(count) if d > 1]
             raise UserError(
-                f"strategy_config.ep_size = {ep_size} does not divide the {count} experts of '{name}'; valid: 1 or "
-                f"{', '.join(map(str, valid))}"
+                f"strategy_config.ep_size = {ep_size} does not divide the {count} experts of '{name}'; valid: "
+                f"{', '.join(map(str, [1, *_valid_sizes(count, efsdp_size)]))}"
             )
         names.append(name)
     return names
+
+
+def _valid_sizes(count: int, efsdp_size: int) -> list[int]:
+    """The ep_size values > 1 that split `count` experts and this world's ranks (every rank of a run builds the
+    plan in its process group); those that split the experts where there is no process group."""
+    if not dist.is_initialized():
+        return [d for d in divisors(count) if d > 1]
+    return expert_parallel_sizes(dist.get_world_size(), efsdp_size, count)
 
 
 def _count(module: nn.Module) -> int:

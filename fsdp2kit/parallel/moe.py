@@ -299,14 +299,21 @@ def without_moe_blocks(model: nn.Module, mlps: list[str], notes: list[str]) -> l
 ROUTED_EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts")  # the families' names for it
 
 
+def routed_expert_count(config: Any) -> int | None:
+    """The routed experts of each MoE layer, as the model's (text) config names them; None for a dense model."""
+    text = config.get_text_config() if config is not None else None
+    experts = next((getattr(text, key) for key in ROUTED_EXPERT_COUNTS if getattr(text, key, None)), None)
+    return experts if isinstance(experts, int) and experts > 0 else None
+
+
 def routed_shares(model: nn.Module) -> dict[int, float]:
     """Each routed expert's parameters (by id) with the share of the tokens they compute on: a token runs
     num_experts_per_tok of the block's experts. Parameters not listed (attention, shared experts) run on every token."""
     config: Any = getattr(model, "config", None)
     text = config.get_text_config() if config is not None else None
     top_k = getattr(text, "num_experts_per_tok", None)
-    experts = next((getattr(text, key) for key in ROUTED_EXPERT_COUNTS if getattr(text, key, None)), None)
-    if not (isinstance(top_k, int) and isinstance(experts, int) and experts > 0):
+    experts = routed_expert_count(config)
+    if not (isinstance(top_k, int) and experts is not None):
         return {}
     return {
         id(param): top_k / experts
