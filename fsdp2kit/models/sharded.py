@@ -22,16 +22,9 @@ from fsdp2kit.models.variant import ModelVariant, pick_variant
 from fsdp2kit.parallel.activation_offload import PinnedHost, apply_activation_offload
 from fsdp2kit.parallel.compile import compile_modules
 from fsdp2kit.parallel.document_attention import attend_documents
-from fsdp2kit.parallel.expert_parallel import apply_expert_parallel, expert_meshes
+from fsdp2kit.parallel.expert_parallel import apply_expert_parallel, check_expert_sizes, expert_meshes
 from fsdp2kit.parallel.fsdp import apply_fsdp, shard_device
-from fsdp2kit.parallel.mesh import (
-    MeshLayout,
-    build_expert_mesh,
-    build_mesh,
-    check_expert_sizes,
-    mesh_layout,
-    sequence_parallel_group,
-)
+from fsdp2kit.parallel.mesh import MeshLayout, build_expert_mesh, build_mesh, mesh_layout, sequence_parallel_group
 from fsdp2kit.parallel.moe import gather_router_logits, routed_expert_count, set_experts_implementation
 from fsdp2kit.parallel.plan import ShardingPlan, build_plan
 from fsdp2kit.parallel.recompute import apply_recompute

@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor, Shard
 from fsdp2kit.config.schema import ModelConfig, StrategyConfig
 from fsdp2kit.errors import UserError
 from fsdp2kit.parallel.forward_patch import Forward, replace_forward
-from fsdp2kit.parallel.mesh import MeshLayout, divisors, expert_parallel_sizes
+from fsdp2kit.parallel.mesh import MeshLayout, divisors
 from fsdp2kit.parallel.moe import moe_experts
 
 EXPERT_MESH = "experts"  # the name the plan gives the experts' shard mesh (`expert_meshes`)
@@ -100,6 +100,34 @@ def _valid_sizes(count: int, efsdp_size: int) -> list[int]:
     if not dist.is_initialized():
         return [d for d in divisors(count) if d > 1]
     return expert_parallel_sizes(dist.get_world_size(), efsdp_size, count)
+
+
+def check_expert_sizes(world_size: int, strategy: StrategyConfig, num_experts: int | None) -> None:
+    """ep_size against both what it must divide, the world (efsdp_size x ep_size ranks hold every expert once) and
+    each layer's experts (the config's count), before the mesh checks the world alone: a refusal offers only the
+    sizes valid for both."""
+    ep, efsdp = strategy.ep_size, strategy.efsdp_size
+    if ep == 1 or num_experts is None:
+        return
+    valid = ", ".join(map(str, [1, *expert_parallel_sizes(world_size, efsdp, num_experts)]))
+    if world_size % (ep * efsdp):
+        raise UserError(
+            f"strategy_config.ep_size = {ep} x efsdp_size = {efsdp} does not divide the world size {world_size}; "
+            f"valid ep_size with efsdp_size {efsdp} and the {num_experts} experts of each layer: {valid}"
+        )
+    if num_experts % ep:
+        raise UserError(
+            f"strategy_config.ep_size = {ep} does not divide the {num_experts} experts of each layer; valid ep_size "
+            f"with efsdp_size {efsdp} at world size {world_size}: {valid}"
+        )
+
+
+def expert_parallel_sizes(world_size: int, efsdp_size: int, num_experts: int) -> list[int]:
+    """The ep_size values > 1 that split both the world's ranks (efsdp_size x ep_size of them hold every expert once)
+    and each layer's experts."""
+    if world_size % efsdp_size:
+        return []
+    return [d for d in divisors(world_size // efsdp_size) if d > 1 and num_experts % d == 0]
 
 
 def _count(module: nn.Module) -> int:

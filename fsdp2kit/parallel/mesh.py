@@ -68,38 +68,18 @@ def mesh_layout(world_size: int, strategy: StrategyConfig, ulysses_size: int = 1
     return replace(layout, ep_size=ep_size, efsdp_size=efsdp_size)
 
 
-def _expert_sizes(world_size: int, strategy: StrategyConfig, num_experts: int | None = None) -> tuple[int, int]:
-    """ROLL's rule: efsdp_size x ep_size ranks hold every expert once, and must divide the world; ep_size divides
-    each layer's `num_experts` too. A refusal offers only the sizes valid for both (the experts where known)."""
+def _expert_sizes(world_size: int, strategy: StrategyConfig) -> tuple[int, int]:
+    """ROLL's rule: efsdp_size x ep_size ranks hold every expert once, and must divide the world."""
     ep, efsdp = strategy.ep_size, strategy.efsdp_size
     if ep == 1:
         return 1, 1
-    valid = ", ".join(map(str, [1, *expert_parallel_sizes(world_size, efsdp, num_experts)]))
-    of_experts = f" and the {num_experts} experts of each layer" if num_experts else ""
     if world_size % (ep * efsdp):
+        valid = [d for d in divisors(world_size // efsdp) if d > 1] or [1]
         raise UserError(
             f"strategy_config.ep_size = {ep} x efsdp_size = {efsdp} does not divide the world size {world_size}; "
-            f"valid ep_size with efsdp_size {efsdp}{of_experts}: {valid}"
-        )
-    if num_experts and num_experts % ep:
-        raise UserError(
-            f"strategy_config.ep_size = {ep} does not divide the {num_experts} experts of each layer; valid ep_size "
-            f"with efsdp_size {efsdp} at world size {world_size}: {valid}"
+            f"valid ep_size with efsdp_size {efsdp}: {', '.join(map(str, valid))}"
         )
     return ep, efsdp
-
-
-def check_expert_sizes(world_size: int, strategy: StrategyConfig, num_experts: int | None) -> None:
-    """ep_size against the world and the model's experts together, before the mesh checks the world alone."""
-    _expert_sizes(world_size, strategy, num_experts)
-
-
-def expert_parallel_sizes(world_size: int, efsdp_size: int, num_experts: int | None = None) -> list[int]:
-    """The ep_size values > 1 that split both the world's ranks (efsdp_size x ep_size of them hold every expert once)
-    and, where known, each layer's experts."""
-    if world_size % efsdp_size:
-        return []
-    return [d for d in divisors(world_size // efsdp_size) if d > 1 and (not num_experts or num_experts % d == 0)]
 
 
 def _fsdp_layout(world_size: int, strategy: StrategyConfig) -> MeshLayout:
