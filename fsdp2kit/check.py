@@ -30,7 +30,8 @@ from fsdp2kit.models.build import (
 from fsdp2kit.models.sharded import build_sharded_model, count_parameters
 from fsdp2kit.parallel.document_attention import document_route
 from fsdp2kit.parallel.expert_parallel import describe_expert_parallel
-from fsdp2kit.parallel.fsdp import describe_groups, model_class_name
+from fsdp2kit.parallel.fsdp import describe_groups
+from fsdp2kit.parallel.module_paths import model_class_name
 from fsdp2kit.parallel.plan import ShardingPlan
 from fsdp2kit.strategy import INFER_COMMAND, TRAIN_COMMAND
 from fsdp2kit.train.run_dir import output_dir_problem

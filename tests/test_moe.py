@@ -268,3 +268,43 @@ def test_an_expert_tensor_of_another_shape_is_one_line_in_check_train_and_conver
     assert "model weights: the tensors in 'model.safetensors' that make 'model.layers.0.mlp.experts.gate_up_proj'" in (
         result.stderr
     )
+
+
+def test_resuming_in_the_other_expert_layout_names_the_layout(tmp_path, run_main):
+    """A checkpoint saved with one module per expert (PER_EXPERT) resumed with each layer's experts fused (the
+    default), and a fused one resumed per expert: the same model, so one line naming the expert layout and its key,
+    exit 2 (it said "saved from another model; give the same model")."""
+    from conftest import set_args
+
+    small = {
+        "model.name_or_path": "builtin:tiny-qwen3-moe",
+        "model.config.num_hidden_layers": 2,
+        "data.seq_len": 32,
+        "training.max_steps": 1,
+        "training.export_hf": False,
+    }
+    per_expert = {
+        "strategy_args.strategy_config.apply_expert_patch": True,
+        "strategy_args.strategy_config.wrap_policy.moe_experts": ["Qwen3MoeMLP"],
+    }
+    cannot = "error: training.resume: checkpoint '{}' cannot be loaded into this model: it holds "
+    cannot += "'model.layers.0.mlp.experts' "
+    said = {
+        "split": cannot + "as one module per expert (strategy_config.wrap_policy.moe_experts: [Qwen3MoeMLP] with "
+        "apply_expert_patch: true) and this run fuses each layer's experts; give the wrap_policy.moe_experts and "
+        "apply_expert_patch of the run that saved it\n",
+        "fused": cannot + "fused (each layer's experts as one tensor) and this run splits them into one module per "
+        "expert (strategy_config.wrap_policy.moe_experts: [Qwen3MoeMLP]); give the wrap_policy.moe_experts of the "
+        "run that saved it\n",
+    }
+    for saved, saving, resuming in (("split", per_expert, {}), ("fused", {}, per_expert)):
+        run = tmp_path / saved
+        assert (
+            run_main("train", "examples/demo.yaml", *set_args({**small, **saving, "training.output_dir": str(run)}))[0]
+            == 0
+        )
+        checkpoint = run / "checkpoints" / "step_1"
+        again = {**small, **resuming, "training.output_dir": str(tmp_path / f"{saved}-again")}
+        again |= {"training.resume": str(checkpoint), "training.max_steps": 2}
+        result = run_main("train", "examples/demo.yaml", *set_args(again))
+        assert (result.returncode, result.stderr) == (2, said[saved].format(checkpoint))

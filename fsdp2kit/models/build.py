@@ -29,7 +29,7 @@ from fsdp2kit.models.lora import base_renamer, base_state
 from fsdp2kit.models.shards import copy_to_shard, module_seed
 from fsdp2kit.models.variant_part import TensorLeeway
 from fsdp2kit.models.vl import auto_model_class, builtin_tokenizer_dir
-from fsdp2kit.parallel.moe import expert_views_from_fused
+from fsdp2kit.parallel.moe import expert_views_from_fused, refuse_other_expert_layout
 from fsdp2kit.transformers_compat import configs_check_types
 
 if TYPE_CHECKING:
@@ -647,6 +647,7 @@ def load_dcp(model: nn.Module, folder: Path, leeway: TensorLeeway = NO_LEEWAY) -
     state = base_state(model, get_model_state_dict(model))  # the live shards: DCP reads into them in place
     cannot_load = f"model weights: checkpoint '{folder}' cannot be loaded into this model"
     stored = stored_model_keys(folder, cannot_load)
+    refuse_other_expert_layout(model, stored, cannot_load)
     live = base_state(model)
     fresh = {name: live[name] for name in state if name not in stored and name.startswith(leeway.fresh)}
     unused = sorted(key for key in stored - set(state) if key.startswith(leeway.unused))
