@@ -21,6 +21,7 @@ from fsdp2kit.errors import UserError
 from fsdp2kit.models.build import (
     attention_implementation,
     check_data_fits,
+    check_safetensors,
     open_safetensors,
     resolve_attention,
     resolve_model,
@@ -29,8 +30,9 @@ from fsdp2kit.models.build import (
 from fsdp2kit.models.sharded import build_sharded_model, count_parameters
 from fsdp2kit.parallel.document_attention import document_route
 from fsdp2kit.parallel.expert_parallel import describe_expert_parallel
-from fsdp2kit.parallel.fsdp import describe_groups, model_class_name
+from fsdp2kit.parallel.fsdp import describe_groups
 from fsdp2kit.parallel.mesh import MeshLayout
+from fsdp2kit.parallel.module_paths import model_class_name
 from fsdp2kit.parallel.plan import ShardingPlan
 from fsdp2kit.strategy import INFER_COMMAND, TRAIN_COMMAND
 from fsdp2kit.train.optim import describe_optimizer
@@ -116,6 +118,9 @@ def describe(cfg: JobConfig, runtime: Runtime) -> dict:
     # The commands train and score next tokens: a value or reward model (the API's) is refused as the run would.
     sharded.variant.head.require_log_probs(TRAIN_COMMAND if training else INFER_COMMAND)
     model, plan = sharded.model, sharded.plan
+    folder = sharded.source.weights_dir
+    if folder is not None and sharded.source.weights_format == "safetensors":  # names and shapes, from headers
+        check_safetensors(model, folder, sharded.variant.tensor_leeway)
     trainable, frozen = count_parameters(model)
     layout = sharded.layout
     attention_note = resolve_attention(cfg.model.attn_implementation, layout.sequence_size)[1]

@@ -273,6 +273,7 @@ def _run_rank(args: argparse.Namespace, cfg: JobConfig) -> int:
 
 def _plan(args: argparse.Namespace, world_size: int) -> int:
     from fsdp2kit.memory_plan import GIB, ConfigSource, candidate_configs, plan_report, planned_fit, print_plan
+    from fsdp2kit.models.sharded import check_expert_parallel
     from fsdp2kit.parallel.mesh import mesh_layout
 
     if args.budget_gb is not None and not (math.isfinite(args.budget_gb) and args.budget_gb > 0):
@@ -284,6 +285,7 @@ def _plan(args: argparse.Namespace, world_size: int) -> int:
     source = ConfigSource(args.config, args.overrides, args.role, args.fsdp_config, args.trust_remote_code)
     cfg = source.load()
     model = cfg.model
+    check_expert_parallel(world_size, model, cfg.strategy_args.strategy_config, cfg.data)
     mesh_layout(world_size, cfg.strategy_args.strategy_config, model.ulysses_size, model.context_parallel_size)
     report = plan_report(source, world_size, args.budget_gb)
     if args.measure:
@@ -428,9 +430,11 @@ def _config_command(args: argparse.Namespace, argv: list[str], cfg: JobConfig) -
     if args.command == "plan":
         return _plan(args, nproc or int(os.environ.get("WORLD_SIZE", "1")))
     if nproc and nproc > 1 and not _under_launcher():
+        from fsdp2kit.models.sharded import check_expert_parallel
         from fsdp2kit.parallel.mesh import mesh_layout
 
         model = cfg.model  # the mesh must exist: fail before spawning
+        check_expert_parallel(nproc, model, cfg.strategy_args.strategy_config, cfg.data)
         mesh_layout(nproc, cfg.strategy_args.strategy_config, model.ulysses_size, model.context_parallel_size)
         return _launch(nproc, argv, Path(cfg.training.output_dir), args.command)
     return _run_rank(args, cfg)

@@ -23,6 +23,7 @@ shrink by k c and its gathered keys and values by k only.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -42,16 +43,19 @@ from fsdp2kit.data.dataset import Sample, collate
 from fsdp2kit.distributed import Runtime, destroy_process_group, require_supported_versions
 from fsdp2kit.dtypes import torch_dtype
 from fsdp2kit.errors import UserError
-from fsdp2kit.models.sharded import build_sharded_model
+from fsdp2kit.models.heads import ValueHead
+from fsdp2kit.models.sharded import ShardedModel, build_sharded_model
 from fsdp2kit.parallel.activation_offload import Departed, apply_activation_offload
 from fsdp2kit.parallel.document_attention import document_route
 from fsdp2kit.parallel.fsdp import before_micro_batch, fsdp_states, stays_gathered
 from fsdp2kit.parallel.token_logprobs import chunk_tokens, install_token_head
+from fsdp2kit.strategy import HeadOutputLoss
 from fsdp2kit.train.memory import tracker_peak
 from fsdp2kit.train.muon import MuonWithAdamW, gathered_matrix_bytes
 from fsdp2kit.train.optim import build_optimizer
-from fsdp2kit.train.step import TokenCrossEntropy
+from fsdp2kit.train.step import MicroBatchLoss, TokenCrossEntropy
 
+Batch = dict[str, torch.Tensor]
 GIB = 1024**3
 PLANNED_DEVICE = torch.device("cuda")  # the device whose memory the plan predicts (the trace itself runs on the CPU)
 _STRATEGY = "strategy_args.strategy_config"
@@ -193,16 +197,13 @@ def _trace(cfg: JobConfig, world_size: int) -> dict[str, object]:
         # The fake world runs on the CPU, where the build leaves activation offload out: here the planned modules'
         # saved activations leave the device as they do on CUDA (only their shapes are kept).
         apply_activation_offload(model, sharded.plan.activation_offload_modules, Departed(), torch.device("cpu"))
-        install_token_head(model)  # the training loss as the run computes it: chunked above a 32k vocabulary
-        vocab = model.get_output_embeddings().weight.shape[0]  # type: ignore[operator]
-        loss = TokenCrossEntropy(chunk_tokens(cfg.training.loss_chunk_tokens, vocab))
         accumulation = cfg.training.gradient_accumulation_steps
+        synthetic = [_synthetic_micro_batch(cfg, not flex) for _ in range(accumulation)]
+        loss, micro_batches = _training_loss(sharded, cfg, synthetic)
         with FakeTensorMode(allow_non_fake_inputs=True), GroupedMMInAnyDtype():
             model.to_empty(device="cpu")
             sharded_optimizer = build_optimizer(model, cfg.training)
             optimizer, pairs = _local_optimizer(sharded_optimizer, cfg.training)
-            with unset_fake_temporarily():  # real values: sharding a batch reads them (its documents, its padding)
-                micro_batches = [_synthetic_micro_batch(cfg, not flex) for _ in range(accumulation)]
             tracker = FSDPMemTracker(model, optimizer)
             tracker.track_inputs(tuple(micro_batches))
             with tracker:
@@ -258,6 +259,30 @@ def attention_per_rank(cfg: JobConfig, text_config: Any) -> dict[str, int]:
         "scores_bytes": batch * heads_per_rank * queries * keys * itemsize,
         "keys_values_bytes": 2 * batch * kv_per_rank * keys * head_dim * itemsize,
     }
+
+
+def _training_loss(
+    sharded: ShardedModel, cfg: JobConfig, micro_batches: list[Batch]
+) -> tuple[MicroBatchLoss, list[Batch]]:
+    """The loss a run of this model computes, and the micro-batches its model reads (real values: sharding a batch
+    reads them, its documents and its padding). A causal LM: next-token cross-entropy, chunked through its LM head
+    above a 32k vocabulary. A value or reward model (trained through the API, its head num_labels wide): its values
+    or scores at every position under a stand-in loss_fn, as `Strategy.train_step` computes them; the caller's own
+    loss on [B, T] values or [B] scores adds nothing that counts."""
+    model, head = sharded.model, sharded.variant.head
+    if not isinstance(head, ValueHead):
+        install_token_head(model)
+        vocab = model.get_output_embeddings().weight.shape[0]  # type: ignore[operator]
+        return TokenCrossEntropy(chunk_tokens(cfg.training.loss_chunk_tokens, vocab)), micro_batches
+    head.install(model, torch.device("cpu"), "fsdp2kit plan")
+    keys = set(inspect.signature(model.forward).parameters) - {"labels"}
+    model_batches = [head.model_batch(batch, keys) for batch in micro_batches]
+    return HeadOutputLoss(_summed_outputs, micro_batches, sharded.sp_group, 0, head=head), model_batches
+
+
+def _summed_outputs(outputs: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """The stand-in loss_fn of a value or reward model's trace: its outputs summed, one unit of weight."""
+    return outputs.sum(), torch.ones(())
 
 
 def computed_sizes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:

@@ -19,6 +19,7 @@ from moe_families_worker import train as train_in_process
 from test_moe_families import FAMILIES, saved_folder, stored, transformers_log_probs
 
 from fsdp2kit.distributed import shutdown
+from fsdp2kit.errors import UserError
 
 STEPS = 3
 QWEN3_MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16, "head_dim": 8}
@@ -296,14 +297,14 @@ def test_check_names_the_expert_mesh_and_each_ranks_experts():
         (
             [*MOE, "strategy_args.strategy_config.ep_size=3"],
             3,
-            "strategy_config.ep_size = 3 does not divide the 4 experts of 'model.layers.0.mlp.experts'; "
-            "valid: 1 or 2, 4",
+            "strategy_config.ep_size = 3 does not divide the 4 experts of each layer; valid ep_size with efsdp_size 1 "
+            "at world size 3: 1",
         ),
         (
             [*MOE, "strategy_args.strategy_config.ep_size=2", "strategy_args.strategy_config.efsdp_size=2"],
             2,
             "strategy_config.ep_size = 2 x efsdp_size = 2 does not divide the world size 2; valid ep_size with "
-            "efsdp_size 2: 1",
+            "efsdp_size 2 and the 4 experts of each layer: 1",
         ),
         (
             ["strategy_args.strategy_config.ep_size=2"],
@@ -335,6 +336,36 @@ def test_what_expert_parallelism_cannot_split_is_one_line(sets, ranks, message):
     with process_group(ranks, 0) as runtime, pytest.raises(UserError) as refused:
         sharded_model(cfg, runtime, training=True, materialize=False)
     assert message in str(refused.value) and "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize("ep_size", [3, 4, 6])
+def test_an_ep_size_refusal_offers_only_sizes_valid_for_both_the_world_and_the_experts(ep_size, run_main):
+    """6 experts a layer at 4 ranks: ep_size must divide both, so 2 is the only split; every refusal (the launcher's
+    check before any rank starts, and each rank's) offers 1 or 2 and nothing that the other rule refuses (3 and 6
+    were offered for the experts, then refused for the world, whose refusal offered 4). ep_size 2 builds."""
+    from fsdp2kit.config import load_config
+
+    six = [*MOE, "model.config.num_experts=6", "model.config.num_hidden_layers=2"]
+    sets = [*six, f"strategy_args.strategy_config.ep_size={ep_size}"]
+    if ep_size == 4:
+        said = "strategy_config.ep_size = 4 does not divide the 6 experts of each layer; valid ep_size with "
+        said += "efsdp_size 1 at world size 4: 1, 2"
+    else:
+        said = f"strategy_config.ep_size = {ep_size} x efsdp_size = 1 does not divide the world size 4; valid "
+        said += "ep_size with efsdp_size 1 and the 6 experts of each layer: 1, 2"
+    result = run_main("check", "examples/demo.yaml", "--nproc", 4, *[a for s in sets for a in ("--set", s)])
+    assert (result.returncode, result.stderr) == (2, f"error: {said}\n")
+    with process_group(4, 0) as runtime, pytest.raises(UserError) as refused:
+        sharded_model(load_config("examples/demo.yaml", sets), runtime, training=True, materialize=False)
+    assert str(refused.value) == said
+    with process_group(4, 0) as runtime:
+        built = sharded_model(
+            load_config("examples/demo.yaml", [*six, "strategy_args.strategy_config.ep_size=2"]),
+            runtime,
+            training=True,
+            materialize=False,
+        )
+    assert built.layout.ep_size == 2
 
 
 def test_a_refusal_is_one_line_and_exit_2_from_the_command_line(run_main):

@@ -240,6 +240,27 @@ def test_fp16_overflow_halves_the_loss_scale_and_training_goes_on(config_file, t
     assert state["loss_scaler"]["scale"] == records[-1]["loss_scale"]
 
 
+def test_a_loss_scale_too_large_for_a_short_run_is_named_not_blamed_on_the_weights(config_file, tmp_path, capsys):
+    """fp16 with fp16_initial_scale 2^32: each of 3 steps overflows and halves the scale (the scaler's business, not
+    divergence), so nothing trains; the run ends naming the loss scale in one line, exit 2 (it said "training
+    diverged ... are the model's weights finite?"), and writes nothing."""
+    rc = train_here(
+        config_file,
+        tmp_path,
+        strategy_args__strategy_config__param_dtype="fp16",
+        training__fp16_initial_scale=2.0**32,
+        training__max_steps=3,
+    )
+    assert (rc, capsys.readouterr().err) == (
+        2,
+        "error: training.fp16_initial_scale = 4294967296: every one of this run's 3 steps overflowed fp16 at its loss "
+        "scale (halved after each, to 536870912), so nothing trained and nothing was saved or exported; lower "
+        "training.fp16_initial_scale (default 65536, halved until the gradients fit)\n",
+    )
+    assert [r["loss_scale"] for r in read_metrics(tmp_path)] == [2.0**31, 2.0**30, 2.0**29]
+    assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "hf").exists()
+
+
 def test_the_gradient_norm_on_the_cpu_is_exact_to_fp32_rounding_at_any_size():
     """torch's CPU norm kernel accumulates a whole tensor in fp32: on 4M values it is off by about 1e-4, so the norm
     of one rank's whole gradient and the norm over N ranks' shards differed (1e-5 on the tiny models). fsdp2kit's

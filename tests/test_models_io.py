@@ -134,3 +134,59 @@ def test_weight_mistakes_exit_2_naming_the_tensor_or_file(tmp_path, texts_file, 
     assert (
         err.strip() == f"error: model weights: file '{folder / 'gone.safetensors'}' named by the index does not exist"
     )
+
+
+def test_a_model_class_with_a_persistent_buffer_trains_from_the_folder_that_stores_it(tmp_path):
+    """`model.model_class` with a persistent buffer no `_init_weights` writes (a per-channel embedding scale), from a
+    folder save_pretrained wrote with it: the buffer is read from the folder, as `from_pretrained` reads it, and two
+    steps train as a plain loop of transformers' model loaded with from_pretrained (it was refused: "_init_weights
+    leaves 'embedding_scale' uninitialised")."""
+    import shutil
+    import sys
+
+    from strategy_case import global_micro_batches, plain_training, policy_loss, strategy_config
+    from transformers import AutoConfig
+
+    import fsdp2kit
+    from fsdp2kit.data.builtin import tokenizer_dir
+    from fsdp2kit.distributed import shutdown
+    from fsdp2kit.models.builtin import BUILTIN_MODELS
+
+    class_file = "tests/fixtures/model_classes/scaled_llama.py"
+    sys.path.insert(0, os.path.dirname(class_file))
+    try:
+        from scaled_llama import ScaledLlamaForCausalLM
+    finally:
+        sys.path.pop(0)
+    small = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2}
+    settings = dict(BUILTIN_MODELS["tiny-llama"], num_hidden_layers=2, vocab_size=512, **small)
+    torch.manual_seed(0)
+    model = ScaledLlamaForCausalLM(AutoConfig.for_model(settings.pop("model_type"), **settings))
+    model.embedding_scale.copy_(torch.linspace(0.5, 2.0, 64))
+    folder = tmp_path / "hf"
+    model.save_pretrained(folder)
+    for file in tokenizer_dir().iterdir():
+        shutil.copy(file, folder / file.name)
+    assert "embedding_scale" in load_file(folder / "model.safetensors")
+
+    def micro_batches(step: int) -> list[dict[str, torch.Tensor]]:
+        return global_micro_batches(step, 2)
+
+    cfg = strategy_config(str(folder), str(tmp_path / "run"), 2)
+    cfg["model"]["model_class"] = f"{class_file}:ScaledLlamaForCausalLM"
+    try:
+        strategy = fsdp2kit.Strategy.from_config(cfg)
+        buffer = strategy.model.embedding_scale.detach().clone()
+        losses = [strategy.train_step(micro_batches(step), policy_loss)["loss"] for step in range(2)]
+    finally:
+        shutdown()
+    torch.testing.assert_close(buffer, torch.linspace(0.5, 2.0, 64), rtol=0, atol=0)
+
+    reference = ScaledLlamaForCausalLM.from_pretrained(folder, dtype=torch.float32)
+
+    def loss_of(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = reference(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
+        log_probs = torch.log_softmax(logits.float(), -1).gather(-1, batch["input_ids"][:, 1:, None]).squeeze(-1)
+        return policy_loss(log_probs, batch)
+
+    assert losses == pytest.approx(plain_training(reference, 2, micro_batches, loss_of)["losses"], abs=1e-5)

@@ -235,3 +235,76 @@ def test_without_the_patch_ranks_routing_differently_never_finish(forced_routing
     print(f"\nwithout the patch: {outcome}")
     assert hung or "Is there a distributed collective mismatch" in output, output[-3000:]
     assert not (tmp_path / "metrics.jsonl").exists() or not read_metrics(tmp_path)
+
+
+def test_an_expert_tensor_of_another_shape_is_one_line_in_check_train_and_convert(tmp_path, run_main):
+    """A Qwen3-MoE folder as save_pretrained writes it (one tensor per expert) with one expert's up_proj a row short:
+    `check`, `train` and `convert --to dcp` refuse it in one line naming that tensor and its file, as a dense
+    tensor of the wrong shape is refused (they died in torch.stack fusing the experts; check passed the folder). An
+    experts tensor that cannot be combined (every gate_proj of another width) is one line too."""
+    from conftest import make_hf_folder, set_args
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "hf"
+    make_hf_folder(folder, "tiny-qwen3-moe")
+    weights = load_file(folder / "model.safetensors")
+    odd = "model.layers.1.mlp.experts.2.up_proj.weight"
+    save_file({**weights, odd: weights[odd][1:]}, folder / "model.safetensors", metadata={"format": "pt"})
+    run = set_args({"model.name_or_path": str(folder), "training.output_dir": str(tmp_path / "run")})
+    said = (
+        f"error: model weights: tensor '{odd}' in 'model.safetensors' has shape (127, 256), where 3 of the tensors "
+        "stacked with it into 'model.layers.1.mlp.experts.gate_up_proj' have (128, 256); config and weights do not "
+        "match\n"
+    )
+    for command in (["check", "examples/demo.yaml", *run], ["train", "examples/demo.yaml", *run]):
+        assert run_main(*command)[::2] == (2, said), command
+    result = run_main("convert", folder, tmp_path / "dcp", "--to", "dcp")
+    assert (result.returncode, result.stderr, (tmp_path / "dcp").exists()) == (2, said, False)
+
+    narrow = {k: v[:, 1:].contiguous() if k.endswith("gate_proj.weight") else v for k, v in weights.items()}
+    save_file(narrow, folder / "model.safetensors", metadata={"format": "pt"})
+    result = run_main("check", "examples/demo.yaml", *run)
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert "model weights: the tensors in 'model.safetensors' that make 'model.layers.0.mlp.experts.gate_up_proj'" in (
+        result.stderr
+    )
+
+
+def test_resuming_in_the_other_expert_layout_names_the_layout(tmp_path, run_main):
+    """A checkpoint saved with one module per expert (PER_EXPERT) resumed with each layer's experts fused (the
+    default), and a fused one resumed per expert: the same model, so one line naming the expert layout and its key,
+    exit 2 (it said "saved from another model; give the same model")."""
+    from conftest import set_args
+
+    small = {
+        "model.name_or_path": "builtin:tiny-qwen3-moe",
+        "model.config.num_hidden_layers": 2,
+        "data.seq_len": 32,
+        "training.max_steps": 1,
+        "training.export_hf": False,
+    }
+    per_expert = {
+        "strategy_args.strategy_config.apply_expert_patch": True,
+        "strategy_args.strategy_config.wrap_policy.moe_experts": ["Qwen3MoeMLP"],
+    }
+    cannot = "error: training.resume: checkpoint '{}' cannot be loaded into this model: it holds "
+    cannot += "'model.layers.0.mlp.experts' "
+    said = {
+        "split": cannot + "as one module per expert (strategy_config.wrap_policy.moe_experts: [Qwen3MoeMLP] with "
+        "apply_expert_patch: true) and this run fuses each layer's experts; give the wrap_policy.moe_experts and "
+        "apply_expert_patch of the run that saved it\n",
+        "fused": cannot + "fused (each layer's experts as one tensor) and this run splits them into one module per "
+        "expert (strategy_config.wrap_policy.moe_experts: [Qwen3MoeMLP]); give the wrap_policy.moe_experts of the "
+        "run that saved it\n",
+    }
+    for saved, saving, resuming in (("split", per_expert, {}), ("fused", {}, per_expert)):
+        run = tmp_path / saved
+        assert (
+            run_main("train", "examples/demo.yaml", *set_args({**small, **saving, "training.output_dir": str(run)}))[0]
+            == 0
+        )
+        checkpoint = run / "checkpoints" / "step_1"
+        again = {**small, **resuming, "training.output_dir": str(tmp_path / f"{saved}-again")}
+        again |= {"training.resume": str(checkpoint), "training.max_steps": 2}
+        result = run_main("train", "examples/demo.yaml", *set_args(again))
+        assert (result.returncode, result.stderr) == (2, said[saved].format(checkpoint))

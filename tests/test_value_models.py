@@ -188,3 +188,54 @@ def test_a_critic_or_reward_folder_converts_to_dcp_and_back_exactly(kind, tmp_pa
 
     loaded = getattr(transformers, AUTO_CLASSES[kind]).from_pretrained(tmp_path / "back")
     assert type(loaded).__name__ == MODEL_CLASSES[kind].split(":")[1]
+
+
+@pytest.mark.parametrize("kind", ["critic", "reward"])
+def test_plan_predicts_a_value_or_reward_model(kind, models):
+    """`fsdp2kit plan`'s prediction traces a value or reward model's training step (its num_labels-wide `score`
+    head, no LM head): the shards it counts are the model's own parameters, and the traced peak holds them with their
+    gradients and AdamW's two states. It died on the LM head it looked for (StopIteration)."""
+    import transformers
+
+    from fsdp2kit.memory_plan import ConfigSource, predict
+
+    sets = ["model.name_or_path=" + str(models[kind]), "model.model_class=" + MODEL_CLASSES[kind], "data.seq_len=32"]
+    report = predict(ConfigSource("examples/demo.yaml", sets, None, None), 1)
+    model = getattr(transformers, AUTO_CLASSES[kind]).from_pretrained(models[kind], dtype=torch.float32)
+    assert model.score.weight.shape == (1, SMALL["hidden_size"])
+    parameter_bytes = 4 * sum(p.numel() for p in model.parameters())
+    assert report["computed"]["sharded_params"] == report["categories"]["sharded_param"] == parameter_bytes
+    assert report["peak_bytes"] > 4 * parameter_bytes  # parameters, gradients, exp_avg, exp_avg_sq
+
+
+@pytest.mark.parametrize("kind", ["critic", "reward"])
+def test_an_exported_value_model_without_model_class_is_refused_naming_its_class(kind, models, tmp_path):
+    """fsdp2kit's own export of a critic or reward model (config.json: its ...ForTokenClassification or
+    ...ForSequenceClassification) given without model.model_class: one sentence naming the folder's class and the
+    key to set, not "config and weights do not match"; with the key set it loads and gives the exported outputs."""
+    batch = micro_batches(0, 1)[0]
+    cfg = config(kind, str(models[kind]), str(tmp_path / "run"))
+    try:
+        strategy = fsdp2kit.Strategy.from_config(cfg)
+        exported = strategy.forward_step(batch)
+        strategy.export_hf(tmp_path / "hf")
+    finally:
+        shutdown()
+    class_name = MODEL_CLASSES[kind].partition(":")[2]
+    del cfg["model"]["model_class"]
+    cfg["model"]["name_or_path"] = str(tmp_path / "hf")
+    said = (
+        f"model.model_class: '{tmp_path / 'hf'}' holds a {class_name} (its config.json's architectures) and "
+        "model.model_class is not set, so a causal LM would be built on it; set model.model_class: "
+        f"transformers:{class_name} to load it as it is (forward_step then gives its {next(iter(exported))})"
+    )
+    with pytest.raises(UserError) as refused:
+        fsdp2kit.Strategy.from_config(cfg)
+    shutdown()
+    assert str(refused.value) == said
+    cfg["model"]["model_class"] = MODEL_CLASSES[kind]
+    try:
+        reloaded = fsdp2kit.Strategy.from_config(cfg).forward_step(batch)
+    finally:
+        shutdown()
+    torch.testing.assert_close(reloaded, exported, rtol=0, atol=0)

@@ -181,7 +181,7 @@ def _hf_to_dcp(src: Path, dst: Path, dtype: torch.dtype | None) -> None:
     index = safetensors_index(src)  # the index decides; a tensor in two files is refused
     handles = {file: open_safetensors(file) for file in sorted(set(index.values()))}
     try:  # safetensors memory-maps: pages are read as DCP writes them (converted tensors: when converted)
-        views = model_views(index, lambda key: handles[index[key]].get_slice(key), layout)
+        views = model_views(index, lambda key: handles[index[key]].get_slice(key), layout, index)
         state = {name: view.open()[:] for name, view in views.items()}
         _check_against_config(src, state, model)
         if dtype is not None:

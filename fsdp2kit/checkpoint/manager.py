@@ -30,12 +30,19 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from fsdp2kit.checkpoint.committed import STATE_FILE, committed_checkpoints
-from fsdp2kit.checkpoint.dcp_io import METADATA_FILE, damage, read_dcp, refuse_extra_model_tensors
+from fsdp2kit.checkpoint.dcp_io import (
+    METADATA_FILE,
+    damage,
+    read_dcp,
+    refuse_extra_model_tensors,
+    stored_model_keys,
+)
 from fsdp2kit.distributed import failing_together
 from fsdp2kit.durable import disk_full_message, folder_bytes, fsync_dir, fsync_file, ran_out_of_space, write_durable
 from fsdp2kit.errors import RunFault, UserError
 from fsdp2kit.models.export import write_config_and_tokenizer
-from fsdp2kit.parallel.fsdp import model_class_name
+from fsdp2kit.parallel.module_paths import model_class_name
+from fsdp2kit.parallel.moe import refuse_other_expert_layout
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -328,6 +335,7 @@ class CheckpointManager:
         trainer_state = read_trainer_state(path)
         model_state, optim_state = get_state_dict(model, optimizer, options=self.options)
         cannot_load = f"training.resume: checkpoint '{path}' cannot be loaded into this model"
+        refuse_other_expert_layout(model, stored_model_keys(path, cannot_load), cannot_load)
         refuse_extra_model_tensors(path, model_state, cannot_load)
         state: dict[str, Any] = {"model": model_state, "optim": optim_state}
         read_dcp(state, path, cannot_load)

@@ -29,7 +29,7 @@ from fsdp2kit.models.lora import base_renamer, base_state
 from fsdp2kit.models.shards import copy_to_shard, module_seed
 from fsdp2kit.models.variant_part import TensorLeeway
 from fsdp2kit.models.vl import auto_model_class, builtin_tokenizer_dir
-from fsdp2kit.parallel.moe import expert_views_from_fused
+from fsdp2kit.parallel.moe import expert_views_from_fused, refuse_other_expert_layout
 from fsdp2kit.transformers_compat import configs_check_types
 
 if TYPE_CHECKING:
@@ -348,13 +348,14 @@ def initialise_weights(
     initialises its router). Each module's init runs on a full-size CPU copy, seeded by the module's name, and each
     rank keeps its slice: the weights depend on the seed only, not on the mesh. A copy is real only where that
     module's init writes, so peak extra memory is one module's share, never the model's. `only`: the ids of the
-    parameters to initialise (those a folder lacked), and no buffers. A tensor no init writes is refused: its value
-    would be whatever memory held."""
-    wanted = {id(p) for p in model.parameters()} if not buffers_only else set()
-    if only is not None:
-        wanted &= only
+    parameters to initialise (those a folder lacked), and no buffers. `buffers_only`: the buffers a folder does not
+    hold (rotary tables: not in the state dict); the persistent ones are read with the weights, as `from_pretrained`
+    reads them. A tensor no init writes is refused: its value would be whatever memory held."""
+    if buffers_only:
+        wanted = {id(b) for b in model.buffers()} - {id(t) for t in model.state_dict(keep_vars=True).values()}
     else:
-        wanted |= {id(b) for b in model.buffers()}
+        wanted = {id(p) for p in model.parameters()}
+        wanted = wanted & only if only is not None else wanted | {id(b) for b in model.buffers()}
     written: set[int] = set()
     rename = base_renamer(model)
     for name, module, owner in _children_first(model):
@@ -521,7 +522,7 @@ def _safetensors_views(
             handles[file] = open_safetensors(file)
         return handles[file].get_slice(key)
 
-    available = model_views(index, stored_view, layout_of(model, state))
+    available = model_views(index, stored_view, layout_of(model, state), index)
     # MoE experts split into one module per expert, read from fused experts in the files.
     split = expert_views_from_fused(model, [n for n in state if n not in available], available)
     available.update({name: StoredTensor(*found) for name, found in split.items()})
@@ -574,6 +575,17 @@ class LoadSkips:
 
 def _listed(names: list[str]) -> str:
     return ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+
+
+def check_safetensors(model: nn.Module, folder: Path, leeway: TensorLeeway = NO_LEEWAY) -> None:
+    """What `load_safetensors` refuses (a tensor missing, extra or of another shape, per-expert tensors that do not
+    stack), refused from the files' headers alone, on the model built on the meta device: `check`'s word."""
+    handles: dict[Path, Any] = {}
+    try:
+        _safetensors_views(model, folder, handles, leeway)
+    finally:
+        for handle in handles.values():
+            handle.__exit__(None, None, None)
 
 
 @torch.no_grad()
@@ -636,6 +648,7 @@ def load_dcp(model: nn.Module, folder: Path, leeway: TensorLeeway = NO_LEEWAY) -
     state = base_state(model, get_model_state_dict(model))  # the live shards: DCP reads into them in place
     cannot_load = f"model weights: checkpoint '{folder}' cannot be loaded into this model"
     stored = stored_model_keys(folder, cannot_load)
+    refuse_other_expert_layout(model, stored, cannot_load)
     live = base_state(model)
     fresh = {name: live[name] for name in state if name not in stored and name.startswith(leeway.fresh)}
     unused = sorted(key for key in stored - set(state) if key.startswith(leeway.unused))

@@ -23,7 +23,7 @@ from fsdp2kit.errors import RunFault
 from fsdp2kit.models.build import tied_weight_names
 from fsdp2kit.models.hf_layout import layout_of, stored_tensors
 from fsdp2kit.models.lora import merged_full_tensor, merged_state
-from fsdp2kit.parallel.fsdp import model_class_name
+from fsdp2kit.parallel.module_paths import model_class_name
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig

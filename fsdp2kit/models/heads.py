@@ -184,6 +184,26 @@ OutputHead = LanguageModelHead | ValueHead
 
 def pick_head(model_cfg: ModelConfig, hf_config: Any) -> OutputHead:
     """The head model.model_class names: a value or reward model by its class's name, else a causal LM."""
+    if model_cfg.model_class is None:
+        _refuse_unnamed_head(model_cfg, hf_config)
     class_name = (model_cfg.model_class or "").rpartition(":")[2]
-    kind = next((suffix for suffix in HEADS if class_name.endswith(suffix)), None)
+    kind = _head_kind(class_name)
     return LanguageModelHead() if kind is None else HEADS[kind](class_name, hf_config)
+
+
+def _head_kind(class_name: str) -> str | None:
+    return next((suffix for suffix in HEADS if class_name.endswith(suffix)), None)
+
+
+def _refuse_unnamed_head(model_cfg: ModelConfig, hf_config: Any) -> None:
+    """A critic's or reward model's folder (its config.json's `architectures`, as our export writes it) without
+    model.model_class: a causal LM would be built, whose LM head the folder lacks. The head that changes what the
+    API gives (values, scores) is the config's word, never taken from the folder behind the user's back."""
+    stored = (getattr(hf_config, "architectures", None) or [""])[0] or ""
+    kind = _head_kind(stored)
+    if kind is not None:
+        raise UserError(
+            f"model.model_class: '{model_cfg.name_or_path}' holds a {stored} (its config.json's architectures) and "
+            f"model.model_class is not set, so a causal LM would be built on it; set model.model_class: "
+            f"transformers:{stored} to load it as it is (forward_step then gives its {HEADS[kind].output})"
+        )

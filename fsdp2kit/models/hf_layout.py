@@ -14,13 +14,15 @@ from __future__ import annotations
 
 import copy
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from fsdp2kit.errors import UserError
 from fsdp2kit.transformers_compat import is_prefix_change, within_row_operations
 
 Opener = Callable[[], Any]  # opens one stored tensor lazily: a safetensors slice (get_shape, [index])
@@ -84,8 +86,10 @@ class ConvertedView:
     converter: Any  # the converter, fresh (no tensors collected)
     first_name: str  # the name transformers keys the conversion by (its first target, expanded)
     name: str  # the model tensor this view gives
-    sources: dict[str, list[Opener]]  # source pattern -> stored tensors, in transformers' (natural) order
+    stored: dict[str, list[str]]  # source pattern -> stored tensor names, in transformers' (natural) order
+    open_stored: Callable[[str], Any]  # a stored tensor's lazy slice
     model: ModelShapes
+    files: Mapping[str, Path] = field(default_factory=dict)  # the file of each stored tensor, where known
     _shape: list[int] | None = field(default=None, repr=False)
 
     def _convert(self, tensors: dict[str, list[torch.Tensor]]) -> torch.Tensor:
@@ -95,22 +99,47 @@ class ConvertedView:
         return converter.convert(self.first_name, model=self.model, config=self.model.config)[self.name]
 
     def get_shape(self) -> list[int]:
+        """The converted tensor's shape, from the stored headers; stored tensors that cannot be converted together
+        (one expert's of another shape than its fellows') are one sentence naming the odd one and its file."""
         if self._shape is None:
-            metas = {
-                pattern: [torch.empty(opener().get_shape(), device="meta") for opener in openers]
-                for pattern, openers in self.sources.items()
+            shapes = {
+                pattern: {key: tuple(self.open_stored(key).get_shape()) for key in keys}
+                for pattern, keys in self.stored.items()
             }
-            self._shape = list(self._convert(metas).shape)
+            for by_key in shapes.values():
+                self._refuse_uneven(by_key)
+            metas = {p: [torch.empty(shape, device="meta") for shape in found.values()] for p, found in shapes.items()}
+            try:
+                self._shape = list(self._convert(metas).shape)
+            except RuntimeError as exc:  # shapes that transformers' ops cannot combine (gate and up of two widths)
+                first = next(iter(next(iter(self.stored.values()))))
+                raise UserError(
+                    f"model weights: the tensors{self._where(first)} that make '{self.name}' ('{first}' and the like) "
+                    f"cannot be combined ({str(exc).splitlines()[0]}); the files are damaged or of another model"
+                ) from None
         return self._shape
+
+    def _refuse_uneven(self, shapes: dict[str, tuple[int, ...]]) -> None:
+        """Tensors stacked into one (an experts tensor's, one per expert) share one shape: the odd one is named."""
+        common, count = Counter(shapes.values()).most_common(1)[0]
+        odd = next((key for key, shape in shapes.items() if shape != common), None)
+        if odd is not None:
+            raise UserError(
+                f"model weights: tensor '{odd}'{self._where(odd)} has shape {shapes[odd]}, where {count} of the "
+                f"tensors stacked with it into '{self.name}' have {common}; config and weights do not match"
+            )
+
+    def _where(self, key: str) -> str:
+        return f" in '{self.files[key].name}'" if key in self.files else ""
 
     def __getitem__(self, index: Any) -> torch.Tensor:
         index = _full_index(index, len(self.get_shape()))
-        sources, rest = self.sources, index
+        stored, rest = self.stored, index
         if _stacks_first(self.converter) and isinstance(index[0], slice):
             experts = index[0]
-            sources = {pattern: openers[experts] for pattern, openers in self.sources.items()}
+            stored = {pattern: keys[experts] for pattern, keys in self.stored.items()}
             rest = (slice(None), *index[1:])
-        tensors = {pattern: [opener()[:] for opener in openers] for pattern, openers in sources.items()}
+        tensors = {pattern: [self.open_stored(key)[:] for key in keys] for pattern, keys in stored.items()}
         return self._convert(tensors)[rest]
 
 
@@ -123,11 +152,15 @@ class StoredTensor:
 
 
 def model_views(
-    stored: Iterable[str], open_stored: Callable[[str], Any], model: ModelShapes
+    stored: Iterable[str],
+    open_stored: Callable[[str], Any],
+    model: ModelShapes,
+    files: Mapping[str, Path] | None = None,
 ) -> dict[str, StoredTensor]:
     """Every model tensor the stored tensors give, by its model name, as `from_pretrained` renames and converts
     them: all renamings, then at most one converter; a stored name that is the model's own without the converter
-    (a model whose experts are split, reading per-expert files) is read as it is, as transformers does."""
+    (a model whose experts are split, reading per-expert files) is read as it is, as transformers does. `files`
+    (which file holds each stored tensor) names the file where converted tensors do not fit together."""
     from transformers.core_model_loading import dot_natural_key, rename_source_key
 
     renamings, converters = _split(model._weight_conversions)
@@ -143,13 +176,10 @@ def model_views(
         converter, members = groups.setdefault(renamed, (by_pattern[pattern], {}))
         members.setdefault(pattern, []).append(key)
     for first_name, (converter, members) in groups.items():
-        sources: dict[str, list[Opener]] = {
-            p: [partial(open_stored, key) for key in keys] for p, keys in members.items()
-        }
         names = [first_name.replace(converter.target_patterns[0], target) for target in converter.target_patterns]
         stored_names = [key for keys in members.values() for key in keys]
         for name in names:
-            view = ConvertedView(copy.deepcopy(converter), first_name, name, sources, model)
+            view = ConvertedView(copy.deepcopy(converter), first_name, name, members, open_stored, model, files or {})
             views[name] = StoredTensor(partial(_opened, view), stored_names)
     return views
 

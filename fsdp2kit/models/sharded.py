@@ -22,10 +22,10 @@ from fsdp2kit.models.variant import ModelVariant, pick_variant
 from fsdp2kit.parallel.activation_offload import PinnedHost, apply_activation_offload
 from fsdp2kit.parallel.compile import compile_modules
 from fsdp2kit.parallel.document_attention import attend_documents
-from fsdp2kit.parallel.expert_parallel import apply_expert_parallel, expert_meshes
+from fsdp2kit.parallel.expert_parallel import apply_expert_parallel, check_expert_sizes, expert_meshes
 from fsdp2kit.parallel.fsdp import apply_fsdp, shard_device
 from fsdp2kit.parallel.mesh import MeshLayout, build_expert_mesh, build_mesh, mesh_layout, sequence_parallel_group
-from fsdp2kit.parallel.moe import gather_router_logits, set_experts_implementation
+from fsdp2kit.parallel.moe import gather_router_logits, routed_expert_count, set_experts_implementation
 from fsdp2kit.parallel.plan import ShardingPlan, build_plan
 from fsdp2kit.parallel.recompute import apply_recompute
 from fsdp2kit.parallel.tiled_mlp import apply_tiled_mlp
@@ -61,6 +61,7 @@ def build_sharded_model(
     `compile_layers` (training.compile) compiles each decoder layer when training."""
     source = resolve_model(model_cfg, data.tokenizer)
     variant = pick_variant(source.hf_config, model_cfg, strategy)
+    check_expert_sizes(runtime.world_size, strategy, routed_expert_count(source.hf_config))
     layout = mesh_layout(runtime.world_size, strategy, model_cfg.ulysses_size, model_cfg.context_parallel_size)
     mesh = build_mesh(runtime.device.type, layout)
     expert_mesh = build_expert_mesh(runtime.device.type, layout)
@@ -93,6 +94,14 @@ def build_sharded_model(
     if not training:
         model.eval()
     return ShardedModel(model, plan, layout, source, sp_group, variant)
+
+
+def check_expert_parallel(world_size: int, model_cfg: ModelConfig, strategy: StrategyConfig, data: DataConfig) -> None:
+    """ep_size against the world and the model's experts (its config's count) together, as the command line checks
+    the mesh before it starts the ranks: a refusal offers only the sizes valid for both."""
+    if strategy.ep_size > 1:
+        source = resolve_model(model_cfg, data.tokenizer)
+        check_expert_sizes(world_size, strategy, routed_expert_count(source.hf_config))
 
 
 def _offload_activations(model: nn.Module, plan: ShardingPlan, device: torch.device) -> None:

@@ -56,7 +56,7 @@ def expert_parallel_plan(
         )
     if strategy.apply_expert_patch:
         notes.append("apply_expert_patch changes nothing under expert parallelism: each rank runs only its experts")
-    return expert_parallel_modules(model, strategy.ep_size)
+    return expert_parallel_modules(model, strategy.ep_size, strategy.efsdp_size)
 
 
 def expert_meshes(expert_mesh: DeviceMesh | None) -> dict[str, DeviceMesh]:
@@ -68,7 +68,7 @@ def expert_meshes(expert_mesh: DeviceMesh | None) -> dict[str, DeviceMesh]:
     return {EXPERT_MESH: expert_mesh[names[:-1]] if len(names) == 3 else expert_mesh[names[0]]}
 
 
-def expert_parallel_modules(model: nn.Module, ep_size: int) -> list[str]:
+def expert_parallel_modules(model: nn.Module, ep_size: int, efsdp_size: int) -> list[str]:
     """The experts modules expert parallelism splits (ep_size > 1); a model it cannot split is refused in one line."""
     experts = moe_experts(model)
     if not experts:
@@ -86,13 +86,48 @@ def expert_parallel_modules(model: nn.Module, ep_size: int) -> list[str]:
                 "wrap_policy.moe_experts class splits them: name the fused class instead)"
             )
         if count % ep_size:
-            valid = [d for d in divisors(count) if d > 1]
             raise UserError(
-                f"strategy_config.ep_size = {ep_size} does not divide the {count} experts of '{name}'; valid: 1 or "
-                f"{', '.join(map(str, valid))}"
+                f"strategy_config.ep_size = {ep_size} does not divide the {count} experts of '{name}'; valid: "
+                f"{', '.join(map(str, [1, *_valid_sizes(count, efsdp_size)]))}"
             )
         names.append(name)
     return names
+
+
+def _valid_sizes(count: int, efsdp_size: int) -> list[int]:
+    """The ep_size values > 1 that split `count` experts and this world's ranks (every rank of a run builds the
+    plan in its process group); those that split the experts where there is no process group."""
+    if not dist.is_initialized():
+        return [d for d in divisors(count) if d > 1]
+    return expert_parallel_sizes(dist.get_world_size(), efsdp_size, count)
+
+
+def check_expert_sizes(world_size: int, strategy: StrategyConfig, num_experts: int | None) -> None:
+    """ep_size against both what it must divide, the world (efsdp_size x ep_size ranks hold every expert once) and
+    each layer's experts (the config's count), before the mesh checks the world alone: a refusal offers only the
+    sizes valid for both."""
+    ep, efsdp = strategy.ep_size, strategy.efsdp_size
+    if ep == 1 or num_experts is None:
+        return
+    valid = ", ".join(map(str, [1, *expert_parallel_sizes(world_size, efsdp, num_experts)]))
+    if world_size % (ep * efsdp):
+        raise UserError(
+            f"strategy_config.ep_size = {ep} x efsdp_size = {efsdp} does not divide the world size {world_size}; "
+            f"valid ep_size with efsdp_size {efsdp} and the {num_experts} experts of each layer: {valid}"
+        )
+    if num_experts % ep:
+        raise UserError(
+            f"strategy_config.ep_size = {ep} does not divide the {num_experts} experts of each layer; valid ep_size "
+            f"with efsdp_size {efsdp} at world size {world_size}: {valid}"
+        )
+
+
+def expert_parallel_sizes(world_size: int, efsdp_size: int, num_experts: int) -> list[int]:
+    """The ep_size values > 1 that split both the world's ranks (efsdp_size x ep_size of them hold every expert once)
+    and each layer's experts."""
+    if world_size % efsdp_size:
+        return []
+    return [d for d in divisors(world_size // efsdp_size) if d > 1 and num_experts % d == 0]
 
 
 def _count(module: nn.Module) -> int:

@@ -137,11 +137,6 @@ def discard_unreduced_grads(model: nn.Module) -> None:
                 unsharded.grad = None
 
 
-def model_class_name(model: nn.Module) -> str:
-    """The model's own class name: fully_shard swaps the root's class for an `FSDP<Class>` subclass of it."""
-    return next(c.__name__ for c in type(model).__mro__ if not issubclass(c, FSDPModule))
-
-
 def shard_device(plan: ShardingPlan, device: torch.device) -> torch.device:
     """Where this rank's shards live: on the host under CPU offload (FSDP copies each group to `device` for its
     all-gather and its gradients back, and the optimizer steps the shards on the host), else on `device`."""

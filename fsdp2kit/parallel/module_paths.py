@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule
 
 from fsdp2kit.errors import UserError
+
+
+def model_class_name(model: nn.Module) -> str:
+    """A module's own class name: fully_shard swaps a sharded module's class for an `FSDP<Class>` subclass of it."""
+    return next(c.__name__ for c in type(model).__mro__ if not issubclass(c, FSDPModule))
 
 
 def modules_of_classes(model: nn.Module, class_names: list[str], key: str) -> list[str]:

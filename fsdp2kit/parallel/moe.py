@@ -31,7 +31,7 @@ from torch.distributed import ProcessGroup
 
 from fsdp2kit.errors import UserError
 from fsdp2kit.parallel.forward_patch import Forward, replace_forward
-from fsdp2kit.parallel.module_paths import modules_of_classes
+from fsdp2kit.parallel.module_paths import model_class_name, modules_of_classes
 from fsdp2kit.parallel.ulysses import counted_tokens
 
 
@@ -239,6 +239,30 @@ def _expert_of_fused(open_fused: Callable[[], Any], expert: int, half: int | Non
     return _ExpertOfFused(fused, expert, rows * (half or 0), rows)
 
 
+def refuse_other_expert_layout(model: nn.Module, stored: set[str], cannot_load: str) -> None:
+    """A checkpoint (its `stored` model tensor names) that holds an experts module one module per expert where this
+    model fuses it, or fused where this model splits it: the same model in the other expert layout, named with the
+    key that chooses it (a generic "saved from another model" would send the user looking for another model)."""
+    split_stored = any(_SPLIT_NAME.fullmatch(key) for key in stored)
+    for name, module in model.named_modules():
+        if not any(key.startswith(f"{name}.") for key in stored):
+            continue
+        own_class = model_class_name(module)  # fully_shard renames a shard group's class
+        if isinstance(module, ExpertList) and not split_stored:
+            expert = model_class_name(module[0])
+            raise UserError(
+                f"{cannot_load}: it holds '{name}' fused (each layer's experts as one tensor) and this run splits them "
+                f"into one module per expert (strategy_config.wrap_policy.moe_experts: [{expert}]); give the "
+                "wrap_policy.moe_experts of the run that saved it"
+            )
+        if own_class in SPLITTABLE_EXPERTS and split_stored:
+            raise UserError(
+                f"{cannot_load}: it holds '{name}' as one module per expert (strategy_config.wrap_policy.moe_experts: "
+                f"[{_per_expert_class_name(own_class)}] with apply_expert_patch: true) and this run fuses each "
+                "layer's experts; give the wrap_policy.moe_experts and apply_expert_patch of the run that saved it"
+            )
+
+
 def expert_modules(model: nn.Module, class_names: list[str]) -> list[str]:
     present = {type(m).__name__ for m in model.modules()}
     unknown = [name for name in class_names if name not in present]
@@ -300,14 +324,21 @@ def without_moe_blocks(model: nn.Module, mlps: list[str], notes: list[str]) -> l
 ROUTED_EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts")  # the families' names for it
 
 
+def routed_expert_count(config: Any) -> int | None:
+    """The routed experts of each MoE layer, as the model's (text) config names them; None for a dense model."""
+    text = config.get_text_config() if config is not None else None
+    experts = next((getattr(text, key) for key in ROUTED_EXPERT_COUNTS if getattr(text, key, None)), None)
+    return experts if isinstance(experts, int) and experts > 0 else None
+
+
 def routed_shares(model: nn.Module) -> dict[int, float]:
     """Each routed expert's parameters (by id) with the share of the tokens they compute on: a token runs
     num_experts_per_tok of the block's experts. Parameters not listed (attention, shared experts) run on every token."""
     config: Any = getattr(model, "config", None)
     text = config.get_text_config() if config is not None else None
     top_k = getattr(text, "num_experts_per_tok", None)
-    experts = next((getattr(text, key) for key in ROUTED_EXPERT_COUNTS if getattr(text, key, None)), None)
-    if not (isinstance(top_k, int) and isinstance(experts, int) and experts > 0):
+    experts = routed_expert_count(config)
+    if not (isinstance(top_k, int) and experts is not None):
         return {}
     return {
         id(param): top_k / experts

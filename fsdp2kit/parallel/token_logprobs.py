@@ -28,8 +28,8 @@ from torch.distributed.fsdp import FSDPModule
 from fsdp2kit.errors import UserError
 from fsdp2kit.labels import IGNORE_INDEX
 from fsdp2kit.parallel.forward_patch import Forward, replace_forward
-from fsdp2kit.parallel.fsdp import model_class_name
 from fsdp2kit.parallel.linear_cross_entropy import Cap, budget_chunk_tokens, linear_cross_entropy
+from fsdp2kit.parallel.module_paths import model_class_name
 
 _REQUEST = "_fsdp2kit_token_request"
 _AFTER_HEAD = "_fsdp2kit_after_head"

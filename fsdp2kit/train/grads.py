@@ -11,7 +11,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from fsdp2kit.errors import TrainingDiverged
+from fsdp2kit.config.schema import TrainingConfig
+from fsdp2kit.errors import TrainingDiverged, UserError
 
 
 def _split_sharded(params: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -107,6 +108,8 @@ class LossScaler:
 
     def __init__(self, enabled: bool, initial_scale: float):
         self.enabled = enabled
+        self.initial_scale = initial_scale
+        self.resumed = False
         self.scale = initial_scale if enabled else 1.0
         self.clean_steps = 0
 
@@ -133,6 +136,18 @@ class LossScaler:
 
     def load_state_dict(self, state: dict) -> None:
         self.scale, self.clean_steps = state["scale"], state["clean_steps"]
+        self.initial_scale, self.resumed = self.scale, True  # this run's scale starts from the checkpoint's
+
+    def started(self) -> str:
+        """Where this run's loss scale came from, as the user would look for it."""
+        if self.resumed:
+            return f"the loss scale {_number(self.initial_scale)} the checkpoint resumed with"
+        return f"training.fp16_initial_scale = {_number(self.initial_scale)}"
+
+
+def _number(value: float) -> str:
+    """A loss scale as a user writes it: a power of two in full."""
+    return str(int(value)) if float(value).is_integer() else f"{value:g}"
 
 
 class NonFiniteGuard:
@@ -146,6 +161,7 @@ class NonFiniteGuard:
         self.scaler = scaler
         self.skipped_in_a_row = 0
         self.applied = 0
+        self.overflowed = 0  # steps skipped for the loss scaler: a finite loss whose scaled gradients overflowed
 
     def step_is_finite(self, loss: float, grad_norm: float) -> bool:
         """Whether to apply this step's update; also tells the loss scaler whether the gradients overflowed."""
@@ -157,6 +173,8 @@ class NonFiniteGuard:
             return True
         if not (math.isfinite(loss) and self.scaler.enabled):
             self.skipped_in_a_row += 1
+        else:
+            self.overflowed += 1
         return False
 
     def stop_if_diverged(self, step: int) -> None:
@@ -174,7 +192,17 @@ class NonFiniteGuard:
 
     def stop_if_nothing_trained(self, steps: int) -> None:
         """A run shorter than `limit` steps whose every step was skipped must not end as done with its weights
-        unchanged (or NaN) and exported: it stops like a diverged one."""
+        unchanged (or NaN) and exported: it stops like a diverged one. Where every step's loss was finite and only
+        the scaled gradients overflowed, the scaler was still halving a loss scale given too large: that key is named
+        (the weights are finite, they never trained)."""
+        if steps and not self.applied and self.overflowed == steps:
+            default = TrainingConfig.model_fields["fp16_initial_scale"].default
+            raise UserError(
+                f"{self.scaler.started()}: every one of this run's {steps} steps overflowed fp16 at its loss scale "
+                f"(halved after each, to {_number(self.scaler.scale)}), so nothing trained and nothing was saved or "
+                f"exported; lower training.fp16_initial_scale (default {_number(default)}, halved until the "
+                "gradients fit)"
+            )
         if steps and not self.applied:
             raise TrainingDiverged(
                 f"training diverged: every one of this run's {steps} steps had a non-finite loss or gradient norm "
