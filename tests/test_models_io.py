@@ -147,7 +147,6 @@ def test_weight_mistakes_exit_2_naming_the_tensor_or_file(tmp_path, texts_file, 
     )
 
 
-
 @contextmanager
 def one_process_model(cfg, ignored: bool):
     """The config's model in this process: plain (no FSDP: the tests' reference) or sharded on one rank."""

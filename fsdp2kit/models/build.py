@@ -617,13 +617,12 @@ def _to_empty_keeping_ties(model: nn.Module, device: torch.device) -> None:
     """`to_empty`, with a parameter that several modules share (tied embeddings and LM head) still one parameter
     after: torch gives each module a new one when a tensor leaves the meta device, so an unsharded tied pair (an
     ignored module, a one-process model) would be initialised, loaded and trained as two."""
-    holders = [(module, key, id(param)) for module in model.modules() for key, param in module._parameters.items()]
+    held = [(module, key, param) for module in model.modules() for key, param in module._parameters.items()]
+    holders = [(module, key, id(param)) for module, key, param in held if param is not None]
     model.to_empty(device=device)
     first: dict[int, nn.Parameter] = {}
     for module, key, meta_id in holders:
-        param = module._parameters[key]
-        if param is not None:
-            module._parameters[key] = first.setdefault(meta_id, param)
+        module._parameters[key] = first.setdefault(meta_id, module._parameters[key])
 
 
 @torch.no_grad()
