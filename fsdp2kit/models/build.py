@@ -620,7 +620,7 @@ def _to_empty_keeping_ties(model: nn.Module, device: torch.device) -> None:
     held = [(module, key, param) for module in model.modules() for key, param in module._parameters.items()]
     holders = [(module, key, id(param)) for module, key, param in held if param is not None]
     model.to_empty(device=device)
-    first: dict[int, nn.Parameter] = {}
+    first: dict[int, nn.Parameter | None] = {}
     for module, key, meta_id in holders:
         module._parameters[key] = first.setdefault(meta_id, module._parameters[key])
 
