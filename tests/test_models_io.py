@@ -4,10 +4,21 @@ from __future__ import annotations
 
 import json
 import os
+from contextlib import contextmanager
 
 import pytest
 import torch
-from conftest import make_hf_folder, read_metrics, run_cli, set_args
+from conftest import (
+    as_overrides,
+    make_hf_folder,
+    plain_model,
+    process_group,
+    read_metrics,
+    run_cli,
+    set_args,
+    sharded_model,
+    token_batch,
+)
 from safetensors.torch import load_file, save_file
 from test_infer import TEXTS, infer_records, reference_logprobs
 
@@ -190,3 +201,45 @@ def test_a_model_class_with_a_persistent_buffer_trains_from_the_folder_that_stor
         return policy_loss(log_probs, batch)
 
     assert losses == pytest.approx(plain_training(reference, 2, micro_batches, loss_of)["losses"], abs=1e-5)
+
+
+@contextmanager
+def one_process_model(cfg, ignored: bool):
+    """The config's model in this process: plain (no FSDP: the tests' reference) or sharded on one rank."""
+    if not ignored:
+        yield plain_model(cfg)[0]
+        return
+    with process_group() as runtime:
+        yield sharded_model(cfg, runtime, training=True).model
+
+
+@pytest.mark.parametrize("ignored", [False, True], ids=["unsharded", "ignored by FSDP"])
+def test_tied_embeddings_stay_one_parameter_as_transformers_loads_them(tmp_path, ignored):
+    """Tied input embeddings and LM head (tiny-qwen3) are one parameter wherever they are not sharded: in the one-
+    process model (the tests' reference) and under FSDP with the pair ignored (replicated), with transformers'
+    values and logits. `to_empty` off the meta device used to give each module its own parameter: the head kept
+    whatever memory it was given (a folder stores it once, under the embeddings) or a fresh init of its own, and
+    trained apart from the embeddings."""
+    from torch.distributed.tensor import DTensor
+    from transformers import AutoModelForCausalLM
+
+    from fsdp2kit.config.load import load_config
+
+    folder = tmp_path / "qwen3"
+    make_hf_folder(folder, "tiny-qwen3")
+    expected = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    assert expected.lm_head.weight is expected.model.embed_tokens.weight
+    config_file = tmp_path / "tied.yaml"
+    config_file.write_text(json.dumps({"model": {"name_or_path": str(folder), "dtype": "fp32"}}))
+    ignore = ["model.embed_tokens", "lm_head"] if ignored else []
+    cfg = load_config(config_file, as_overrides({"strategy_args.strategy_config.ignored_modules": ignore}))
+    batch = {key: value for key, value in token_batch().items() if key != "labels"}
+    with one_process_model(cfg, ignored) as model, torch.no_grad():
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+        for name, tensor in model.state_dict().items():
+            full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+            torch.testing.assert_close(full, expected.state_dict()[name], rtol=0, atol=0, msg=name)
+        torch.testing.assert_close(model(**batch).logits, expected(**batch).logits, rtol=0, atol=0)
+    cfg.model.name_or_path = "builtin:tiny-qwen3"  # fresh weights
+    with one_process_model(cfg, ignored) as model:
+        assert model.lm_head.weight is model.model.embed_tokens.weight

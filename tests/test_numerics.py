@@ -4,8 +4,10 @@ without recompute and prefetch, trains to the same per-step losses as one plain 
 from __future__ import annotations
 
 import pytest
+import torch
 import yaml
 from conftest import SMALL_RUN, as_overrides, read_metrics, reference_run, run_cli, set_args
+from safetensors.torch import load_file
 
 from fsdp2kit.config.load import load_config
 
@@ -85,3 +87,42 @@ def test_losses_match_single_process_reference(case, config_file, reference_loss
     assert len(losses) == STEPS
     differences = [abs(loss - ref) / abs(ref) for loss, ref in zip(losses, reference_losses, strict=True)]
     assert max(differences) < TOLERANCE, f"{case}: relative differences per step {differences}"
+
+
+# Tied input embeddings and LM head (tiny-qwen3): one parameter in the reference, as transformers holds it, and in
+# every run, sharded with the rest or replicated outside FSDP (ignored); the export stores it once.
+TIED_STEPS = 3
+TIED = {"model.name_or_path": "builtin:tiny-qwen3", "training.max_steps": TIED_STEPS, "training.export_hf": True}
+TIED_CASES = {
+    "FSDP 2 ranks x 2": {},
+    "ignored tied pair": {STRATEGY + "ignored_modules": ["model.embed_tokens", "lm_head"]},
+}
+
+
+@pytest.fixture(scope="module")
+def tied_reference(config_file):
+    cfg = load_config(config_file, as_overrides(SMALL | TIED | {"training.per_device_train_batch_size": GLOBAL_BATCH}))
+    return reference_run(cfg, TIED_STEPS)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(TIED_CASES))
+def test_tied_embeddings_match_single_process_reference(case, config_file, tied_reference, tmp_path):
+    """Losses and gradient norms per step, and the exported weights after the last: one tied tensor."""
+    settings = SMALL | TIED | {"training.gradient_accumulation_steps": GLOBAL_BATCH // 2}
+    settings |= TIED_CASES[case] | {"training.output_dir": str(tmp_path)}
+    result = run_cli("train", config_file, "--nproc", 2, *set_args(settings))
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = read_metrics(tmp_path)
+    for key in ("loss", "grad_norm"):
+        pairs = [(record[key], getattr(ref, key)) for record, ref in zip(records, tied_reference.results, strict=True)]
+        differences = [abs(got - ref) / abs(ref) for got, ref in pairs]
+        assert max(differences) < TOLERANCE, f"{case}: {key} relative differences per step {differences}"
+    exported = {}
+    for file in (tmp_path / "hf").glob("*.safetensors"):
+        exported |= load_file(file)
+    trained = tied_reference.model
+    assert trained.lm_head.weight is trained.model.embed_tokens.weight
+    assert sorted(exported) == sorted(name for name, _ in trained.named_parameters())  # the head not stored apart
+    for name, param in trained.named_parameters():
+        torch.testing.assert_close(exported[name], param.detach(), rtol=0, atol=1e-5, msg=name)

@@ -625,6 +625,18 @@ def load_safetensors(
     return skips
 
 
+def _to_empty_keeping_ties(model: nn.Module, device: torch.device) -> None:
+    """`to_empty`, with a parameter that several modules share (tied embeddings and LM head) still one parameter
+    after: torch gives each module a new one when a tensor leaves the meta device, so an unsharded tied pair (an
+    ignored module, a one-process model) would be initialised, loaded and trained as two."""
+    held = [(module, key, param) for module in model.modules() for key, param in module._parameters.items()]
+    holders = [(module, key, id(param)) for module, key, param in held if param is not None]
+    model.to_empty(device=device)
+    first: dict[int, nn.Parameter | None] = {}
+    for module, key, meta_id in holders:
+        module._parameters[key] = first.setdefault(meta_id, module._parameters[key])
+
+
 @torch.no_grad()
 def _move_unsharded(model: nn.Module, device: torch.device) -> None:
     """Buffers (rotary tables) and the parameters FSDP does not manage (ignored modules) to the compute device: FSDP
@@ -670,7 +682,7 @@ def materialise(
     refuses otherwise), buffers and replicated parameters on `device`, where the forward reads them; then initialise
     them (fresh) or read them (pretrained): the same values wherever they live. A pretrained folder may lack the
     tensors `leeway` names (a new head: initialised fresh, seeded as above, and said in one line on rank 0)."""
-    model.to_empty(device=shard_device or device)
+    _to_empty_keeping_ties(model, shard_device or device)
     if shard_device is not None and shard_device != device:
         _move_unsharded(model, device)
     if source.weights_dir is None:
