@@ -7,8 +7,9 @@ bytes, the only honest figure on CPU) stays within --budget-mib; the first T pas
 time of one untracked step at each T, and the attention work per rank: the causal (query, key) pairs of the queries
 the rank attends for (the index maps `shard_sequence` recorded, the ones the attention wrapper's mask is built
 from) times the heads it attends with (heads / k under Ulysses), with the ratio of the busiest rank to the idlest.
+Every layout runs with sdpa (the default) and again with eager attention (see ATTENTIONS).
 
-Prints one JSON object. Run: .venv/bin/python benchmarks/context_parallel.py [--budget-mib 24] [--start 512]
+Prints one JSON object. Run: .venv/bin/python benchmarks/context_parallel.py [--budget-mib 64] [--start 512]
 """
 
 from __future__ import annotations
@@ -35,16 +36,21 @@ SHAPE = {
     "num_attention_heads": 4,
     "num_key_value_heads": 2,
     "vocab_size": 256,
+    "max_position_embeddings": 1 << 16,
 }
+# sdpa (the default): unmasked causal attention runs a flash kernel that keeps no [T, T] scores, but a masked one (the
+# rectangular mask of context parallel) runs the math kernel on CPU, which does; eager keeps them in every layout.
+ATTENTIONS = ("sdpa", "eager")
 # (name, ulysses_size, context_parallel_size)
 LAYOUTS = [("no SP", 1, 1), ("Ulysses 2", 2, 1), ("Ulysses 4", 4, 1), ("CP 2", 1, 2), ("CP 4", 1, 4)]
 LAYOUTS += [("Ulysses 2 x CP 2", 2, 2)]
 
 
-def strategy_config(folder: str, ulysses: int, context: int, out: str) -> dict[str, Any]:
+def strategy_config(folder: str, attention: str, ulysses: int, context: int, out: str) -> dict[str, Any]:
     return {
         "model": {
             "name_or_path": folder,
+            "attn_implementation": attention,
             "dtype": "fp32",
             "ulysses_size": ulysses,
             "context_parallel_size": context,
@@ -72,7 +78,9 @@ def attention_work(strategy: Any, length: int, ulysses: int) -> int:
     return pairs * strategy.model.config.num_attention_heads // ulysses
 
 
-def measure_layout(folder: str, name: str, ulysses: int, context: int, args: argparse.Namespace) -> dict[str, Any]:
+def measure_layout(
+    folder: str, attention: str, name: str, ulysses: int, context: int, args: argparse.Namespace
+) -> dict[str, Any]:
     """Doubling T from --start: the tracked peak, the step time and the attention work of each T, until the peak
     passes the budget (or T reaches --max-length)."""
     import torch
@@ -81,7 +89,7 @@ def measure_layout(folder: str, name: str, ulysses: int, context: int, args: arg
     import fsdp2kit
     from fsdp2kit.train.memory import StepMemory
 
-    strategy = fsdp2kit.Strategy.from_config(strategy_config(folder, ulysses, context, args.out))
+    strategy = fsdp2kit.Strategy.from_config(strategy_config(folder, attention, ulysses, context, args.out))
     sequence = ulysses * context
     sample = dist.get_rank() // sequence  # the ranks of a sequence group train the same sample
 
@@ -119,6 +127,7 @@ def measure_layout(folder: str, name: str, ulysses: int, context: int, args: arg
     within = [row["seq_len"] for row in rows if row["peak_mib"] <= args.budget_mib]
     return {
         "layout": name,
+        "attention": attention,
         "ulysses_size": ulysses,
         "context_parallel_size": context,
         "longest_seq_len": max(within) if within else None,
@@ -131,7 +140,7 @@ def worker(spec: Path) -> None:
     import torch.distributed as dist
 
     args = argparse.Namespace(**json.loads(spec.read_text()))
-    results = [measure_layout(args.folder, *layout, args) for layout in LAYOUTS]
+    results = [measure_layout(args.folder, attention, *layout, args) for attention in ATTENTIONS for layout in LAYOUTS]
     if dist.get_rank() == 0:
         Path(args.result).write_text(json.dumps(results))
 
@@ -141,7 +150,7 @@ def main() -> None:
         worker(Path(sys.argv[1]))
         return
     parser = argparse.ArgumentParser()
-    parser.add_argument("--budget-mib", type=float, default=24.0, help="tracked per-rank step peak allowed")
+    parser.add_argument("--budget-mib", type=float, default=64.0, help="tracked per-rank step peak allowed")
     parser.add_argument("--start", type=int, default=512, help="the first sequence length")
     parser.add_argument("--max-length", type=int, default=16384)
     args = parser.parse_args()
@@ -158,9 +167,9 @@ def main() -> None:
         began = time.perf_counter()
         done = subprocess.run(command, cwd=REPO, env=child_env(), capture_output=True, text=True)
         if done.returncode:
-            raise SystemExit(f"{' '.join(command)} failed:\n{done.stderr[-3000:]}")
+            first = done.stderr.find("Traceback")  # a rank's, before the launcher's own
+            raise SystemExit(f"{' '.join(command)} failed:\n{done.stderr[max(first, 0) :][:4000]}")
         layouts = json.loads(result.read_text())
-    no_sp = next(row["longest_seq_len"] for row in layouts if row["layout"] == "no SP")
     print(
         json.dumps(
             {
@@ -168,17 +177,21 @@ def main() -> None:
                 "ranks": RANKS,
                 "model": SHAPE,
                 "dtype": "fp32",
-                "attention": "sdpa",
                 "budget_mib_per_rank": args.budget_mib,
-                "longest_seq_len": {row["layout"]: row["longest_seq_len"] for row in layouts},
-                "longest_vs_no_sp": {
-                    row["layout"]: round((row["longest_seq_len"] or 0) / no_sp, 2) if no_sp else None for row in layouts
-                },
+                **{attention: longest(layouts, attention) for attention in ATTENTIONS},
                 "layouts": layouts,
                 "wall_s": round(time.perf_counter() - began, 1),
             }
         )
     )
+
+
+def longest(layouts: list[dict[str, Any]], attention: str) -> dict[str, Any]:
+    """The longest sequence each layout trained within the budget with `attention`, and its ratio to no SP's."""
+    rows = {row["layout"]: row["longest_seq_len"] for row in layouts if row["attention"] == attention}
+    no_sp = rows["no SP"]
+    ratios = {name: round((length or 0) / no_sp, 2) if no_sp else None for name, length in rows.items()}
+    return {"longest_seq_len": rows, "longest_vs_no_sp": ratios}
 
 
 if __name__ == "__main__":
