@@ -7,7 +7,8 @@ and the `full_weights`. Expert parallelism (`ep`, `efsdp`, tests/test_expert_par
 `forced` routing (every token of a Qwen3-MoE to experts 0 and 1: the ranks holding the others receive nothing),
 `ragged` micro-batches (every other one shorter: ranks exchange different token counts), other `strategy` keys, a
 checkpoint saved after step `save_at` and a run that `resume`s from one. Context parallel (`cp`,
-tests/test_context_parallel.py) adds: a caller's `loss_fn` (`caller_loss`) and the log-probs of a left-padded probe.
+tests/test_context_parallel.py) adds: a caller's `loss_fn` (`caller_loss`), the log-probs of a left-padded probe,
+other `model` and `training` keys (recompute, LoRA, the chunked loss), and the count of attention calls.
 `router_only` trains through a caller's loss_fn (the RL adapters' path) whose own loss has no gradient: what moves is
 the router loss alone. `lora`: the run's model.lora."""
 
@@ -25,10 +26,13 @@ import fsdp2kit
 LENGTH, ROWS, VOCAB = 16, 2, 64
 
 
-def micro_batches(step: int, count: int, ragged: bool = False, packed: bool = False) -> list[dict[str, torch.Tensor]]:
+def micro_batches(
+    step: int, count: int, ragged: bool = False, packed: bool | str = False
+) -> list[dict[str, torch.Tensor]]:
     """`count` micro-batches of step `step` (step -1: the probe), the same in every process, the last row of each
     right-padded: the router loss leaves padding out. `ragged`: every other micro-batch 4 tokens shorter; `packed`:
-    two documents a row (their positions count from 0 again), unpadded."""
+    two documents a row (their positions count from 0 again), unpadded; "mixed": micro-batches 2-3 of every 4 packed,
+    0-1 right-padded (so that each of 2 data-parallel ranks, taking every other one, gets one of each)."""
     generator = torch.Generator().manual_seed(2000 + step)
     batches = []
     for index in range(count):
@@ -36,7 +40,7 @@ def micro_batches(step: int, count: int, ragged: bool = False, packed: bool = Fa
         mask = torch.ones(ROWS, length, dtype=torch.long)
         mask[-1, length - 5 :] = 0
         ids = torch.randint(3, VOCAB, (ROWS, length), generator=generator).masked_fill(mask == 0, 2)
-        if packed:
+        if packed is True or (packed == "mixed" and index // 2 % 2):
             positions = (torch.arange(length) % (length // 2)).expand(ROWS, length)
             batches.append({"input_ids": ids.masked_fill(mask == 0, 5), "position_ids": positions})
         else:
@@ -80,6 +84,23 @@ def force_routing(model: torch.nn.Module) -> None:
             module.register_forward_hook(route)
 
 
+def count_attention_calls(model: torch.nn.Module) -> list[int]:
+    """Wrap the attention function the model is switched to with a counter of its calls (recompute calls it again in
+    backward); returns the counter, [calls]."""
+    from transformers import AttentionInterface
+
+    name = model.config.get_text_config()._attn_implementation
+    attention = AttentionInterface._global_mapping[name]
+    calls = [0]
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        return attention(*args, **kwargs)
+
+    AttentionInterface.register(name, counted)
+    return calls
+
+
 def config(run: dict[str, Any]) -> dict[str, Any]:
     per_expert = run["per_expert"]
     return {
@@ -89,6 +110,7 @@ def config(run: dict[str, Any]) -> dict[str, Any]:
             "context_parallel_size": run.get("cp", 1),
             "dtype": "fp32",
             **({"lora": run["lora"]} if run.get("lora") else {}),
+            **run.get("model", {}),
         },
         "strategy_args": {
             "strategy_config": {
@@ -106,6 +128,7 @@ def config(run: dict[str, Any]) -> dict[str, Any]:
             "max_steps": run["steps"],
             "max_grad_norm": 1.0,
             "output_dir": run["out"] + ".run",
+            **run.get("training", {}),
         },
     }
 
@@ -118,6 +141,7 @@ def train(run: dict[str, Any]) -> None:
     data_parallel = dist.get_world_size() // sequence
     rank = dist.get_rank() // sequence  # the ranks of a sequence group train the same micro-batches
     first = strategy.load_checkpoint(run["resume"])["step"] if run.get("resume") else 0
+    attention_calls = count_attention_calls(strategy.model)
     losses, grad_norms = [], []
     for step in range(first, run["steps"]):
         everyone = micro_batches(
@@ -130,6 +154,7 @@ def train(run: dict[str, Any]) -> None:
         grad_norms.append(result["grad_norm"])
         if step + 1 == run.get("save_at"):
             strategy.save_checkpoint(run["checkpoint"])
+    trained_attention_calls = attention_calls[0]
     log_probs = strategy.forward_step(micro_batches(-1, 1)[0])["log_probs"]
     left_log_probs = strategy.forward_step(left_padded_probe())["log_probs"] if run.get("left_padded") else None
     weights = {name: tensor.clone() for name, tensor in strategy.full_weights(bucket_bytes=1 << 14)}
@@ -144,6 +169,9 @@ def train(run: dict[str, Any]) -> None:
                 "left_log_probs": left_log_probs,
                 "data_parallel_size": strategy.data_parallel_size(),
                 "attention": strategy.model.config.get_text_config()._attn_implementation,
+                "attention_calls": trained_attention_calls,  # in the train steps, every layer's every call
+                "chunk_tokens": strategy.chunk_tokens,
+                "trained": [name for name, p in strategy.model.named_parameters() if p.requires_grad],
                 "weights": weights,
                 "loss_scale": strategy.scaler.scale,
             },

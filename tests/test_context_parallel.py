@@ -82,6 +82,7 @@ def run(folder: Path, out: Path, accumulation: int, **options: Any) -> dict[str,
         "steps": STEPS,
         "export": False,
         "left_padded": True,
+        "packed": "mixed",
         **options,
     }
 
@@ -104,17 +105,19 @@ def results(planned: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return {key: torch.load(spec["out"]) for key, spec in planned.items()}
 
 
+# LoRA over every linear layer, B random (peft's init_lora_weights: false) so that the adapters count from step 1.
+LORA = {"lora": {"rank": 4, "target_modules": "all-linear", "init_lora_weights": False}}
+
+
 @pytest.fixture(scope="module")
 def one_rank(folders: dict[str, Path], out: Path) -> dict[str, dict[str, Any]]:
-    """The references, in this process (a world of one): 4 micro-batches a step; the dense one checkpointed after
-    step 2 is not needed (the resumes compare with its step 3)."""
+    """The references, in this process (a world of one): 4 micro-batches a step, 2 right-padded and 2 of packed
+    documents (`micro_batches`' "mixed"): every run below trains both kinds in each step."""
     dense, moe = folders["dense"], folders["moe"]
     planned = {
         "dense": run(dense, out / "dense-1.pt", 4),
-        "dense packed": run(dense, out / "dense-packed-1.pt", 4, packed=True),
-        "dense caller": run(dense, out / "dense-caller-1.pt", 4, caller_loss=True),
+        "dense lora": run(dense, out / "dense-lora-1.pt", 4, model=LORA),
         "moe": run(moe, out / "moe-1.pt", 4),
-        "moe packed": run(moe, out / "moe-packed-1.pt", 4, packed=True),
     }
     try:
         for spec in planned.values():
@@ -126,15 +129,23 @@ def one_rank(folders: dict[str, Path], out: Path) -> dict[str, dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def two_ranks(folders: dict[str, Path], out: Path, one_rank: dict) -> dict[str, dict[str, Any]]:
-    """One 2-rank launch: CP 2 (packed, padded, a caller's loss), CP 2 with EP 2 on the MoE, and the resumes of CP 2's
-    checkpoint at CP 1 (2 data-parallel ranks) and at Ulysses 2."""
+    """One 2-rank launch: CP 2 with a caller's loss and every decoder layer recomputed, CP 2 with LoRA and the loss in
+    chunks of 3 tokens, CP 2 with EP 2 on the MoE, and the resumes of CP 2's checkpoint at CP 1 (2 data-parallel
+    ranks) and at Ulysses 2."""
     dense, moe, checkpoint = folders["dense"], folders["moe"], str(out / "ckpt-cp2")
     planned = {
-        "cp2": run(dense, out / "cp2.pt", 4, cp=2, save_at=2, checkpoint=checkpoint),
-        "cp2 packed": run(dense, out / "cp2-packed.pt", 4, cp=2, packed=True),
-        "cp2 caller": run(dense, out / "cp2-caller.pt", 4, cp=2, caller_loss=True),
+        "cp2": run(
+            dense,
+            out / "cp2.pt",
+            4,
+            cp=2,
+            caller_loss=True,
+            model={"gradient_checkpointing": True},
+            save_at=2,
+            checkpoint=checkpoint,
+        ),
+        "cp2 lora": run(dense, out / "cp2-lora.pt", 4, cp=2, model=LORA, training={"loss_chunk_tokens": 3}),
         "cp2 ep2": run(moe, out / "cp2-ep2.pt", 4, cp=2, ep=2),
-        "cp2 ep2 packed": run(moe, out / "cp2-ep2-packed.pt", 4, cp=2, ep=2, packed=True),
         "cp2->cp1": run(dense, out / "resume-cp1.pt", 2, resume=checkpoint),
         "cp2->ulysses2": run(dense, out / "resume-u2.pt", 4, ulysses=2, resume=checkpoint),
     }
@@ -146,16 +157,14 @@ def two_ranks(folders: dict[str, Path], out: Path, one_rank: dict) -> dict[str, 
 
 @pytest.fixture(scope="module")
 def four_ranks(folders: dict[str, Path], out: Path, two_ranks: dict) -> dict[str, dict[str, Any]]:
-    """One 4-rank launch: CP 4, Ulysses 2 x CP 2, and CP 2 beside HSDP (2 data-parallel ranks, mesh (2, 2))."""
+    """One 4-rank launch: CP 4, Ulysses 2 x CP 2 (its decoder layers recomputed by name), and CP 2 beside HSDP (2
+    data-parallel ranks, mesh (2, 2))."""
     dense = folders["dense"]
-    hsdp = {"strategy": {"fsdp_size": 2}}
+    recompute = {"strategy": {"recompute_modules": ["model.layers.{*}"]}}
     planned = {
         "cp4": run(dense, out / "cp4.pt", 4, cp=4),
-        "cp4 packed": run(dense, out / "cp4-packed.pt", 4, cp=4, packed=True),
-        "u2cp2": run(dense, out / "u2cp2.pt", 4, cp=2, ulysses=2),
-        "u2cp2 packed": run(dense, out / "u2cp2-packed.pt", 4, cp=2, ulysses=2, packed=True),
-        "cp2 hsdp": run(dense, out / "cp2-hsdp.pt", 2, cp=2, **hsdp),
-        "cp2 hsdp packed": run(dense, out / "cp2-hsdp-packed.pt", 2, cp=2, packed=True, **hsdp),
+        "u2cp2": run(dense, out / "u2cp2.pt", 4, cp=2, ulysses=2, **recompute),
+        "cp2 hsdp": run(dense, out / "cp2-hsdp.pt", 2, cp=2, strategy={"fsdp_size": 2}),
     }
     spec = out / "four_ranks.json"
     spec.write_text(json.dumps(list(planned.values())))
@@ -186,37 +195,41 @@ def assert_same_training(
     return max(worst, probe)
 
 
+# What each case turns on besides CP, and the proof that it was on: a recomputed layer attends twice per micro-batch
+# (the attention calls of the train steps double), LoRA's adapters are what trains, the loss was cut in chunks.
+RECOMPUTED, LORA_WEIGHTS, CHUNKED = "recomputed", "lora weights", "chunked loss"
+
+
+def assert_features_on(got: dict[str, Any], reference: dict[str, Any], features: set[str]) -> None:
+    twice = got["attention_calls"] == 2 * reference["attention_calls"]
+    assert twice == (RECOMPUTED in features), (got["attention_calls"], reference["attention_calls"])
+    assert any(".lora_B." in name for name in got["trained"]) == (LORA_WEIGHTS in features)
+    assert (got["chunk_tokens"] == 3) == (CHUNKED in features)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("case", "reference", "weight_atol"),
+    ("case", "reference", "weight_atol", "features"),
     [
-        ("cp2", "dense", 1e-5),
-        ("cp2 packed", "dense packed", 1e-5),
-        ("cp2 caller", "dense caller", 1e-5),
-        # One element of the MoE's layer-1 norm has a gradient of 3.7e-6 (the median is 2.5e-3): AdamW's normalised
-        # update of it turns fp32 summation order into a 1.1e-5 weight difference; every other weight is within 1e-6.
-        ("cp2 ep2", "moe", 2e-5),
-        ("cp2 ep2 packed", "moe packed", 1e-5),
+        ("cp2", "dense", 1e-5, {RECOMPUTED}),  # and a caller's loss_fn
+        ("cp2 lora", "dense lora", 1e-5, {LORA_WEIGHTS, CHUNKED}),
+        # One element of the MoE's layer-1 norm has a tiny gradient (3.7e-6 where the median is 2.5e-3): AdamW's
+        # normalised update of it turns fp32 summation order into a ~1e-5 weight difference.
+        ("cp2 ep2", "moe", 2e-5, set()),
     ],
 )
-def test_cp2_on_two_ranks_trains_like_one_rank(case, reference, weight_atol, one_rank, two_ranks):
+def test_cp2_on_two_ranks_trains_like_one_rank(case, reference, weight_atol, features, one_rank, two_ranks):
+    assert_features_on(two_ranks[case], one_rank[reference], features)
     print(f"{case}: max difference", assert_same_training(two_ranks[case], one_rank[reference], 1, weight_atol))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("case", "reference", "data_parallel"),
-    [
-        ("cp4", "dense", 1),
-        ("cp4 packed", "dense packed", 1),
-        ("u2cp2", "dense", 1),
-        ("u2cp2 packed", "dense packed", 1),
-        ("cp2 hsdp", "dense", 2),
-        ("cp2 hsdp packed", "dense packed", 2),
-    ],
+    ("case", "data_parallel", "features"), [("cp4", 1, set()), ("u2cp2", 1, {RECOMPUTED}), ("cp2 hsdp", 2, set())]
 )
-def test_cp_on_four_ranks_trains_like_one_rank(case, reference, data_parallel, one_rank, four_ranks):
-    print(f"{case}: max difference", assert_same_training(four_ranks[case], one_rank[reference], data_parallel))
+def test_cp_on_four_ranks_trains_like_one_rank(case, data_parallel, features, one_rank, four_ranks):
+    assert_features_on(four_ranks[case], one_rank["dense"], features)
+    print(f"{case}: max difference", assert_same_training(four_ranks[case], one_rank["dense"], data_parallel))
 
 
 @pytest.mark.slow

@@ -82,3 +82,46 @@ def test_two_models_with_different_ulysses_groups_each_attend_over_their_own(mon
                 model(**batch)
                 assert used and all(g is group for g in used), model.config._attn_implementation
     assert models[0].config._attn_implementation != models[1].config._attn_implementation
+
+
+def _context_parallel_rank(rank: int, port: int, want: torch.Tensor, results: dict) -> None:
+    """Rank `rank` of 2 (context parallel 2, gloo): the VL model's logits of this rank's tokens, as the trainer cuts
+    a VL micro-batch (`shard_vision_batch` records the index maps, the language model's entry cuts the embeddings)."""
+    from fsdp2kit.config.schema import StrategyConfig
+    from fsdp2kit.parallel.mesh import mesh_layout, sequence_parallel_group
+    from fsdp2kit.parallel.ulysses import token_order
+    from fsdp2kit.parallel.vision import shard_vision_batch
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        group = sequence_parallel_group(mesh_layout(2, StrategyConfig(), context_parallel_size=2))
+        model = tiny_vl_model()
+        apply_ulysses(model, group, "text_config")
+        apply_vision_ulysses(model, group)
+        batch = left_padded(model.config.get_text_config().vocab_size)
+        sharded = shard_vision_batch({**batch, "labels": batch["input_ids"]}, group)
+        with torch.no_grad():
+            got = model(input_ids=sharded["input_ids"], attention_mask=sharded["attention_mask"]).logits
+        local = token_order(16, 2, 1)[rank, 0]
+        real = batch["attention_mask"].bool()[:, local]
+        results[rank] = ((got - want[:, local])[real].abs().max().item(), tuple(local.tolist()))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_a_vision_language_model_under_context_parallel_keeps_left_padding_masked():
+    """Context parallel 2 on 2 ranks: each rank holds a front chunk and its mirror of the merged sequence; the logits
+    of its real tokens equal transformers' model's on the whole left-padded batch (the padding masked out as keys in
+    the rectangular mask over the gathered keys)."""
+    import torch.multiprocessing as mp
+
+    from fsdp2kit.distributed import free_port
+
+    reference = tiny_vl_model()
+    with torch.no_grad():
+        want = reference(**left_padded(reference.config.get_text_config().vocab_size)).logits
+    results = mp.Manager().dict()
+    mp.spawn(_context_parallel_rank, args=(free_port(), want, results), nprocs=2)
+    assert results[0][1] == (0, 1, 2, 3, 12, 13, 14, 15) and results[1][1] == (4, 5, 6, 7, 8, 9, 10, 11)
+    assert max(results[0][0], results[1][0]) < 1e-5, dict(results)

@@ -320,8 +320,10 @@ def training_config(dataset, tmp_path_factory) -> Path:
     return path
 
 
-def train_losses(config: Path, out: Path, ranks: int, *settings: str) -> list[float]:
-    accumulation = 2 // ranks if "model.ulysses_size=2" not in settings else 2
+def train_records(config: Path, out: Path, ranks: int, *settings: str) -> list[dict]:
+    """The metrics records of a run (a sequence group of 2 ranks trains one micro-batch at a time, as 1 rank)."""
+    sequence = any(s in settings for s in ("model.ulysses_size=2", "model.context_parallel_size=2"))
+    accumulation = 2 // ranks if not sequence else 2
     run(
         config,
         ranks,
@@ -330,18 +332,23 @@ def train_losses(config: Path, out: Path, ranks: int, *settings: str) -> list[fl
         f"training.output_dir={out}",
         *settings,
     )
-    return [record["loss"] for record in read_metrics(out)]
+    return read_metrics(out)
+
+
+def train_losses(config: Path, out: Path, ranks: int, *settings: str) -> list[float]:
+    return [record["loss"] for record in train_records(config, out, ranks, *settings)]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "name, frozen",
     [(QWEN25, "model.visual"), (QWEN3, "[]")],
-    ids=["Qwen2.5-VL, tower frozen", "Qwen3-VL, tower trained, and Ulysses"],
+    ids=["Qwen2.5-VL, tower frozen", "Qwen3-VL, tower trained, Ulysses and CP"],
 )
 def test_two_ranks_train_like_one_with_text_only_micro_batches(training_config, tmp_path, name, frozen):
     model = [f"model.name_or_path={name}", f"model.freeze_module_prefix={frozen}"]
-    one = train_losses(training_config, tmp_path / "one", 1, *model, "training.export_hf=true")
+    one_records = train_records(training_config, tmp_path / "one", 1, *model, "training.export_hf=true")
+    one = [record["loss"] for record in one_records]
     two = train_losses(training_config, tmp_path / "two", 2, *model)
     assert len(one) == len(two) == STEPS
     assert two == pytest.approx(one, rel=1e-5)
@@ -355,9 +362,14 @@ def test_two_ranks_train_like_one_with_text_only_micro_batches(training_config, 
         )
         assert converted.keys() == exported.keys() and "visual.blocks.0.attn.qkv.weight" in converted
         assert all(torch.equal(converted[key], exported[key]) for key in converted)
-    else:  # Ulysses: the sequence split after the image (and deepstack) features are merged, the tower unsplit
+    else:  # Ulysses and CP: the sequence cut after the image (and deepstack) features are merged, the tower unsplit
         ulysses = train_losses(training_config, tmp_path / "ulysses", 2, *model, "model.ulysses_size=2")
         assert ulysses == pytest.approx(one, rel=1e-5)
+        # Context parallel: a front chunk and its mirror of the merged sequence (image tokens inside) per rank. Were
+        # CP ignored, the 2 ranks would be 2 data-parallel ranks with 2 micro-batches each: twice the samples a step.
+        cp = train_records(training_config, tmp_path / "cp", 2, *model, "model.context_parallel_size=2")
+        assert [record["loss"] for record in cp] == pytest.approx(one, rel=1e-5)
+        assert [record["grad_norm"] for record in cp] == pytest.approx([r["grad_norm"] for r in one_records], rel=1e-5)
 
 
 # A run with the vision patch left out, its ranks launched here so that the patch can be removed in them.

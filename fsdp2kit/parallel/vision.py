@@ -1,5 +1,5 @@
 """Vision-language models under FSDP2: the projector's shard group, the collective-safety patch for ranks without
-images, and Ulysses sequence parallel after the image features are merged into the embeddings.
+images, and Ulysses sequence parallel and context parallel after the image features are merged into the embeddings.
 
 A micro-batch without images skips the vision tower in transformers' forward. Under FSDP the tower's shard groups
 all-gather their parameters when called and reduce-scatter their gradients in backward, so a rank that skips them
@@ -18,10 +18,9 @@ import torch
 import torch.nn as nn
 from torch.distributed import ProcessGroup
 
-from fsdp2kit.errors import UserError
 from fsdp2kit.labels import IGNORE_INDEX
 from fsdp2kit.parallel.mesh import sequence_subgroups
-from fsdp2kit.parallel.ulysses import padding_mask, remember_tokens
+from fsdp2kit.parallel.ulysses import padding_mask, remember_tokens, token_order
 
 _PROJECTOR_CLASS = re.compile(r"(Merger|Projector)$")
 
@@ -136,36 +135,54 @@ def apply_vision_patch(model: nn.Module) -> None:
     inner.register_forward_hook(after, with_kwargs=True)
 
 
+def _vision_cut(group: ProcessGroup, length: int) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    """This rank's tokens of a VL sequence of `length` (a multiple of the cut) as `token_order` cuts a text one: a
+    contiguous 1/k under Ulysses, a front chunk and its mirror under context parallel; and, under context parallel,
+    the global index of its queries and of the gathered keys (None without)."""
+    subgroups = sequence_subgroups(group)
+    ulysses = (subgroups.ulysses.size(), subgroups.ulysses.rank()) if subgroups.ulysses is not None else (1, 0)
+    context = (subgroups.context.size(), subgroups.context.rank()) if subgroups.context is not None else (1, 0)
+    order = token_order(length, context[0], ulysses[0])
+    indices = (order[context[1]].flatten(), order.flatten()) if context[0] > 1 else None
+    return order[context[1], ulysses[1]], indices
+
+
+def _cut_multiple(group: ProcessGroup) -> int:
+    """The multiple a sequence is padded to before `_vision_cut`: k x c, and 2c chunks under context parallel."""
+    context = sequence_subgroups(group).context
+    return group.size() * (2 if context is not None else 1)
+
+
 def apply_vision_ulysses(model: nn.Module, group: ProcessGroup) -> None:
-    """Ulysses for a VL model: the tower runs unsplit on every rank of the group (all hold the whole samples), the
-    image features are merged into the embeddings of the whole sequence and the 3-D (mrope) positions computed over
-    it; then, at the entry of the language model, each rank keeps its contiguous 1/k of the tokens. The language
-    model's attention is the Ulysses wrapper; the tower's stays the configured one."""
-    if sequence_subgroups(group).context is not None:
-        raise UserError(
-            "model.context_parallel_size > 1 is not available for vision-language models (their tower and mrope "
-            "positions need the whole sequence, cut contiguously); use model.ulysses_size"
-        )
+    """Ulysses and context parallel for a VL model: the tower runs unsplit on every rank of the group (all hold the
+    whole samples), the image features are merged into the embeddings of the whole sequence and the 3-D (mrope)
+    positions computed over it; then, at the entry of the language model, each rank keeps its share of the tokens
+    (`_vision_cut`, the cut of a text batch). The language model's attention is the sequence wrapper; the tower's
+    stays the configured one."""
     language_model = vision_tower_owner(model).language_model
-    size, rank = group.size(), group.rank()
 
     def split(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
         embeds = kwargs["inputs_embeds"]
         length = embeds.shape[1]
-        local = slice(rank * length // size, (rank + 1) * length // size)
+        local, indices = _vision_cut(group, length)
+        local = local.to(embeds.device)
         positions = kwargs.get("position_ids")
         if positions is None:  # no image: the model would number the local slice from 0
             positions = torch.arange(length, device=embeds.device).expand(3, embeds.shape[0], -1)
         kwargs["inputs_embeds"] = embeds[:, local]
         kwargs["position_ids"] = positions[..., local]
         # Over the whole sequence, as parallel/ulysses.py:shard_sequence cuts a text batch: left padding (RL's
-        # prompts) masked out as keys; right padding needs no mask under causal attention.
+        # prompts) masked out as keys (rows: this rank's queries, columns: the gathered keys); right padding needs
+        # no mask under causal attention.
         mask = kwargs.get("attention_mask")
         real = mask.bool() if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
         attend = None if real is None else padding_mask(real)
+        if attend is not None and indices is not None:
+            queries, keys = (t.to(attend.device) for t in indices)
+            attend = attend[:, queries][:, :, keys]
         kwargs["attention_mask"] = None if attend is None else attend[:, None]
         masks = kwargs.get("visual_pos_masks")
-        if masks is not None:  # Qwen3-VL's deepstack: the visual rows of this slice
+        if masks is not None:  # Qwen3-VL's deepstack: the visual rows of this share (in sequence order, as `local`)
             mine = torch.zeros_like(masks)
             mine[:, local] = True
             keep = mine[masks]
@@ -177,19 +194,20 @@ def apply_vision_ulysses(model: nn.Module, group: ProcessGroup) -> None:
 
 
 def shard_vision_batch(batch: dict[str, torch.Tensor], group: ProcessGroup) -> dict[str, torch.Tensor]:
-    """A VL micro-batch for Ulysses: the whole token sequence (the tower and the mrope positions need it), padded at
-    the end to a multiple of k with non-target text tokens, and this rank's 1/k of the labels."""
+    """A VL micro-batch for Ulysses or context parallel: the whole token sequence (the tower and the mrope positions
+    need it), padded at the end to a multiple of the cut with non-target text tokens, and this rank's share of the
+    labels; under context parallel the index maps the attention wrapper and the log-prob gather read."""
     import torch.nn.functional as F
 
-    size, rank = group.size(), group.rank()
     length = batch["input_ids"].shape[1]
-    pad = -length % size
+    pad = -length % _cut_multiple(group)
     sharded = dict(batch)
     for key, value in (("input_ids", 0), ("attention_mask", 0), ("mm_token_type_ids", 0), ("labels", IGNORE_INDEX)):
         if key in batch:
             sharded[key] = F.pad(batch[key], (0, pad), value=value)
     total = length + pad
-    sharded["labels"] = sharded["labels"][:, rank * total // size : (rank + 1) * total // size]
-    # The padded attention mask reaches the MoE router loss: it counts every row, in sequence order.
-    remember_tokens(group, torch.ones(batch["input_ids"].shape[0], total, dtype=torch.bool))
+    local, indices = _vision_cut(group, total)
+    sharded["labels"] = sharded["labels"][:, local]
+    # The padded attention mask reaches the MoE router loss: it counts every row, in the order the ranks hold them.
+    remember_tokens(group, torch.ones(batch["input_ids"].shape[0], total, dtype=torch.bool), None, indices)
     return sharded
