@@ -9,7 +9,8 @@ and the `full_weights`. Expert parallelism (`ep`, `efsdp`, tests/test_expert_par
 checkpoint saved after step `save_at` and a run that `resume`s from one. Context parallel (`cp`,
 tests/test_context_parallel.py) adds: a caller's `loss_fn` (`caller_loss`) and the log-probs of a left-padded probe.
 `router_only` trains through a caller's loss_fn (the RL adapters' path) whose own loss has no gradient: what moves is
-the router loss alone."""
+the router loss alone. `training` adds training keys (`optimizer: muon`: each rank's orthogonalised matrices are
+saved, tests/test_muon.py)."""
 
 from __future__ import annotations
 
@@ -105,6 +106,7 @@ def config(run: dict[str, Any]) -> dict[str, Any]:
             "max_steps": run["steps"],
             "max_grad_norm": 1.0,
             "output_dir": run["out"] + ".run",
+            **run.get("training", {}),
         },
     }
 
@@ -117,7 +119,7 @@ def train(run: dict[str, Any]) -> None:
     data_parallel = dist.get_world_size() // sequence
     rank = dist.get_rank() // sequence  # the ranks of a sequence group train the same micro-batches
     first = strategy.load_checkpoint(run["resume"])["step"] if run.get("resume") else 0
-    losses, grad_norms = [], []
+    losses, grad_norms, orthogonalised = [], [], []
     for step in range(first, run["steps"]):
         everyone = micro_batches(
             step, run["accumulation"] * data_parallel, run.get("ragged", False), run.get("packed", False)
@@ -127,11 +129,14 @@ def train(run: dict[str, Any]) -> None:
         result = strategy.train_step(mine, loss_fn)
         losses.append(result["loss"])
         grad_norms.append(result["grad_norm"])
+        orthogonalised.append(list(getattr(strategy.optimizer, "orthogonalised", [])))
         if step + 1 == run.get("save_at"):
             strategy.save_checkpoint(run["checkpoint"])
     log_probs = strategy.forward_step(micro_batches(-1, 1)[0])["log_probs"]
     left_log_probs = strategy.forward_step(left_padded_probe())["log_probs"] if run.get("left_padded") else None
     weights = {name: tensor.clone() for name, tensor in strategy.full_weights(bucket_bytes=1 << 14)}
+    ranks_orthogonalised: list = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks_orthogonalised, orthogonalised)
     if run["export"]:
         strategy.export_hf(run["out"] + ".hf")
     if dist.get_rank() == 0:
@@ -145,6 +150,7 @@ def train(run: dict[str, Any]) -> None:
                 "attention": strategy.model.config.get_text_config()._attn_implementation,
                 "weights": weights,
                 "loss_scale": strategy.scaler.scale,
+                "orthogonalised": ranks_orthogonalised,
             },
             run["out"],
         )
