@@ -305,6 +305,18 @@ def test_muon_at_ep2_equals_one_process(tmp_path):
             )
 
 
+def test_plan_traces_muon_on_expert_parallel_stacked_experts():
+    """`plan` of a Muon run at EP 2 traces the step (it builds the optimizer over fake expert-sharded tensors): each
+    rank's momentum is one buffer for its 2 experts of each stacked tensor, and an expert's matrix is counted whole."""
+    from fsdp2kit.memory_plan import ConfigSource, predict
+
+    tiny = ["model.name_or_path=builtin:tiny-qwen3-moe", "data.seq_len=64", "training.optimizer=muon"]
+    tiny += ["strategy_args.strategy_config.ep_size=2", "training.gradient_accumulation_steps=1"]
+    plan = predict(ConfigSource("examples/demo.yaml", tiny, None, None), 2)
+    assert plan["computed"]["muon_gathered_matrix"] > 0
+    assert plan["categories"]["optstate"] > 0
+
+
 def test_muon_with_cpu_offload_is_one_line():
     with pytest.raises(UserError) as refused:
         load_config(

@@ -88,17 +88,23 @@ def shard_group(name: str, param: torch.Tensor) -> ShardGroup:
     return ShardGroup(mesh.get_group(sharded[0]), mesh.size(sharded[0]), mesh.get_local_rank(sharded[0]))
 
 
-def held_experts(name: str, param: torch.Tensor) -> range:
-    """The experts (indices into the stacked tensor's first dimension) whose whole matrices this rank holds. FSDP2 and
-    expert parallelism shard stacked experts by expert only (Shard(0), or FSDP's strided shard under EP), so each
-    rank holds whole matrices: it orthogonalises them itself, nothing to gather, the work divided as the experts are."""
-    if not isinstance(param, DTensor):
-        return range(param.shape[0])
-    if any(not isinstance(p, Replicate) and getattr(p, "dim", None) != 0 for p in param.placements):
+def require_whole_experts(name: str, param: torch.Tensor) -> None:
+    """FSDP2 and expert parallelism shard stacked experts by expert only (Shard(0), or FSDP's strided shard under
+    EP), so each rank holds whole expert matrices: it orthogonalises them itself, nothing to gather, the work divided
+    as the experts are. Any other placement is refused."""
+    if isinstance(param, DTensor) and any(
+        not isinstance(p, Replicate) and getattr(p, "dim", None) != 0 for p in param.placements
+    ):
         raise UserError(
             f"training.optimizer: muon orthogonalises stacked experts held whole by their ranks (sharded by expert); "
             f"{name} is placed {list(param.placements)}: use training.optimizer: adamw"
         )
+
+
+def held_experts(param: torch.Tensor) -> range:
+    """The experts (indices into the stacked tensor's first dimension) whose matrices this rank holds."""
+    if not isinstance(param, DTensor):
+        return range(param.shape[0])
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
@@ -136,7 +142,7 @@ def exchanges(names: list[str], matrices: list[nn.Parameter]) -> list[Exchange]:
     by_group: dict[ShardGroup, list[int]] = {}
     for index, (name, param) in enumerate(zip(names, matrices, strict=True)):
         if param.ndim == 3:
-            continue  # stacked experts: each rank orthogonalises the experts it holds (held_experts)
+            continue  # stacked experts: each rank orthogonalises the experts it holds (require_whole_experts)
         by_group.setdefault(shard_group(name, param), []).append(index)
     plans = []
     for shards, indices in by_group.items():
@@ -207,7 +213,9 @@ class MuonWithAdamW(torch.optim.Optimizer):
         self.names = [name for name, _ in matrices]
         self.matrices = [param for _, param in matrices]
         self.exchanges = exchanges(self.names, self.matrices)
-        self.experts = {i: held_experts(n, p) for i, (n, p) in enumerate(matrices) if p.ndim == 3}
+        self.stacked = [index for index, param in enumerate(self.matrices) if param.ndim == 3]
+        for index in self.stacked:
+            require_whole_experts(self.names[index], self.matrices[index])
         self.orthogonalised: list[str] = []
 
     def _link_adamw(self) -> None:
@@ -232,9 +240,9 @@ class MuonWithAdamW(torch.optim.Optimizer):
         for exchange in self.exchanges:
             for owners in exchange.rounds:
                 self._round(exchange.shards, owners, updates, groups)
-        for index, experts in self.experts.items():
+        for index in self.stacked:
             if index in updates:
-                self._experts(index, experts, updates[index], groups[id(self.matrices[index])])
+                self._experts(index, updates[index], groups[id(self.matrices[index])])
         if self.adamw is not None:
             self.adamw.step()
         return loss
@@ -286,11 +294,11 @@ class MuonWithAdamW(torch.optim.Optimizer):
                 param = self.matrices[index]
                 self._apply(_local(param), piece.view_as(updates[index]), groups[id(param)], param.shape)
 
-    def _experts(self, index: int, experts: range, update: torch.Tensor, group: dict[str, Any]) -> None:
+    def _experts(self, index: int, update: torch.Tensor, group: dict[str, Any]) -> None:
         """Each expert this rank holds of a stacked experts tensor orthogonalised and updated as its own matrix."""
         param = self.matrices[index]
         weights = _local(param)
-        for local, expert in enumerate(experts):
+        for local, expert in enumerate(held_experts(param)):
             self._apply(weights[local], orthogonalise(update[local], group), group, param.shape)
             self.orthogonalised.append(f"{self.names[index]}[{expert}]")
 
@@ -306,7 +314,7 @@ def gathered_matrix_bytes(optimizer: MuonWithAdamW) -> int:
     (a stacked expert's is already here), and Newton-Schulz's iterate, its Gram matrix, their product and the next
     iterate (A x B, min(A, B) squared)."""
     mine = [owners[exchange.shards.coordinate] for exchange in optimizer.exchanges for owners in exchange.rounds]
-    mine += [index for index, held in optimizer.experts.items() if held]
+    mine += [index for index in optimizer.stacked if _local(optimizer.matrices[index]).shape[0]]
     return max((newton_schulz_bytes(optimizer.matrices[i].shape) for i in mine if i is not None), default=0)
 
 
