@@ -10,7 +10,8 @@ checkpoint saved after step `save_at` and a run that `resume`s from one. Context
 tests/test_context_parallel.py) adds: a caller's `loss_fn` (`caller_loss`), the log-probs of a left-padded probe,
 other `model` and `training` keys (recompute, LoRA, the chunked loss), and the count of attention calls.
 `router_only` trains through a caller's loss_fn (the RL adapters' path) whose own loss has no gradient: what moves is
-the router loss alone. `lora`: the run's model.lora."""
+the router loss alone. `lora`: the run's model.lora; `training: {optimizer: muon}`: each rank's orthogonalised
+matrices are saved (tests/test_muon.py)."""
 
 from __future__ import annotations
 
@@ -142,7 +143,7 @@ def train(run: dict[str, Any]) -> None:
     rank = dist.get_rank() // sequence  # the ranks of a sequence group train the same micro-batches
     first = strategy.load_checkpoint(run["resume"])["step"] if run.get("resume") else 0
     attention_calls = count_attention_calls(strategy.model)
-    losses, grad_norms = [], []
+    losses, grad_norms, orthogonalised = [], [], []
     for step in range(first, run["steps"]):
         everyone = micro_batches(
             step, run["accumulation"] * data_parallel, run.get("ragged", False), run.get("packed", False)
@@ -152,12 +153,15 @@ def train(run: dict[str, Any]) -> None:
         result = strategy.train_step(mine, loss_fn)
         losses.append(result["loss"])
         grad_norms.append(result["grad_norm"])
+        orthogonalised.append(list(getattr(strategy.optimizer, "orthogonalised", [])))
         if step + 1 == run.get("save_at"):
             strategy.save_checkpoint(run["checkpoint"])
     trained_attention_calls = attention_calls[0]
     log_probs = strategy.forward_step(micro_batches(-1, 1)[0])["log_probs"]
     left_log_probs = strategy.forward_step(left_padded_probe())["log_probs"] if run.get("left_padded") else None
     weights = {name: tensor.clone() for name, tensor in strategy.full_weights(bucket_bytes=1 << 14)}
+    ranks_orthogonalised: list = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks_orthogonalised, orthogonalised)
     if run["export"]:
         strategy.export_hf(run["out"] + ".hf")
     if dist.get_rank() == 0:
@@ -174,6 +178,7 @@ def train(run: dict[str, Any]) -> None:
                 "trained": [name for name, p in strategy.model.named_parameters() if p.requires_grad],
                 "weights": weights,
                 "loss_scale": strategy.scaler.scale,
+                "orthogonalised": ranks_orthogonalised,
             },
             run["out"],
         )

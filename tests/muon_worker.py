@@ -47,9 +47,26 @@ def counting_newton_schulz() -> list[int]:
     return calls
 
 
+class StackedExperts(nn.Module):
+    """A fused experts module as transformers 5 holds one: 5 experts' 7 x 4 matrices stacked (5 split unevenly over 2
+    ranks, whole experts each), and per-expert biases (2-D, to AdamW)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.randn(5, 7, 4))
+        self.gate_up_proj_bias = nn.Parameter(torch.randn(5, 7))
+
+
+class MoE(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.experts = StackedExperts()
+
+
 class Matrices(nn.Module):
     """Odd shapes: 13 rows shard unevenly over 2 and 4 ranks, 3 rows leave a rank of 4 without any, a tall matrix is
-    transposed inside Newton-Schulz; an embedding, biases and a norm go to AdamW."""
+    transposed inside Newton-Schulz; stacked experts are one matrix per expert; an embedding, biases, a norm and the
+    experts' biases go to AdamW."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -58,9 +75,30 @@ class Matrices(nn.Module):
         self.tall = nn.Linear(3, 40, bias=False)
         self.wide = nn.Linear(40, 3, bias=False)
         self.norm = nn.LayerNorm(6)
+        self.mlp = MoE()
 
 
-MATRICES = ["square.weight", "tall.weight", "wide.weight"]
+EXPERTS = [f"mlp.experts.gate_up_proj[{expert}]" for expert in range(5)]
+MATRICES = sorted(["square.weight", "tall.weight", "wide.weight", *EXPERTS])
+
+
+class PerExpertMuon:
+    """The reference for stacked experts: torch.optim.Muon over one 2-D parameter per expert (copies of the stacked
+    tensor's slices), each given its slice of the gradient, the results copied back."""
+
+    def __init__(self, stacked: nn.Parameter, **muon: float | str) -> None:
+        self.stacked = stacked
+        self.experts = [nn.Parameter(matrix.detach().clone()) for matrix in stacked]
+        self.muon = torch.optim.Muon(self.experts, **muon)
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for expert, (matrix, grad) in enumerate(zip(self.stacked, self.stacked.grad, strict=True)):
+            self.experts[expert].copy_(matrix)
+            self.experts[expert].grad = grad.clone()
+        self.muon.step()
+        for expert, matrix in enumerate(self.experts):
+            self.stacked[expert].copy_(matrix)
 
 
 def step_on_given_gradients(fsdp_size: int, steps: int = 2) -> dict:
@@ -77,8 +115,11 @@ def step_on_given_gradients(fsdp_size: int, steps: int = 2) -> dict:
     tc = TrainingConfig(optimizer="muon", learning_rate=1e-2, weight_decay=0.1)
     optimizer = build_optimizer(sharded, tc)
     params = dict(plain.named_parameters())
-    muon = torch.optim.Muon([params[n] for n in MATRICES], lr=1e-2, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
-    rest = [n for n in params if n not in MATRICES]
+    settings = {"lr": 1e-2, "weight_decay": 0.1, "adjust_lr_fn": "match_rms_adamw"}
+    whole = [n for n in MATRICES if n not in EXPERTS]
+    muon = torch.optim.Muon([params[n] for n in whole], **settings)  # type: ignore[arg-type]
+    experts_muon = PerExpertMuon(params["mlp.experts.gate_up_proj"], **settings)
+    rest = [n for n in params if n not in whole and n != "mlp.experts.gate_up_proj"]
     adamw = torch.optim.AdamW(
         [
             {"params": [params[n] for n in rest if params[n].ndim >= 2], "weight_decay": 0.1},
@@ -96,6 +137,7 @@ def step_on_given_gradients(fsdp_size: int, steps: int = 2) -> dict:
             param.grad = distribute_tensor(grad, param.device_mesh, param.placements)
         optimizer.step()
         muon.step()
+        experts_muon.step()
         adamw.step()
         orthogonalised.append(sorted(optimizer.orthogonalised))
     differences = {

@@ -259,6 +259,64 @@ def test_plan_counts_one_momentum_buffer_per_matrix_and_the_gathered_matrix():
     assert "muon_gathered_matrix" not in adamw
 
 
+@pytest.mark.slow
+def test_muon_at_ep2_equals_one_process(tmp_path):
+    """Expert parallelism (EP 2 on 2 ranks, builtin tiny-qwen3-moe, 4 experts a layer): each rank holds 2 experts of
+    every stacked tensor whole and orthogonalises those itself (nothing gathered over ep); 3 steps give one process's
+    losses and weights (fsdp2kit at one rank, which steps each expert as torch.optim.Muon steps a matrix of its own:
+    test_muon_step_on_given_gradients_is_torch_muon_and_adamw)."""
+    from moe_families_worker import train as train_in_process
+
+    def run(out: str, ep: int) -> dict:
+        return {
+            "folder": "builtin:tiny-qwen3-moe",
+            "out": str(tmp_path / out),
+            "experts": "",
+            "per_expert": False,
+            "accumulation": 4 // (2 if ep > 1 else 1),
+            "ulysses": 1,
+            "steps": STEPS,
+            "export": False,
+            "ep": ep,
+            "training": {"optimizer": "muon", "learning_rate": MUON_LEARNING_RATE, "weight_decay": WEIGHT_DECAY},
+        }
+
+    try:
+        train_in_process(run("one.pt", 1))
+    finally:
+        shutdown()
+    spec = tmp_path / "ep2.json"
+    spec.write_text(json.dumps([run("ep2.pt", 2)]))
+    launch_two_ranks("moe_families_worker.py", spec)
+    one, ep2 = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "ep2.pt")
+    assert ep2["losses"] == pytest.approx(one["losses"], abs=1e-5)
+    assert one["losses"][0] != one["losses"][-1]
+    for name, tensor in one["weights"].items():
+        torch.testing.assert_close(ep2["weights"][name], tensor, rtol=0, atol=WEIGHTS_ATOL, msg=name)
+    stacked = sorted({name.split("[")[0] for name in one["orthogonalised"][0][0] if "[" in name})
+    assert sorted(name.rpartition(".")[2] for name in stacked)[:: len(stacked) // 2] == ["down_proj", "gate_up_proj"]
+    for step in range(STEPS):
+        (everything,) = [ranks[step] for ranks in one["orthogonalised"]]
+        held = [ranks[step] for ranks in ep2["orthogonalised"]]
+        assert sorted(held[0] + held[1]) == sorted(everything)  # each expert once, no rank orthogonalised twice
+        for rank, experts in enumerate(([0, 1], [2, 3])):
+            assert sorted(name for name in held[rank] if "[" in name) == sorted(
+                f"{name}[{expert}]" for name in stacked for expert in experts
+            )
+
+
+def test_plan_traces_muon_on_expert_parallel_stacked_experts():
+    """`plan` of a Muon run at EP 2 traces the step (it builds the optimizer over fake expert-sharded tensors): each
+    rank's momentum is one buffer for its 2 experts of each stacked tensor, and an expert's matrix is counted whole."""
+    from fsdp2kit.memory_plan import ConfigSource, predict
+
+    tiny = ["model.name_or_path=builtin:tiny-qwen3-moe", "data.seq_len=64", "training.optimizer=muon"]
+    tiny += ["strategy_args.strategy_config.ep_size=2", "training.gradient_accumulation_steps=1"]
+    plan = predict(ConfigSource("examples/demo.yaml", tiny, None, None), 2)
+    assert plan["computed"]["muon_gathered_matrix"] > 0
+    assert plan["categories"]["optstate"] > 0
+
+
 def test_muon_with_cpu_offload_is_one_line():
     with pytest.raises(UserError) as refused:
         load_config(
@@ -272,8 +330,8 @@ def test_muon_with_cpu_offload_is_one_line():
 
 
 def test_check_names_what_muon_and_adamw_take():
-    """A mixture of experts: attention projections to Muon; embeddings, LM head, norms, the router and the 3-D stacked
-    experts to AdamW."""
+    """A mixture of experts: attention projections and the 3-D stacked experts (one matrix per expert) to Muon;
+    embeddings, LM head, norms and the router to AdamW."""
     from fsdp2kit.check import describe
 
     cfg = load_config(
@@ -285,13 +343,11 @@ def test_check_names_what_muon_and_adamw_take():
     attention = [f"model.layers.0.self_attn.{p}_proj.weight" for p in "qkvo"]
     assert optimizer == {
         "name": "muon",
-        "muon": attention,
+        "muon": [*attention, "model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj"],
         "adamw": [
             "model.embed_tokens.weight",
             "model.layers.0.self_attn.q_norm.weight",
             "model.layers.0.self_attn.k_norm.weight",
-            "model.layers.0.mlp.experts.gate_up_proj",
-            "model.layers.0.mlp.experts.down_proj",
             "model.layers.0.mlp.gate.weight",
             "model.layers.0.input_layernorm.weight",
             "model.layers.0.post_attention_layernorm.weight",

@@ -27,25 +27,28 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from fsdp2kit.config.schema import TrainingConfig
 from fsdp2kit.errors import UserError
-from fsdp2kit.parallel.moe import router_modules
+from fsdp2kit.parallel.moe import moe_experts, router_modules
 
 NamedParameters = list[tuple[str, nn.Parameter]]
 
 
 def muon_split(model: nn.Module) -> tuple[NamedParameters, NamedParameters]:
-    """The trainable parameters Muon takes (2-D matrices of the hidden layers) and those AdamW takes: embeddings, the
-    LM head, a mixture of experts' routers and every parameter that is not 2-D (norms, biases, stacked experts), as
-    torch.optim.Muon's documentation and MindSpeed-MM's FSDP2 trainer divide them."""
+    """The trainable parameters Muon takes (2-D matrices of the hidden layers, and a mixture of experts' stacked 3-D
+    experts as one matrix per expert) and those AdamW takes: embeddings, the LM head, the routers, a fused experts
+    module's per-expert biases and every other parameter that is not 2-D (norms, biases), as torch.optim.Muon's
+    documentation and MindSpeed-MM's FSDP2 trainer divide them."""
     hf_model: Any = model
     excluded = [hf_model.get_input_embeddings(), hf_model.get_output_embeddings()] if hasattr(model, "config") else []
     excluded += [m for m in model.modules() if isinstance(m, nn.Embedding)]
     excluded += [model.get_submodule(name) for name in router_modules(model)]
     left_out = {id(p) for module in excluded if module is not None for p in module.parameters()}
+    stacked = {id(p): p.ndim == 3 for _, module in moe_experts(model) for p in module.parameters(recurse=False)}
     matrices: NamedParameters = []
     rest: NamedParameters = []
     for name, param in model.named_parameters():
         if param.requires_grad:
-            (matrices if param.ndim == 2 and id(param) not in left_out else rest).append((name, param))
+            takes = stacked[id(param)] if id(param) in stacked else param.ndim == 2 and id(param) not in left_out
+            (matrices if takes else rest).append((name, param))
     return matrices, rest
 
 
@@ -79,16 +82,38 @@ def shard_group(name: str, param: torch.Tensor) -> ShardGroup:
     if len(sharded) > 1 or type(first) is not Shard or first.dim != 0:
         raise UserError(
             f"training.optimizer: muon orthogonalises matrices sharded by rows over one mesh dimension (FSDP, HSDP); "
-            f"{name} is placed {list(placements)} (expert parallelism): set strategy_config.ep_size: 1, or "
-            "training.optimizer: adamw"
+            f"{name} is placed {list(placements)}: use training.optimizer: adamw"
         )
     mesh = param.device_mesh
     return ShardGroup(mesh.get_group(sharded[0]), mesh.size(sharded[0]), mesh.get_local_rank(sharded[0]))
 
 
+def require_whole_experts(name: str, param: torch.Tensor) -> None:
+    """FSDP2 and expert parallelism shard stacked experts by expert only (Shard(0), or FSDP's strided shard under
+    EP), so each rank holds whole expert matrices: it orthogonalises them itself, nothing to gather, the work divided
+    as the experts are. Any other placement is refused."""
+    if isinstance(param, DTensor) and any(
+        not isinstance(p, Replicate) and getattr(p, "dim", None) != 0 for p in param.placements
+    ):
+        raise UserError(
+            f"training.optimizer: muon orthogonalises stacked experts held whole by their ranks (sharded by expert); "
+            f"{name} is placed {list(param.placements)}: use training.optimizer: adamw"
+        )
+
+
+def held_experts(param: torch.Tensor) -> range:
+    """The experts (indices into the stacked tensor's first dimension) whose matrices this rank holds."""
+    if not isinstance(param, DTensor):
+        return range(param.shape[0])
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    return range(offset[0], offset[0] + shape[0])
+
+
 def newton_schulz_cost(shape: torch.Size) -> int:
     """Multiply-adds of a Newton-Schulz iteration on an A x B matrix, up to a constant: min(A, B)^2 x max(A, B)."""
-    small, large = sorted(shape[:2])
+    small, large = sorted(shape[-2:])
     return small * small * large
 
 
@@ -116,6 +141,8 @@ def exchanges(names: list[str], matrices: list[nn.Parameter]) -> list[Exchange]:
     """The rounds of each shard group, the same on every rank (built from the same parameter order)."""
     by_group: dict[ShardGroup, list[int]] = {}
     for index, (name, param) in enumerate(zip(names, matrices, strict=True)):
+        if param.ndim == 3:
+            continue  # stacked experts: each rank orthogonalises the experts it holds (require_whole_experts)
         by_group.setdefault(shard_group(name, param), []).append(index)
     plans = []
     for shards, indices in by_group.items():
@@ -150,7 +177,7 @@ def orthogonalise(update: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
 
 def adjusted_lr(lr: float, group: dict[str, Any], shape: torch.Size) -> float:
     """torch.optim.Muon's learning rate for an A x B matrix, with MindSpeed-MM's matched RMS (torch's is 0.2)."""
-    rows, cols = shape[:2]
+    rows, cols = shape[-2:]
     if group["adjust_lr_fn"] == "match_rms_adamw":
         return lr * (group["matched_adamw_rms"] * math.sqrt(max(rows, cols)))
     return lr * math.sqrt(max(1, rows / cols))
@@ -158,7 +185,8 @@ def adjusted_lr(lr: float, group: dict[str, Any], shape: torch.Size) -> float:
 
 class MuonWithAdamW(torch.optim.Optimizer):
     """Muon on the groups marked `muon`, torch's AdamW (`adamw`, sharing this optimizer's group dicts and state) on
-    the others. `orthogonalised` lists the matrices this rank ran Newton-Schulz on in its last step."""
+    the others. `orthogonalised` lists the matrices this rank ran Newton-Schulz on in its last step (a stacked
+    expert's as `name[expert]`)."""
 
     def __init__(self, matrices: NamedParameters, adamw: torch.optim.AdamW | None, cfg: TrainingConfig) -> None:
         from torch.optim import _muon
@@ -185,6 +213,9 @@ class MuonWithAdamW(torch.optim.Optimizer):
         self.names = [name for name, _ in matrices]
         self.matrices = [param for _, param in matrices]
         self.exchanges = exchanges(self.names, self.matrices)
+        self.stacked = [index for index, param in enumerate(self.matrices) if param.ndim == 3]
+        for index in self.stacked:
+            require_whole_experts(self.names[index], self.matrices[index])
         self.orthogonalised: list[str] = []
 
     def _link_adamw(self) -> None:
@@ -209,6 +240,9 @@ class MuonWithAdamW(torch.optim.Optimizer):
         for exchange in self.exchanges:
             for owners in exchange.rounds:
                 self._round(exchange.shards, owners, updates, groups)
+        for index in self.stacked:
+            if index in updates:
+                self._experts(index, updates[index], groups[id(self.matrices[index])])
         if self.adamw is not None:
             self.adamw.step()
         return loss
@@ -257,27 +291,37 @@ class MuonWithAdamW(torch.optim.Optimizer):
         back = _all_to_all(result, [rows * columns for rows in whole_rows], send_sizes, shards)
         for index, piece in zip(owners, back.split(send_sizes), strict=True):
             if index is not None and index in updates:
-                self._apply(self.matrices[index], piece.view_as(updates[index]), groups[id(self.matrices[index])])
+                param = self.matrices[index]
+                self._apply(_local(param), piece.view_as(updates[index]), groups[id(param)], param.shape)
+
+    def _experts(self, index: int, update: torch.Tensor, group: dict[str, Any]) -> None:
+        """Each expert this rank holds of a stacked experts tensor orthogonalised and updated as its own matrix."""
+        param = self.matrices[index]
+        weights = _local(param)
+        for local, expert in enumerate(held_experts(param)):
+            self._apply(weights[local], orthogonalise(update[local], group), group, param.shape)
+            self.orthogonalised.append(f"{self.names[index]}[{expert}]")
 
     @staticmethod
-    def _apply(param: nn.Parameter, update: torch.Tensor, group: dict[str, Any]) -> None:
-        """torch.optim.Muon's decoupled weight decay and update, on this rank's rows."""
-        rows = _local(param)
+    def _apply(rows: torch.Tensor, update: torch.Tensor, group: dict[str, Any], shape: torch.Size) -> None:
+        """torch.optim.Muon's decoupled weight decay and update, on this rank's rows of a matrix of `shape`."""
         rows.mul_(1 - group["lr"] * group["weight_decay"])
-        rows.add_(update, alpha=-adjusted_lr(group["lr"], group, param.shape))
+        rows.add_(update, alpha=-adjusted_lr(group["lr"], group, shape))
 
 
 def gathered_matrix_bytes(optimizer: MuonWithAdamW) -> int:
-    """What the largest matrix this rank orthogonalises holds while it does: the whole matrix in bf16 as it arrives,
-    and Newton-Schulz's iterate, its Gram matrix, their product and the next iterate (A x B, min(A, B) squared)."""
-    largest = 0
-    for exchange in optimizer.exchanges:
-        for owners in exchange.rounds:
-            mine = owners[exchange.shards.coordinate]
-            if mine is not None:
-                small, large = sorted(optimizer.matrices[mine].shape[:2])
-                largest = max(largest, 2 * (3 * small * large + 2 * small * small))
-    return largest
+    """What the largest matrix this rank orthogonalises holds while it does: the whole matrix in bf16 as it arrives
+    (a stacked expert's is already here), and Newton-Schulz's iterate, its Gram matrix, their product and the next
+    iterate (A x B, min(A, B) squared)."""
+    mine = [owners[exchange.shards.coordinate] for exchange in optimizer.exchanges for owners in exchange.rounds]
+    mine += [index for index in optimizer.stacked if _local(optimizer.matrices[index]).shape[0]]
+    return max((newton_schulz_bytes(optimizer.matrices[i].shape) for i in mine if i is not None), default=0)
+
+
+def newton_schulz_bytes(shape: torch.Size) -> int:
+    """A matrix of an A x B `shape` (the last two dimensions) in bf16 and Newton-Schulz's working set on it."""
+    small, large = sorted(shape[-2:])
+    return 2 * (3 * small * large + 2 * small * small)
 
 
 def require_torch_muon() -> None:
