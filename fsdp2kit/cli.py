@@ -329,6 +329,10 @@ def _command(argv: list[str]) -> int:
     try:
         from fsdp2kit.config.load import load_config, name_as_written  # imported here: pydantic takes a second
 
+        if args.command != "report":  # every other command loads transformers' configs, tokenizers or conversions
+            from fsdp2kit.distributed import require_supported_versions
+
+            require_supported_versions()
         if args.command in ("convert", "report"):
             return _file_command(args)
         cfg = load_config(
