@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from fsdp2kit.checkpoint.committed import CHECKPOINTS, STATE_FILE, committed_checkpoints
-from fsdp2kit.checkpoint.dcp_io import METADATA_FILE, damage, read_dcp, refuse_extra_model_tensors
+from fsdp2kit.checkpoint.dcp_io import METADATA_FILE, damage, failure_reason, read_dcp, refuse_extra_model_tensors
 from fsdp2kit.distributed import failing_together
 from fsdp2kit.durable import disk_full_message, folder_bytes, fsync_dir, fsync_file, ran_out_of_space, write_durable
 from fsdp2kit.errors import RunFault, UserError
@@ -220,22 +220,35 @@ class CheckpointManager:
 
     @contextmanager
     def _writing(self, step: int, tmp: Path) -> Iterator[None]:
-        """A full disk while writing step_N is a fault, told in one sentence with the space it needs and what is
-        intact; the partial folder is removed so that the space it held is free again."""
+        """A failed write of step_N: a full disk or DCP's own failure is one sentence on every rank (`_fault`)."""
         self.writing = step
         try:
             yield
         except (Exception, CheckpointException) as exc:
-            if not ran_out_of_space(tmp.parent, exc):
-                raise
-            written = folder_bytes(tmp)
-            shutil.rmtree(tmp, ignore_errors=True)
-            complete = committed_checkpoints(self.root)
-            intact = f"checkpoint {complete[-1].name} is intact" if complete else "no earlier checkpoint was written"
-            needed = max(written, folder_bytes(complete[-1]) if complete else 0)
-            raise RunFault(disk_full_message(tmp.parent, f"checkpoint step_{step}", needed, intact)) from None
+            self._fault(step, tmp, exc)
+            raise
         finally:
             self.writing = None
+
+    def _fault(self, step: int, tmp: Path, exc: BaseException) -> None:
+        """Raise the RunFault a failed write of step_N is: a full disk, told with the space it needs and what is
+        intact, the partial folder removed so that the space it held is free again; or DCP's failure (its
+        CheckpointException, with every rank's stack) in one sentence. Returns for any other error."""
+        full, written = ran_out_of_space(tmp.parent, exc), folder_bytes(tmp)
+        if isinstance(exc, CheckpointException):
+            # DCP raises it on every rank: they judge together, before any rank removes the partial folder (a rank
+            # that judged after it was removed saw room and raised DCP's exception, a traceback beside the one line).
+            views: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(views, (full, written))
+            full, written = any(view[0] for view in views), max(view[1] for view in views)
+        complete = committed_checkpoints(self.root)
+        intact = f"checkpoint {complete[-1].name} is intact" if complete else "no earlier checkpoint was written"
+        if full:
+            shutil.rmtree(tmp, ignore_errors=True)
+            needed = max(written, folder_bytes(complete[-1]) if complete else 0)
+            raise RunFault(disk_full_message(tmp.parent, f"checkpoint step_{step}", needed, intact)) from None
+        if isinstance(exc, CheckpointException):
+            raise RunFault(f"checkpoint step_{step} could not be written ({failure_reason(exc)}); {intact}") from None
 
     def _commit(self, tmp: Path, final: Path, trainer_state: dict) -> None:
         step = trainer_state["step"]
