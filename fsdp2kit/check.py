@@ -10,7 +10,9 @@ from typing import Any
 import yaml
 from torch.distributed.fsdp import FSDPModule
 
+from fsdp2kit.checkpoint.committed import CHECKPOINTS
 from fsdp2kit.checkpoint.dcp_io import damage
+from fsdp2kit.checkpoint.manager import resume_checkpoint
 from fsdp2kit.config.schema import JobConfig
 from fsdp2kit.data.chat import ChatTemplate
 from fsdp2kit.data.dataset import conversation_form, load_tokenizer, source_files
@@ -59,11 +61,25 @@ def _conversations(cfg: JobConfig, tokenizer: Any, hf_config: Any) -> dict[str, 
     }
 
 
+def _resume(cfg: JobConfig) -> dict[str, str]:
+    """A training run's `training.resume`, resolved as train resolves it: a checkpoint that is missing, truncated or
+    damaged is refused now, not after the model has loaded."""
+    if cfg.strategy_args.strategy_name != "fsdp2_train":
+        return {}
+    resume = cfg.training.resume
+    path, passed_over = resume_checkpoint(Path(cfg.training.output_dir) / CHECKPOINTS, resume)
+    if path is None:
+        return {"training.resume": f"{resume}: no checkpoint to resume, the run starts at step 1"}
+    resumed = f"{path} (trainer state read, every shard file as long as its metadata says)"
+    return {"training.resume": resumed + (f"; {passed_over}" if passed_over else "")}
+
+
 def checked_files(cfg: JobConfig) -> dict[str, str]:
     """The files the config names, checked without reading them whole or creating anything, so that a run does not
     fail on them after its model has loaded: the data files exist and are of one kind, the weights are whole
-    (safetensors headers against file sizes, or a checkpoint's metadata and shard sizes), the tokenizer loads, and
-    output_dir can be written. A problem is a UserError naming the key and the file; otherwise what was checked."""
+    (safetensors headers against file sizes, or a checkpoint's metadata and shard sizes), the tokenizer loads,
+    output_dir can be written, and a training run's resume checkpoint is whole. A problem is a UserError naming the
+    key and the file; otherwise what was checked."""
     data = source_files(cfg.data.source, cfg.data.dataset_dir)
     kinds = ", ".join(sorted({f.suffix or f.name for f in data}))
     source = resolve_model(cfg.model, cfg.data.tokenizer)  # config.json readable; weights present or refused
@@ -89,6 +105,7 @@ def checked_files(cfg: JobConfig) -> dict[str, str]:
     problem = output_dir_problem(output_dir)
     if problem is not None:
         raise UserError(problem)
+    resumed = _resume(cfg)
     checked = {"data.source": f"{len(data)} file(s) of one kind ({kinds}), {_size(data)}"}
     if cfg.data.eval_source is not None:
         with named_as("data.eval_source"):
@@ -100,6 +117,7 @@ def checked_files(cfg: JobConfig) -> dict[str, str]:
         **conversations,
         "training.output_dir": f"{output_dir} "
         + ("(a writable folder)" if output_dir.is_dir() else "(can be created; not created now)"),
+        **resumed,
     }
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 # Imported here, not where used: a Ctrl-C's handler names the complete checkpoints while anything may be importing.
-from fsdp2kit.checkpoint.committed import committed_checkpoints
+from fsdp2kit.checkpoint.committed import CHECKPOINTS, committed_checkpoints
 from fsdp2kit.errors import (
     ERROR_DIR_ENV,
     PROCESS_STOP,
@@ -221,7 +221,7 @@ _WORK = {"train": "training", "infer": "inference", "check": "the check"}
 
 
 def _intact(output_dir: Path) -> str:
-    complete = committed_checkpoints(output_dir / "checkpoints")
+    complete = committed_checkpoints(output_dir / CHECKPOINTS)
     if not complete:
         return "no checkpoint was written yet"
     return f"checkpoint {complete[-1].name} is complete and the same command resumes from it"
@@ -332,6 +332,10 @@ def _command(argv: list[str]) -> int:
     try:
         from fsdp2kit.config.load import load_config, name_as_written  # imported here: pydantic takes a second
 
+        if args.command != "report":  # every other command loads transformers' configs, tokenizers or conversions
+            from fsdp2kit.distributed import require_supported_versions
+
+            require_supported_versions()
         if args.command in ("convert", "report"):
             return _file_command(args)
         cfg = load_config(

@@ -3,6 +3,7 @@ renamed files and their directory are on disk."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import shutil
@@ -62,7 +63,14 @@ def ran_out_of_space(path: Path, exc: BaseException | None) -> bool:
 
 
 def folder_bytes(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.is_dir() else 0
+    """The bytes of the files under `path` (0 when there is none), counted while another process may be removing it
+    (a partial checkpoint after a failed save): a file gone before it is counted counts 0."""
+    total = 0
+    for folder, _, files in os.walk(path):  # os.walk passes over a folder that is gone
+        for name in files:
+            with contextlib.suppress(FileNotFoundError):
+                total += os.stat(os.path.join(folder, name)).st_size
+    return total
 
 
 def disk_full_message(path: Path, what: str, needed_bytes: int, intact: str) -> str:

@@ -205,13 +205,14 @@ def test_corrupt_truncated_or_mismatched_checkpoints_exit_2(tmp_path, run_main):
     assert f"training.resume: checkpoint '{checkpoint}' cannot be loaded into this model" in result.stderr
 
     shard = checkpoint / "__1_0.distcp"
-    shard.write_bytes(shard.read_bytes()[:100])  # truncated
+    shard.write_bytes(shard.read_bytes()[:100])  # truncated: refused as the resume is resolved, naming the file
     result = resume()
-    assert result.returncode == 2 and f"checkpoint '{checkpoint}' cannot be loaded" in result.stderr
+    damaged = f"training.resume: checkpoint '{checkpoint}' is damaged: '{shard}'"
+    assert result.returncode == 2 and f"{damaged} is truncated (100 of " in result.stderr
 
     shard.unlink()  # a rank's file missing
     result = resume()
-    assert result.returncode == 2 and f"checkpoint '{checkpoint}' cannot be loaded" in result.stderr
+    assert result.returncode == 2 and f"{damaged} is missing" in result.stderr
 
     (checkpoint / ".metadata").unlink()
     result = resume()

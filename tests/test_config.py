@@ -259,14 +259,22 @@ def test_a_torch_older_than_the_tested_ones_is_one_line_before_any_work(command,
         require_supported_versions()
 
 
-@pytest.mark.parametrize("command", ["train", "plan"])
+# Every command that reads a model, a tokenizer or a checkpoint: (its arguments, written to `run` under tmp_path).
+VERSIONED_COMMANDS = {
+    command: [command, DEMO, "--set", "training.output_dir={run}"] for command in ("train", "plan", "check", "prepare")
+} | {f"convert_{to}": ["convert", "{run}.src", "{run}", "--to", to] for to in ("hf", "dcp")}
+
+
+@pytest.mark.parametrize("command", list(VERSIONED_COMMANDS))
 def test_a_transformers_older_than_the_tested_ones_is_one_line_before_any_work(command, tmp_path, monkeypatch, capsys):
     """pyproject said transformers>=4.56, but fsdp2kit's loading uses weight conversions 4.x lacks, and the suite
-    runs on 5.2 and newer (`make test-floor`): an older release is refused at once, naming the floor."""
+    runs on 5.2 and newer (`make test-floor`): an older release is refused at once, naming the floor, by every
+    command that loads with transformers (with 4.57 `convert` died on a missing module, `prepare` blamed the
+    tokenizer's class)."""
     import transformers
 
     monkeypatch.setattr(transformers, "__version__", "5.1.0")
-    code = main([command, DEMO, "--set", f"training.output_dir={tmp_path / 'run'}"])
+    code = main([arg.format(run=tmp_path / "run") for arg in VERSIONED_COMMANDS[command]])
     assert code == 2
     assert capsys.readouterr().err.strip() == (
         "error: fsdp2kit needs transformers 5.2 or newer (this is transformers 5.1.0): pip install 'transformers>=5.2'"

@@ -76,11 +76,12 @@ def test_merge_keys_are_not_duplicates(tmp_path: Path):
     assert read_yaml(config)["training"] == {"seed": 3, "max_steps": 2}
 
 
-def train_run(out: Path, *settings: str, run=run_cli) -> subprocess.CompletedProcess | CliResult:
+def train_run(out: Path, *settings: str, run=run_cli, nproc: int = 1) -> subprocess.CompletedProcess | CliResult:
     """A short run of the demo into `out` (checkpoints every 2 steps) with `settings` (key=value) set, launched as
-    its own process or, with run=run_main, in this one."""
+    its own process (on `nproc` ranks) or, with run=run_main, in this one."""
     base = {**SMALL_RUN, "training.max_steps": 4, "training.save_steps": 2, "training.output_dir": str(out)}
-    return run("train", "examples/demo.yaml", *set_args(base), *(a for s in settings for a in ("--set", s)))
+    ranks = ["--nproc", str(nproc)] if nproc > 1 else []
+    return run("train", "examples/demo.yaml", *ranks, *set_args(base), *(a for s in settings for a in ("--set", s)))
 
 
 @pytest.fixture(scope="module")
@@ -441,6 +442,30 @@ def test_a_full_disk_during_a_save_is_one_line_and_the_run_resumes_exactly(tmp_p
     assert [losses[s] for s in range(1, 7)] == pytest.approx(
         [r["loss"] for r in read_metrics(tmp_path / "straight")], abs=1e-6
     )
+
+
+@pytest.mark.slow
+def test_a_full_disk_during_an_async_save_at_two_ranks_is_one_line_and_the_run_resumes(tmp_path: Path):
+    """At 2 ranks every rank's write fails in DCP's collective (torch's 'unexpected pos'); a rank that judged the disk
+    after another had removed the partial folder saw room, and printed DCP's CheckpointException (or the missing
+    folder's FileNotFoundError) as a traceback beside the one line. Now: the one line alone, step_2 intact, and the
+    run moved to a roomy disk resumes from it."""
+    settings = [TINY, "training.max_steps=6", "training.save_total_limit=1", "training.report_to=[]"]
+    settings.append("strategy_args.strategy_config.async_save_ckpt=true")
+    with small_disk(tmp_path / "disk") as disk:
+        full = train_run(disk / "run", *settings, nproc=2)
+        assert full.returncode == 1, full.stderr
+        assert "Traceback" not in full.stderr + full.stdout, full.stderr
+        lines = [entry for entry in full.stderr.splitlines() if entry.strip()]
+        assert len(lines) == 1, full.stderr
+        assert lines[0].startswith(f"error: no space left on device: checkpoint step_4 in '{disk / 'run'}/checkpoints'")
+        assert lines[0].endswith("MiB free; checkpoint step_2 is intact"), lines[0]
+        assert sorted(p.name for p in (disk / "run" / "checkpoints").iterdir()) == ["step_2"]
+        shutil.copytree(disk / "run", tmp_path / "moved")
+    resumed = train_run(tmp_path / "moved", *settings, nproc=2)
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"resumed from {tmp_path / 'moved' / 'checkpoints' / 'step_2'} at step 2" in resumed.stdout
+    assert [r["step"] for r in read_metrics(tmp_path / "moved")] == [1, 2, 3, 4, 5, 6]
 
 
 @pytest.mark.slow

@@ -696,6 +696,27 @@ def test_check_refuses_each_damaged_or_missing_file(saved_run, tmp_path, case):
     assert str(error.value).startswith(expected), str(error.value)
 
 
+@pytest.mark.parametrize("resume", ["missing", "truncated"])
+def test_check_refuses_a_resume_as_train_does(saved_run, tmp_path, small_run, resume, run_main):
+    """check is train's pre-flight: a training.resume that does not exist or has a truncated shard is refused in the
+    one line train says, exit 2 (check passed both)."""
+    if resume == "missing":
+        checkpoint = tmp_path / "gone"
+        expected = f"training.resume: '{checkpoint}' is not a complete checkpoint"
+    else:
+        checkpoint = _damaged_checkpoint(saved_run, tmp_path)["model.name_or_path"]
+        expected = f"training.resume: checkpoint '{checkpoint}' is damaged: '{checkpoint}/__0_0.distcp' is truncated"
+    for command in ("check", "train"):
+        result = run_main(command, DEMO, *small_run, "--set", f"training.resume={checkpoint}")
+        assert_one_line_error(result, 2, expected)
+    result = run_main(
+        "check", DEMO, "--json", *small_run, "--set", f"training.resume={saved_run / 'checkpoints'}/step_2"
+    )
+    assert result.returncode == 0, result.stderr
+    files = json.loads(result.stdout.strip().splitlines()[-1])["files"]
+    assert files["training.resume"].startswith(f"{saved_run}/checkpoints/step_2 (trainer state read, ")
+
+
 def test_a_damaged_checkpoint_read_as_a_model_names_the_damaged_file(saved_run, tmp_path, run_main):
     """A truncated shard is named with its length, not reported as a bare EOFError or as a model mismatch."""
     checkpoint = _damaged_checkpoint(saved_run, tmp_path)["model.name_or_path"]

@@ -53,9 +53,20 @@ def test_store_is_reused_and_replaced_when_its_inputs_change(tmp_path, tokenizer
     assert store_path(cfg, tokenizer) != store.path
 
 
+def _written_over(store):
+    """tokens.bin overwritten in place, the same size, with ids past the 4096-token vocabulary: an IndexError in the
+    embedding when the store was used. The write comes later than the build's own (a file's time ticks in
+    milliseconds), as a hand's or another program's does."""
+    time.sleep(0.05)
+    tokens = np.memmap(store / "tokens.bin", dtype=np.uint16, mode="r+")
+    tokens[:] = 60000
+    tokens.flush()
+
+
 @pytest.mark.parametrize(
     "damage, reason",
     [
+        (_written_over, "tokens.bin was written over since the store was built (its sha256 is not the one meta.json"),
         (lambda store: os.truncate(store / "tokens.bin", 1000), "tokens.bin is 1000 bytes where meta.json says "),
         (lambda store: (store / "offsets.bin").unlink(), "offsets.bin is missing where meta.json says "),
         (lambda store: (store / "meta.json").write_text('{"tokens": 12'), "meta.json is unreadable: "),
@@ -73,6 +84,19 @@ def test_a_store_damaged_after_its_commit_is_built_again(tmp_path, tokenizer, ca
     assert f"token store {whole.path} is damaged ({reason}" in capsys.readouterr().out
     assert [store.document(i).tolist() for i in range(store.num_documents)] == expected
     assert [p.name for p in (tmp_path / "cache").iterdir() if not p.name.endswith(".lock")] == [whole.path.name]
+
+
+def test_a_store_copied_without_its_file_times_is_used_as_it_is(tmp_path, tokenizer, capsys):
+    """A cache copied by a tool that does not keep modification times: each file's sha256 is the one recorded, so the
+    store is read, not called damaged and built again."""
+    source = write_jsonl(tmp_path / "docs.jsonl", corpus_documents()[:30])
+    cfg = DataConfig(source=str(source), cache_dir=str(tmp_path / "cache"))
+    whole = token_store(cfg, tokenizer)
+    for file in whole.path.glob("*.bin"):
+        os.utime(file, ns=(time.time_ns(), time.time_ns() + 10**9))
+    capsys.readouterr()
+    assert token_store(cfg, tokenizer).tokens.tolist() == whole.tokens.tolist()
+    assert capsys.readouterr().out == ""
 
 
 def test_a_cache_dir_it_cannot_write_is_one_sentence(tmp_path, tokenizer):

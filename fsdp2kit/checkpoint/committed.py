@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+CHECKPOINTS = "checkpoints"  # the folder under a run's output_dir that holds its checkpoints
 STATE_FILE = "trainer_state.json"  # written last into a checkpoint's temporary folder, before the rename commits it
 
 

@@ -101,7 +101,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         super().load_bytes(read_item, value)
 
 
-def _reason(exc: BaseException) -> str:
+def failure_reason(exc: BaseException) -> str:
     """The last line of an exception's message. DCP's CheckpointException holds each failed rank's
     (exception, stack summary): the first rank's exception is the reason, its frames are noise."""
     if isinstance(exc, CheckpointException) and exc.failures:
@@ -115,7 +115,7 @@ def read_metadata(folder: Path, error_prefix: str) -> Metadata:
     try:
         return SafeFileSystemReader(str(folder)).read_metadata()
     except Exception as exc:  # missing, truncated, not a pickle, or not DCP's
-        raise UserError(f"{error_prefix}: '{folder / METADATA_FILE}' cannot be read: {_reason(exc)}") from None
+        raise UserError(f"{error_prefix}: '{folder / METADATA_FILE}' cannot be read: {failure_reason(exc)}") from None
 
 
 def damage(folder: Path) -> str | None:
@@ -150,7 +150,7 @@ def read_dcp(state: dict, folder: Path, error_prefix: str, no_dist: bool = False
             no_dist=no_dist,
         )
     except (Exception, CheckpointException) as exc:  # a damaged file is named, rather than a bare EOFError
-        raise UserError(f"{error_prefix}: {damage(folder) or _reason(exc)}") from None
+        raise UserError(f"{error_prefix}: {damage(folder) or failure_reason(exc)}") from None
 
 
 MODEL_PREFIX = "model."

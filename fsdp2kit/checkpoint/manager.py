@@ -29,10 +29,11 @@ import torch.nn as nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from fsdp2kit.checkpoint.committed import STATE_FILE, committed_checkpoints
+from fsdp2kit.checkpoint.committed import CHECKPOINTS, STATE_FILE, committed_checkpoints
 from fsdp2kit.checkpoint.dcp_io import (
     METADATA_FILE,
     damage,
+    failure_reason,
     read_dcp,
     refuse_extra_model_tensors,
     stored_model_keys,
@@ -120,7 +121,7 @@ class CheckpointManager:
         tokenizer_path: Path | None = None,
         saved_config: Any = None,
     ) -> None:
-        self.root = output_dir / "checkpoints"
+        self.root = output_dir / CHECKPOINTS
         # Each checkpoint carries the model's config and tokenizer, so it is a model source by itself
         # (`model.name_or_path: .../step_N`, `fsdp2kit convert`). A LoRA run's checkpoint holds only what trains
         # (adapters, modules to save, their optimizer state) and the adapter's peft config: the frozen base is
@@ -227,22 +228,35 @@ class CheckpointManager:
 
     @contextmanager
     def _writing(self, step: int, tmp: Path) -> Iterator[None]:
-        """A full disk while writing step_N is a fault, told in one sentence with the space it needs and what is
-        intact; the partial folder is removed so that the space it held is free again."""
+        """A failed write of step_N: a full disk or DCP's own failure is one sentence on every rank (`_fault`)."""
         self.writing = step
         try:
             yield
         except (Exception, CheckpointException) as exc:
-            if not ran_out_of_space(tmp.parent, exc):
-                raise
-            written = folder_bytes(tmp)
-            shutil.rmtree(tmp, ignore_errors=True)
-            complete = committed_checkpoints(self.root)
-            intact = f"checkpoint {complete[-1].name} is intact" if complete else "no earlier checkpoint was written"
-            needed = max(written, folder_bytes(complete[-1]) if complete else 0)
-            raise RunFault(disk_full_message(tmp.parent, f"checkpoint step_{step}", needed, intact)) from None
+            self._fault(step, tmp, exc)
+            raise
         finally:
             self.writing = None
+
+    def _fault(self, step: int, tmp: Path, exc: BaseException) -> None:
+        """Raise the RunFault a failed write of step_N is: a full disk, told with the space it needs and what is
+        intact, the partial folder removed so that the space it held is free again; or DCP's failure (its
+        CheckpointException, with every rank's stack) in one sentence. Returns for any other error."""
+        full, written = ran_out_of_space(tmp.parent, exc), folder_bytes(tmp)
+        if isinstance(exc, CheckpointException):
+            # DCP raises it on every rank: they judge together, before any rank removes the partial folder (a rank
+            # that judged after it was removed saw room and raised DCP's exception, a traceback beside the one line).
+            views: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(views, (full, written))
+            full, written = any(view[0] for view in views), max(view[1] for view in views)
+        complete = committed_checkpoints(self.root)
+        intact = f"checkpoint {complete[-1].name} is intact" if complete else "no earlier checkpoint was written"
+        if full:
+            shutil.rmtree(tmp, ignore_errors=True)
+            needed = max(written, folder_bytes(complete[-1]) if complete else 0)
+            raise RunFault(disk_full_message(tmp.parent, f"checkpoint step_{step}", needed, intact)) from None
+        if isinstance(exc, CheckpointException):
+            raise RunFault(f"checkpoint step_{step} could not be written ({failure_reason(exc)}); {intact}") from None
 
     def _commit(self, tmp: Path, final: Path, trainer_state: dict) -> None:
         step = trainer_state["step"]
@@ -293,40 +307,10 @@ class CheckpointManager:
                 shutil.rmtree(old, ignore_errors=True)
 
     def resolve(self, resume: str) -> Path | None:
-        """`auto`: the newest complete checkpoint whose files are whole (None if there is none; a damaged newer one
-        is skipped, saying so); `never`; or an explicit folder."""
-        if resume == "never":
-            earlier = [p.name for p in committed_checkpoints(self.root)]
-            if earlier:  # this run's saves would mix with them, and keep-last-K would delete this run's
-                raise UserError(
-                    f"training.resume: never, but '{self.root}' holds another run's checkpoints "
-                    f"({', '.join(earlier[-3:])}); move them away or give another training.output_dir"
-                )
-            return None
-        if resume == "auto":
-            damaged: list[tuple[Path, str]] = []
-            for candidate in reversed(committed_checkpoints(self.root)):
-                problem = damage(candidate)
-                if problem is None:
-                    if damaged and self.rank == 0:
-                        print(
-                            f"warning: checkpoint {damaged[0][0].name} is damaged ({damaged[0][1]}); resuming from "
-                            f"{candidate.name}, the newest whole checkpoint",
-                            flush=True,
-                        )
-                    return candidate
-                damaged.append((candidate, problem))
-            if damaged:
-                raise UserError(
-                    f"training.resume: every checkpoint in '{self.root}' is damaged (the newest, "
-                    f"{damaged[0][0].name}: {damaged[0][1]}); move them away or set training.resume: never"
-                )
-            return None
-        path = Path(resume)
-        if not (path / STATE_FILE).is_file() or not (path / METADATA_FILE).is_file():
-            raise UserError(
-                f"training.resume: '{path}' is not a complete checkpoint (it needs {STATE_FILE} and .metadata)"
-            )
+        """The checkpoint `training.resume` names (`resume_checkpoint`), a damaged newer one passed over said once."""
+        path, passed_over = resume_checkpoint(self.root, resume)
+        if passed_over is not None and self.rank == 0:
+            print(f"warning: {passed_over}", flush=True)
         return path
 
     def load(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
@@ -375,3 +359,50 @@ def read_rng_file(rng_file: Path) -> dict[str, Any]:
     except Exception as exc:
         reason = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
         raise UserError(f"training.resume: '{rng_file}' cannot be read: {reason}") from None
+
+
+def resume_checkpoint(root: Path, resume: str) -> tuple[Path | None, str | None]:
+    """The checkpoint `training.resume` names under the checkpoints folder `root`, read as a run resumes (train, and
+    check before it), and what was passed over on the way. `auto`: the newest complete checkpoint whose files are
+    whole (None if there is none; a damaged newer one is skipped, saying so); `never`; or an explicit folder, which
+    must be a whole checkpoint. A UserError naming the key where none can be resumed."""
+    if resume == "never":
+        earlier = [p.name for p in committed_checkpoints(root)]
+        if earlier:  # this run's saves would mix with them, and keep-last-K would delete this run's
+            raise UserError(
+                f"training.resume: never, but '{root}' holds another run's checkpoints "
+                f"({', '.join(earlier[-3:])}); move them away or give another training.output_dir"
+            )
+        return None, None
+    if resume == "auto":
+        return _newest_whole(root)
+    path = Path(resume)
+    if not (path / STATE_FILE).is_file() or not (path / METADATA_FILE).is_file():
+        raise UserError(f"training.resume: '{path}' is not a complete checkpoint (it needs {STATE_FILE} and .metadata)")
+    read_trainer_state(path)
+    problem = damage(path)
+    if problem is not None:
+        raise UserError(f"training.resume: checkpoint '{path}' is damaged: {problem}")
+    return path, None
+
+
+def _newest_whole(root: Path) -> tuple[Path | None, str | None]:
+    """`training.resume: auto`: the newest committed checkpoint whose files are whole, and the newest damaged one
+    passed over, said as a warning."""
+    newest_damaged: tuple[str, str] | None = None
+    for candidate in reversed(committed_checkpoints(root)):
+        problem = damage(candidate)
+        if problem is None:
+            if newest_damaged is None:
+                return candidate, None
+            name, why = newest_damaged
+            return candidate, (
+                f"checkpoint {name} is damaged ({why}); resuming from {candidate.name}, the newest whole checkpoint"
+            )
+        newest_damaged = newest_damaged or (candidate.name, problem)
+    if newest_damaged is not None:
+        raise UserError(
+            f"training.resume: every checkpoint in '{root}' is damaged (the newest, {newest_damaged[0]}: "
+            f"{newest_damaged[1]}); move them away or set training.resume: never"
+        )
+    return None, None

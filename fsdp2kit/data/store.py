@@ -44,7 +44,7 @@ from fsdp2kit.errors import RunFault, UserError, raise_pending_interrupt
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-STORE_FORMAT = 4  # 4: raw tool schemas are wrapped as {"type": "function", "function": ...} (issue 42)
+STORE_FORMAT = 5  # 4: tool schemas wrapped as {"type": "function", ...} (issue 42); 5: meta.json's "files" (issue 49)
 _BATCH_ROWS = 1000  # rows a tokenizer call encodes at once (a task of the pool)
 _ROWS_PER_PROCESS = 5000  # below this a second process costs more to start than it saves
 
@@ -171,6 +171,7 @@ def _damage(path: Path) -> str | None:
             sizes["prompt_lengths.bin"] = 4 * meta["documents"]
         if meta.get("chat"):
             sizes["masks.bin"] = meta["tokens"]
+        committed = dict(meta["files"])
     except FileNotFoundError:
         return "meta.json is missing"
     except (OSError, ValueError, KeyError, TypeError) as exc:
@@ -180,6 +181,24 @@ def _damage(path: Path) -> str | None:
         found = file.stat().st_size if file.is_file() else None
         if found != size:
             return f"{name} is {'missing' if found is None else f'{found} bytes'} where meta.json says {size} bytes"
+    return _changed_file(path, committed)
+
+
+def _file_record(file: Path) -> dict:
+    """A data file as committed: its modification time and sha256, for `_changed_file`."""
+    with open(file, "rb") as handle:
+        digest = hashlib.file_digest(handle, "sha256").hexdigest()
+    return {"mtime_ns": file.stat().st_mtime_ns, "sha256": digest}
+
+
+def _changed_file(path: Path, records: dict) -> str | None:
+    """The first data file written over since the store was committed (same size, other ids), or None. A file whose
+    modification time is the recorded one was not written (a stat, nothing read: a warm start stays a stat per
+    file); one with another time is hashed, so that a copy of the cache that did not keep the times is still used."""
+    for name, record in records.items():
+        file = path / name
+        if file.stat().st_mtime_ns != record["mtime_ns"] and _file_record(file)["sha256"] != record["sha256"]:
+            return f"{name} was written over since the store was built (its sha256 is not the one meta.json records)"
     return None
 
 
@@ -210,6 +229,7 @@ def _build(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, path: Path) -> N
     try:
         meta = _write_store(documents, tokenizer, tmp, cfg.num_proc)
         meta["fingerprint"] = store_fingerprint(cfg, tokenizer)
+        meta["files"] = {file.name: _file_record(file) for file in sorted(tmp.glob("*.bin"))}
         write_durable(tmp / "meta.json", json.dumps(meta, indent=1).encode())
         os.rename(tmp, path)  # atomic: the store appears whole or not at all
         fsync_dir(path.parent)
