@@ -41,6 +41,8 @@ from torch.distributed import ProcessGroup
 
 from fsdp2kit.errors import UserError
 from fsdp2kit.labels import IGNORE_INDEX
+from fsdp2kit.parallel import context_attention
+from fsdp2kit.parallel.context_attention import blockwise_applies
 from fsdp2kit.parallel.document_attention import DOCUMENT_FLEX, document_block_mask, document_flex_attention
 from fsdp2kit.parallel.mesh import divisors, sequence_subgroups
 
@@ -491,19 +493,27 @@ def _ulysses_attention(inner: str, group: ProcessGroup) -> Callable:
             # A forward of tokens no `shard_sequence` cut (the head's probe): each rank's taken as a contiguous part.
             indices = (torch.arange(query.shape[2]) + context.rank() * query.shape[2], torch.arange(length))
             attention_mask = None
-        mask = (
-            flex_mask(attention_mask, batch_size, length, window, query.device)
-            if flex_mask is not None
-            else _full_sequence_mask(
-                attention_mask,
-                indices,
-                length,
-                window,
-                query.dtype if inner == "eager" else None,
-                query.device,
+        if (
+            inner == "sdpa"
+            and indices is not None
+            and blockwise_applies(module, query, attention_mask, length, **kwargs)
+        ):
+            # Plain causal: blocks of the fused kernel merged by their log-sum-exp, no mask, no scores kept.
+            output = context_attention.blockwise_causal_attention(query, key, value, indices, kwargs.get("scaling"))
+        else:
+            mask = (
+                flex_mask(attention_mask, batch_size, length, window, query.device)
+                if flex_mask is not None
+                else _full_sequence_mask(
+                    attention_mask,
+                    indices,
+                    length,
+                    window,
+                    query.dtype if inner == "eager" else None,
+                    query.device,
+                )
             )
-        )
-        output, _ = inner_attention(module, query, key, value, mask, **kwargs)  # [batch, seq, heads/k, dim]
+            output, _ = inner_attention(module, query, key, value, mask, **kwargs)  # [batch, seq, heads/k, dim]
         # The attention weights (eager) cover this rank's heads only; training never reads them.
         if ulysses is not None:  # sequence out, heads in
             output = _AllToAll.apply(output, ulysses, 1, 2, *reversed(exchange))
