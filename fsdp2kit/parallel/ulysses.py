@@ -464,8 +464,8 @@ def _ulysses_attention(inner: str, group: ProcessGroup) -> Callable:
     dim] in, [batch, seq/n, heads, dim] out, computed by `inner` with this rank's heads (`heads_per_rank`, Ulysses'
     all-to-all) for this rank's share of the queries over every key (context parallel: the keys and values
     all-gathered over the c ranks with the rectangular mask, the exact all-gather form of Llama 3's context parallel,
-    Llama 3 paper sec. 3.3.2, also torch's `context_parallel` and torchtitan; a ring would pass the blocks instead and
-    merge online softmaxes)."""
+    Llama 3 paper sec. 3.3.2, also torch's `context_parallel` and torchtitan; where attention is plain causal, no mask
+    but blocks of the fused kernel merged by their log-sum-exp, parallel/context_attention.py)."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     subgroups = sequence_subgroups(group)
@@ -498,7 +498,6 @@ def _ulysses_attention(inner: str, group: ProcessGroup) -> Callable:
             and indices is not None
             and blockwise_applies(module, query, attention_mask, length, **kwargs)
         ):
-            # Plain causal: blocks of the fused kernel merged by their log-sum-exp, no mask, no scores kept.
             output = context_attention.blockwise_causal_attention(query, key, value, indices, kwargs.get("scaling"))
         else:
             mask = (
