@@ -53,15 +53,10 @@ def blockwise_causal_attention(
 ) -> torch.Tensor:
     """Causal attention of `query` [B, H, L, D] over `key`, `value` [B, H_kv, T, D] (gathered), where `indices`
     holds the global index of each query and each key (the keys: every index below T once), as sdpa would compute it
-    with the dense causal mask by those indices; out [B, L, H, D], as transformers' attention functions return it.
-    The keys are put in global order (so that every block is a slice) and their heads repeated to the query heads
-    (transformers' `repeat_kv`, as its sdpa does under a mask); autograd takes both back."""
-    from transformers.integrations.sdpa_attention import repeat_kv
-
-    order = torch.argsort(indices[1].to(key.device))
-    key, value = (repeat_kv(t[:, :, order], query.shape[1] // key.shape[1]) for t in (key, value))
+    with the dense causal mask by those indices; out [B, L, H, D], as transformers' attention functions return it."""
+    order = torch.argsort(indices[1].to(key.device))  # the gathered position of each global index
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    output = _CausalBlocks.apply(query, key, value, query_runs(indices[0]), scale)
+    output = _CausalBlocks.apply(query, key, value, order, query_runs(indices[0]), scale)
     return output.transpose(1, 2).contiguous()
 
 
@@ -74,20 +69,31 @@ def query_runs(queries: torch.Tensor) -> list[tuple[int, int]]:
 
 
 def _blocks(start: int, length: int) -> list[tuple[slice, bool]]:
-    """The key blocks (a slice of the keys in global order, causal or not) the run of queries [start, start +
-    length) attends to: its own keys causally, every earlier key in full."""
+    """The key blocks (a range of global indices, causal or not) the run of queries [start, start + length) attends
+    to: its own keys causally, every earlier key in full."""
     own = (slice(start, start + length), True)
     return [own, (slice(0, start), False)] if start else [own]
 
 
+def _block_keys(keys: torch.Tensor, positions: torch.Tensor, heads: int) -> torch.Tensor:
+    """The gathered keys (or values) at `positions`, in that order, their heads repeated to the query heads
+    (transformers' `repeat_kv`, as its sdpa does under a mask): a block's, made when the kernel needs it, so that
+    only the gathered [B, H_kv, T, D] ones are kept for the backward."""
+    from transformers.integrations.sdpa_attention import repeat_kv
+
+    return repeat_kv(keys[:, :, positions], heads // keys.shape[1])
+
+
 def _run_forward(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, run: tuple[int, int], scale: float
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, order: torch.Tensor, run: tuple[int, int], scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One run's output and log-sum-exp, its blocks merged by online softmax in float32 (or the inputs' float64)."""
     merged: tuple[torch.Tensor, torch.Tensor] | None = None
     precision = torch.promote_types(query.dtype, torch.float32)
+    heads = query.shape[1]
     for keys, causal in _blocks(*run):
-        out, lse = _FLASH_CPU(query, key[:, :, keys], value[:, :, keys], 0.0, causal, scale=scale)
+        k, v = (_block_keys(t, order[keys], heads) for t in (key, value))
+        out, lse = _FLASH_CPU(query, k, v, 0.0, causal, scale=scale)
         out, lse = out.to(precision), lse.to(precision)
         if merged is not None:
             total = torch.logaddexp(merged[1], lse)
@@ -98,9 +104,16 @@ def _run_forward(
     return merged[0].to(query.dtype), merged[1]
 
 
+def _heads_summed(grad: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """A block's key (or value) gradient over the repeated heads [B, H, n, D], summed back to the key/value heads."""
+    batch, heads, length, dim = grad.shape
+    return grad.view(batch, kv_heads, heads // kv_heads, length, dim).sum(2)
+
+
 class _CausalBlocks(torch.autograd.Function):
-    """The queries' runs (`query_runs`) over their blocks (`_blocks`) of keys and values in global order, heads
-    matching the queries; the backward the kernel's per block with the merged output and log-sum-exp."""
+    """The queries' runs (`query_runs`) over their blocks (`_blocks`) of the gathered keys and values (`order`: the
+    gathered position of each global index); the backward the kernel's per block with the merged output and
+    log-sum-exp, each block's key and value gradients added at the gathered positions it read."""
 
     @staticmethod
     def forward(
@@ -108,29 +121,31 @@ class _CausalBlocks(torch.autograd.Function):
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
+        order: torch.Tensor,
         runs: list[tuple[int, int]],
         scale: float,
     ) -> torch.Tensor:
-        blocks = [_run_forward(query[:, :, rows], key, value, run, scale) for rows, run in _run_rows(runs)]
+        blocks = [_run_forward(query[:, :, rows], key, value, order, run, scale) for rows, run in _run_rows(runs)]
         out, lse = (torch.cat(parts, 2) for parts in zip(*blocks, strict=True))
-        ctx.save_for_backward(query, key, value, out, lse)
+        ctx.save_for_backward(query, key, value, order, out, lse)
         ctx.runs, ctx.scale = runs, scale
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        query, key, value, out, lse = ctx.saved_tensors
+        query, key, value, order, out, lse = ctx.saved_tensors
         precision = torch.promote_types(query.dtype, torch.float32)
         dq = torch.zeros_like(query, dtype=precision)
         dk, dv = torch.zeros_like(key, dtype=precision), torch.zeros_like(value, dtype=precision)
-        grad = grad.contiguous()
+        grad, heads = grad.contiguous(), query.shape[1]
         for rows, run in _run_rows(ctx.runs):
             for keys, causal in _blocks(*run):
+                k, v = (_block_keys(t, order[keys], heads) for t in (key, value))
                 gq, gk, gv = _FLASH_CPU_BACKWARD(
                     grad[:, :, rows],
                     query[:, :, rows],
-                    key[:, :, keys],
-                    value[:, :, keys],
+                    k,
+                    v,
                     out[:, :, rows],
                     lse[:, :, rows],
                     0.0,
@@ -138,9 +153,9 @@ class _CausalBlocks(torch.autograd.Function):
                     scale=ctx.scale,
                 )
                 dq[:, :, rows] += gq
-                dk[:, :, keys] += gk
-                dv[:, :, keys] += gv
-        return dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype), None, None
+                dk.index_add_(2, order[keys], _heads_summed(gk.to(precision), key.shape[1]))
+                dv.index_add_(2, order[keys], _heads_summed(gv.to(precision), value.shape[1]))
+        return dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype), None, None, None
 
 
 def _run_rows(runs: list[tuple[int, int]]) -> list[tuple[slice, tuple[int, int]]]:
