@@ -51,13 +51,20 @@ def test_blockwise_equals_sdpa_with_the_dense_mask(context, ulysses, kv_heads):
 
 
 def test_bf16_inputs_merge_in_float32():
-    """bf16 in, bf16 out, within bf16's rounding of the float64 result."""
+    """bf16 in, bf16 out and gradients, within bf16's rounding of the float64 results."""
     queries, keys = rank_layout(2, 1, 0)
     generator = torch.Generator().manual_seed(0)
-    q = torch.randn(1, HEADS, queries.numel(), DIM, generator=generator)
-    k, v = (torch.randn(1, HEADS, LENGTH, DIM, generator=generator) for _ in range(2))
-    got = blockwise_causal_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), (queries, keys), None)
+    q = torch.randn(1, HEADS, queries.numel(), DIM, dtype=torch.float64, generator=generator)
+    k, v = (torch.randn(1, 2, LENGTH, DIM, dtype=torch.float64, generator=generator) for _ in range(2))
+    grad = torch.randn(1, queries.numel(), HEADS, DIM, dtype=torch.float64, generator=generator)
+    low = [t.bfloat16().requires_grad_() for t in (q, k, v)]
+    got = blockwise_causal_attention(*low, (queries, keys), None)
+    got_grads = torch.autograd.grad(got, low, grad.bfloat16())
+    exact = [t.requires_grad_() for t in (q, k, v)]
     mask = queries[:, None] >= keys[None, :]
-    expected = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), mask).transpose(1, 2)
-    assert got.dtype == torch.bfloat16
+    expected = F.scaled_dot_product_attention(q, repeat_kv(k, 2), repeat_kv(v, 2), mask).transpose(1, 2)
+    expected_grads = torch.autograd.grad(expected, exact, grad)
+    assert got.dtype == torch.bfloat16 and all(g.dtype == torch.bfloat16 for g in got_grads)
     torch.testing.assert_close(got.double(), expected, atol=2e-2, rtol=0)
+    for a, b in zip(got_grads, expected_grads, strict=True):
+        torch.testing.assert_close(a.double(), b, atol=5e-2, rtol=2e-2)
