@@ -38,8 +38,9 @@ SHAPE = {
     "vocab_size": 256,
     "max_position_embeddings": 1 << 16,
 }
-# sdpa (the default): unmasked causal attention runs a flash kernel that keeps no [T, T] scores, but a masked one (the
-# rectangular mask of context parallel) runs the math kernel on CPU, which does; eager keeps them in every layout.
+# sdpa (the default): unmasked causal attention runs a flash kernel that keeps no [T, T] scores, and so does context
+# parallel's plain causal path (parallel/context_attention.py: the same kernel block by block, no mask; a masked sdpa
+# would run the math kernel on CPU, which keeps them); eager keeps them in every layout.
 ATTENTIONS = ("sdpa", "eager")
 # (name, ulysses_size, context_parallel_size)
 LAYOUTS = [("no SP", 1, 1), ("Ulysses 2", 2, 1), ("Ulysses 4", 4, 1), ("CP 2", 1, 2), ("CP 4", 1, 4)]

@@ -102,6 +102,22 @@ def count_attention_calls(model: torch.nn.Module) -> list[int]:
     return calls
 
 
+def count_blockwise_calls() -> list[int]:
+    """Wrap context parallel's blockwise causal attention (the plain causal path under CP) with a counter of its
+    calls; returns the counter, [calls]."""
+    from fsdp2kit.parallel import context_attention
+
+    blockwise = context_attention.blockwise_causal_attention
+    calls = [0]
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        return blockwise(*args, **kwargs)
+
+    context_attention.blockwise_causal_attention = counted
+    return calls
+
+
 def config(run: dict[str, Any]) -> dict[str, Any]:
     per_expert = run["per_expert"]
     return {
@@ -142,7 +158,7 @@ def train(run: dict[str, Any]) -> None:
     data_parallel = dist.get_world_size() // sequence
     rank = dist.get_rank() // sequence  # the ranks of a sequence group train the same micro-batches
     first = strategy.load_checkpoint(run["resume"])["step"] if run.get("resume") else 0
-    attention_calls = count_attention_calls(strategy.model)
+    attention_calls, blockwise_calls = count_attention_calls(strategy.model), count_blockwise_calls()
     losses, grad_norms, orthogonalised = [], [], []
     for step in range(first, run["steps"]):
         everyone = micro_batches(
@@ -156,7 +172,7 @@ def train(run: dict[str, Any]) -> None:
         orthogonalised.append(list(getattr(strategy.optimizer, "orthogonalised", [])))
         if step + 1 == run.get("save_at"):
             strategy.save_checkpoint(run["checkpoint"])
-    trained_attention_calls = attention_calls[0]
+    trained_attention_calls, trained_blockwise_calls = attention_calls[0], blockwise_calls[0]
     log_probs = strategy.forward_step(micro_batches(-1, 1)[0])["log_probs"]
     left_log_probs = strategy.forward_step(left_padded_probe())["log_probs"] if run.get("left_padded") else None
     weights = {name: tensor.clone() for name, tensor in strategy.full_weights(bucket_bytes=1 << 14)}
@@ -174,6 +190,7 @@ def train(run: dict[str, Any]) -> None:
                 "data_parallel_size": strategy.data_parallel_size(),
                 "attention": strategy.model.config.get_text_config()._attn_implementation,
                 "attention_calls": trained_attention_calls,  # in the train steps, every layer's every call
+                "blockwise_calls": trained_blockwise_calls,  # of them, those CP attended block by block
                 "chunk_tokens": strategy.chunk_tokens,
                 "trained": [name for name, p in strategy.model.named_parameters() if p.requires_grad],
                 "weights": weights,

@@ -196,8 +196,10 @@ def assert_same_training(
 
 
 # What each case turns on besides CP, and the proof that it was on: a recomputed layer attends twice per micro-batch
-# (the attention calls of the train steps double), LoRA's adapters are what trains, the loss was cut in chunks.
-RECOMPUTED, LORA_WEIGHTS, CHUNKED = "recomputed", "lora weights", "chunked loss"
+# (the attention calls of the train steps double), LoRA's adapters are what trains, the loss was cut in chunks, the
+# right-padded micro-batches (half of them) attended block by block (parallel/context_attention.py: plain causal;
+# the Mistral's sliding window, shorter than the sequence, keeps every one of its calls on the dense mask).
+RECOMPUTED, LORA_WEIGHTS, CHUNKED, BLOCKWISE = "recomputed", "lora weights", "chunked loss", "blockwise"
 
 
 def assert_features_on(got: dict[str, Any], reference: dict[str, Any], features: set[str]) -> None:
@@ -205,6 +207,7 @@ def assert_features_on(got: dict[str, Any], reference: dict[str, Any], features:
     assert twice == (RECOMPUTED in features), (got["attention_calls"], reference["attention_calls"])
     assert any(".lora_B." in name for name in got["trained"]) == (LORA_WEIGHTS in features)
     assert (got["chunk_tokens"] == 3) == (CHUNKED in features)
+    assert got["blockwise_calls"] == (got["attention_calls"] // 2 if BLOCKWISE in features else 0)
 
 
 @pytest.mark.slow
@@ -215,7 +218,7 @@ def assert_features_on(got: dict[str, Any], reference: dict[str, Any], features:
         ("cp2 lora", "dense lora", 1e-5, {LORA_WEIGHTS, CHUNKED}),
         # One element of the MoE's layer-1 norm has a tiny gradient (3.7e-6 where the median is 2.5e-3): AdamW's
         # normalised update of it turns fp32 summation order into a ~1e-5 weight difference.
-        ("cp2 ep2", "moe", 2e-5, set()),
+        ("cp2 ep2", "moe", 2e-5, {BLOCKWISE}),
     ],
 )
 def test_cp2_on_two_ranks_trains_like_one_rank(case, reference, weight_atol, features, one_rank, two_ranks):

@@ -41,6 +41,8 @@ from torch.distributed import ProcessGroup
 
 from fsdp2kit.errors import UserError
 from fsdp2kit.labels import IGNORE_INDEX
+from fsdp2kit.parallel import context_attention
+from fsdp2kit.parallel.context_attention import blockwise_applies
 from fsdp2kit.parallel.document_attention import DOCUMENT_FLEX, document_block_mask, document_flex_attention
 from fsdp2kit.parallel.mesh import divisors, sequence_subgroups
 
@@ -462,8 +464,8 @@ def _ulysses_attention(inner: str, group: ProcessGroup) -> Callable:
     dim] in, [batch, seq/n, heads, dim] out, computed by `inner` with this rank's heads (`heads_per_rank`, Ulysses'
     all-to-all) for this rank's share of the queries over every key (context parallel: the keys and values
     all-gathered over the c ranks with the rectangular mask, the exact all-gather form of Llama 3's context parallel,
-    Llama 3 paper sec. 3.3.2, also torch's `context_parallel` and torchtitan; a ring would pass the blocks instead and
-    merge online softmaxes)."""
+    Llama 3 paper sec. 3.3.2, also torch's `context_parallel` and torchtitan; where attention is plain causal, no mask
+    but blocks of the fused kernel merged by their log-sum-exp, parallel/context_attention.py)."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     subgroups = sequence_subgroups(group)
@@ -491,19 +493,26 @@ def _ulysses_attention(inner: str, group: ProcessGroup) -> Callable:
             # A forward of tokens no `shard_sequence` cut (the head's probe): each rank's taken as a contiguous part.
             indices = (torch.arange(query.shape[2]) + context.rank() * query.shape[2], torch.arange(length))
             attention_mask = None
-        mask = (
-            flex_mask(attention_mask, batch_size, length, window, query.device)
-            if flex_mask is not None
-            else _full_sequence_mask(
-                attention_mask,
-                indices,
-                length,
-                window,
-                query.dtype if inner == "eager" else None,
-                query.device,
+        if (
+            inner == "sdpa"
+            and indices is not None
+            and blockwise_applies(module, query, attention_mask, length, **kwargs)
+        ):
+            output = context_attention.blockwise_causal_attention(query, key, value, indices, kwargs.get("scaling"))
+        else:
+            mask = (
+                flex_mask(attention_mask, batch_size, length, window, query.device)
+                if flex_mask is not None
+                else _full_sequence_mask(
+                    attention_mask,
+                    indices,
+                    length,
+                    window,
+                    query.dtype if inner == "eager" else None,
+                    query.device,
+                )
             )
-        )
-        output, _ = inner_attention(module, query, key, value, mask, **kwargs)  # [batch, seq, heads/k, dim]
+            output, _ = inner_attention(module, query, key, value, mask, **kwargs)  # [batch, seq, heads/k, dim]
         # The attention weights (eager) cover this rank's heads only; training never reads them.
         if ulysses is not None:  # sequence out, heads in
             output = _AllToAll.apply(output, ulysses, 1, 2, *reversed(exchange))

@@ -1,0 +1,166 @@
+"""Plain causal attention of a context-parallel rank's queries over the gathered keys, block by block, keeping no
+scores (`model.context_parallel_size`, the sdpa path on CPU).
+
+Under context parallel a rank's queries are contiguous runs of global token indices (parallel/ulysses.py:
+`token_order`: cp rank r holds chunks r and 2c-1-r of 2c), its keys every token of the sequence. Where attention is
+plain causal, the queries of a run that starts at global index s see every key before s in full and the keys of
+their own run causally, and no later key: two blocks a fused kernel computes without a mask, returning each query's
+log-sum-exp beside the output (the CPU flash kernel), merged by online softmax (out = sum_i exp(lse_i - lse) out_i,
+lse = logaddexp of the blocks'), as ring attention and torch's `context_parallel` (torch/distributed/tensor/
+experimental/_attention.py) merge theirs. A dense [T/c, T] mask would send sdpa to the math kernel, which keeps the
+[heads, T/c, T] scores. Backward: the kernel's backward of each block, given the merged output and log-sum-exp,
+is that block's exact share of dq, dk and dv (the flash / ring-attention backward): dq sums over the blocks, dk and
+dv go back to the key positions each block read.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+# The fused CPU kernel that returns the log-sum-exp ([B, H, L], float32 for reduced precision), and its backward.
+_FLASH_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_FLASH_CPU_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+def blockwise_applies(module: Any, query: torch.Tensor, attention_mask: Any, length: int, **kwargs: Any) -> bool:
+    """Whether the attention sdpa would compute for these queries over the `length` gathered keys is plain causal
+    with nothing the fused kernel lacks: no mask from the batch (packed documents, left padding), no sliding window
+    shorter than the sequence, no dropout, softcap, position bias or attention sinks; on the CPU (CUDA keeps sdpa
+    with the dense mask)."""
+    causal, window = kwargs.get("is_causal"), kwargs.get("sliding_window")
+    conditions = (
+        attention_mask is None,
+        query.device.type == "cpu",
+        query.shape[2] > 1,
+        window is None or length <= window,
+        not kwargs.get("dropout"),
+        kwargs.get("softcap") is None,
+        kwargs.get("position_bias") is None,
+        not isinstance(getattr(module, "sinks", None), torch.Tensor),
+        getattr(module, "is_causal", True) if causal is None else causal,
+    )
+    return all(conditions)
+
+
+def blockwise_causal_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    indices: tuple[torch.Tensor, torch.Tensor],
+    scaling: float | None,
+) -> torch.Tensor:
+    """Causal attention of `query` [B, H, L, D] over `key`, `value` [B, H_kv, T, D] (gathered), where `indices`
+    holds the global index of each query and each key (the keys: every index below T once), as sdpa would compute it
+    with the dense causal mask by those indices; out [B, L, H, D], as transformers' attention functions return it."""
+    order = torch.argsort(indices[1].to(key.device))  # the gathered position of each global index
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    output = _CausalBlocks.apply(query, key, value, order, query_runs(indices[0]), scale)
+    return output.transpose(1, 2).contiguous()
+
+
+def query_runs(queries: torch.Tensor) -> list[tuple[int, int]]:
+    """The (first global index, length) of each run of consecutive global indices in `queries`, in order."""
+    breaks = (torch.nonzero(queries.diff() != 1).flatten() + 1).tolist()
+    bounds = [0, *breaks, queries.numel()]
+    starts = queries[bounds[:-1]].tolist()
+    return [(start, end - begin) for start, begin, end in zip(starts, bounds[:-1], bounds[1:], strict=True)]
+
+
+def _blocks(start: int, length: int) -> list[tuple[slice, bool]]:
+    """The key blocks (a range of global indices, causal or not) the run of queries [start, start + length) attends
+    to: its own keys causally, every earlier key in full."""
+    own = (slice(start, start + length), True)
+    return [own, (slice(0, start), False)] if start else [own]
+
+
+def _block_keys(keys: torch.Tensor, positions: torch.Tensor, heads: int) -> torch.Tensor:
+    """The gathered keys (or values) at `positions`, in that order, their heads repeated to the query heads
+    (transformers' `repeat_kv`, as its sdpa does under a mask): a block's, made when the kernel needs it, so that
+    only the gathered [B, H_kv, T, D] ones are kept for the backward."""
+    from transformers.integrations.sdpa_attention import repeat_kv
+
+    return repeat_kv(keys[:, :, positions], heads // keys.shape[1])
+
+
+def _run_forward(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, order: torch.Tensor, run: tuple[int, int], scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One run's output and log-sum-exp, its blocks merged by online softmax in float32 (or the inputs' float64)."""
+    merged: tuple[torch.Tensor, torch.Tensor] | None = None
+    precision = torch.promote_types(query.dtype, torch.float32)
+    heads = query.shape[1]
+    for keys, causal in _blocks(*run):
+        k, v = (_block_keys(t, order[keys], heads) for t in (key, value))
+        out, lse = _FLASH_CPU(query, k, v, 0.0, causal, scale=scale)
+        out, lse = out.to(precision), lse.to(precision)
+        if merged is not None:
+            total = torch.logaddexp(merged[1], lse)
+            out = merged[0] * (merged[1] - total).exp()[..., None] + out * (lse - total).exp()[..., None]
+            lse = total
+        merged = (out, lse)
+    assert merged is not None  # every run has its own block
+    return merged[0].to(query.dtype), merged[1]
+
+
+def _heads_summed(grad: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """A block's key (or value) gradient over the repeated heads [B, H, n, D], summed back to the key/value heads."""
+    batch, heads, length, dim = grad.shape
+    return grad.view(batch, kv_heads, heads // kv_heads, length, dim).sum(2)
+
+
+class _CausalBlocks(torch.autograd.Function):
+    """The queries' runs (`query_runs`) over their blocks (`_blocks`) of the gathered keys and values (`order`: the
+    gathered position of each global index); the backward the kernel's per block with the merged output and
+    log-sum-exp, each block's key and value gradients added at the gathered positions it read."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        order: torch.Tensor,
+        runs: list[tuple[int, int]],
+        scale: float,
+    ) -> torch.Tensor:
+        blocks = [_run_forward(query[:, :, rows], key, value, order, run, scale) for rows, run in _run_rows(runs)]
+        out, lse = (torch.cat(parts, 2) for parts in zip(*blocks, strict=True))
+        ctx.save_for_backward(query, key, value, order, out, lse)
+        ctx.runs, ctx.scale = runs, scale
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        query, key, value, order, out, lse = ctx.saved_tensors
+        precision = torch.promote_types(query.dtype, torch.float32)
+        dq = torch.zeros_like(query, dtype=precision)
+        dk, dv = torch.zeros_like(key, dtype=precision), torch.zeros_like(value, dtype=precision)
+        grad, heads = grad.contiguous(), query.shape[1]
+        for rows, run in _run_rows(ctx.runs):
+            for keys, causal in _blocks(*run):
+                k, v = (_block_keys(t, order[keys], heads) for t in (key, value))
+                gq, gk, gv = _FLASH_CPU_BACKWARD(
+                    grad[:, :, rows],
+                    query[:, :, rows],
+                    k,
+                    v,
+                    out[:, :, rows],
+                    lse[:, :, rows],
+                    0.0,
+                    causal,
+                    scale=ctx.scale,
+                )
+                dq[:, :, rows] += gq
+                dk.index_add_(2, order[keys], _heads_summed(gk.to(precision), key.shape[1]))
+                dv.index_add_(2, order[keys], _heads_summed(gv.to(precision), value.shape[1]))
+        return dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype), None, None, None
+
+
+def _run_rows(runs: list[tuple[int, int]]) -> list[tuple[slice, tuple[int, int]]]:
+    """Each run with the rows of the query tensor that hold it."""
+    offsets = [0]
+    for _, length in runs:
+        offsets.append(offsets[-1] + length)
+    return [(slice(offsets[i], offsets[i + 1]), run) for i, run in enumerate(runs)]

@@ -1,0 +1,70 @@
+"""The blockwise causal attention of context parallel (parallel/context_attention.py), in one process: a rank's
+queries (chunks r and 2c-1-r of 2c) over the keys gathered in cp-rank order give the output and the query, key and
+value gradients of sdpa with the dense causal mask by global index, for every rank of c = 2 and 4, with and without
+grouped key/value heads."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers.integrations.sdpa_attention import repeat_kv
+
+from fsdp2kit.parallel.context_attention import blockwise_causal_attention, query_runs
+from fsdp2kit.parallel.ulysses import token_order
+
+HEADS, DIM, LENGTH = 4, 8, 48
+
+
+def rank_layout(context: int, ulysses: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global indices of cp rank `rank`'s queries (its whole share, as Ulysses gathers it) and of the keys."""
+    order = token_order(LENGTH, context, ulysses)
+    return order[rank].flatten(), order.flatten()
+
+
+def test_query_runs_are_the_rank_chunks():
+    queries, _ = rank_layout(4, 1, 1)  # chunks 1 and 6 of 8, 6 tokens each
+    assert query_runs(queries) == [(6, 6), (36, 6)]
+    assert query_runs(torch.arange(5, 9)) == [(5, 4)]
+
+
+@pytest.mark.parametrize("kv_heads", [HEADS, 2])
+@pytest.mark.parametrize(("context", "ulysses"), [(2, 1), (4, 1), (2, 2)])
+def test_blockwise_equals_sdpa_with_the_dense_mask(context, ulysses, kv_heads):
+    generator = torch.Generator().manual_seed(context * 10 + kv_heads)
+    for rank in range(context):
+        queries, keys = rank_layout(context, ulysses, rank)
+        q = torch.randn(2, HEADS, queries.numel(), DIM, dtype=torch.float64, generator=generator)
+        k, v = (torch.randn(2, kv_heads, LENGTH, DIM, dtype=torch.float64, generator=generator) for _ in range(2))
+        grad = torch.randn(2, queries.numel(), HEADS, DIM, dtype=torch.float64, generator=generator)
+        leaves = [t.requires_grad_() for t in (q, k, v)]
+        got = blockwise_causal_attention(q, k, v, (queries, keys), 0.3)
+        got_grads = torch.autograd.grad(got, leaves, grad)
+        repeats = HEADS // kv_heads
+        mask = queries[:, None] >= keys[None, :]
+        expected = F.scaled_dot_product_attention(q, repeat_kv(k, repeats), repeat_kv(v, repeats), mask, scale=0.3)
+        expected = expected.transpose(1, 2)
+        expected_grads = torch.autograd.grad(expected, leaves, grad)
+        torch.testing.assert_close(got, expected, atol=1e-10, rtol=0)
+        for name, a, b in zip("qkv", got_grads, expected_grads, strict=True):
+            torch.testing.assert_close(a, b, atol=1e-10, rtol=0, msg=f"rank {rank}: d{name}")
+
+
+def test_bf16_inputs_merge_in_float32():
+    """bf16 in, bf16 out and gradients, within bf16's rounding of the float64 results."""
+    queries, keys = rank_layout(2, 1, 0)
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(1, HEADS, queries.numel(), DIM, dtype=torch.float64, generator=generator)
+    k, v = (torch.randn(1, 2, LENGTH, DIM, dtype=torch.float64, generator=generator) for _ in range(2))
+    grad = torch.randn(1, queries.numel(), HEADS, DIM, dtype=torch.float64, generator=generator)
+    low = [t.bfloat16().requires_grad_() for t in (q, k, v)]
+    got = blockwise_causal_attention(*low, (queries, keys), None)
+    got_grads = torch.autograd.grad(got, low, grad.bfloat16())
+    exact = [t.requires_grad_() for t in (q, k, v)]
+    mask = queries[:, None] >= keys[None, :]
+    expected = F.scaled_dot_product_attention(q, repeat_kv(k, 2), repeat_kv(v, 2), mask).transpose(1, 2)
+    expected_grads = torch.autograd.grad(expected, exact, grad)
+    assert got.dtype == torch.bfloat16 and all(g.dtype == torch.bfloat16 for g in got_grads)
+    torch.testing.assert_close(got.double(), expected, atol=2e-2, rtol=0)
+    for a, b in zip(got_grads, expected_grads, strict=True):
+        torch.testing.assert_close(a.double(), b, atol=5e-2, rtol=2e-2)
