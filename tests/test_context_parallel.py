@@ -13,7 +13,8 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import launch_two_ranks, run_cli, set_args
+import yaml
+from conftest import as_overrides, launch_two_ranks, read_metrics, reference_run, run_cli, set_args
 from moe_families_worker import LENGTH, left_padded_probe
 from moe_families_worker import train as train_in_process
 from test_expert_parallel import QWEN3_MOE
@@ -271,3 +272,36 @@ def test_context_parallel_size_not_dividing_nproc_fails_before_spawning():
     assert result.stderr.strip() == (
         "error: model.context_parallel_size = 3 does not divide world size 2 / model.ulysses_size 1; valid: 1, 2"
     )
+
+
+@pytest.mark.slow
+def test_train_of_a_moe_at_ulysses2_cp2_ep2_matches_one_process(tmp_path):
+    """`fsdp2kit train` on 4 ranks, Ulysses 2 x CP 2 x EP 2 (one data-parallel rank), the builtin Qwen3-MoE with
+    its router loss at coefficient 1 (so that it counts), packed documents of 63 tokens (padded to 64 for the cut):
+    each step's loss and gradient norm as the one-process reference's."""
+    from test_ulysses import CONFIG, train_cli
+
+    from fsdp2kit.config.load import load_config
+
+    config_file = tmp_path / "moe.yaml"
+    config_file.write_text(yaml.safe_dump(CONFIG))
+    settings = {
+        "model.name_or_path": "builtin:tiny-qwen3-moe",
+        "model.config.num_hidden_layers": 2,
+        "model.config.router_aux_loss_coef": 1.0,
+        "data.seq_len": 63,
+        "training.max_steps": 4,
+        "training.gradient_accumulation_steps": 4,
+    }
+    # The router loss of a micro-batch is not the mean of its rows': the reference takes the same 4 micro-batches.
+    reference = reference_run(load_config(config_file, as_overrides(settings)), 4).results
+    layout = {"model.ulysses_size": 2, "model.context_parallel_size": 2, "strategy_args.strategy_config.ep_size": 2}
+    train_cli(config_file, 4, settings | layout, tmp_path / "run")
+    records = read_metrics(tmp_path / "run")
+    assert len(records) == len(reference) == 4
+    worst = 0.0
+    for key in ("loss", "grad_norm"):
+        pairs = [(record[key], getattr(expected, key)) for record, expected in zip(records, reference, strict=True)]
+        worst = max(worst, *(abs(a - b) / abs(b) for a, b in pairs))
+        assert worst < 1e-5, (key, pairs)
+    print("max relative difference of losses and gradient norms:", worst)
