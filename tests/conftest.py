@@ -181,10 +181,11 @@ def reference_run(cfg, steps: int) -> ReferenceRun:
         cfg.data.shuffle,
         tokenizer.pad_token_id,
     )
+    aux_loss = float(getattr(model.config, "router_aux_loss_coef", 0.0) or 0.0)  # a MoE's router loss, as train's
     with process_group():
         for step in range(steps):
             run.results.append(
-                train_step(model, batches.micro_batches(step), optimizer, scheduler, guard, tc.max_grad_norm)
+                train_step(model, batches.micro_batches(step), optimizer, scheduler, guard, tc.max_grad_norm, aux_loss)
             )
     return run
 

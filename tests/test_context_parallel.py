@@ -13,8 +13,9 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import launch_two_ranks, run_cli, set_args
-from moe_families_worker import LENGTH, left_padded_probe
+import yaml
+from conftest import as_overrides, launch_two_ranks, read_metrics, reference_run, run_cli, set_args
+from moe_families_worker import LENGTH, left_padded_probe, micro_batches
 from moe_families_worker import train as train_in_process
 from test_expert_parallel import QWEN3_MOE
 from test_moe_families import saved_folder
@@ -106,18 +107,23 @@ def results(planned: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 
 # LoRA over every linear layer, B random (peft's init_lora_weights: false) so that the adapters count from step 1.
+# The Strategy API packs each padded micro-batch's rows into one stream of documents (right-padded batches only: it
+# refuses packed ones), then cuts that stream for CP.
+REMOVE_PADDING = {"remove_padding": True}
 LORA = {"lora": {"rank": 4, "target_modules": "all-linear", "init_lora_weights": False}}
 
 
 @pytest.fixture(scope="module")
 def one_rank(folders: dict[str, Path], out: Path) -> dict[str, dict[str, Any]]:
     """The references, in this process (a world of one): 4 micro-batches a step, 2 right-padded and 2 of packed
-    documents (`micro_batches`' "mixed"): every run below trains both kinds in each step."""
+    documents (`micro_batches`' "mixed"): every run below trains both kinds in each step, but `model.remove_padding`'s
+    (right-padded micro-batches only, "dense padded")."""
     dense, moe = folders["dense"], folders["moe"]
     planned = {
         "dense": run(dense, out / "dense-1.pt", 4),
         "dense lora": run(dense, out / "dense-lora-1.pt", 4, model=LORA),
         "moe": run(moe, out / "moe-1.pt", 4),
+        "dense padded": run(dense, out / "dense-padded-1.pt", 4, packed=False),
     }
     try:
         for spec in planned.values():
@@ -130,8 +136,8 @@ def one_rank(folders: dict[str, Path], out: Path) -> dict[str, dict[str, Any]]:
 @pytest.fixture(scope="module")
 def two_ranks(folders: dict[str, Path], out: Path, one_rank: dict) -> dict[str, dict[str, Any]]:
     """One 2-rank launch: CP 2 with a caller's loss and every decoder layer recomputed, CP 2 with LoRA and the loss in
-    chunks of 3 tokens, CP 2 with EP 2 on the MoE, and the resumes of CP 2's checkpoint at CP 1 (2 data-parallel
-    ranks) and at Ulysses 2."""
+    chunks of 3 tokens, CP 2 with EP 2 on the MoE, CP 2 with `model.remove_padding`, and the resumes of CP 2's
+    checkpoint at CP 1 (2 data-parallel ranks) and at Ulysses 2."""
     dense, moe, checkpoint = folders["dense"], folders["moe"], str(out / "ckpt-cp2")
     planned = {
         "cp2": run(
@@ -146,6 +152,7 @@ def two_ranks(folders: dict[str, Path], out: Path, one_rank: dict) -> dict[str, 
         ),
         "cp2 lora": run(dense, out / "cp2-lora.pt", 4, cp=2, model=LORA, training={"loss_chunk_tokens": 3}),
         "cp2 ep2": run(moe, out / "cp2-ep2.pt", 4, cp=2, ep=2),
+        "cp2 remove padding": run(dense, out / "cp2-rmpad.pt", 4, cp=2, model=REMOVE_PADDING, packed=False),
         "cp2->cp1": run(dense, out / "resume-cp1.pt", 2, resume=checkpoint),
         "cp2->ulysses2": run(dense, out / "resume-u2.pt", 4, ulysses=2, resume=checkpoint),
     }
@@ -199,7 +206,9 @@ def assert_same_training(
 # (the attention calls of the train steps double), LoRA's adapters are what trains, the loss was cut in chunks, the
 # right-padded micro-batches (half of them) attended block by block (parallel/context_attention.py: plain causal;
 # the Mistral's sliding window, shorter than the sequence, keeps every one of its calls on the dense mask).
+# Without padding the model's outputs at padded targets are 0 (else whatever the padded computation gives).
 RECOMPUTED, LORA_WEIGHTS, CHUNKED, BLOCKWISE = "recomputed", "lora weights", "chunked loss", "blockwise"
+UNPADDED = "unpadded"
 
 
 def assert_features_on(got: dict[str, Any], reference: dict[str, Any], features: set[str]) -> None:
@@ -208,6 +217,9 @@ def assert_features_on(got: dict[str, Any], reference: dict[str, Any], features:
     assert any(".lora_B." in name for name in got["trained"]) == (LORA_WEIGHTS in features)
     assert (got["chunk_tokens"] == 3) == (CHUNKED in features)
     assert got["blockwise_calls"] == (got["attention_calls"] // 2 if BLOCKWISE in features else 0)
+    mask = micro_batches(-1, 1)[0]["attention_mask"]
+    padded = ~(mask[:, :-1] * mask[:, 1:]).bool()
+    assert bool((got["log_probs"][padded] == 0).all()) == (UNPADDED in features)
 
 
 @pytest.mark.slow
@@ -219,6 +231,7 @@ def assert_features_on(got: dict[str, Any], reference: dict[str, Any], features:
         # One element of the MoE's layer-1 norm has a tiny gradient (3.7e-6 where the median is 2.5e-3): AdamW's
         # normalised update of it turns fp32 summation order into a ~1e-5 weight difference.
         ("cp2 ep2", "moe", 2e-5, {BLOCKWISE}),
+        ("cp2 remove padding", "dense padded", 1e-5, {UNPADDED}),
     ],
 )
 def test_cp2_on_two_ranks_trains_like_one_rank(case, reference, weight_atol, features, one_rank, two_ranks):
@@ -274,3 +287,36 @@ def test_context_parallel_size_not_dividing_nproc_fails_before_spawning():
     assert result.stderr.strip() == (
         "error: model.context_parallel_size = 3 does not divide world size 2 / model.ulysses_size 1; valid: 1, 2"
     )
+
+
+@pytest.mark.slow
+def test_train_of_a_moe_at_ulysses2_cp2_ep2_matches_one_process(tmp_path):
+    """`fsdp2kit train` on 4 ranks, Ulysses 2 x CP 2 x EP 2 (one data-parallel rank), the builtin Qwen3-MoE with
+    its router loss at coefficient 1 (so that it counts), packed documents of 63 tokens (padded to 64 for the cut):
+    each step's loss and gradient norm as the one-process reference's."""
+    from test_ulysses import CONFIG, train_cli
+
+    from fsdp2kit.config.load import load_config
+
+    config_file = tmp_path / "moe.yaml"
+    config_file.write_text(yaml.safe_dump(CONFIG))
+    settings = {
+        "model.name_or_path": "builtin:tiny-qwen3-moe",
+        "model.config.num_hidden_layers": 2,
+        "model.config.router_aux_loss_coef": 1.0,
+        "data.seq_len": 63,
+        "training.max_steps": 4,
+        "training.gradient_accumulation_steps": 4,
+    }
+    # The router loss of a micro-batch is not the mean of its rows': the reference takes the same 4 micro-batches.
+    reference = reference_run(load_config(config_file, as_overrides(settings)), 4).results
+    layout = {"model.ulysses_size": 2, "model.context_parallel_size": 2, "strategy_args.strategy_config.ep_size": 2}
+    train_cli(config_file, 4, settings | layout, tmp_path / "run")
+    records = read_metrics(tmp_path / "run")
+    assert len(records) == len(reference) == 4
+    worst = 0.0
+    for key in ("loss", "grad_norm"):
+        pairs = [(record[key], getattr(expected, key)) for record, expected in zip(records, reference, strict=True)]
+        worst = max(worst, *(abs(a - b) / abs(b) for a, b in pairs))
+        assert worst < 1e-5, (key, pairs)
+    print("max relative difference of losses and gradient norms:", worst)

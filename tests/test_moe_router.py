@@ -123,3 +123,74 @@ def test_the_router_loss_is_transformers_load_balancing_loss_of_the_whole_rows(t
     )
     assert router_loss == pytest.approx(expected.item(), abs=1e-6)
     assert default_loss == pytest.approx(outputs.loss.item(), abs=1e-5)
+
+
+# Context parallel (issue 48) beside Ulysses and expert parallelism, the router loss at coefficient 1 so that it
+# counts: 3 steps of 2 micro-batches, through a caller's next-token loss_fn and through the router loss alone.
+CP_STEPS, COUNTING = 3, {"config": {"router_aux_loss_coef": 1.0}}
+
+
+def cp_run(folder: Path, out: Path, name: str, loss: str, accumulation: int = 2, **options: Any) -> dict[str, Any]:
+    return run(
+        folder,
+        out / f"{name}-{loss}.pt",
+        accumulation,
+        steps=CP_STEPS,
+        model=COUNTING,
+        caller_loss=loss == "caller",
+        router_only=loss == "router",
+        **options,
+    )
+
+
+@pytest.fixture(scope="module")
+def cp_one_rank(folder: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    out = tmp_path_factory.mktemp("router_cp_one")
+    planned = {loss: cp_run(folder, out, "one", loss) for loss in ("caller", "router")}
+    try:
+        for spec in planned.values():
+            train_in_process(spec)
+    finally:
+        shutdown()
+    return {key: torch.load(spec["out"]) for key, spec in planned.items()}
+
+
+def launch(planned: dict[Any, dict[str, Any]], out: Path, ranks: int) -> dict[Any, dict[str, Any]]:
+    spec = out / f"runs-{ranks}.json"
+    spec.write_text(json.dumps(list(planned.values())))
+    launch_two_ranks("moe_families_worker.py", spec, ranks=ranks)
+    return {key: torch.load(spec["out"]) for key, spec in planned.items()}
+
+
+def assert_cp_training(got: dict[str, Any], expected: dict[str, Any], data_parallel: int) -> float:
+    """Losses, gradient norms and weights after 3 steps within 1e-5 of one rank's; returns the largest difference."""
+    assert got["data_parallel_size"] == data_parallel and got["attention"].startswith("ulysses_")
+    assert_same_training(got, expected)
+    worst = max(abs(a - b) for a, b in zip(got["losses"], expected["losses"], strict=True))
+    worst = max(worst, *(abs(a - b) / b for a, b in zip(got["grad_norms"], expected["grad_norms"], strict=True)))
+    return max(worst, *((got["weights"][k] - t).abs().max().item() for k, t in expected["weights"].items()))
+
+
+@pytest.mark.slow
+def test_moe_router_loss_under_cp_ulysses_and_ep_trains_like_one_rank(folder, cp_one_rank, tmp_path):
+    """One 2-rank launch (CP 2 x EP 2) and one 4-rank launch (Ulysses 2 x CP 2 x EP 2; CP 4; CP 2 x EP 2 beside 2
+    data-parallel ranks), each through a caller's loss_fn and the router loss alone: one rank's losses, gradient
+    norms and weights."""
+    assert cp_one_rank["router"]["grad_norms"][0] > 0
+    two = launch(
+        {("cp2 ep2", loss): cp_run(folder, tmp_path, "cp2ep2", loss, cp=2, ep=2) for loss in ("caller", "router")},
+        tmp_path,
+        2,
+    )
+    four_planned = {
+        **{
+            ("u2 cp2 ep2", loss): cp_run(folder, tmp_path, "u2cp2ep2", loss, ulysses=2, cp=2, ep=2)
+            for loss in ("caller", "router")
+        },
+        ("cp4", "router"): cp_run(folder, tmp_path, "cp4", "router", cp=4),
+        ("cp2 ep2 dp2", "router"): cp_run(folder, tmp_path, "cp2ep2dp2", "router", 1, cp=2, ep=2),
+    }
+    four = launch(four_planned, tmp_path, 4)
+    for (name, loss), got in {**two, **four}.items():
+        data_parallel = 2 if name.endswith("dp2") else 1
+        print(f"{name} {loss}: max difference", assert_cp_training(got, cp_one_rank[loss], data_parallel))

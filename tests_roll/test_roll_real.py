@@ -45,7 +45,7 @@ def run_ranks(engine: str, role: str, model_dir: Path, out: Path, ranks: int) ->
         processes.append(  # in out's folder: ROLL's logger writes ./output/logs
             subprocess.Popen(command, env=env, cwd=out.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         )
-    logs = [process.communicate(timeout=300)[0].decode(errors="replace") for process in processes]
+    logs = [process.communicate(timeout=600)[0].decode(errors="replace") for process in processes]
     for process, log in zip(processes, logs, strict=True):
         assert process.returncode == 0, log[-4000:]
     return [torch.load(f"{out}.rank{rank}", weights_only=False) for rank in range(ranks)]

@@ -182,8 +182,9 @@ class ModelConfig(Section):
     context_parallel_size: int = Field(
         1,
         ge=1,
-        description="context-parallel (ring attention) degree: each rank holds a load-balanced 1/c of every "
-        "sequence and attention passes key/value blocks between the c ranks; composes with ulysses_size",
+        description="context-parallel degree: each rank holds a load-balanced 1/c of every sequence (a front "
+        "chunk and its mirror) and attention all-gathers the keys and values over the c ranks; composes with "
+        "ulysses_size",
     )
     gradient_checkpointing: bool = Field(False, description="recompute every decoder layer in backward")
     remove_padding: bool = Field(
