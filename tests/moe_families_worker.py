@@ -87,12 +87,15 @@ def force_routing(model: torch.nn.Module) -> None:
 
 def count_attention_calls(model: torch.nn.Module) -> list[int]:
     """Wrap the attention function the model is switched to with a counter of its calls (recompute calls it again in
-    backward); returns the counter, [calls]."""
+    backward); returns the counter, [calls]. A model attending with its own eager function (registered nowhere)
+    stays uncounted: [0]."""
     from transformers import AttentionInterface
 
     name = model.config.get_text_config()._attn_implementation
-    attention = AttentionInterface._global_mapping[name]
     calls = [0]
+    attention = AttentionInterface._global_mapping.get(name)
+    if attention is None:
+        return calls
 
     def counted(*args: Any, **kwargs: Any) -> Any:
         calls[0] += 1
