@@ -319,7 +319,7 @@ def test_plan_reports_the_attention_of_its_layout():
 
 
 @pytest.mark.slow
-def test_plan_under_context_parallel_after_the_cp_merge():
+def test_plan_under_context_parallel():
     """Issue 48 (5), traced (needs branch `cp`'s runtime): with eager attention over 512 tokens the scores dominate a
     layer's activations; context parallel 2 at 2 ranks traces each rank's half of the queries against all keys, and
     the predicted peak falls by at least the computed scores' saving of one layer."""

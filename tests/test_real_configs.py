@@ -1094,11 +1094,10 @@ def test_native_file_decays_every_parameter_as_mindspeed_mm_does(tmp_path):
     assert norms and max((file_weights[k].float() - weights[False][k].float()).abs().max().item() for k in norms) > 1e-4
 
 
-# Issue 48's acceptance: the real files asking for context parallelism, planned and trained as written (these tests
-# need the context-parallel runtime of branch `cp`: they pass once it is merged; MindSpeed-MM's files are
-# vision-language models, which need that runtime to run CP on VL models too). Accelerate's cp.yaml asks for 8
-# processes (cp 8): planned at 8, trained with its cp scaled to the 2 ranks here through its own key; TRL's file
-# (cp 2) as written; MindSpeed-MM's native files with ring_attention_size: 2 (their stand-in models).
+# Issue 48's acceptance: the real files asking for context parallelism, planned and trained as written.
+# Accelerate's cp.yaml asks for 8 processes (cp 8): planned at 8, trained with its cp scaled to the 2 ranks here
+# through its own key; TRL's file (cp 2) as written; MindSpeed-MM's native files with ring_attention_size: 2 (their
+# stand-in models).
 CP_FILES = {
     "accelerate": {
         "accelerate/examples/torch_native_parallelism/configs/cp.yaml": 8,
@@ -1114,7 +1113,7 @@ RING_2 = ["parallel.ring_attention_size=2"]
 
 @pytest.mark.slow
 @pytest.mark.parametrize("group", sorted(CP_FILES))
-def test_context_parallel_files_plan_as_written_after_the_cp_merge(group):
+def test_context_parallel_files_plan_as_written(group):
     """`check` of each file: its context-parallel group is the file's size (8 for Accelerate's cp.yaml at its 8
     processes); at a world it does not divide, one line naming the key as written."""
     for name, size in CP_FILES[group].items():
@@ -1137,10 +1136,10 @@ def test_context_parallel_files_plan_as_written_after_the_cp_merge(group):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("group", sorted(CP_FILES))
-def test_context_parallel_files_train_two_steps_after_the_cp_merge(group, tmp_path):
+def test_context_parallel_files_train_two_steps(group, tmp_path):
     """Each file trains 2 optimizer steps on 2 ranks with its context-parallel group of 2 (layout.json), one launch
-    for all: Accelerate's and TRL's on tiny-llama and the built-in corpus, MindSpeed-MM's on image+text
-    conversations."""
+    for all: Accelerate's and TRL's on tiny-llama and the built-in corpus, MindSpeed-MM's Qwen3-VL on image+text
+    conversations (Step3-VL's text-only stand-in on the corpus)."""
     from conftest import launch_two_ranks, read_metrics
 
     ep_training_data(tmp_path)
@@ -1152,8 +1151,9 @@ def test_context_parallel_files_train_two_steps_after_the_cp_merge(group, tmp_pa
     for i, name in enumerate(CP_FILES[group]):
         model = EXPECTED[name][0]
         config, swaps, strategy_file = user_args(name, model, 2)
-        vl = name.startswith("mindspeed_mm/")
-        data = [f"data.source={tmp_path / 'vl/llamafactory.json'}", *RING_2] if vl else []
+        native = name.startswith("mindspeed_mm/")  # Step3-VL's stand-in is text-only: the built-in corpus
+        images = [f"data.source={tmp_path / 'vl/llamafactory.json'}"] if model in BUILTIN_VL_MODELS else []
+        data = [*images, *RING_2] if native else []
         settings = [
             *swaps,
             *data,
