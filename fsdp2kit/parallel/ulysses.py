@@ -256,7 +256,8 @@ def _all_to_all(
     shapes = [shape[:gather_dim] + [size] + shape[gather_dim + 1 :] for size in gather_sizes]
     counts = [math.prod(piece_shape) for piece_shape in shapes]
     received = x.new_empty(sum(counts))
-    dist.all_to_all_single(received, send, counts, [piece.numel() for piece in pieces], group=group)
+    sent = [piece.numel() for piece in pieces]
+    dist.all_to_all_single(received, send, output_split_sizes=counts, input_split_sizes=sent, group=group)
     arrived = [flat.view(piece_shape) for flat, piece_shape in zip(received.split(counts), shapes, strict=True)]
     return torch.cat(arrived, dim=gather_dim)
 
