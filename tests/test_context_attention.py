@@ -68,3 +68,20 @@ def test_bf16_inputs_merge_in_float32():
     torch.testing.assert_close(got.double(), expected, atol=2e-2, rtol=0)
     for a, b in zip(got_grads, expected_grads, strict=True):
         torch.testing.assert_close(a.double(), b, atol=5e-2, rtol=2e-2)
+
+
+@pytest.mark.cuda
+def test_cuda_keeps_the_dense_mask_and_agrees_with_the_cpu_blockwise_path():
+    """On CUDA the blockwise path does not apply (blockwise_applies: CPU only) and CP attends through sdpa with the
+    dense rectangular mask; that path on the GPU gives what the CPU's blockwise path gives (fp32)."""
+    from fsdp2kit.parallel.context_attention import blockwise_applies
+
+    queries, keys = rank_layout(2, 1, 1)
+    generator = torch.Generator().manual_seed(1)
+    q = torch.randn(1, HEADS, queries.numel(), DIM, generator=generator)
+    k, v = (torch.randn(1, HEADS, LENGTH, DIM, generator=generator) for _ in range(2))
+    assert blockwise_applies(None, q, None, LENGTH) and not blockwise_applies(None, q.cuda(), None, LENGTH)
+    cpu = blockwise_causal_attention(q, k, v, (queries, keys), None)
+    mask = (queries[:, None] >= keys[None, :]).cuda()
+    gpu = F.scaled_dot_product_attention(q.cuda(), k.cuda(), v.cuda(), mask).transpose(1, 2)
+    torch.testing.assert_close(gpu.cpu(), cpu, atol=1e-5, rtol=1e-5)

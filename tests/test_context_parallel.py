@@ -18,6 +18,7 @@ from conftest import as_overrides, launch_two_ranks, read_metrics, reference_run
 from moe_families_worker import LENGTH, left_padded_probe, micro_batches
 from moe_families_worker import train as train_in_process
 from test_expert_parallel import QWEN3_MOE
+from test_expert_parallel import run as expert_run
 from test_moe_families import saved_folder
 
 from fsdp2kit.config.schema import StrategyConfig
@@ -72,20 +73,9 @@ def test_the_causal_work_is_balanced_over_the_cp_ranks(context, ulysses):
 
 
 def run(folder: Path, out: Path, accumulation: int, **options: Any) -> dict[str, Any]:
-    """One run of tests/moe_families_worker.py (fused experts, no export), `options` as it reads them."""
-    return {
-        "folder": str(folder),
-        "out": str(out),
-        "experts": "",
-        "per_expert": False,
-        "accumulation": accumulation,
-        "ulysses": 1,
-        "steps": STEPS,
-        "export": False,
-        "left_padded": True,
-        "packed": "mixed",
-        **options,
-    }
+    """One run of tests/moe_families_worker.py as tests/test_expert_parallel.py's, with the left-padded probe and
+    mixed packed and right-padded micro-batches unless `options` say otherwise."""
+    return expert_run(folder, out, accumulation, **({"left_padded": True, "packed": "mixed"} | options))
 
 
 @pytest.fixture(scope="module")
