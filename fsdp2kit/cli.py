@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 import tempfile
+import traceback
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -206,6 +207,7 @@ def _launch(nproc: int, argv: list[str], output_dir: Path, command: str) -> int:
                 return 1
             return code
         except SignalException as stopped:
+            _end_rendezvous(stopped)
             code = _print_rank_report(Path(error_dir))
             if code is None:
                 print(
@@ -214,6 +216,20 @@ def _launch(nproc: int, argv: list[str], output_dir: Path, command: str) -> int:
                 )
             return code or 128 + int(stopped.sigval)
     return 0
+
+
+def _end_rendezvous(stopped: BaseException) -> None:
+    """Stopped by a signal, torch's launcher leaves its rendezvous open (for a restart), its keep-alive timer running.
+    The timer's thread holds the rendezvous while it sends a heartbeat: if this thread lets go of it meanwhile, the
+    rendezvous is freed in the timer's thread, whose finaliser then joins that thread itself ("cannot join current
+    thread", a traceback after the one-line report). This launcher restarts nothing: it ends the rendezvous here."""
+    from torch.distributed.elastic.agent.server import WorkerSpec
+
+    for frame, _ in traceback.walk_tb(stopped.__traceback__):
+        for value in frame.f_locals.values():
+            if isinstance(value, WorkerSpec):
+                value.rdzv_handler.shutdown()
+                return
 
 
 # What each launched command's ranks do, for the line that says they failed.

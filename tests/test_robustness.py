@@ -1020,3 +1020,62 @@ def test_failed_ranks_are_named_by_the_command_they_ran(tmp_path, capsys, monkey
     monkeypatch.setattr(torch.distributed.run, "run", fail)
     assert _launch(2, [command, "c.yaml", "--nproc", "2"], tmp_path, command) == 1
     assert capsys.readouterr().err == f"error: {said}: rank 0 (exit code 1); its output is above\n"
+
+
+# The launcher stopped by SIGINT while its rendezvous' heartbeat is being sent: each heartbeat made slow (2 s, every
+# 10 ms) so that the launcher lets go of the rendezvous during one, as happened once in CI by chance.
+LAUNCHER_STOPPED_IN_A_HEARTBEAT = """
+import os, signal, sys, threading, time
+from datetime import timedelta
+from pathlib import Path
+
+from torch.distributed.elastic.rendezvous import dynamic_rendezvous, utils
+
+from fsdp2kit.checkpoint.committed import committed_checkpoints
+from fsdp2kit.cli import _launch
+
+send_heartbeat = dynamic_rendezvous.DynamicRendezvousHandler._keep_alive
+
+
+def slow_heartbeat(self):
+    send_heartbeat(self)
+    time.sleep(2)
+
+
+dynamic_rendezvous.DynamicRendezvousHandler._keep_alive = slow_heartbeat
+start_timer = utils._PeriodicTimer.__init__
+utils._PeriodicTimer.__init__ = lambda self, _, *args: start_timer(self, timedelta(milliseconds=10), *args)
+output_dir = Path(sys.argv[1])
+
+
+def interrupt():
+    while not committed_checkpoints(output_dir / "checkpoints"):
+        time.sleep(0.05)
+    os.kill(os.getpid(), signal.SIGINT)
+
+
+threading.Thread(target=interrupt, daemon=True).start()
+code = _launch(2, ["train", *sys.argv[2:]], output_dir, "train")
+time.sleep(3)  # a heartbeat under way ends meanwhile
+print(code, [t.name for t in threading.enumerate() if t.name.startswith("RendezvousKeepAliveTimer")])
+"""
+
+
+@pytest.mark.slow
+def test_a_launcher_stopped_during_a_heartbeat_ends_its_rendezvous_without_a_traceback(tmp_path, small_run):
+    """torch's launcher, stopped by a signal, leaves its rendezvous open and its heartbeat timer running; the timer's
+    thread holds the rendezvous while it sends a heartbeat, so the rendezvous could be freed there, and its
+    finaliser then joined that thread itself: "cannot join current thread", a traceback after the one-line report."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    args = [DEMO, *small_run, "--set", "training.max_steps=50", "--set", "training.save_steps=2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    script = [sys.executable, "-c", LAUNCHER_STOPPED_IN_A_HEARTBEAT, str(tmp_path / "run"), *args]
+    result = subprocess.run(script, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    assert result.stdout.splitlines()[-1] == "130 []", result.stdout
