@@ -34,7 +34,7 @@ from fsdp2kit.models.heads import ValueHead
 from fsdp2kit.models.sharded import ShardedModel, build_sharded_model
 from fsdp2kit.parallel.fsdp import discard_unreduced_grads
 from fsdp2kit.parallel.mesh import data_parallel_group
-from fsdp2kit.parallel.token_logprobs import TokenRequest, chunk_tokens, token_request
+from fsdp2kit.parallel.token_logprobs import TokenRequest, chunk_tokens, kept_logits_budget, token_request
 from fsdp2kit.parallel.ulysses import gathered_order
 from fsdp2kit.train.evaluate import EvalResult, eval_loss
 from fsdp2kit.train.grads import LossScaler, NonFiniteGuard
@@ -113,6 +113,7 @@ class Strategy:
         self.max_positions = getattr(hf_config.get_text_config(), "max_position_embeddings", None)
         self.open_weight_streams = 0  # full_weights iterators started and neither finished nor closed on this rank
         self.chunk_tokens = chunk_tokens(tc.loss_chunk_tokens, self.vocab_size)
+        self.kept_logits_bytes = kept_logits_budget(tc.loss_chunk_tokens, self.vocab_size)
         self.aux_loss_coef = float(getattr(hf_config, "router_aux_loss_coef", 0.0) or 0.0)
         self._model_keys = set(inspect.signature(self.model.forward).parameters) - {"labels"}
         self.optimizer = build_optimizer(self.model, tc) if self.training else None
@@ -269,7 +270,13 @@ class Strategy:
         else:
             entropy = "entropy" in inspect.signature(loss_fn).parameters
             loss = LogProbLoss(
-                loss_fn, batches, self.sharded.sp_group, self.chunk_tokens, entropy=entropy, packing=packing
+                loss_fn,
+                batches,
+                self.sharded.sp_group,
+                self.chunk_tokens,
+                entropy=entropy,
+                packing=packing,
+                kept_bytes=self.kept_logits_bytes,
             )
         return model_batches, loss
 
@@ -704,6 +711,7 @@ class LogProbLoss:
     whole_sequence: bool = True
     entropy: bool = False  # loss_fn takes `entropy` (with autograd)
     packing: list[PackedRows | None] | None = None  # per micro-batch, its stream under model.remove_padding
+    kept_bytes: int = 0  # the head's logits kept from forward to backward, at most (`kept_logits_budget`)
 
     def weight(self, index: int, batch: Batch) -> None:
         return None  # it comes with the loss
@@ -724,7 +732,9 @@ class LogProbLoss:
         chunk = self.chunk_tokens or FORWARD_CHUNK_TOKENS
         temperature = api_batch.get("temperature")
         temperature = packed.token_temperature(temperature) if packed is not None else temperature
-        request = TokenRequest(batch["labels"], chunk, self.entropy, temperature=temperature)
+        request = TokenRequest(
+            batch["labels"], chunk, self.entropy, temperature=temperature, kept_bytes=self.kept_bytes
+        )
         with token_request(model, request):
             outputs = model(**model_inputs(batch), use_cache=False)
         length = packed.length if packed is not None else api_batch["input_ids"].shape[1] - 1

@@ -125,3 +125,26 @@ def test_soft_capped_logits_are_capped_in_the_chunks(softcapped_dir):
         logits = model(input_ids=ids).logits[:, :-1].float()
     expected = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+
+
+def test_soft_capped_log_probs_keep_the_caps_slope_for_backward(softcapped_dir):
+    """Gemma's soft-cap under log-probs kept from the forward: the kept slope (1 - tanh^2) gives the gradients the
+    chunks give when they recompute their logits in backward, exactly, at a temperature per sample."""
+    from transformers import AutoModelForCausalLM
+
+    from fsdp2kit.parallel.token_logprobs import TokenRequest, install_token_head, token_request
+
+    ids = batch(2, 24)["input_ids"]
+    weights = torch.rand(2, 23, generator=torch.Generator().manual_seed(1))
+    grads = []
+    for kept_bytes in (0, 1 << 30):
+        model = AutoModelForCausalLM.from_pretrained(softcapped_dir, dtype=torch.float32, attn_implementation="eager")
+        install_token_head(model)
+        request = TokenRequest(ids[:, 1:], 16, True, temperature=torch.tensor([0.7, 1.3]), kept_bytes=kept_bytes)
+        with token_request(model, request):
+            log_probs = model(input_ids=ids[:, :-1]).logits
+        assert request.entropies is not None
+        ((log_probs * weights).sum() + (request.entropies * weights.flip(-1)).sum()).backward()
+        grads.append({name: param.grad for name, param in model.named_parameters()})
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, rtol=0, atol=0, msg=name)

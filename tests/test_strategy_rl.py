@@ -86,22 +86,28 @@ def test_the_loss_contract_equals_plain_pytorch(model_dir, tmp_path):
     assert ENTROPY_COEF > 0
 
 
-def test_chunked_entropy_and_log_probs_have_the_plain_gradients(model_dir):
+@pytest.mark.parametrize("kept_bytes", [0, 1 << 30], ids=["recomputed in backward", "kept from the forward"])
+def test_chunked_entropy_and_log_probs_have_the_plain_gradients(model_dir, kept_bytes, monkeypatch):
     """Through the chunked LM head (chunks of 5 tokens, a temperature per sample), a loss of entropies and log-probs
-    gives every parameter the gradient that a log-softmax over the whole logits gives, within 1e-5."""
+    gives every parameter the gradient that a log-softmax over the whole logits gives, within 1e-5: with each
+    chunk's logits recomputed in backward, and with them kept from the forward (the head's matmul once a chunk)."""
     from transformers import AutoModelForCausalLM
 
+    from fsdp2kit.parallel import token_logprobs
     from fsdp2kit.parallel.token_logprobs import TokenRequest, install_token_head, token_request
 
     ids = global_micro_batches(0, 1)[0]["input_ids"]
     temperature = torch.tensor([0.6, 1.7])
     weights = torch.rand(ids.shape[0], ids.shape[1] - 1, generator=torch.Generator().manual_seed(5))
+    head_matmuls = []
+    chunk_logits = token_logprobs._logits
+    monkeypatch.setattr(token_logprobs, "_logits", lambda *args: head_matmuls.append(1) or chunk_logits(*args))
     grads = []
     for chunked in (False, True):
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         if chunked:
             install_token_head(model)
-            request = TokenRequest(ids[:, 1:], 5, entropy=True, temperature=temperature)
+            request = TokenRequest(ids[:, 1:], 5, entropy=True, temperature=temperature, kept_bytes=kept_bytes)
             with token_request(model, request):
                 log_probs = model(input_ids=ids[:, :-1]).logits
             entropy = request.entropies
@@ -112,6 +118,35 @@ def test_chunked_entropy_and_log_probs_have_the_plain_gradients(model_dir):
         grads.append({name: param.grad for name, param in model.named_parameters()})
     assert largest_difference(grads[1], grads[0]) < 1e-5
     assert max(g.abs().max().item() for g in grads[0].values()) > 1e-2  # gradients worth comparing
+    chunks = -(-ids[:, 1:].numel() // 5)
+    assert len(head_matmuls) == (chunks if kept_bytes else 2 * chunks)
+
+
+def test_kept_logits_cannot_be_backpropagated_twice(model_dir):
+    """Backward turns the kept log-softmax into the gradient in place: a second backward through the same graph
+    is autograd's error, never a gradient computed from the spent tensor."""
+    from transformers import AutoModelForCausalLM
+
+    from fsdp2kit.parallel.token_logprobs import TokenRequest, install_token_head, token_request
+
+    ids = global_micro_batches(0, 1)[0]["input_ids"]
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    install_token_head(model)
+    with token_request(model, TokenRequest(ids[:, 1:], 5, kept_bytes=1 << 30)):
+        loss = model(input_ids=ids[:, :-1]).logits.sum()
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+def test_the_kept_logits_budget_is_what_one_chunk_may_take():
+    """auto and 0: 1 GiB of float32 logits; an explicit loss_chunk_tokens N: N tokens' logits, so that a request of
+    several chunks recomputes (its peak stays one chunk's) and a request of one keeps."""
+    from fsdp2kit.parallel.linear_cross_entropy import LOGITS_BUDGET_BYTES
+    from fsdp2kit.parallel.token_logprobs import kept_logits_budget
+
+    assert kept_logits_budget("auto", 151_936) == kept_logits_budget(0, 512) == LOGITS_BUDGET_BYTES
+    assert kept_logits_budget(1024, 151_936) == 1024 * 151_936 * 4
 
 
 def test_metrics_are_averaged_over_micro_batches(model_dir, tmp_path):

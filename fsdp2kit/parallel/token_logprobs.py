@@ -3,9 +3,11 @@
 
 The head's forward is replaced in place (`replace_forward`), so it runs inside the model's forward where FSDP has
 its weight gathered, and its hooks, names and checkpoints are unchanged. While a `TokenRequest` is set on the head,
-the head returns the log-probabilities of the requested target tokens instead of logits; each chunk's logits are
-recomputed in backward and turned into their own gradient in place, so backward holds one chunk's logits at a time
-too. Entropies come with autograd too (an entropy bonus), both at a sampling temperature where one is asked.
+the head returns the log-probabilities of the requested target tokens instead of logits. Where the request's float32
+logits fit in what one chunk may take (`kept_logits_budget`), each chunk keeps its log-softmax from the forward for
+the backward; beyond it, each chunk's logits are recomputed in backward, so backward holds one chunk's logits at a
+time too (one more head matmul a chunk). Either way they are turned into their own gradient in place. Entropies come
+with autograd too (an entropy bonus), both at a sampling temperature where one is asked.
 
 What a family does to its logits after the head (Cohere's scale, Granite's divisor, Gemma's soft-cap: `AFTER_HEAD`)
 the chunks do, and the model's own step is switched off during a request. `probe_token_head` proves it once per
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from functools import partial
 from typing import Any, Literal, cast
 
@@ -28,7 +30,12 @@ from torch.distributed.fsdp import FSDPModule
 from fsdp2kit.errors import UserError
 from fsdp2kit.labels import IGNORE_INDEX
 from fsdp2kit.parallel.forward_patch import Forward, replace_forward
-from fsdp2kit.parallel.linear_cross_entropy import Cap, budget_chunk_tokens, linear_cross_entropy
+from fsdp2kit.parallel.linear_cross_entropy import (
+    LOGITS_BUDGET_BYTES,
+    Cap,
+    budget_chunk_tokens,
+    linear_cross_entropy,
+)
 from fsdp2kit.parallel.module_paths import model_class_name
 
 _REQUEST = "_fsdp2kit_token_request"
@@ -100,9 +107,11 @@ class TokenRequest:
     targets: torch.Tensor  # [B, T] int64, aligned with the head's input positions
     chunk_tokens: int  # tokens per chunk; 0 = all at once
     entropy: bool = False
+    _: KW_ONLY  # the rest by name: `entropies` is the head's answer, never an argument
     entropies: torch.Tensor | None = None  # [B, T] float32, filled when `entropy` (with autograd where enabled)
     temperature: torch.Tensor | None = None  # float32, one [] or one per sample [B]: log-probs of logits / it
     summed: bool = False  # return the summed cross-entropy -sum(log p) instead (the training loss)
+    kept_bytes: int = 0  # float32 logits the chunks may keep from forward to backward in all (`kept_logits_budget`)
 
 
 def head_name(model: nn.Module) -> str:
@@ -156,9 +165,10 @@ def _tempered(
 
 class _ChunkLogProbs(torch.autograd.Function):
     """log p(target) of one chunk of tokens at their temperature, and with `entropy` each token's entropy
-    H = -sum p log p (else an empty tensor). Backward recomputes the chunk's logits once and turns them into their
-    gradient in place: g_lp x (one-hot - p) - g_H x p x (log p + H); so it holds one [chunk, vocab] float32 tensor
-    (two with entropy) where autograd's log-softmax and gather would hold four or five."""
+    H = -sum p log p (else an empty tensor). Backward turns the chunk's log-softmax into its gradient in place:
+    g_lp x (one-hot - p) - g_H x p x (log p + H); so it holds one [chunk, vocab] float32 tensor (two with entropy)
+    where autograd's log-softmax and gather would hold four or five. With `keep` the forward's log-softmax (and a
+    soft-cap's slope) is kept for it; else backward recomputes the chunk's logits."""
 
     @staticmethod
     def forward(
@@ -170,21 +180,31 @@ class _ChunkLogProbs(torch.autograd.Function):
         after: AfterHead,
         temperature: torch.Tensor | None,
         entropy: bool,
+        keep: bool,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        logits, _ = _tempered(*_logits(hidden, weight, bias, after), temperature)
+        logits, slope = _tempered(*_logits(hidden, weight, bias, after), temperature)
         normaliser = torch.logsumexp(logits, dim=-1)
         picked = logits.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
         entropies = (normaliser - (torch.softmax(logits, dim=-1) * logits).sum(-1)) if entropy else logits.new_empty(0)
-        ctx.save_for_backward(hidden, weight, bias, targets, normaliser, temperature, entropies)
-        ctx.after, ctx.entropy = after, entropy
-        return (picked - normaliser).masked_fill(targets == IGNORE_INDEX, 0.0), entropies
+        log_probs = (picked - normaliser).masked_fill(targets == IGNORE_INDEX, 0.0)
+        kept: tuple[torch.Tensor | None, ...] = (None, None)
+        if keep:
+            # Backward turns it into the gradient in place: a second backward through the graph is refused by
+            # autograd's version check, never computed from a spent tensor.
+            kept = (logits.sub_(normaliser.unsqueeze(-1)), slope if isinstance(slope, torch.Tensor) else None)
+        ctx.save_for_backward(hidden, weight, bias, targets, normaliser, temperature, entropies, *kept)
+        ctx.after, ctx.entropy, ctx.keep, ctx.slope = after, entropy, keep, slope if kept[1] is None else None
+        return log_probs, entropies
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor, grad_entropy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        hidden, weight, bias, targets, normaliser, temperature, entropies = ctx.saved_tensors
+        hidden, weight, bias, targets, normaliser, temperature, entropies, kept, kept_slope = ctx.saved_tensors
         grad = grad.float().masked_fill(targets == IGNORE_INDEX, 0.0)
-        grad_logits, slope = _tempered(*_logits(hidden, weight, bias, ctx.after), temperature)
-        grad_logits.sub_(normaliser.unsqueeze(-1))  # log p
+        if ctx.keep:
+            grad_logits, slope = kept, ctx.slope if kept_slope is None else kept_slope  # log p from the forward
+        else:
+            grad_logits, slope = _tempered(*_logits(hidden, weight, bias, ctx.after), temperature)
+            grad_logits.sub_(normaliser.unsqueeze(-1))  # log p
         if ctx.entropy:
             probs = grad_logits.exp()
             grad_logits.add_(entropies.unsqueeze(-1)).mul_(grad_entropy.float().unsqueeze(-1))  # g_H x (log p + H)
@@ -197,7 +217,7 @@ class _ChunkLogProbs(torch.autograd.Function):
         grad_logits = grad_logits.to(hidden.dtype)
         grad_bias = grad_logits.sum(0) if bias is not None and ctx.needs_input_grad[2] else None
         grad_weight = grad_logits.t() @ hidden if ctx.needs_input_grad[1] else None
-        return grad_logits @ weight, grad_weight, grad_bias, None, None, None, None
+        return grad_logits @ weight, grad_weight, grad_bias, None, None, None, None, None
 
 
 def _chunked(
@@ -212,12 +232,16 @@ def _chunked(
         cap = Cap(after.softcap) if after.scale == 1 else None  # a fused kernel knows soft-caps, not scales
         return linear_cross_entropy(flat_hidden, weight, bias, flat_targets, step, logits_of, cap)
     temperature = _token_temperature(request.temperature, batch, length)
+    # float32 log-softmax, and a soft-cap's slope beside it, for every token: kept only for a backward, in budget
+    kept = flat_targets.numel() * weight.shape[0] * 4 * (2 if after.softcap else 1)
+    grads = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    keep = grads and kept <= request.kept_bytes
     log_probs, entropies = [], []
     for start in range(0, flat_targets.numel(), step):
         part = slice(start, start + step)
         part_temperature = temperature[part] if temperature is not None else None
         lp, entropy = _ChunkLogProbs.apply(
-            flat_hidden[part], weight, bias, flat_targets[part], after, part_temperature, request.entropy
+            flat_hidden[part], weight, bias, flat_targets[part], after, part_temperature, request.entropy, keep
         )
         log_probs.append(lp)
         entropies.append(entropy)
@@ -303,6 +327,16 @@ def _reshard(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.reshard()
+
+
+def kept_logits_budget(setting: int | str, vocab_size: int) -> int:
+    """Bytes of float32 logits (and slopes) a log-prob request may keep from its forward for its backward, sparing
+    the backward its recompute of every chunk's logits (a third of the head's matmuls): what one chunk may take, so
+    the peak stays that of one chunk. `training.loss_chunk_tokens` N: N tokens' logits (the request keeps only when
+    it is one chunk); auto and 0 (the API's log-probs are chunked anyway): `LOGITS_BUDGET_BYTES`."""
+    if setting == "auto" or int(setting) == 0:
+        return LOGITS_BUDGET_BYTES
+    return int(setting) * vocab_size * 4
 
 
 def chunk_tokens(setting: int | str, vocab_size: int) -> int:
