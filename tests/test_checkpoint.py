@@ -267,3 +267,19 @@ def test_a_kill_while_deleting_an_old_checkpoint_leaves_no_step_folder_with_file
     for checkpoint in committed_checkpoints(root):
         assert sorted(p.name for p in checkpoint.iterdir()) == sorted(files), checkpoint
     assert [p.name for p in committed_checkpoints(root)] == ["step_4"]
+
+
+@pytest.mark.parametrize("make, said", [(None, "does not exist"), ("file", "is a file, not a checkpoint folder")])
+def test_resume_from_a_path_that_is_no_folder_says_what_it_is(tmp_path, make, said):
+    """`training.resume` naming a path that does not exist (a typo) or a file says so, not "not a complete
+    checkpoint", which sends the user looking for missing files in a folder that is not there."""
+    from fsdp2kit.checkpoint.manager import resume_checkpoint
+    from fsdp2kit.errors import UserError
+
+    path = tmp_path / "checkpoints" / "step_20"
+    if make == "file":
+        path.parent.mkdir()
+        path.write_text("")
+    with pytest.raises(UserError) as refused:
+        resume_checkpoint(tmp_path / "checkpoints", str(path))
+    assert str(refused.value) == f"training.resume: '{path}' {said}; give a checkpoint folder, auto or never"

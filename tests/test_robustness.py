@@ -702,7 +702,7 @@ def test_check_refuses_a_resume_as_train_does(saved_run, tmp_path, small_run, re
     one line train says, exit 2 (check passed both)."""
     if resume == "missing":
         checkpoint = tmp_path / "gone"
-        expected = f"training.resume: '{checkpoint}' is not a complete checkpoint"
+        expected = f"training.resume: '{checkpoint}' does not exist"
     else:
         checkpoint = _damaged_checkpoint(saved_run, tmp_path)["model.name_or_path"]
         expected = f"training.resume: checkpoint '{checkpoint}' is damaged: '{checkpoint}/__0_0.distcp' is truncated"

@@ -377,6 +377,9 @@ def resume_checkpoint(root: Path, resume: str) -> tuple[Path | None, str | None]
     if resume == "auto":
         return _newest_whole(root)
     path = Path(resume)
+    if not path.is_dir():
+        what = "is a file, not a checkpoint folder" if path.exists() else "does not exist"
+        raise UserError(f"training.resume: '{path}' {what}; give a checkpoint folder, auto or never")
     if not (path / STATE_FILE).is_file() or not (path / METADATA_FILE).is_file():
         raise UserError(f"training.resume: '{path}' is not a complete checkpoint (it needs {STATE_FILE} and .metadata)")
     read_trainer_state(path)
