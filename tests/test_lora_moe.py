@@ -177,7 +177,9 @@ def test_an_adapter_no_tensor_can_hold_is_refused_not_dropped(tmp_path):
 @pytest.mark.slow
 def test_two_ranks_merge_the_sharded_experts_adapters(tmp_path):
     """2 ranks, each holding half of every fused experts tensor and of its adapters (Mixtral, all-linear): the
-    export and full_weights give the model the ranks trained."""
+    export and full_weights give the model the ranks trained. With wrap_policy.moe_experts naming the fused class,
+    the experts are sharded with peft's wrapper around them (which reads their weights outside their forward: sharded
+    alone, its forward mixed shards with whole tensors) and train as in the decoder layers' groups."""
     from conftest import launch_two_ranks
     from moe_families_worker import micro_batches
     from test_moe_families import saved_folder
@@ -193,13 +195,18 @@ def test_two_ranks_merge_the_sharded_experts_adapters(tmp_path):
         "export": True,
         "lora": {"rank": 4, "alpha": 8},
     }
-    (tmp_path / "runs.json").write_text(json.dumps([run]))
+    own_group = {**run, "out": str(tmp_path / "two_experts_apart.pt"), "experts": "MixtralExperts"}
+    (tmp_path / "runs.json").write_text(json.dumps([run, own_group]))
     launch_two_ranks("moe_families_worker.py", tmp_path / "runs.json")
-    result, exported = torch.load(run["out"]), stored(Path(run["out"] + ".hf"))
-    assert sorted(result["weights"]) == sorted(exported)
-    assert all(torch.equal(result["weights"][key], exported[key]) for key in exported)
     probe = micro_batches(-1, 1)[0]
     real = probe["attention_mask"][:, 1:].bool()
-    ours = transformers_log_probs(Path(run["out"] + ".hf"), probe)[real]
-    torch.testing.assert_close(ours, result["log_probs"][real], atol=TOLERANCE, rtol=0)
-    assert (transformers_log_probs(Path(run["folder"]), probe)[real] - ours).abs().max() > 1e-2
+    for case in (run, own_group):
+        result, exported = torch.load(case["out"]), stored(Path(case["out"] + ".hf"))
+        assert sorted(result["weights"]) == sorted(exported)
+        assert all(torch.equal(result["weights"][key], exported[key]) for key in exported)
+        ours = transformers_log_probs(Path(case["out"] + ".hf"), probe)[real]
+        torch.testing.assert_close(ours, result["log_probs"][real], atol=TOLERANCE, rtol=0)
+        assert (transformers_log_probs(Path(case["folder"]), probe)[real] - ours).abs().max() > 1e-2
+    together, apart = torch.load(run["out"])["weights"], torch.load(own_group["out"])["weights"]
+    for key, weight in together.items():
+        torch.testing.assert_close(apart[key], weight, atol=TOLERANCE, rtol=0, msg=key)

@@ -271,7 +271,17 @@ def expert_modules(model: nn.Module, class_names: list[str]) -> list[str]:
             f"strategy_config.wrap_policy.moe_experts: class '{unknown[0]}' matches no module of the model; "
             f"for its experts name {choices}"
         )
-    return modules_of_classes(model, class_names, "strategy_config.wrap_policy.moe_experts")
+    found = modules_of_classes(model, class_names, "strategy_config.wrap_policy.moe_experts")
+    return list(dict.fromkeys(_with_its_wrappers(name) for name in found))
+
+
+def _with_its_wrappers(name: str) -> str:
+    """An adapted module is `<wrapper>.base_layer` (nested, one wrapper an adapted parameter: peft's ParamWrapper on
+    fused experts), and the wrapper reads the module's weights outside the module's forward to add its delta: sharded
+    on its own, they would still be shards there. So the experts are sharded with their outermost wrapper."""
+    while name.endswith(".base_layer"):
+        name = name.removesuffix(".base_layer")
+    return name
 
 
 def needs_expert_patch(model: nn.Module, experts: list[str], requested: bool, notes: list[str]) -> bool:
