@@ -244,10 +244,23 @@ class Strategy:
         return pack_rows(batch, inputs, what, targets)
 
     def _head_packed(self, head: ValueHead, batch: Batch, inputs: Batch, what: str) -> PackedRows | None:
-        """A value or reward model's batch packed under model.remove_padding, where its outputs are all computed."""
+        """A value or reward model's batch packed under model.remove_padding, where its outputs are all computed.
+        Packed, or split over a sequence-parallel group, an output at padding is not the padded computation's."""
         packed = self._packed(batch, inputs, what)
         if packed is not None:
-            head.check_packed(batch, packed.real, what)
+            head.check_padding_unread(
+                batch,
+                packed.real,
+                f"{what}: model.remove_padding computes only the tokens attention_mask marks real",
+                "turn model.remove_padding off",
+            )
+        elif self.sharded.sp_group is not None and batch.get("attention_mask") is not None:
+            head.check_padding_unread(
+                batch,
+                batch["attention_mask"].bool(),
+                f"{what}: under sequence parallel an output at padding depends on how the sequence is split",
+                "run without model.ulysses_size and model.context_parallel_size",
+            )
         return packed
 
     def _log_prob_loss(self, batches: list[Batch], loss_fn: LossFn | None) -> tuple[list[Batch], MicroBatchLoss]:

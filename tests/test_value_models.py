@@ -83,7 +83,9 @@ def test_value_and_reward_models_at_two_ranks_and_the_critic_under_ulysses_equal
     models, expected, tmp_path
 ):
     """Two data-parallel ranks with a micro-batch each (critic, reward model), then a Ulysses pair that splits each
-    sequence and gathers the critic's values (and the reward model's last-token pick sees whole sequences)."""
+    sequence and gathers the critic's values (and the reward model's last-token pick sees whole sequences); a reward
+    model's rows padded with another id than its pad_token_id are refused under Ulysses (their score would be read at
+    padding, whose output depends on the split)."""
     out = tmp_path / "out.pt"
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
     command += ["--master-port", str(free_port()), str(REPO / "tests" / "value_case.py")]
@@ -94,6 +96,9 @@ def test_value_and_reward_models_at_two_ranks_and_the_critic_under_ulysses_equal
     runs = torch.load(out)
     for name, kind in [("critic", "critic"), ("reward", "reward"), ("critic-ulysses", "critic")]:
         assert_same_training(runs[name], expected[kind])
+    assert runs["reward-ulysses-padded-with-5"].startswith(
+        "forward_step: under sequence parallel an output at padding depends on how the sequence is split, but row "
+    ), runs["reward-ulysses-padded-with-5"]
 
 
 def test_a_value_model_is_refused_where_log_probs_are_asked_and_its_labels_must_be_one(models, tmp_path):

@@ -112,8 +112,24 @@ def run(critic_dir: str, reward_dir: str, out: str) -> None:
         strategy, losses = train(kind, model_dir, f"{out}.{name}", ulysses)
         weights = {n: t.clone() for n, t in strategy.full_weights(bucket_bytes=1 << 16)}
         results[name] = {"losses": losses, "weights": weights}
+    results["reward-ulysses-padded-with-5"] = padding_scored_under_ulysses(reward_dir, f"{out}.refused")
     if dist.get_rank() == 0:
         torch.save(results, out)
+
+
+def padding_scored_under_ulysses(reward_dir: str, output_dir: str) -> str:
+    """A reward model's forward_step under Ulysses over the world on rows padded with id 5, not its pad_token_id 0:
+    each score would be read at padding, whose output depends on the split. The refusal, or "" for none."""
+    from fsdp2kit.errors import UserError
+
+    strategy = fsdp2kit.Strategy.from_config(config("reward", reward_dir, output_dir, dist.get_world_size()))
+    batch = micro_batches(0, 1)[0]
+    batch["input_ids"] = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, 5)
+    try:
+        strategy.forward_step(batch)
+    except UserError as refused:
+        return str(refused)
+    return ""
 
 
 if __name__ == "__main__":

@@ -116,9 +116,10 @@ class ValueHead(VariantPart):
         """What the API returns for the batch as given, from the per-token outputs of (at least) its positions."""
         return per_token[:, : batch["input_ids"].shape[1]]
 
-    def check_packed(self, batch: Batch, real: torch.Tensor, what: str) -> None:
-        """Packed (model.remove_padding), only the `real` tokens [B, T] are computed: a value per real token is all
-        a critic gives (0 at padding, as its padded outputs are read)."""
+    def check_padding_unread(self, batch: Batch, real: torch.Tensor, computed: str, remedy: str) -> None:
+        """Where only the `real` tokens [B, T] are computed as the padded batch computes them (packed, or split
+        over a sequence-parallel group): a value per real token is all a critic gives (its outputs at padding are
+        masked by the caller's loss). `computed` says why, `remedy` how else to run, for a refusal."""
 
 
 class ScoreHead(ValueHead):
@@ -157,19 +158,19 @@ class ScoreHead(ValueHead):
         positions = torch.arange(ids.shape[1], device=ids.device, dtype=torch.int32)
         return (positions * (ids != self.pad_token_id).int()).argmax(-1)
 
-    def check_packed(self, batch: Batch, real: torch.Tensor, what: str) -> None:
+    def check_padding_unread(self, batch: Batch, real: torch.Tensor, computed: str, remedy: str) -> None:
         """A row whose score position is padding by its attention_mask (padded with another id than pad_token_id,
-        as collators pad with 0) has a score only the padded computation gives: packed, it would be a silent 0."""
+        as collators pad with 0) has a score only the padded computation gives: packed it would be a silent 0, and
+        split over ranks a value that depends on the split."""
         ids = batch["input_ids"]
         scored = self._scored(ids)
-        unpacked = (~real.gather(1, scored[:, None].long())).squeeze(1).nonzero().flatten().tolist()
-        if unpacked:
-            row, position = unpacked[0], int(scored[unpacked[0]])
+        unread = (~real.gather(1, scored[:, None].long())).squeeze(1).nonzero().flatten().tolist()
+        if unread:
+            row, position = unread[0], int(scored[unread[0]])
             raise UserError(
-                f"{what}: model.remove_padding computes only the tokens attention_mask marks real, but row {row}'s "
-                f"score is read at its last token that is not pad_token_id {self.pad_token_id} (position {position}), "
-                f"which attention_mask marks as padding; pad with pad_token_id {self.pad_token_id}, as transformers "
-                "reads the score, or turn model.remove_padding off"
+                f"{computed}, but row {row}'s score is read at its last token that is not pad_token_id "
+                f"{self.pad_token_id} (position {position}), which attention_mask marks as padding; pad with "
+                f"pad_token_id {self.pad_token_id}, as transformers reads the score, or {remedy}"
             )
 
 
