@@ -355,3 +355,20 @@ def test_check_names_what_muon_and_adamw_take():
             "lm_head.weight",
         ],
     }
+
+
+@pytest.mark.parametrize("auto_class", ["AutoModelForTokenClassification", "AutoModelForSequenceClassification"])
+def test_a_critics_or_reward_models_score_layer_is_left_to_adamw(auto_class):
+    """Muon is for the hidden matrices: a value or reward model's `score` [1, hidden] is its final layer, as the LM
+    head is a causal LM's, and goes to AdamW (orthogonalised, a one-row matrix would be rescaled to unit norm)."""
+    import transformers
+
+    from fsdp2kit.models.builtin import BUILTIN_MODELS
+    from fsdp2kit.train.muon import muon_split
+
+    settings = {**BUILTIN_MODELS["tiny-llama"], "num_hidden_layers": 1, "num_labels": 1}
+    config = transformers.AutoConfig.for_model(settings.pop("model_type"), **settings)
+    model = getattr(transformers, auto_class).from_config(config)
+    matrices, rest = (dict(named) for named in muon_split(model))
+    assert "score.weight" in rest and "score.weight" not in matrices
+    assert list(matrices) == [n for n, p in model.named_parameters() if p.ndim == 2 and "layers" in n]

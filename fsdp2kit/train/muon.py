@@ -36,10 +36,13 @@ def muon_split(model: nn.Module) -> tuple[NamedParameters, NamedParameters]:
     """The trainable parameters Muon takes (2-D matrices of the hidden layers, and a mixture of experts' stacked 3-D
     experts as one matrix per expert) and those AdamW takes: embeddings, the LM head, the routers, a fused experts
     module's per-expert biases and every other parameter that is not 2-D (norms, biases), as torch.optim.Muon's
-    documentation and MindSpeed-MM's FSDP2 trainer divide them."""
+    documentation and MindSpeed-MM's FSDP2 trainer divide them (a critic's or reward model's `score` is its final
+    layer, as the LM head is a causal LM's)."""
     hf_model: Any = model
     excluded = [hf_model.get_input_embeddings(), hf_model.get_output_embeddings()] if hasattr(model, "config") else []
     excluded += [m for m in model.modules() if isinstance(m, nn.Embedding)]
+    # A value or reward model's output layer (transformers' Generic...Classification `score`): the final layer too.
+    excluded.append(getattr(model, "score", None))
     excluded += [model.get_submodule(name) for name in router_modules(model)]
     left_out = {id(p) for module in excluded if module is not None for p in module.parameters()}
     stacked = {id(p): p.ndim == 3 for _, module in moe_experts(model) for p in module.parameters(recurse=False)}
