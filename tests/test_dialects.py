@@ -274,6 +274,11 @@ def test_roll_fills_in_rolls_own_defaults_and_says_so(tmp_path):
     assert "ROLL default output_dir='./output' (the file does not set it)" in cfg.notes
     train = load_config(roll_file(tmp_path, role_changes={"model_args": {"dtype": "fp32"}}))
     assert train.model.gradient_checkpointing is False  # the file disables it
+    # ROLL's unset gradient_checkpointing_use_reentrant: non-reentrant recompute of a dense model (fsdp2kit's own
+    # default is reentrant)
+    assert train.strategy_args.strategy_config.use_reentrant is False
+    default = "actor_train.model_args.gradient_checkpointing_use_reentrant=False (the file does not set it)"
+    assert f"ROLL default {default}" in train.notes
 
 
 def test_roll_resolves_interpolations_and_leaves_hydra_alone(tmp_path):
@@ -446,6 +451,13 @@ def test_roll_role_names_a_strategy_file_beside_it(tmp_path):
         f"actor_train.strategy_args.strategy_config of {path} replaced by {tmp_path / 'fsdp2_config.yaml'} "
         "(keys dropped: fsdp_size)"
     ) in cfg.notes
+    # model_args' recompute kind is not the strategy file's to drop: ROLL's default, and a value the file gives
+    assert cfg.strategy_args.strategy_config.use_reentrant is False
+    role_changes = {
+        "strategy_args": {"strategy_config_path": "fsdp2_config.yaml"},
+        "model_args": {"gradient_checkpointing_use_reentrant": True},
+    }
+    assert load_config(roll_file(tmp_path, role_changes=role_changes)).strategy_args.strategy_config.use_reentrant
 
 
 # ---------------------------------------------------------------- MindSpeed-MM fsdp2_config.yaml

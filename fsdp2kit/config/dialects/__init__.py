@@ -161,13 +161,22 @@ def _read_strategy_file(translation: Translation, path: Path) -> None:
     """A MindSpeed-MM fsdp2_config.yaml or an Accelerate config, told apart by their keys, replaces strategy_config."""
     data = read_yaml(path)
     replaced = translation.get(STRATEGY_CONFIG)
+    # Keys written outside the strategy section (ROLL's model_args.gradient_checkpointing_use_reentrant) say how
+    # the model runs, not how it is sharded: they stay unless the strategy file sets them.
+    kept: dict[str, tuple[Any, Written]] = {}
     if isinstance(replaced, dict) and replaced:
         where = translation.written_as(STRATEGY_CONFIG)
-        translation.note(f"{where.path} of {where.file} replaced by {path} (keys dropped: {', '.join(replaced)})")
+        origins = {key: translation.written_as(f"{STRATEGY_CONFIG}.{key}") for key in replaced}
+        kept = {key: (replaced[key], o) for key, o in origins.items() if not o.path.startswith(where.path + ".")}
+        if dropped := [key for key in replaced if key not in kept]:
+            translation.note(f"{where.path} of {where.file} replaced by {path} (keys dropped: {', '.join(dropped)})")
     if accelerate.is_accelerate_config(data):
         accelerate.translate_file(translation, data, str(path))
     elif accelerate.is_trainer_fsdp_config(data):
         accelerate.translate_trainer_file(translation, data, str(path))
     else:
         mindspeed.translate_file(translation, data, str(path))
+    for key, (value, origin) in kept.items():
+        if translation.get(f"{STRATEGY_CONFIG}.{key}") is None:
+            translation.set(f"{STRATEGY_CONFIG}.{key}", value, origin)
     translation.replace("strategy_args.strategy_config_path", str(path), Written(str(path), ""))

@@ -60,6 +60,10 @@ def _role_defaults(strategy: str, role: dict[str, Any]) -> dict[str, Any]:
     model_args: dict[str, Any] = {"dtype": "bf16"}
     if strategy == "fsdp2_train":
         model_args["disable_gradient_checkpointing"] = False  # ROLL recomputes every layer unless told not to
+        # Unset, ROLL recomputes a dense model non-reentrant (roll/models/model_providers.py); a MoE it recomputes
+        # reentrant, where fsdp2kit stays non-reentrant for the router loss's graph (`reentrant_allowed`): the same
+        # gradients either way.
+        model_args["gradient_checkpointing_use_reentrant"] = False
     defaults: dict[str, Any] = {"infer_batch_size": 16, "use_sequence_packing": False, "model_args": model_args}
     if strategy in OUR_STRATEGIES and not (role.get("strategy_args") or {}).get("strategy_config_path"):
         defaults["strategy_args"] = {"strategy_config": STRATEGY_DEFAULTS}
@@ -204,7 +208,7 @@ def _strategy_config(translation: Translation, key: Written, value: Any) -> None
         translation.note(
             f"{key}.apply_expert_patch: ROLL turns it off with transformers >= 5.2 (fused experts); fsdp2kit applies it"
         )
-    translation.replace_origin(STRATEGY_CONFIG, key)
+    translation.section_origin(STRATEGY_CONFIG, key)
     apply_rules(translation, value, STRATEGY_CONFIG_RULES, key, otherwise=_native_strategy_key)
 
 

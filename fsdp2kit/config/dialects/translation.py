@@ -90,6 +90,11 @@ class Translation:
         }
         self._origins[native_key] = origin
 
+    def section_origin(self, native_key: str, origin: Written) -> None:
+        """Errors in the section `native_key` name `origin`, except for its keys written elsewhere (ROLL's
+        model_args key that lands in strategy_config keeps its own)."""
+        self._origins[native_key] = origin
+
     def get(self, native_key: str) -> Any:
         """The value at a dotted native key, or None where the path is missing or not a mapping."""
         node: Any = self.config
