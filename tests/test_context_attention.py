@@ -24,8 +24,10 @@ def rank_layout(context: int, ulysses: int, rank: int) -> tuple[torch.Tensor, to
 
 def test_query_runs_are_the_rank_chunks():
     queries, _ = rank_layout(4, 1, 1)  # chunks 1 and 6 of 8, 6 tokens each
-    assert query_runs(queries) == [(6, 6), (36, 6)]
-    assert query_runs(torch.arange(5, 9)) == [(5, 4)]
+    assert query_runs(queries) == [(6, 6, 0), (36, 6, 0)]
+    assert query_runs(torch.arange(5, 9)) == [(5, 4, 0)]
+    starts = torch.tensor([0] * 8 + [8] * 32 + [40] * 8)  # documents [0, 8), [8, 40), [40, 48)
+    assert query_runs(queries, starts) == [(6, 2, 0), (8, 4, 8), (36, 4, 8), (40, 2, 40)]
 
 
 @pytest.mark.parametrize("kv_heads", [HEADS, 2])
@@ -46,6 +48,32 @@ def test_blockwise_equals_sdpa_with_the_dense_mask(context, ulysses, kv_heads):
         expected = expected.transpose(1, 2)
         expected_grads = torch.autograd.grad(expected, leaves, grad)
         torch.testing.assert_close(got, expected, atol=1e-10, rtol=0)
+        for name, a, b in zip("qkv", got_grads, expected_grads, strict=True):
+            torch.testing.assert_close(a, b, atol=1e-10, rtol=0, msg=f"rank {rank}: d{name}")
+
+
+@pytest.mark.parametrize(("context", "ulysses"), [(2, 1), (4, 1), (2, 2)])
+def test_blockwise_within_packed_documents_equals_sdpa_with_the_document_mask(context, ulysses):
+    """Two rows of packed documents, each its own cut (a document ends inside a rank's chunk, at a chunk's edge, and
+    one spans several chunks): the runs cut at each document's start and its earlier keys from that start give
+    sdpa's output and gradients with the block-diagonal causal mask."""
+    lengths = [[5, 7, 12, 3, 21], [24, 1, 23]]  # row 0's 12-token document ends at 24, a chunk's edge at c = 2
+    documents = torch.stack([torch.repeat_interleave(torch.arange(len(n)), torch.tensor(n)) for n in lengths])
+    starts = torch.stack([torch.searchsorted(row, row, side="left") for row in documents])
+    generator = torch.Generator().manual_seed(context + ulysses)
+    for rank in range(context):
+        queries, keys = rank_layout(context, ulysses, rank)
+        q = torch.randn(2, HEADS, queries.numel(), DIM, dtype=torch.float64, generator=generator)
+        k, v = (torch.randn(2, 2, LENGTH, DIM, dtype=torch.float64, generator=generator) for _ in range(2))
+        grad = torch.randn(2, queries.numel(), HEADS, DIM, dtype=torch.float64, generator=generator)
+        leaves = [t.requires_grad_() for t in (q, k, v)]
+        got = blockwise_causal_attention(q, k, v, (queries, keys), 0.3, starts)
+        got_grads = torch.autograd.grad(got, leaves, grad)
+        same = documents[:, queries, None] == documents[:, None, keys]
+        mask = (same & (queries[:, None] >= keys[None, :]))[:, None]
+        expected = F.scaled_dot_product_attention(q, repeat_kv(k, 2), repeat_kv(v, 2), mask, scale=0.3)
+        expected_grads = torch.autograd.grad(expected.transpose(1, 2), leaves, grad)
+        torch.testing.assert_close(got, expected.transpose(1, 2), atol=1e-10, rtol=0)
         for name, a, b in zip("qkv", got_grads, expected_grads, strict=True):
             torch.testing.assert_close(a, b, atol=1e-10, rtol=0, msg=f"rank {rank}: d{name}")
 

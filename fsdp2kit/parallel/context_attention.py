@@ -11,6 +11,9 @@ experimental/_attention.py) merge theirs. A dense [T/c, T] mask would send sdpa 
 [heads, T/c, T] scores. Backward: the kernel's backward of each block, given the merged output and log-sum-exp,
 is that block's exact share of dq, dk and dv (the flash / ring-attention backward): dq sums over the blocks, dk and
 dv go back to the key positions each block read.
+
+Packed documents are the same blocks per document: a run is cut where a document starts, and its earlier block
+begins at its document's first token instead of the sequence's (each row of the batch has its own documents).
 """
 
 from __future__ import annotations
@@ -25,10 +28,10 @@ _FLASH_CPU_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 
 def blockwise_applies(module: Any, query: torch.Tensor, attention_mask: Any, length: int, **kwargs: Any) -> bool:
-    """Whether the attention sdpa would compute for these queries over the `length` gathered keys is plain causal
-    with nothing the fused kernel lacks: no mask from the batch (packed documents, left padding), no sliding window
-    shorter than the sequence, no dropout, softcap, position bias or attention sinks; on the CPU (CUDA keeps sdpa
-    with the dense mask)."""
+    """Whether the attention sdpa would compute for these queries over the `length` gathered keys is causal (within
+    documents, whose mask the caller leaves out) with nothing the fused kernel lacks: no other mask (left padding),
+    no sliding window shorter than the sequence, no dropout, softcap, position bias or attention sinks; on the CPU
+    (CUDA keeps sdpa with the dense mask)."""
     causal, window = kwargs.get("is_causal"), kwargs.get("sliding_window")
     conditions = (
         attention_mask is None,
@@ -50,29 +53,46 @@ def blockwise_causal_attention(
     value: torch.Tensor,
     indices: tuple[torch.Tensor, torch.Tensor],
     scaling: float | None,
+    document_starts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of `query` [B, H, L, D] over `key`, `value` [B, H_kv, T, D] (gathered), where `indices`
     holds the global index of each query and each key (the keys: every index below T once), as sdpa would compute it
-    with the dense causal mask by those indices; out [B, L, H, D], as transformers' attention functions return it."""
+    with the dense causal mask by those indices; within packed documents where `document_starts` [B, T] gives each
+    global index its document's first index. Out [B, L, H, D], as transformers' attention functions return it."""
     order = torch.argsort(indices[1].to(key.device))  # the gathered position of each global index
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    output = _CausalBlocks.apply(query, key, value, order, query_runs(indices[0]), scale)
+    queries = indices[0].cpu()
+    if document_starts is None:
+        output = _CausalBlocks.apply(query, key, value, order, query_runs(queries), scale)
+    else:
+        rows = [
+            _CausalBlocks.apply(*(t[b : b + 1] for t in (query, key, value)), order, query_runs(queries, starts), scale)
+            for b, starts in enumerate(document_starts.cpu())
+        ]
+        output = torch.cat(rows)
     return output.transpose(1, 2).contiguous()
 
 
-def query_runs(queries: torch.Tensor) -> list[tuple[int, int]]:
-    """The (first global index, length) of each run of consecutive global indices in `queries`, in order."""
-    breaks = (torch.nonzero(queries.diff() != 1).flatten() + 1).tolist()
-    bounds = [0, *breaks, queries.numel()]
-    starts = queries[bounds[:-1]].tolist()
-    return [(start, end - begin) for start, begin, end in zip(starts, bounds[:-1], bounds[1:], strict=True)]
+# A run of queries: (first global index, length, first global index of its keys: its document's first, or 0).
+Run = tuple[int, int, int]
 
 
-def _blocks(start: int, length: int) -> list[tuple[slice, bool]]:
+def query_runs(queries: torch.Tensor, document_starts: torch.Tensor | None = None) -> list[Run]:
+    """The runs of consecutive global indices in `queries`, in order, cut where a document starts (by
+    `document_starts` [T], each global index's document's first index; None: one document)."""
+    cut = queries.diff() != 1
+    first = document_starts[queries] if document_starts is not None else torch.zeros_like(queries)
+    cut |= first.diff() != 0
+    bounds = [0, *(torch.nonzero(cut).flatten() + 1).tolist(), queries.numel()]
+    starts, firsts = queries[bounds[:-1]].tolist(), first[bounds[:-1]].tolist()
+    return [(starts[i], bounds[i + 1] - bounds[i], firsts[i]) for i in range(len(starts))]
+
+
+def _blocks(start: int, length: int, first: int) -> list[tuple[slice, bool]]:
     """The key blocks (a range of global indices, causal or not) the run of queries [start, start + length) attends
-    to: its own keys causally, every earlier key in full."""
+    to: its own keys causally, every earlier key of its document (from `first`) in full."""
     own = (slice(start, start + length), True)
-    return [own, (slice(0, start), False)] if start else [own]
+    return [own, (slice(first, start), False)] if start > first else [own]
 
 
 def _block_keys(keys: torch.Tensor, positions: torch.Tensor, heads: int) -> torch.Tensor:
@@ -85,7 +105,7 @@ def _block_keys(keys: torch.Tensor, positions: torch.Tensor, heads: int) -> torc
 
 
 def _run_forward(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, order: torch.Tensor, run: tuple[int, int], scale: float
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, order: torch.Tensor, run: Run, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One run's output and log-sum-exp, its blocks merged by online softmax in float32 (or the inputs' float64)."""
     merged: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -122,7 +142,7 @@ class _CausalBlocks(torch.autograd.Function):
         key: torch.Tensor,
         value: torch.Tensor,
         order: torch.Tensor,
-        runs: list[tuple[int, int]],
+        runs: list[Run],
         scale: float,
     ) -> torch.Tensor:
         blocks = [_run_forward(query[:, :, rows], key, value, order, run, scale) for rows, run in _run_rows(runs)]
@@ -158,9 +178,9 @@ class _CausalBlocks(torch.autograd.Function):
         return dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype), None, None, None
 
 
-def _run_rows(runs: list[tuple[int, int]]) -> list[tuple[slice, tuple[int, int]]]:
+def _run_rows(runs: list[Run]) -> list[tuple[slice, Run]]:
     """Each run with the rows of the query tensor that hold it."""
     offsets = [0]
-    for _, length in runs:
+    for _, length, _ in runs:
         offsets.append(offsets[-1] + length)
     return [(slice(offsets[i], offsets[i + 1]), run) for i, run in enumerate(runs)]

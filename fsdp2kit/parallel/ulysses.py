@@ -117,7 +117,8 @@ def shard_sequence(
     tokens = torch.ones_like(input_ids, dtype=torch.bool)
     tokens[:, length:] = False
     indices = (order[context[1]].flatten(), order.flatten()) if context[0] > 1 else None
-    attend = _sequence_mask_function(positions, packed, real)
+    documents = _documents(positions) if packed else None
+    attend = _sequence_mask_function(documents, real)
     mask = None
     if attend is not None:
         batch_size, total = positions.shape
@@ -129,7 +130,12 @@ def shard_sequence(
     # The model gets no mask: its attention (the wrapper) reads the sequence's from here, and nothing else of the
     # model takes it for a [B, T] padding mask (MoE's load-balancing loss would).
     counted = tokens if real is None else tokens & real
-    remember_tokens(group, counted[:, order.flatten()], mask, indices)
+    # Under context parallel, documents alone (no left padding) are also blocks of the fused kernel: where each starts.
+    starts = None
+    if indices is not None and documents is not None and not _left_padded(real):
+        first = torch.diff(documents, prepend=documents[:, :1] - 1) != 0
+        starts = (torch.arange(documents.shape[1], device=documents.device) * first).cummax(-1).values
+    remember_tokens(group, counted[:, order.flatten()], mask, indices, starts)
     return shard
 
 
@@ -151,6 +157,8 @@ _COUNTED_TOKENS: dict[int, torch.Tensor] = {}  # by id(group): a group lives as 
 _SEQUENCE_MASKS: dict[int, Any] = {}
 # And, under context parallel, the global indices of this rank's queries and of the gathered keys (`token_order`).
 _TOKEN_INDICES: dict[int, tuple[torch.Tensor, torch.Tensor] | None] = {}
+# And, under context parallel where the mask is packed documents alone, each global index's document's first index.
+_DOCUMENT_STARTS: dict[int, torch.Tensor | None] = {}
 
 
 def remember_tokens(
@@ -158,15 +166,18 @@ def remember_tokens(
     counted: torch.Tensor,
     mask: Any = None,
     indices: tuple[torch.Tensor, torch.Tensor] | None = None,
+    document_starts: torch.Tensor | None = None,
 ) -> None:
     """Record which tokens of the micro-batch just cut for `group` ([B, T + padding] booleans, in the order the
     group's ranks hold them) such a statistic counts: the real ones, or all where the model gets the padding mask
     itself (a VL micro-batch); the mask its attention applies over the whole sequence (a dense [B, 1, queries, keys]
     or a BlockMask; None: causal alone); and, under context parallel, the global index of each query this rank
-    attends for and of each key in gathered order (None: both are the whole sequence in order)."""
+    attends for and of each key in gathered order (None: both are the whole sequence in order), and where the mask
+    is packed documents alone, each global index's document's first index ([B, T])."""
     _COUNTED_TOKENS[id(group)] = counted
     _SEQUENCE_MASKS[id(group)] = mask
     _TOKEN_INDICES[id(group)] = indices
+    _DOCUMENT_STARTS[id(group)] = document_starts
 
 
 def token_indices(group: ProcessGroup) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -191,17 +202,24 @@ def counted_tokens(group: ProcessGroup) -> torch.Tensor | None:
     return _COUNTED_TOKENS.get(id(group))
 
 
-def _sequence_mask_function(positions: torch.Tensor, packed: bool, real: torch.Tensor | None) -> Callable | None:
+def _documents(positions: torch.Tensor) -> torch.Tensor | None:
+    """Each token's document number [B, T] in rows packed by the caller's `positions`, by transformers' rule for
+    packed samples: a new document starts wherever the position does not grow by one. None for one document a row."""
+    documents = (torch.diff(positions, prepend=positions[:, :1] - 1) != 1).cumsum(-1)
+    return documents if documents[:, -1].any() else None
+
+
+def _left_padded(real: torch.Tensor | None) -> bool:
+    """Whether any padding (`real` False) comes before a real token."""
+    return real is not None and bool((~real[:, :-1] & real[:, 1:]).any())
+
+
+def _sequence_mask_function(documents: torch.Tensor | None, real: torch.Tensor | None) -> Callable | None:
     """The mask over the whole sequence as a mask function (batch, head, query, key global indices -> True = attend;
     FlexAttention's form, and indexable with broadcast index tensors) where causal attention alone is not exact:
-    documents packed by the caller's `positions` (`packed`), padding (`real` False) before a real token, masked out
-    as keys. None otherwise. A padding token attends to itself at least (a row with nothing to attend to is NaN)."""
-    documents = None
-    if packed:
-        # transformers' rule for packed samples: a new document starts wherever the position does not grow by one.
-        documents = (torch.diff(positions, prepend=positions[:, :1] - 1) != 1).cumsum(-1)
-        documents = documents if documents[:, -1].any() else None
-    left_padded = real is not None and bool((~real[:, :-1] & real[:, 1:]).any())
+    packed `documents` (`_documents`), padding (`real` False) before a real token, masked out as keys. None
+    otherwise. A padding token attends to itself at least (a row with nothing to attend to is NaN)."""
+    left_padded = _left_padded(real)
     if documents is None and not left_padded:
         return None
 
@@ -225,7 +243,7 @@ def _dense_mask(attend: Callable, batch_size: int, queries: torch.Tensor, keys: 
 def padding_mask(real: torch.Tensor) -> torch.Tensor | None:
     """The causal [B, T, T] mask with the padding (`real` [B, T] False) masked out as keys where it comes before a
     real token (left-padded prompts); None where it does not (right padding needs no mask under causal attention)."""
-    attend = _sequence_mask_function(real, False, real)
+    attend = _sequence_mask_function(None, real)
     positions = torch.arange(real.shape[1], device=real.device)
     return None if attend is None else _dense_mask(attend, real.shape[0], positions, positions)[:, 0]
 
@@ -481,9 +499,9 @@ def _ulysses_attention(inner: str, group: ProcessGroup) -> Callable:
         attention_mask: torch.Tensor | None,
         **kwargs: Any,
     ) -> Any:
-        indices = token_indices(group)
+        indices, starts = token_indices(group), None
         if attention_mask is None:  # a text micro-batch: the mask `shard_sequence` made for the whole sequence
-            attention_mask = sequence_mask(group)
+            attention_mask, starts = sequence_mask(group), _DOCUMENT_STARTS.get(id(group))
         inner_attention = _inner_attention(inner, module, ALL_ATTENTION_FUNCTIONS)
         if ulysses is not None:  # heads out, sequence in
             module, query, key, value, exchange = _heads_out(module, query, key, value, ulysses)
@@ -493,13 +511,14 @@ def _ulysses_attention(inner: str, group: ProcessGroup) -> Callable:
         if context is not None and (indices is None or indices[1].numel() != length):
             # A forward of tokens no `shard_sequence` cut (the head's probe): each rank's taken as a contiguous part.
             indices = (torch.arange(query.shape[2]) + context.rank() * query.shape[2], torch.arange(length))
-            attention_mask = None
+            attention_mask, starts = None, None
         if (
             inner == "sdpa"
             and indices is not None
-            and blockwise_applies(module, query, attention_mask, length, **kwargs)
+            and blockwise_applies(module, query, attention_mask if starts is None else None, length, **kwargs)
         ):
-            output = context_attention.blockwise_causal_attention(query, key, value, indices, kwargs.get("scaling"))
+            scaling = kwargs.get("scaling")
+            output = context_attention.blockwise_causal_attention(query, key, value, indices, scaling, starts)
         else:
             mask = (
                 flex_mask(attention_mask, batch_size, length, window, query.device)
