@@ -142,7 +142,9 @@ def agreement(ours: list[list[dict]], theirs: list[list[dict]]) -> dict[str, Any
     result["tolerance"] = TOLERANCE
     result["void"] = None
     if not (log_probs <= TOLERANCE and losses <= TOLERANCE):
-        result["void"] = f"log-probs differ by {log_probs:.3g}, losses by {losses:.3g} (> {TOLERANCE}): different computations"
+        result["void"] = (
+            f"log-probs differ by {log_probs:.3g}, losses by {losses:.3g} (> {TOLERANCE}): different computations"
+        )
     return result
 
 
@@ -248,7 +250,14 @@ def make_model(framework: str, folder: Path, shape: dict) -> None:
         "for f in tokenizer_dir().iterdir(): shutil.copy(f, Path(sys.argv[1]) / f.name)\n"
     )
     command = [python_of(framework), "-c", code, str(folder), json.dumps(shape)]
-    _check([subprocess.Popen(command, env=env_for(framework), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)], "making the model")
+    _check(
+        [
+            subprocess.Popen(
+                command, env=env_for(framework), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            )
+        ],
+        "making the model",
+    )
 
 
 def launch(framework: str, backend: str, ranks: int, settings: dict, out: Path) -> list[dict]:
@@ -259,9 +268,22 @@ def launch(framework: str, backend: str, ranks: int, settings: dict, out: Path) 
     if framework == "verl" and ranks > 1:  # as tests_verl/test_verl_worker.py launches verl's driver
         command = [python_of(framework), "-m", "torch.distributed.run", "--nproc-per-node", str(ranks)]
         command += ["--master-port", str(free_port()), script, config]
-        processes.append(subprocess.Popen(command, env=env, cwd=out.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        processes.append(
+            subprocess.Popen(
+                command, env=env, cwd=out.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            )
+        )
     elif framework == "verl":
-        processes.append(subprocess.Popen([python_of(framework), script, config], env=env, cwd=out.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        processes.append(
+            subprocess.Popen(
+                [python_of(framework), script, config],
+                env=env,
+                cwd=out.parent,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
     else:  # as tests_roll/test_roll_real.py:run_ranks launches ROLL's worker: one process per rank, ROLL's variables
         port = free_port()
         for rank in range(ranks):
@@ -271,7 +293,11 @@ def launch(framework: str, backend: str, ranks: int, settings: dict, out: Path) 
                 "CLUSTER_NAME": "actor_train",
             }  # fmt: skip
             command = [python_of(framework), script, config]
-            processes.append(subprocess.Popen(command, env=rank_env, cwd=out.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+            processes.append(
+                subprocess.Popen(
+                    command, env=rank_env, cwd=out.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+                )
+            )
     _check(processes, f"{framework} {backend} at {ranks} rank(s)")
     return [json.loads(Path(f"{out}.rank{rank}.json").read_text()) for rank in range(ranks)]
 

@@ -32,7 +32,9 @@ def main() -> None:
     worker.train_step(roll_worker.share(roll_worker.train_batch(rows[1], {}, "actor"), 1))
     worker.compute_log_probs(roll_worker.share(rows[1], 1))
     metrics = first.meta_info["metrics"]
-    losses = {key: value for key, value in metrics.items() if "loss" in key and not key.startswith(("time/", "system/"))}
+    losses = {
+        key: value for key, value in metrics.items() if "loss" in key and not key.startswith(("time/", "system/"))
+    }
     record.write(settings["out"], int(os.environ["RANK"]), before["log_probs"].tolist(), losses)
     barrier()
 
