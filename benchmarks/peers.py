@@ -153,11 +153,13 @@ def _ratio(ours: float, theirs: float, void: bool) -> float | None:
 
 
 def call_figures(launches: list[list[dict]], call: str) -> dict[str, float]:
-    """Medians over every timed call of rank 0, across the launches."""
+    """Medians over every timed call of rank 0, across the launches (and of each launch's first call alone: the
+    warm-up, also in the medians)."""
     samples = [sample for launch in launches for sample in launch[0]["calls"][call]]
     return {
         "wall_s": statistics.median(s["wall_s"] for s in samples),
         "cpu_s": statistics.median(s["cpu_s"] for s in samples),
+        "first_cpu_s": statistics.median(launch[0]["calls"][call][0]["cpu_s"] for launch in launches),
         "samples": len(samples),
     }
 
@@ -202,6 +204,38 @@ def headline(results: dict[str, dict[str, dict]]) -> dict[str, dict[str, Any]]:
         for framework, by_ranks in results.items()
         for ranks, result in by_ranks.items()
     }
+
+
+def table(results: dict[str, dict[str, dict]]) -> str:
+    """The summaries as a markdown table (medians of rank 0's seconds per call; peak RSS of the largest rank)."""
+    lines = [
+        "| peer | ranks | call | fsdp2kit CPU s | peer CPU s | ratio CPU | fsdp2kit wall s | peer wall s | ratio wall "
+        "|",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    show = lambda ratio: "void" if ratio is None else f"{ratio:.3f}"  # noqa: E731
+    for framework, by_ranks in results.items():
+        peer = FRAMEWORKS[framework]["peer"]
+        for ranks, result in by_ranks.items():
+            for call, figures in result["calls"].items():
+                ours, theirs = figures["fsdp2kit"], figures[peer]
+                lines.append(
+                    f"| {framework} | {ranks} | {call} | {ours['cpu_s']:.2f} | {theirs['cpu_s']:.2f} | "
+                    f"{show(figures['ratio_cpu'])} | {ours['wall_s']:.2f} | {theirs['wall_s']:.2f} | "
+                    f"{show(figures['ratio_wall'])} |"
+                )
+            for key in ("peak_rss_bytes", "rss_after_setup_bytes"):
+                memory, name = result["memory"][key], key.removesuffix("_bytes")
+                lines.append(
+                    f"| {framework} | {ranks} | {name} MiB | {max(memory['fsdp2kit']) / 2**20:.0f} | "
+                    f"{max(memory[peer]) / 2**20:.0f} | {show(memory['ratio_largest_rank'])} | | | |"
+                )
+            agree = result["agreement"]
+            lines.append(
+                f"| {framework} | {ranks} | agreement | log-probs {agree['log_probs_max_abs_diff']:.2g}, "
+                f"losses {agree['losses_max_abs_diff']:.2g} | | {'void' if agree['void'] else 'ok'} | | | |"
+            )
+    return "\n".join(lines)
 
 
 # ---- the launches ----
@@ -357,6 +391,7 @@ def main() -> None:
         "headline_ratios_fsdp2kit_over_peer": headline(results),
         "frameworks": results,
     }
+    print(table(results), file=sys.stderr)
     print(json.dumps(report))
 
 

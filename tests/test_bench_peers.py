@@ -51,6 +51,7 @@ def test_agreeing_sides_get_ratios_of_medians(peers):
     assert summary["memory"]["peak_rss_bytes"]["ratio_largest_rank"] == pytest.approx(0.5)  # 100 / 200
     table = peers.headline({"roll": {"2": summary}})
     assert table == {"roll @2": {"train_step cpu": pytest.approx(0.5), "peak_rss": pytest.approx(0.5)}}
+    assert "| roll | 2 | train_step | 2.00 | 4.00 | 0.500 |" in peers.table({"roll": {"2": summary}})
 
 
 @pytest.mark.parametrize(
@@ -70,4 +71,5 @@ def test_disagreeing_sides_are_void(peers, theirs):
     assert summary["calls"]["train_step"]["ratio_cpu"] is None and summary["calls"]["train_step"]["ratio_wall"] is None
     assert summary["memory"]["peak_rss_bytes"]["ratio_largest_rank"] is None
     assert summary["calls"]["train_step"]["fsdp2kit"]["cpu_s"] == 1.0  # the medians stay, for the record
+    assert "| void |" in peers.table({"verl": {"1": summary}})
     assert peers.largest_difference([1.0], [1.0, 2.0]) == math.inf
