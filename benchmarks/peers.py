@@ -345,6 +345,7 @@ def measure(framework: str, args: argparse.Namespace, workdir: Path) -> dict[str
     folder.parent.mkdir(parents=True)
     make_model(framework, folder, QUICK if args.quick else QWEN2_22M)
     settings = {"model": str(folder), **(QUICK_ROLLOUT if args.quick else ROLLOUT), "max_tokens": args.max_tokens}
+    settings["roll_recompute"] = not args.roll_no_recompute
     results = {}
     for ranks in args.world_sizes:
         launches: dict[str, list[list[dict]]] = {"fsdp2kit": [], peer: []}
@@ -367,6 +368,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--frameworks", nargs="+", choices=list(FRAMEWORKS), default=list(FRAMEWORKS))
     parser.add_argument("--max-tokens", type=int, default=1024, help="verl's max_token_len_per_gpu (dynamic batch)")
+    parser.add_argument(
+        "--roll-no-recompute",
+        action="store_true",
+        help="ROLL's actor with disable_gradient_checkpointing: true (tests_roll's YAML) instead of ROLL's default",
+    )
     parser.add_argument("--quick", action="store_true", help="a tiny model and short rollouts, one repeat: a smoke run")
     args = parser.parse_args()
     if args.quick:
@@ -386,6 +392,7 @@ def main() -> None:
         "model": QUICK if args.quick else QWEN2_22M,
         "rollouts": {"rows": 8, **(QUICK_ROLLOUT if args.quick else ROLLOUT)},
         "repeats": args.repeats,
+        "recompute": {"verl": True, "roll": not args.roll_no_recompute},
         "nproc": os.cpu_count(),
         "loadavg": {"before": before, "after": load_average()},
         "headline_ratios_fsdp2kit_over_peer": headline(results),

@@ -98,15 +98,20 @@ def model_update(worker: object, engine: str) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def build(engine: str, role: str, model_dir: str, out: str, ranks: int) -> tuple[object, object]:
-    """ROLL's worker of `role` on `engine`, initialised as ROLL's pipeline initialises it, and its RLVRConfig."""
+def build(
+    engine: str, role: str, model_dir: str, out: str, ranks: int, actor_model_args: dict | None = None
+) -> tuple[object, object]:
+    """ROLL's worker of `role` on `engine`, initialised as ROLL's pipeline initialises it, and its RLVRConfig
+    (`actor_model_args`: keys added to the actor's model_args)."""
     roll_scaffold.install()
     if engine == "fsdp2kit":
         use_fsdp2kit()
     from roll.pipeline.base_worker import CriticWorker
     from roll.pipeline.rlvr.actor_worker import ActorWorker
 
-    config = roll_scaffold.pipeline_config(model_dir, out + ".run", ranks, actor_strategy=ACTOR_STRATEGY.get(role))
+    config = roll_scaffold.pipeline_config(
+        model_dir, out + ".run", ranks, actor_strategy=ACTOR_STRATEGY.get(role), actor_model_args=actor_model_args
+    )
     role = "actor" if role in ACTOR_STRATEGY else role
     worker_config = {"actor": config.actor_train, "reference": config.reference, "critic": config.critic}[role]
     worker = (CriticWorker if role == "critic" else ActorWorker)(worker_config=worker_config)
