@@ -72,11 +72,16 @@ def install() -> None:
 
 
 def pipeline_config(
-    model_dir: str, output_dir: str, ranks: int, learning_rate: float = 1e-2, actor_strategy: dict | None = None
+    model_dir: str,
+    output_dir: str,
+    ranks: int,
+    learning_rate: float = 1e-2,
+    actor_strategy: dict | None = None,
+    actor_model_args: dict | None = None,
 ) -> Any:
     """ROLL's RLVRConfig read from tests_roll/rlvr_tiny.yaml as ROLL's launcher reads a YAML (dacite over the
-    dict) and its RLVR pipeline completes it, on `ranks` ranks per role; `actor_strategy` adds keys to the actor's
-    strategy_config."""
+    dict) and its RLVR pipeline completes it, on `ranks` ranks per role; `actor_strategy` and `actor_model_args` add
+    keys to the actor's strategy_config and model_args."""
     from dacite import from_dict
     from roll.pipeline.rlvr.rlvr_config import RLVRConfig
 
@@ -85,6 +90,7 @@ def pipeline_config(
     raw = yaml.safe_load(text)
     raw["actor_train"]["training_args"]["learning_rate"] = learning_rate
     raw["actor_train"]["strategy_args"]["strategy_config"].update(actor_strategy or {})
+    raw["actor_train"]["model_args"].update(actor_model_args or {})
     config = from_dict(data_class=RLVRConfig, data=raw)
     config.set_max_steps(max_steps=config.max_steps)  # as roll/pipeline/rlvr/rlvr_pipeline.py does
     return config

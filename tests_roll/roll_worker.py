@@ -37,28 +37,29 @@ def use_fsdp2kit() -> None:
     base_worker.create_strategy = fsdp2kit_for_fsdp2(base_worker.create_strategy)
 
 
-def rollout(step: int) -> dict[str, torch.Tensor]:
+def rollout(step: int, rows: int = ROWS, prompts: int = PROMPT, responses: int = RESPONSE) -> dict[str, torch.Tensor]:
     """A batch as ROLL's RLVR pipeline hands the actor and the critic: left-padded prompts, right-padded responses,
-    position_ids from the mask, response_mask, advantages and reference log-probs, old values and returns."""
+    position_ids from the mask, response_mask, advantages and reference log-probs, old values and returns (`rows`
+    rollouts of up to `prompts` + `responses` tokens; benchmarks/peers.py asks for more and longer ones)."""
     generator = torch.Generator().manual_seed(100 + step)
-    width = PROMPT + RESPONSE
-    prompt_lens = torch.randint(2, PROMPT + 1, (ROWS,), generator=generator)
-    response_lens = torch.randint(2, RESPONSE + 1, (ROWS,), generator=generator)
+    width = prompts + responses
+    prompt_lens = torch.randint(2, prompts + 1, (rows,), generator=generator)
+    response_lens = torch.randint(2, responses + 1, (rows,), generator=generator)
     columns = torch.arange(width)[None]
-    prompt = (columns >= PROMPT - prompt_lens[:, None]) & (columns < PROMPT)
-    response = (columns >= PROMPT) & (columns < PROMPT + response_lens[:, None])
+    prompt = (columns >= prompts - prompt_lens[:, None]) & (columns < prompts)
+    response = (columns >= prompts) & (columns < prompts + response_lens[:, None])
     mask = (prompt | response).long()
     return {
-        "input_ids": torch.randint(3, 500, (ROWS, width), generator=generator) * mask,
+        "input_ids": torch.randint(3, 500, (rows, width), generator=generator) * mask,
         "attention_mask": mask,
         "position_ids": (mask.cumsum(-1) - 1).clamp(min=0) * mask,
         "response_mask": response.long(),
         "prompt_mask": prompt.long(),
-        "advantages": torch.randn(ROWS, width - 1, generator=generator) * response[:, 1:],
-        "ref_log_probs": -torch.rand(ROWS, width - 1, generator=generator) * 6,
-        "values": torch.randn(ROWS, width - 1, generator=generator) * response[:, 1:],
-        "returns": torch.randn(ROWS, width - 1, generator=generator) * response[:, 1:],
-        "train_infer_is_weight": torch.ones(ROWS, width - 1),  # the pipeline's, with its correction off
+        "advantages": torch.randn(rows, width - 1, generator=generator) * response[:, 1:],
+        "ref_log_probs": -torch.rand(rows, width - 1, generator=generator) * 6,
+        "values": torch.randn(rows, width - 1, generator=generator) * response[:, 1:],
+        "returns": torch.randn(rows, width - 1, generator=generator) * response[:, 1:],
+        "train_infer_is_weight": torch.ones(rows, width - 1),  # the pipeline's, with its correction off
     }
 
 
@@ -97,18 +98,30 @@ def model_update(worker: object, engine: str) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def run(engine: str, role: str, model_dir: str, out: str, ranks: int) -> None:
+def build(
+    engine: str, role: str, model_dir: str, out: str, ranks: int, actor_model_args: dict | None = None
+) -> tuple[object, object]:
+    """ROLL's worker of `role` on `engine`, initialised as ROLL's pipeline initialises it, and its RLVRConfig
+    (`actor_model_args`: keys added to the actor's model_args)."""
     roll_scaffold.install()
     if engine == "fsdp2kit":
         use_fsdp2kit()
     from roll.pipeline.base_worker import CriticWorker
     from roll.pipeline.rlvr.actor_worker import ActorWorker
 
-    config = roll_scaffold.pipeline_config(model_dir, out + ".run", ranks, actor_strategy=ACTOR_STRATEGY.get(role))
-    role, moe = ("actor", True) if role in ACTOR_STRATEGY else (role, False)
+    config = roll_scaffold.pipeline_config(
+        model_dir, out + ".run", ranks, actor_strategy=ACTOR_STRATEGY.get(role), actor_model_args=actor_model_args
+    )
+    role = "actor" if role in ACTOR_STRATEGY else role
     worker_config = {"actor": config.actor_train, "reference": config.reference, "critic": config.critic}[role]
     worker = (CriticWorker if role == "critic" else ActorWorker)(worker_config=worker_config)
     worker.initialize(config)
+    return worker, config
+
+
+def run(engine: str, role: str, model_dir: str, out: str, ranks: int) -> None:
+    worker, config = build(engine, role, model_dir, out, ranks)
+    role, moe = ("actor", True) if role in ACTOR_STRATEGY else (role, False)
     first, second = rollout(0), rollout(1)
     result: dict[str, object] = {"strategy": type(worker.strategy).__name__}
     if moe:

@@ -76,18 +76,19 @@ def worker(settings: dict, model_type: str, path: str, forward_only: bool = Fals
     return training_worker
 
 
-def rollout_batch(path: str) -> DataProto:
-    """What verl's rollout hands the trainer: left-padded prompts, right-padded responses, of different lengths."""
+def rollout_batch(path: str, prompt: int = PROMPT, response: int = RESPONSE) -> DataProto:
+    """What verl's rollout hands the trainer: left-padded prompts, right-padded responses, of different lengths (up
+    to `prompt` and `response` tokens; benchmarks/peers.py asks for longer ones)."""
     from transformers import AutoConfig
 
     vocab = AutoConfig.from_pretrained(path).vocab_size
     generator = torch.Generator().manual_seed(7)
-    prompt_lens = torch.randint(2, PROMPT + 1, (ROWS,), generator=generator)
-    response_lens = torch.randint(1, RESPONSE + 1, (ROWS,), generator=generator)
-    prompts = torch.randint(3, vocab, (ROWS, PROMPT), generator=generator)
-    responses = torch.randint(3, vocab, (ROWS, RESPONSE), generator=generator)
-    prompt_mask = torch.arange(PROMPT)[None, :] >= (PROMPT - prompt_lens)[:, None]
-    response_mask = torch.arange(RESPONSE)[None, :] < response_lens[:, None]
+    prompt_lens = torch.randint(2, prompt + 1, (ROWS,), generator=generator)
+    response_lens = torch.randint(1, response + 1, (ROWS,), generator=generator)
+    prompts = torch.randint(3, vocab, (ROWS, prompt), generator=generator)
+    responses = torch.randint(3, vocab, (ROWS, response), generator=generator)
+    prompt_mask = torch.arange(prompt)[None, :] >= (prompt - prompt_lens)[:, None]
+    response_mask = torch.arange(response)[None, :] < response_lens[:, None]
     attention_mask = torch.cat([prompt_mask, response_mask], dim=1).long()
     input_ids = torch.cat([prompts, responses], dim=1) * attention_mask
     batch = {
@@ -97,8 +98,8 @@ def rollout_batch(path: str) -> DataProto:
         "attention_mask": attention_mask,
         "position_ids": compute_position_id_with_mask(attention_mask),
         "response_mask": response_mask.long(),
-        "advantages": torch.randn(ROWS, RESPONSE, generator=generator) * response_mask,
-        "returns": torch.randn(ROWS, RESPONSE, generator=generator) * response_mask,
+        "advantages": torch.randn(ROWS, response, generator=generator) * response_mask,
+        "returns": torch.randn(ROWS, response, generator=generator) * response_mask,
     }
     return DataProto.from_single_dict(batch, meta_info={"temperature": TEMPERATURE})
 
@@ -166,12 +167,18 @@ def from_collecting_rank(tensor: torch.Tensor) -> None:
         dist.broadcast(tensor, src=0)
 
 
-def run_actor(settings: dict, rollout: DataProto, checkpoint: Path) -> dict:
+def actor_worker(settings: dict) -> TrainingWorker:
+    """verl's actor: the worker with verl's PPO loss (entropy bonus on)."""
     actor = worker(settings, "language_model", settings["model"])
     config = FSDPActorConfig(
         strategy="fsdp2", rollout_n=1, ppo_mini_batch_size=ROWS // 2, use_dynamic_bsz=True, entropy_coeff=0.01
     )
     actor.set_loss_fn(partial(ppo_loss, config=config))
+    return actor
+
+
+def run_actor(settings: dict, rollout: DataProto, checkpoint: Path) -> dict:
+    actor = actor_worker(settings)
     before = infer(actor, rollout, "log_probs", entropy=True)
     # verl's own FSDP2 reference (forward_only) shards with CPUOffloadPolicy(pin_memory=True), which needs an
     # accelerator: the test compares fsdp2kit's reference with verl's actor before its update (the same weights).
@@ -282,13 +289,18 @@ def run_sft(settings: dict) -> dict:
     }
 
 
-def main() -> None:
-    settings = json.loads(sys.argv[1])
+def start(settings: dict) -> None:
+    """This rank's process group: torchrun's variables, or one rank's defaults."""
     os.environ["VERL_TEST_ULYSSES"] = str(settings["ulysses"])
     for key, value in {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}.items():
         os.environ.setdefault(key, value)
     os.environ.setdefault("MASTER_PORT", str(settings.get("port", 29533)))
     dist.init_process_group("gloo")
+
+
+def main() -> None:
+    settings = json.loads(sys.argv[1])
+    start(settings)
     rollout = share(rollout_batch(settings["model"]))
     out = Path(settings["out"])
     result = {"dp": dist.get_world_size() // settings["ulysses"]}
