@@ -512,13 +512,10 @@ def _ulysses_attention(inner: str, group: ProcessGroup) -> Callable:
             # A forward of tokens no `shard_sequence` cut (the head's probe): each rank's taken as a contiguous part.
             indices = (torch.arange(query.shape[2]) + context.rank() * query.shape[2], torch.arange(length))
             attention_mask, starts = None, None
-        if (
-            inner == "sdpa"
-            and indices is not None
-            and blockwise_applies(module, query, attention_mask if starts is None else None, length, **kwargs)
-        ):
-            scaling = kwargs.get("scaling")
-            output = context_attention.blockwise_causal_attention(query, key, value, indices, scaling, starts)
+        unblocked = attention_mask if starts is None else None  # packed documents alone are blocks too
+        if inner == "sdpa" and indices is not None and blockwise_applies(module, query, unblocked, length, **kwargs):
+            blockwise = context_attention.blockwise_causal_attention
+            output = blockwise(query, key, value, indices, kwargs.get("scaling"), starts)
         else:
             mask = (
                 flex_mask(attention_mask, batch_size, length, window, query.device)
