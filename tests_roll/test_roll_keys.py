@@ -5,10 +5,12 @@ a key ROLL adds fails here until it is handled. ROLL's defaults the dialect writ
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import re
 
 import pytest
 from test_roll_real import ROLL_SOURCE
+from transformers import AutoConfig
 
 from fsdp2kit.config.dialects import roll as dialect
 from fsdp2kit.config.schema import StrategyConfig
@@ -26,8 +28,14 @@ def roll_configs(tmp_path_factory):
     try:
         from roll.configs.model_args import ModelArguments
         from roll.configs.worker_config import StrategyArguments, WorkerConfig
+        from roll.models import model_providers
 
-        yield {"model_args": ModelArguments, "strategy_args": StrategyArguments, "role": WorkerConfig}
+        yield {
+            "model_args": ModelArguments,
+            "strategy_args": StrategyArguments,
+            "role": WorkerConfig,
+            "providers": model_providers,
+        }
     finally:
         monkeypatch.undo()
 
@@ -59,4 +67,9 @@ def test_roll_s_defaults_the_dialect_writes_in_are_roll_s(roll_configs):
     assert train_defaults == {
         "dtype": model_args.dtype,
         "disable_gradient_checkpointing": model_args.disable_gradient_checkpointing,
+        "gradient_checkpointing_use_reentrant": False,  # ROLL's None, as ROLL resolves it for a dense model:
     }
+    assert model_args.gradient_checkpointing_use_reentrant is None
+    providers = roll_configs["providers"]
+    assert "use_reentrant = True if _is_moe_config(config) else False" in inspect.getsource(providers)
+    assert not providers._is_moe_config(AutoConfig.for_model("qwen2"))
