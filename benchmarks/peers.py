@@ -2,20 +2,23 @@
 item 3): verl 0.9.1's `FSDPEngineWithLMHead` (verl's `TrainingWorker`, as tests_verl/verl_driver.py drives it) and
 ROLL's `FSDP2TrainStrategy` (ROLL's RLVR `ActorWorker`, as tests_roll/roll_worker.py drives it), each against
 fsdp2kit behind the same worker, from the same model folder, batches and settings, in the environments
-`make test-verl` / `make test-roll` build (this script launches each side with that environment's python).
+`make test-verl` / `make test-roll` build (this script launches each side with that environment's python); and
+transformers' `Trainer` with Accelerate's FSDP2 against fsdp2kit's `Strategy.train_step` on the same SFT rows
+(benchmarks/peers_trainer.py, in the main environment, both under torchrun; one optimizer step is the timed call).
 
 Per launch the worker is built, then its two calls are each called twice as the frameworks' trainers call them
 (verl: infer_batch (log-probs + entropy), train_mini_batch (two mini-batches, an optimizer step each), again both;
 ROLL: compute_log_probs, train_step, again both). Launches alternate fsdp2kit / peer (A/B/A/B, `--repeats` each) at
 each world size (2 ranks: torchrun for verl, one process per rank for ROLL, as their tests launch them). Reported:
 medians of rank 0's wall time and CPU time (`time.process_time()`) per call, peak RSS per rank (ru_maxrss) and RSS
-after setup, and the two sides' agreement: log-probs before the first update and the first update's losses. Two
+after setup, and the two sides' agreement: log-probs before the first update and the first update's losses (the
+Trainer arm: log-probs after the first step, its loss and gradient norm). Two
 sides that disagree by more than 1e-4 computed different things: their ratios are void (None, with the reason).
 
 Prints one JSON object; ratios are fsdp2kit / peer (< 1: fsdp2kit faster or smaller).
 
 Run: make bench-peers, or
-  .venv/bin/python benchmarks/peers.py [--repeats 3] [--world-sizes 1 2] [--frameworks verl roll] [--quick]
+  .venv/bin/python benchmarks/peers.py [--repeats 3] [--world-sizes 1 2] [--frameworks verl roll trainer] [--quick]
 """
 
 from __future__ import annotations
