@@ -12,7 +12,7 @@ ROLL: compute_log_probs, train_step, again both). Launches alternate fsdp2kit / 
 each world size (2 ranks: torchrun for verl, one process per rank for ROLL, as their tests launch them). Reported:
 medians of rank 0's wall time and CPU time (`time.process_time()`) per call, peak RSS per rank (ru_maxrss) and RSS
 after setup, and the two sides' agreement: log-probs before the first update and the first update's losses (the
-Trainer arm: log-probs after the first step, its loss and gradient norm). Two
+Trainer arm: log-probs after the first step and its loss). Two
 sides that disagree by more than 1e-4 computed different things: their ratios are void (None, with the reason).
 
 Prints one JSON object; ratios are fsdp2kit / peer (< 1: fsdp2kit faster or smaller).
