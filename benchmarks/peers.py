@@ -2,20 +2,23 @@
 item 3): verl 0.9.1's `FSDPEngineWithLMHead` (verl's `TrainingWorker`, as tests_verl/verl_driver.py drives it) and
 ROLL's `FSDP2TrainStrategy` (ROLL's RLVR `ActorWorker`, as tests_roll/roll_worker.py drives it), each against
 fsdp2kit behind the same worker, from the same model folder, batches and settings, in the environments
-`make test-verl` / `make test-roll` build (this script launches each side with that environment's python).
+`make test-verl` / `make test-roll` build (this script launches each side with that environment's python); and
+transformers' `Trainer` with Accelerate's FSDP2 against fsdp2kit's `Strategy.train_step` on the same SFT rows
+(benchmarks/peers_trainer.py, in the main environment, both under torchrun; one optimizer step is the timed call).
 
 Per launch the worker is built, then its two calls are each called twice as the frameworks' trainers call them
 (verl: infer_batch (log-probs + entropy), train_mini_batch (two mini-batches, an optimizer step each), again both;
 ROLL: compute_log_probs, train_step, again both). Launches alternate fsdp2kit / peer (A/B/A/B, `--repeats` each) at
 each world size (2 ranks: torchrun for verl, one process per rank for ROLL, as their tests launch them). Reported:
 medians of rank 0's wall time and CPU time (`time.process_time()`) per call, peak RSS per rank (ru_maxrss) and RSS
-after setup, and the two sides' agreement: log-probs before the first update and the first update's losses. Two
+after setup, and the two sides' agreement: log-probs before the first update and the first update's losses (the
+Trainer arm: log-probs after the first step and its loss). Two
 sides that disagree by more than 1e-4 computed different things: their ratios are void (None, with the reason).
 
 Prints one JSON object; ratios are fsdp2kit / peer (< 1: fsdp2kit faster or smaller).
 
 Run: make bench-peers, or
-  .venv/bin/python benchmarks/peers.py [--repeats 3] [--world-sizes 1 2] [--frameworks verl roll] [--quick]
+  .venv/bin/python benchmarks/peers.py [--repeats 3] [--world-sizes 1 2] [--frameworks verl roll trainer] [--quick]
 """
 
 from __future__ import annotations
@@ -55,7 +58,12 @@ QUICK_ROLLOUT = {"prompt": 16, "response": 48}
 FRAMEWORKS = {
     "verl": {"peer": "fsdp2", "python": ".venv-verl", "script": "peers_verl.py", "path": ["tests_verl"]},
     "roll": {"peer": "roll", "python": ".venv-roll", "script": "peers_roll.py", "path": ["tests_roll"]},
+    "trainer": {"peer": "trainer", "python": ".venv", "script": "peers_trainer.py", "path": []},
 }
+# The Trainer arm's SFT: per optimizer step 8 rows of up to 256 tokens (prompts without targets, right padding) in
+# micro-batches of 2 rows over all ranks, 4 steps per launch; quick: rows of 64 tokens, 2 steps.
+SFT = {"rows_per_step": 8, "micro_rows": 2, "length": 256, "steps": 4}
+QUICK_SFT = {**SFT, "length": 64, "steps": 2}
 
 
 # ---- in each rank: what a measured launch records ----
@@ -82,20 +90,30 @@ class Record:
     def __init__(self) -> None:
         self.calls: dict[str, list[dict[str, float]]] = {}
         self.rss_after_setup = 0
+        self.started = (0.0, 0.0)
 
     def setup_done(self) -> None:
         self.rss_after_setup = current_rss()
 
+    def begin(self, barrier: Callable[[], Any]) -> None:
+        """A timed call starts (after a barrier: every rank starts it together)."""
+        barrier()
+        self.started = (time.perf_counter(), time.process_time())
+
+    def end(self, name: str) -> None:
+        """The call begun last ends: its wall and CPU seconds go to calls[name]."""
+        wall, cpu = self.started
+        self.calls.setdefault(name, []).append(
+            {"wall_s": time.perf_counter() - wall, "cpu_s": time.process_time() - cpu}
+        )
+
     def timed(self, name: str, call: Callable[..., Any], barrier: Callable[[], Any]) -> Callable[..., Any]:
-        """`call`, timed (after a barrier: every rank starts it together) into calls[name]."""
+        """`call`, timed into calls[name]."""
 
         def timed_call(*args: Any, **kwargs: Any) -> Any:
-            barrier()
-            wall, cpu = time.perf_counter(), time.process_time()
+            self.begin(barrier)
             result = call(*args, **kwargs)
-            self.calls.setdefault(name, []).append(
-                {"wall_s": time.perf_counter() - wall, "cpu_s": time.process_time() - cpu}
-            )
+            self.end(name)
             return result
 
         return timed_call
@@ -299,7 +317,8 @@ def launch(framework: str, backend: str, ranks: int, settings: dict, out: Path) 
     script = str(REPO / "benchmarks" / FRAMEWORKS[framework]["script"])
     config = json.dumps({**settings, "backend": backend, "out": str(out), "ranks": ranks, "port": free_port()})
     env, processes = env_for(framework), []
-    if framework == "verl" and ranks > 1:  # as tests_verl/test_verl_worker.py launches verl's driver
+    # verl at 2 ranks as tests_verl/test_verl_worker.py launches verl's driver; the Trainer as its users launch it
+    if (framework == "verl" and ranks > 1) or framework == "trainer":
         command = [python_of(framework), "-m", "torch.distributed.run", "--nproc-per-node", str(ranks)]
         command += ["--master-port", str(free_port()), script, config]
         processes.append(
@@ -346,6 +365,7 @@ def measure(framework: str, args: argparse.Namespace, workdir: Path) -> dict[str
     make_model(framework, folder, QUICK if args.quick else QWEN2_22M)
     settings = {"model": str(folder), **(QUICK_ROLLOUT if args.quick else ROLLOUT), "max_tokens": args.max_tokens}
     settings["roll_recompute"] = not args.roll_no_recompute
+    settings["sft"] = QUICK_SFT if args.quick else SFT
     results = {}
     for ranks in args.world_sizes:
         launches: dict[str, list[list[dict]]] = {"fsdp2kit": [], peer: []}
@@ -392,7 +412,8 @@ def main() -> None:
         "model": QUICK if args.quick else QWEN2_22M,
         "rollouts": {"rows": 8, **(QUICK_ROLLOUT if args.quick else ROLLOUT)},
         "repeats": args.repeats,
-        "recompute": {"verl": True, "roll": not args.roll_no_recompute},
+        "sft": QUICK_SFT if args.quick else SFT,
+        "recompute": {"verl": True, "roll": not args.roll_no_recompute, "trainer": False},
         "nproc": os.cpu_count(),
         "loadavg": {"before": before, "after": load_average()},
         "headline_ratios_fsdp2kit_over_peer": headline(results),

@@ -73,3 +73,30 @@ def test_disagreeing_sides_are_void(peers, theirs):
     assert summary["calls"]["train_step"]["fsdp2kit"]["cpu_s"] == 1.0  # the medians stay, for the record
     assert "| void |" in peers.table({"verl": {"1": summary}})
     assert peers.largest_difference([1.0], [1.0, 2.0]) == math.inf
+
+
+def test_the_trainer_arm_deals_rows_to_ranks_as_accelerates_data_loader(monkeypatch):
+    """fsdp2kit's side of the Trainer arm takes, per rank and optimizer step, the rows the Trainer's data loader
+    gives that rank (Accelerate's BatchSamplerShard over a sequential sampler), and no target lies in a prompt or
+    the padding."""
+    import torch
+    from accelerate.data_loader import BatchSamplerShard
+    from torch.utils.data import BatchSampler, SequentialSampler
+
+    monkeypatch.syspath_prepend(str(BENCH.parent))
+    trainer_arm = importlib.import_module("peers_trainer")
+    rows = trainer_arm.sft_rows(16, 64, 1000)
+    for world in (1, 2):
+        accumulation = 8 // (2 * world)
+        for rank in range(world):
+            batches = BatchSampler(SequentialSampler(range(16)), 2, drop_last=False)
+            dealt = list(BatchSamplerShard(batches, num_processes=world, process_index=rank))
+            for step in range(2):
+                ours = trainer_arm.rank_micro_batches(rows, step, rank, world, 2, accumulation)
+                theirs = dealt[step * accumulation : (step + 1) * accumulation]
+                assert len(ours) == len(theirs) == accumulation
+                for batch, indices in zip(ours, theirs, strict=True):
+                    assert torch.equal(batch["labels"], rows["labels"][indices])
+    targets = rows["labels"] != -100
+    assert targets.any() and not (targets & (rows["attention_mask"] == 0)).any()
+    assert not targets[:, : 64 // 16].any()  # every prompt has at least length/16 tokens
