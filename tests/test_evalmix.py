@@ -162,17 +162,17 @@ def train(tmp_path, run: str, steps: int, nproc: int = 1, here=None, **settings)
 
 
 @pytest.mark.slow
-def test_eval_loss_every_eval_steps_and_at_the_end_equal_at_1_and_2_ranks(tmp_path):
+def test_eval_loss_every_eval_steps_and_at_the_end_equal_at_1_and_2_ranks(tmp_path, run_main):
     """eval_loss over 1% of the corpus held out, at step 2 and at the end (3), at 1 and 2 ranks (the same global
     batch), and with Ulysses over the 2 ranks; a learning rate small enough that the runs' weights agree, so what is
-    compared is the evaluation itself. An eval batch of 3 leaves ranks a filler row."""
+    compared is the evaluation itself. An eval batch of 3 leaves ranks a filler row. 1 rank runs in this process."""
     common = {
         "data.eval_fraction": 0.01,
         "training.eval_steps": 2,
         "training.per_device_eval_batch_size": 3,
         "training.learning_rate": 1e-6,
     }
-    one = train(tmp_path, "one", 3, 1, **common, **{"training.gradient_accumulation_steps": 2})
+    one = train(tmp_path, "one", 3, here=run_main, **common, **{"training.gradient_accumulation_steps": 2})
     train(tmp_path, "two", 3, 2, **common, **{"training.gradient_accumulation_steps": 1})
     train(tmp_path, "ulysses", 2, 2, **common, **{"training.gradient_accumulation_steps": 2, "model.ulysses_size": 2})
     assert "evaluation set: 73 samples (0.01 of the training samples held out)" in one.stdout

@@ -419,23 +419,23 @@ def small_disk(path: Path, size: str = "12m") -> Iterator[Path]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
-def test_a_full_disk_during_a_save_is_one_line_and_the_run_resumes_exactly(tmp_path: Path, async_save: bool):
+def test_a_full_disk_during_a_save_is_one_line_and_the_run_resumes_exactly(tmp_path: Path, async_save: bool, run_main):
     """A 12 MB tmpfs holds one checkpoint of this model (6.8 MiB) but not two: step_4's save fails with torch's
     'unexpected pos' (no errno); the run ends with one line, step_2 stays, and moved to a roomy disk the run resumes
-    to the same losses as an uninterrupted run."""
+    to the same losses as an uninterrupted run. One rank, in this process (the 2-rank case below launches)."""
     settings = [TINY, "training.max_steps=6", "training.save_total_limit=1", "training.report_to=[]"]
     settings.append(f"strategy_args.strategy_config.async_save_ckpt={str(async_save).lower()}")
     with small_disk(tmp_path / "disk") as disk:
-        full = train_run(disk / "run", *settings)
+        full = train_run(disk / "run", *settings, run=run_main)
         assert full.returncode == 1, full.stderr
         line = [entry for entry in full.stderr.splitlines() if entry.strip()][-1]
         assert line.startswith(f"error: no space left on device: checkpoint step_4 in '{disk / 'run' / 'checkpoints'}'")
         assert line.endswith("MiB free; checkpoint step_2 is intact"), line
         assert sorted(p.name for p in (disk / "run" / "checkpoints").iterdir()) == ["step_2"]
         shutil.copytree(disk / "run", tmp_path / "moved")
-    resumed = train_run(tmp_path / "moved", *settings)
+    resumed = train_run(tmp_path / "moved", *settings, run=run_main)
     assert resumed.returncode == 0, resumed.stderr
-    straight = train_run(tmp_path / "straight", *settings)
+    straight = train_run(tmp_path / "straight", *settings, run=run_main)
     assert straight.returncode == 0, straight.stderr
     losses = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "moved")}
     assert sorted(losses) == [1, 2, 3, 4, 5, 6]
