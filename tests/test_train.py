@@ -161,21 +161,22 @@ def test_resume_continues_the_same_loss_curve(tmp_path, small_run):
 @pytest.mark.slow
 def test_demo_meets_its_promise(tmp_path):
     """What `make train` promises a newcomer: >= 30 steps, a clear loss drop, and an HF folder transformers loads
-    (the README shows the whole 150 steps; CI runs the first 50 under their own schedule).
+    (the README shows the whole 150 steps; CI runs the first 40 under their own schedule).
     The same 2-rank run is the walking skeleton's end-to-end check: a metrics record with every field each step, the
     checkpoints its save_steps and save_total_limit keep, and the export's tokenizer."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     run = tmp_path / "demo"
-    # The demo as written but 50 of its 150 steps (its schedule over 50), saving every 25: CI's time, same code path.
-    shorter = {"training.max_steps": 50, "training.save_steps": 25}
+    # The demo as written but 40 of its 150 steps (its schedule over 40), saving every 20: CI's time, same code path.
+    # The loss drop's ratio over 40 steps: 0.813 (seed 42), 0.813 (1), 0.799 (2); over 30 seed 1 came to 0.838.
+    shorter = {"training.max_steps": 40, "training.save_steps": 20}
     sets = [arg for key, value in shorter.items() for arg in ("--set", f"{key}={value}")]
     result = run_cli("train", DEMO, "--nproc", "2", "--set", f"training.output_dir={run}", *sets)
     assert result.returncode == 0, result.stderr
     records = read_metrics(run)
     losses = [r["loss"] for r in records]
     assert len(losses) >= 30 and load_config(DEMO).training.max_steps >= 30
-    assert sum(losses[-5:]) / 5 < 0.85 * sum(losses[:5]) / 5  # 8.0 -> 6.4 over these 50 (-> 5.8 over all 150)
+    assert sum(losses[-5:]) / 5 < 0.85 * sum(losses[:5]) / 5  # 8.0 -> 6.5 over these 40 (-> 5.8 over all 150)
     model = AutoModelForCausalLM.from_pretrained(Path(run) / "hf")
     assert torch.isfinite(model(torch.tensor([[1, 2, 3, 4]])).logits).all()
 
