@@ -18,11 +18,12 @@ SMALL = [
     "training.per_device_train_batch_size=2",
     "training.gradient_accumulation_steps=2",
 ]
-# About 100M parameters (15 layers of 768, 4096-token vocabulary), one short sample per micro-batch.
-LLAMA_100M = [
+# About 50M parameters (7 layers of 768, 4096-token vocabulary), one short sample per micro-batch: widths and an
+# optimizer state 20 times the tiny model's (the cost of a run grows with the parameters, so not more layers).
+LLAMA_50M = [
     "model.config.hidden_size=768",
     "model.config.intermediate_size=2048",
-    "model.config.num_hidden_layers=15",
+    "model.config.num_hidden_layers=7",
     "model.config.num_attention_heads=12",
     "model.config.num_key_value_heads=4",
     "data.seq_len=32",
@@ -31,7 +32,7 @@ LLAMA_100M = [
 ]
 # Qwen3-MoE's 4 experts a layer split over 2 ranks (expert parallelism): the trace assumes balanced routing.
 MOE_EP2 = [*SMALL, "model.name_or_path=builtin:tiny-qwen3-moe", "strategy_args.strategy_config.ep_size=2"]
-MODELS = {"tiny": SMALL, "100M": LLAMA_100M, "moe-ep2": MOE_EP2}
+MODELS = {"tiny": SMALL, "50M": LLAMA_50M, "moe-ep2": MOE_EP2}
 ZERO = {
     3: ["strategy_args.strategy_config.reshard_after_forward=true"],
     2: ["strategy_args.strategy_config.reshard_after_forward=false"],
@@ -60,7 +61,7 @@ def _measured(tmp_path, nproc: int, overrides: list[str]) -> dict:
         ("tiny", 1, 3, False),
         ("tiny", 2, 2, True),
         ("tiny", 4, 3, True),
-        ("100M", 2, 3, False),
+        ("50M", 2, 3, False),
         ("moe-ep2", 2, 3, False),
     ],
 )
