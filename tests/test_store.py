@@ -249,17 +249,18 @@ def test_bad_corpora_are_one_line_exit_2(tmp_path, capsys, command, content, mes
 
 
 @pytest.mark.slow
-def test_empty_and_one_token_documents_at_two_ranks(tmp_path, tokenizer):
+def test_empty_and_one_token_documents_at_two_ranks(tmp_path, tokenizer, run_main):
     """Empty documents are skipped; a one-token document trains on its EOS and, in infer, has no term to score
-    (num_tokens 0) even alone in its batch on a rank."""
+    (num_tokens 0) even alone in its batch on a rank. Training runs in this process: one rank accumulating the two
+    micro-batches two ranks would each train on."""
     texts = ["", "a", "", corpus_documents()[3][:200], "b", corpus_documents()[4][:150], "", "c"]
     source = write_jsonl(tmp_path / "edges.jsonl", texts)
-    common = ["--nproc", "2", *TINY, "--set", f"data.source={source}", "--set", f"data.cache_dir={tmp_path}"]
+    common = [*TINY, "--set", f"data.source={source}", "--set", f"data.cache_dir={tmp_path}"]
     run = tmp_path / "train"
-    result = run_cli(
+    result = run_main(
         "train", "examples/demo.yaml", *common, "--set", f"training.output_dir={run}",
         "--set", "data.pack=false", "--set", "training.per_device_train_batch_size=2", "--set", "training.max_steps=1",
-        "--set", "training.gradient_accumulation_steps=1", "--set", "data.shuffle=false",
+        "--set", "training.gradient_accumulation_steps=2", "--set", "data.shuffle=false",
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
     (record,) = read_metrics(run)
@@ -268,8 +269,9 @@ def test_empty_and_one_token_documents_at_two_ranks(tmp_path, tokenizer):
     assert record["tokens"] == sum(min(len(tokenizer(t)["input_ids"]) + 1, 33) - 1 for t in kept[:4])
     out = tmp_path / "infer"
     result = run_cli(
-        "infer", "examples/demo.yaml", *common, "--set", f"training.output_dir={out}", "--set", "infer_batch_size=1"
-    )
+        "infer", "examples/demo.yaml", "--nproc", "2", *common,
+        "--set", f"training.output_dir={out}", "--set", "infer_batch_size=1",
+    )  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
     records = [json.loads(line) for line in (out / "infer.jsonl").read_text().splitlines()][:-1]
     assert [r["index"] for r in records] == list(range(len(kept)))
