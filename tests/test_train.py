@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -134,7 +135,9 @@ def test_a_config_of_hf_trainer_accelerate_or_roll_arguments_follows_transformer
 
 @pytest.mark.slow
 def test_resume_continues_the_same_loss_curve(tmp_path, small_run):
-    """A run stopped after its step-3 checkpoint and resumed gives the same later losses as one that never stopped."""
+    """A run stopped after its step-3 checkpoint and resumed gives the same later losses as one that never stopped.
+    The stopped run is the uninterrupted one's copy without its step-6 checkpoint: what a run killed during step 4-6
+    leaves (its metrics records of those steps dropped on resume)."""
     common = set_args(
         {
             "training.lr_scheduler_type": "constant",
@@ -150,9 +153,10 @@ def test_resume_continues_the_same_loss_curve(tmp_path, small_run):
         return result
 
     train(6, "straight")
-    train(3, "resumed")
+    shutil.copytree(tmp_path / "straight", tmp_path / "resumed")
+    shutil.rmtree(tmp_path / "resumed" / "checkpoints" / "step_6")
     second = train(6, "resumed")
-    assert "resumed from" in second.stdout
+    assert f"resumed from {tmp_path / 'resumed' / 'checkpoints' / 'step_3'} at step 3" in second.stdout
     expected = [r["loss"] for r in read_metrics(tmp_path / "straight")]
     got = [r["loss"] for r in read_metrics(tmp_path / "resumed")]
     assert got == pytest.approx(expected, rel=1e-6, abs=1e-6)
