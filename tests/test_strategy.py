@@ -299,4 +299,6 @@ def test_compiled_layers_share_one_graph_past_dynamos_recompile_limit():
     assert result.returncode == 0, result.stderr[-3000:]
     learned, graphs = result.stdout.split()[-2:]
     assert learned == "True"
-    assert int(graphs) <= 3  # the probe (no grad), forward, backward
+    # One graph, the training forward's (AOT autograd derives the backward from it): the head's probe runs the
+    # compiled layers eagerly, where it once compiled a no-grad graph of its own first.
+    assert int(graphs) == 1

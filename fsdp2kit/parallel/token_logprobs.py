@@ -287,14 +287,19 @@ def probe_token_head(model: nn.Module, device: torch.device, where: str) -> None
     """Once per built model: the chunked head's log-probs of a few fixed tokens must equal log_softmax of the model's
     own logits, else the family transforms its logits after the head in a way the chunks do not, and would train on
     wrong log-probs: refused, naming `where` (the model as the user gave it). Collective under FSDP: every rank runs
-    the same tokens and the ranks decide on the largest difference together. Eval mode, no gradients, RNG kept."""
+    the same tokens and the ranks decide on the largest difference together. Eval mode, no gradients, RNG kept;
+    compiled layers (training.compile) run eagerly here: compiling them for the probe would cost a second
+    compilation of its own, no-grad graph at its own shapes, before the first step compiles the one training runs."""
     head = model.get_output_embeddings()  # type: ignore[operator]
     tokens = (torch.arange(PROBE_TOKENS + 1, device=device) * 7919 % head.weight.shape[0])[None]
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     was_training = model.training
     model.eval()
     try:
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        with (
+            torch.random.fork_rng(devices=[device] if device.type == "cuda" else []),
+            torch.compiler.set_stance("force_eager"),
+        ):
             logits = model(input_ids=inputs, use_cache=False).logits
             # The positions the head sees: fewer than the inputs where the model cuts the sequence inside (a VL model
             # under Ulysses slices after the vision merge); any targets serve, the same for both.
