@@ -27,17 +27,20 @@ def reference_logprobs(model, path):
     return sums
 
 
-def infer_records(folder, data, out, nproc=1, settings: dict | None = None) -> list[dict]:
-    """`fsdp2kit infer` of the model in `folder` on `data`: its records, the summary last."""
+def infer_records(folder, data, out, nproc=1, settings: dict | None = None, run=run_cli) -> list[dict]:
+    """`fsdp2kit infer` of the model in `folder` on `data`: its records, the summary last. Launched, or with
+    run=run_main (1 rank) in this process."""
     given = {"model.name_or_path": str(folder), "data.source": str(data), "training.output_dir": str(out)}
-    result = run_cli("infer", "examples/demo.yaml", "--nproc", nproc, *set_args({**given, **(settings or {})}))
+    ranks = ["--nproc", str(nproc)] if nproc > 1 else []
+    result = run("infer", "examples/demo.yaml", *ranks, *set_args({**given, **(settings or {})}))
     assert result.returncode == 0, result.stderr
     return [json.loads(line) for line in (out / "infer.jsonl").read_text().splitlines()]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("builtin, shard", [("tiny-llama", None), ("tiny-qwen3", "1MB")])
-def test_infer_matches_transformers(tmp_path, builtin, shard):
+def test_infer_matches_transformers(tmp_path, builtin, shard, run_main):
+    """At 1 rank (in this process) and 2 (launched)."""
     folder = tmp_path / "model"
     model = make_hf_folder(folder, builtin, shard)
     assert model.config.tie_word_embeddings == (builtin == "tiny-qwen3")
@@ -47,7 +50,7 @@ def test_infer_matches_transformers(tmp_path, builtin, shard):
     for nproc in (1, 2):
         out = tmp_path / f"out{nproc}"
         settings = {"strategy_args.strategy_name": "fsdp2_infer", "infer_batch_size": 3}
-        records = infer_records(folder, data, out, nproc, settings)
+        records = infer_records(folder, data, out, nproc, settings, run=run_main if nproc == 1 else run_cli)
         samples, summary = records[:-1], records[-1]
         assert [r["index"] for r in samples] == list(range(len(TEXTS)))
         assert [r["sum_logprob"] for r in samples] == pytest.approx(expected, abs=1e-4)
