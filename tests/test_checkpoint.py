@@ -89,21 +89,20 @@ def saved_at_two_ranks(tmp_path_factory):
 
 
 @pytest.mark.parametrize("nproc, accumulation, fsdp_size", [(4, 1, 2), (1, 4, "auto")], ids=["4-ranks-hsdp", "1-rank"])
-def test_resume_at_another_world_size_and_mesh(tmp_path, saved_at_two_ranks, nproc, accumulation, fsdp_size):
-    """Saved by 2 ranks (1-D mesh, 2 micro-batches each), resumed by 4 ranks on a 2x2 HSDP mesh or by 1 rank: the
-    same global batches, model, optimizer state and position, so the same losses as the uninterrupted 2-rank run."""
+def test_resume_at_another_world_size_and_mesh(tmp_path, saved_at_two_ranks, nproc, accumulation, fsdp_size, run_main):
+    """Saved by 2 ranks (1-D mesh, 2 micro-batches each), resumed by 4 ranks on a 2x2 HSDP mesh or by 1 rank (in
+    this process): the same global batches, model, optimizer state and position, so the same losses as the
+    uninterrupted 2-rank run."""
     checkpoint, expected = saved_at_two_ranks
     resumed = tmp_path / "resumed"
-    train(
-        *base(resumed, steps=8, save=4),
-        "--set",
-        f"training.gradient_accumulation_steps={accumulation}",
-        "--set",
-        f"strategy_args.strategy_config.fsdp_size={fsdp_size}",
-        "--set",
-        f"training.resume={checkpoint}",
-        nproc=nproc,
-    )
+    settings = [f"training.gradient_accumulation_steps={accumulation}", f"training.resume={checkpoint}"]
+    settings.append(f"strategy_args.strategy_config.fsdp_size={fsdp_size}")
+    args = [*base(resumed, steps=8, save=4), *(arg for item in settings for arg in ("--set", item))]
+    if nproc == 1:
+        result = run_main("train", DEMO, *args)
+        assert result.returncode == 0, result.stderr
+    else:
+        train(*args, nproc=nproc)
     got = losses(resumed)
     assert sorted(got) == [5, 6, 7, 8]
     for step in got:
