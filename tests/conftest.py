@@ -56,16 +56,25 @@ class CliResult(NamedTuple):
     stderr: str
 
 
-@pytest.fixture
-def run_main(capsys):
-    """`fsdp2kit ARGS` inside this process, as a single-rank command: run_cli without an interpreter start and a
-    second import of torch and transformers, for claims that are not about processes. Launcher variables left by
-    earlier in-process runs are cleared first, and what this run sets is undone after."""
-    from fsdp2kit.cli import main
-
+@contextmanager
+def without_launcher_variables():
+    """For commands run in this process: launcher variables left by earlier in-process runs are cleared first, and
+    what the runs set is undone after."""
     saved = dict(os.environ)
     for name in LAUNCHER_VARIABLES:
         os.environ.pop(name, None)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+@pytest.fixture
+def run_main(capsys):
+    """`fsdp2kit ARGS` inside this process, as a single-rank command: run_cli without an interpreter start and a
+    second import of torch and transformers, for claims that are not about processes."""
+    from fsdp2kit.cli import main
 
     def run(*args) -> CliResult:
         capsys.readouterr()  # what the test printed before: not this command's output
@@ -73,9 +82,8 @@ def run_main(capsys):
         out = capsys.readouterr()
         return CliResult(code, out.out, out.err)
 
-    yield run
-    os.environ.clear()
-    os.environ.update(saved)
+    with without_launcher_variables():
+        yield run
 
 
 def launch_two_ranks(worker: str, *args: object, timeout: int = 600, ranks: int = 2) -> None:

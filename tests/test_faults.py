@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from conftest import REPO, SMALL_RUN, CliResult, read_metrics, run_cli, set_args
+from conftest import REPO, SMALL_RUN, CliResult, read_metrics, run_cli, set_args, without_launcher_variables
 
 from fsdp2kit.transformers_compat import configs_check_types
 
@@ -86,9 +86,13 @@ def train_run(out: Path, *settings: str, run=run_cli, nproc: int = 1) -> subproc
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A finished 4-step run with checkpoints at steps 2 and 4, trained in this process."""
+    from fsdp2kit.cli import main
+
     out = tmp_path_factory.mktemp("faults") / "run"
-    result = train_run(out, "training.learning_rate=1e-3")
-    assert result.returncode == 0, result.stderr
+    with without_launcher_variables():
+        code = train_run(out, "training.learning_rate=1e-3", run=lambda *args: main([str(a) for a in args]))
+    assert code == 0
     return out
 
 
