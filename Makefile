@@ -97,15 +97,17 @@ bench: install
 	$(BIN)/python benchmarks/plots.py
 
 # fsdp2kit against verl's FSDP2 engine and ROLL's FSDP2 strategy, each behind its framework's own worker, in the
-# environments test-verl / test-roll build (benchmarks/peers.py launches each side there); not part of `make test`.
+# environments test-verl / test-roll build (benchmarks/peers.py launches each side there), and against the HF Trainer
+# and TRL's SFTTrainer (the `bench` extra, in the main environment); not part of `make test`.
 # The JSON on stdout, a table on stderr: `make bench-peers > docs/bench/peers.json`; PEERS_ARGS=--quick for a smoke run.
-# Without the ROLL snapshot only the verl and Trainer arms run, and it says so.
+# Without the ROLL snapshot only the verl, Trainer and TRL arms run, and it says so.
 bench-peers: install $(VERL_STAMP)
+	$(BIN)/python -m pip install --quiet -e '.[bench]' >&2
 	@if test -d $(ROLL_SOURCE)/roll; then \
 		$(MAKE) --no-print-directory $(ROLL_STAMP) >&2 && ROLL_SOURCE=$(ROLL_SOURCE) OMP_NUM_THREADS=1 \
 		$(BIN)/python benchmarks/peers.py $(PEERS_ARGS); \
 	else echo "bench-peers: no ROLL snapshot at $(ROLL_SOURCE) (set ROLL_SOURCE=...): ROLL's side NOT run" >&2; \
-		OMP_NUM_THREADS=1 $(BIN)/python benchmarks/peers.py --frameworks verl trainer $(PEERS_ARGS); fi
+		OMP_NUM_THREADS=1 $(BIN)/python benchmarks/peers.py --frameworks verl trainer trl $(PEERS_ARGS); fi
 
 clean:
 	rm -rf runs .pytest_cache

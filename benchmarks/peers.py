@@ -3,8 +3,9 @@ item 3): verl 0.9.1's `FSDPEngineWithLMHead` (verl's `TrainingWorker`, as tests_
 ROLL's `FSDP2TrainStrategy` (ROLL's RLVR `ActorWorker`, as tests_roll/roll_worker.py drives it), each against
 fsdp2kit behind the same worker, from the same model folder, batches and settings, in the environments
 `make test-verl` / `make test-roll` build (this script launches each side with that environment's python); and
-transformers' `Trainer` with Accelerate's FSDP2 against fsdp2kit's `Strategy.train_step` on the same SFT rows
-(benchmarks/peers_trainer.py, in the main environment, both under torchrun; one optimizer step is the timed call).
+transformers' `Trainer` with Accelerate's FSDP2, and TRL's `SFTTrainer` on it, each against fsdp2kit's
+`Strategy.train_step` on the same SFT rows (benchmarks/peers_trainer.py, in the main environment with the `bench`
+extra, all under torchrun; one optimizer step is the timed call).
 
 Per launch the worker is built, then its two calls are each called twice as the frameworks' trainers call them
 (verl: infer_batch (log-probs + entropy), train_mini_batch (two mini-batches, an optimizer step each), again both;
@@ -12,13 +13,13 @@ ROLL: compute_log_probs, train_step, again both). Launches alternate fsdp2kit / 
 each world size (2 ranks: torchrun for verl, one process per rank for ROLL, as their tests launch them). Reported:
 medians of rank 0's wall time and CPU time (`time.process_time()`) per call, peak RSS per rank (ru_maxrss) and RSS
 after setup, and the two sides' agreement: log-probs before the first update and the first update's losses (the
-Trainer arm: log-probs after the first step and its loss). Two
+Trainer and TRL arms: log-probs after the first step and its loss). Two
 sides that disagree by more than 1e-4 computed different things: their ratios are void (None, with the reason).
 
 Prints one JSON object; ratios are fsdp2kit / peer (< 1: fsdp2kit faster or smaller).
 
 Run: make bench-peers, or
-  .venv/bin/python benchmarks/peers.py [--repeats 3] [--world-sizes 1 2] [--frameworks verl roll trainer] [--quick]
+  .venv/bin/python benchmarks/peers.py [--repeats 3] [--world-sizes 1 2] [--frameworks verl roll trainer trl] [--quick]
 """
 
 from __future__ import annotations
@@ -59,9 +60,10 @@ FRAMEWORKS = {
     "verl": {"peer": "fsdp2", "python": ".venv-verl", "script": "peers_verl.py", "path": ["tests_verl"]},
     "roll": {"peer": "roll", "python": ".venv-roll", "script": "peers_roll.py", "path": ["tests_roll"]},
     "trainer": {"peer": "trainer", "python": ".venv", "script": "peers_trainer.py", "path": []},
+    "trl": {"peer": "sft_trainer", "python": ".venv", "script": "peers_trainer.py", "path": []},
 }
-# The Trainer arm's SFT: per optimizer step 8 rows of up to 256 tokens (prompts without targets, right padding) in
-# micro-batches of 2 rows over all ranks, 4 steps per launch; quick: rows of 64 tokens, 2 steps.
+# The Trainer and TRL arms' SFT: per optimizer step 8 rows of up to 256 tokens (prompts without targets, right
+# padding) in micro-batches of 2 rows over all ranks, 4 steps per launch; quick: rows of 64 tokens, 2 steps.
 SFT = {"rows_per_step": 8, "micro_rows": 2, "length": 256, "steps": 4}
 QUICK_SFT = {**SFT, "length": 64, "steps": 2}
 
@@ -318,7 +320,7 @@ def launch(framework: str, backend: str, ranks: int, settings: dict, out: Path) 
     config = json.dumps({**settings, "backend": backend, "out": str(out), "ranks": ranks, "port": free_port()})
     env, processes = env_for(framework), []
     # verl at 2 ranks as tests_verl/test_verl_worker.py launches verl's driver; the Trainer as its users launch it
-    if (framework == "verl" and ranks > 1) or framework == "trainer":
+    if (framework == "verl" and ranks > 1) or framework in ("trainer", "trl"):
         command = [python_of(framework), "-m", "torch.distributed.run", "--nproc-per-node", str(ranks)]
         command += ["--master-port", str(free_port()), script, config]
         processes.append(
@@ -413,7 +415,7 @@ def main() -> None:
         "rollouts": {"rows": 8, **(QUICK_ROLLOUT if args.quick else ROLLOUT)},
         "repeats": args.repeats,
         "sft": QUICK_SFT if args.quick else SFT,
-        "recompute": {"verl": True, "roll": not args.roll_no_recompute, "trainer": False},
+        "recompute": {"verl": True, "roll": not args.roll_no_recompute, "trainer": False, "trl": False},
         "nproc": os.cpu_count(),
         "loadavg": {"before": before, "after": load_average()},
         "headline_ratios_fsdp2kit_over_peer": headline(results),

@@ -140,38 +140,74 @@ class Rows(torch.utils.data.Dataset):
         return {key: value[index] for key, value in self.rows.items()}
 
 
-def run_trainer(settings: dict[str, Any], rows: dict[str, torch.Tensor], plan: dict[str, int]) -> dict[str, Any]:
-    from torch.distributed.fsdp import FSDPModule
-    from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
-
-    accelerate_fsdp_on_cpu()
-    args = TrainingArguments(
-        output_dir=f"{settings['out']}.run",
-        use_cpu=True,
-        ddp_backend="gloo",
-        per_device_train_batch_size=plan["micro"],
-        gradient_accumulation_steps=plan["accumulation"],
-        max_steps=plan["steps"],
-        learning_rate=LEARNING_RATE,
-        weight_decay=WEIGHT_DECAY,
-        lr_scheduler_type="constant",
-        warmup_steps=0,
-        max_grad_norm=MAX_GRAD_NORM,
-        optim="adamw_torch",
-        train_sampling_strategy="sequential",
-        gradient_checkpointing=False,
-        logging_steps=1,
-        save_strategy="no",
-        report_to=[],
-        disable_tqdm=True,
-        fsdp=True,
-        fsdp_config={
+def trainer_arguments(settings: dict[str, Any], plan: dict[str, int]) -> dict[str, Any]:
+    """TrainingArguments (or TRL's SFTConfig, a subclass) for the settings both sides share (the module's text)."""
+    return {
+        "output_dir": f"{settings['out']}.run",
+        "use_cpu": True,
+        "ddp_backend": "gloo",
+        "per_device_train_batch_size": plan["micro"],
+        "gradient_accumulation_steps": plan["accumulation"],
+        "max_steps": plan["steps"],
+        "learning_rate": LEARNING_RATE,
+        "weight_decay": WEIGHT_DECAY,
+        "lr_scheduler_type": "constant",
+        "warmup_steps": 0,
+        "max_grad_norm": MAX_GRAD_NORM,
+        "optim": "adamw_torch",
+        "train_sampling_strategy": "sequential",
+        "gradient_checkpointing": False,
+        "logging_steps": 1,
+        "save_strategy": "no",
+        "report_to": [],
+        "disable_tqdm": True,
+        "fsdp": True,
+        "fsdp_config": {
             "fsdp_version": 2,
             "reshard_after_forward": True,
             "transformer_layer_cls_to_wrap": ["Qwen2DecoderLayer"],
         },
-    )
+    }
+
+
+def build_trainer(settings: dict[str, Any], rows: dict[str, torch.Tensor], plan: dict[str, int], callback: Any) -> Any:
+    """transformers' Trainer over the padded rows as they are."""
+    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+
     model = AutoModelForCausalLM.from_pretrained(settings["model"], dtype=torch.float32, attn_implementation="sdpa")
+    arguments = TrainingArguments(**trainer_arguments(settings, plan))
+    return Trainer(model=model, args=arguments, train_dataset=Rows(rows), callbacks=[callback])
+
+
+def build_sft_trainer(
+    settings: dict[str, Any], rows: dict[str, torch.Tensor], plan: dict[str, int], callback: Any
+) -> Any:
+    """TRL's SFTTrainer as its users give it tokenized rows: each row's real tokens and labels (-100 on the prompt),
+    which TRL's collator pads (right, labels -100) and masks; TRL's defaults that would change the computation set
+    as the other side has them (`bf16` and `gradient_checkpointing` default to True in SFTConfig, `max_length` to
+    1024 truncation). TRL's own loss path, its fused LM head (log-probs, entropy and top-1 in tiles) included."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM
+    from trl import SFTConfig, SFTTrainer
+
+    model = AutoModelForCausalLM.from_pretrained(settings["model"], dtype=torch.float32, attn_implementation="sdpa")
+    real = rows["attention_mask"].sum(1).tolist()
+    dataset = Dataset.from_dict(
+        {
+            "input_ids": [row[:length].tolist() for row, length in zip(rows["input_ids"], real, strict=True)],
+            "labels": [row[:length].tolist() for row, length in zip(rows["labels"], real, strict=True)],
+        }
+    )
+    arguments = SFTConfig(**trainer_arguments(settings, plan), bf16=False, max_length=None)
+    return SFTTrainer(model=model, args=arguments, train_dataset=dataset, callbacks=[callback])
+
+
+def run_trainer(settings: dict[str, Any], rows: dict[str, torch.Tensor], plan: dict[str, int]) -> dict[str, Any]:
+    """The Trainer (or TRL's SFTTrainer) training the rows, each optimizer step timed."""
+    from torch.distributed.fsdp import FSDPModule
+    from transformers import TrainerCallback
+
+    accelerate_fsdp_on_cpu()
     record = Record()
     probe = {key: rows[key][:2] for key in ("input_ids", "attention_mask")}
     found: dict[str, Any] = {}
@@ -202,7 +238,8 @@ def run_trainer(settings: dict[str, Any], rows: dict[str, torch.Tensor], plan: d
                     if isinstance(module, FSDPModule):
                         module.reshard()
 
-    trainer = Trainer(model=model, args=args, train_dataset=Rows(rows), callbacks=[StepTimes()])
+    build = build_sft_trainer if settings["backend"] == "sft_trainer" else build_trainer
+    trainer = build(settings, rows, plan, StepTimes())
     trainer.train()
     if not found.get("fsdp2"):
         raise SystemExit(f"the Trainer did not train under FSDP2 (its model: {type(trainer.model_wrapped).__name__})")

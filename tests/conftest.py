@@ -3,8 +3,10 @@ process."""
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -20,7 +22,10 @@ import torch.distributed as dist
 REPO = Path(__file__).resolve().parent.parent
 # Each pytest process (`make test` runs two, pytest-xdist's) copies remote-code models' modules into a cache of its
 # own, which its subprocesses inherit: two processes writing one module file at once could import it half-written.
-os.environ["HF_MODULES_CACHE"] = tempfile.mkdtemp(prefix="fsdp2kit-hf-modules-")
+# Removed when the process that made it ends (its subprocesses have ended by then).
+_HF_MODULES = tempfile.mkdtemp(prefix="fsdp2kit-hf-modules-")
+os.environ["HF_MODULES_CACHE"] = _HF_MODULES
+atexit.register(shutil.rmtree, _HF_MODULES, ignore_errors=True)
 
 
 def run_cli(*args: str, timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:

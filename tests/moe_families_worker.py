@@ -105,19 +105,17 @@ def count_attention_calls(model: torch.nn.Module) -> list[int]:
     return calls
 
 
-def count_blockwise_calls() -> list[int]:
-    """Wrap context parallel's blockwise causal attention (the plain causal path under CP) with a counter of its
-    calls; returns the counter, [calls]."""
-    from fsdp2kit.parallel import context_attention
-
-    blockwise = context_attention.blockwise_causal_attention
+def count_calls(module: Any, name: str) -> list[int]:
+    """Wrap `module.name` with a counter of its calls; returns the counter, [calls]. Counted: context parallel's
+    blockwise causal attention (its plain causal path) and the dense masks made over the sequence."""
+    function = getattr(module, name)
     calls = [0]
 
     def counted(*args: Any, **kwargs: Any) -> Any:
         calls[0] += 1
-        return blockwise(*args, **kwargs)
+        return function(*args, **kwargs)
 
-    context_attention.blockwise_causal_attention = counted
+    setattr(module, name, counted)
     return calls
 
 
@@ -161,7 +159,11 @@ def train(run: dict[str, Any]) -> None:
     data_parallel = dist.get_world_size() // sequence
     rank = dist.get_rank() // sequence  # the ranks of a sequence group train the same micro-batches
     first = strategy.load_checkpoint(run["resume"])["step"] if run.get("resume") else 0
-    attention_calls, blockwise_calls = count_attention_calls(strategy.model), count_blockwise_calls()
+    from fsdp2kit.parallel import context_attention, ulysses
+
+    attention_calls = count_attention_calls(strategy.model)
+    blockwise_calls = count_calls(context_attention, "blockwise_causal_attention")
+    dense_masks = count_calls(ulysses, "_dense_mask")
     losses, grad_norms, orthogonalised = [], [], []
     for step in range(first, run["steps"]):
         everyone = micro_batches(
@@ -175,7 +177,11 @@ def train(run: dict[str, Any]) -> None:
         orthogonalised.append(list(getattr(strategy.optimizer, "orthogonalised", [])))
         if step + 1 == run.get("save_at"):
             strategy.save_checkpoint(run["checkpoint"])
-    trained_attention_calls, trained_blockwise_calls = attention_calls[0], blockwise_calls[0]
+    trained_attention_calls, trained_blockwise_calls, trained_dense_masks = (
+        attention_calls[0],
+        blockwise_calls[0],
+        dense_masks[0],
+    )
     log_probs = strategy.forward_step(micro_batches(-1, 1)[0])["log_probs"]
     left_log_probs = strategy.forward_step(left_padded_probe())["log_probs"] if run.get("left_padded") else None
     weights = {name: tensor.clone() for name, tensor in strategy.full_weights(bucket_bytes=1 << 14)}
@@ -194,6 +200,7 @@ def train(run: dict[str, Any]) -> None:
                 "attention": strategy.model.config.get_text_config()._attn_implementation,
                 "attention_calls": trained_attention_calls,  # in the train steps, every layer's every call
                 "blockwise_calls": trained_blockwise_calls,  # of them, those CP attended block by block
+                "dense_masks": trained_dense_masks,  # the dense [B, 1, queries, keys] masks made for them
                 "chunk_tokens": strategy.chunk_tokens,
                 "trained": [name for name, p in strategy.model.named_parameters() if p.requires_grad],
                 "weights": weights,

@@ -148,3 +148,40 @@ def test_soft_capped_log_probs_keep_the_caps_slope_for_backward(softcapped_dir):
         grads.append({name: param.grad for name, param in model.named_parameters()})
     for name, grad in grads[0].items():
         torch.testing.assert_close(grads[1][name], grad, rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("ignored", ["prompt and padding", "all", "none"])
+def test_the_head_runs_on_targeted_tokens_alone_with_the_whole_logits_loss_and_gradients(ignored):
+    """Tokens without a target (a prompt, padding) get no logits: the head's chunks see only the targeted rows, and
+    the loss and the gradients (zero at the untargeted rows) are those of the whole logits' cross-entropy."""
+    from torch.nn.functional import cross_entropy, linear
+
+    from fsdp2kit.parallel.linear_cross_entropy import linear_cross_entropy
+
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(40, 16, generator=generator, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(50, 16, generator=generator, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 50, (40,), generator=generator)
+    if ignored != "none":
+        targets[:10] = -100  # a prompt
+        targets[30:] = -100  # padding
+    if ignored == "all":
+        targets[:] = -100
+    rows_seen: list[int] = []
+
+    def logits_of(part: torch.Tensor) -> tuple[torch.Tensor, None]:
+        rows_seen.append(part.shape[0])
+        return linear(part, weight), None  # float64: exact to rounding
+
+    loss = linear_cross_entropy(hidden, weight, None, targets, 8, logits_of)
+    loss.backward()
+    ours = (loss.detach(), hidden.grad.clone(), weight.grad.clone())
+    hidden.grad, weight.grad = None, None
+    expected = cross_entropy(linear(hidden, weight), targets, ignore_index=-100, reduction="sum")
+    expected.backward()
+    targeted = int((targets != -100).sum())
+    assert sum(rows_seen) == (targeted or 40)  # every row only where no token has a target (the loss is 0 there)
+    torch.testing.assert_close(ours[0].double(), expected.detach(), rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(ours[1], hidden.grad, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(ours[2], weight.grad, rtol=1e-10, atol=1e-12)
+    assert not ours[1][targets == -100].any()

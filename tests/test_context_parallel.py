@@ -207,6 +207,8 @@ def assert_features_on(got: dict[str, Any], reference: dict[str, Any], features:
     assert any(".lora_B." in name for name in got["trained"]) == (LORA_WEIGHTS in features)
     assert (got["chunk_tokens"] == 3) == (CHUNKED in features)
     assert got["blockwise_calls"] == (got["attention_calls"] if BLOCKWISE in features else 0)
+    if BLOCKWISE in features:  # and no dense mask made beside the blocks, packed documents' included
+        assert got["dense_masks"] == 0
     mask = micro_batches(-1, 1)[0]["attention_mask"]
     padded = ~(mask[:, :-1] * mask[:, 1:]).bool()
     assert bool((got["log_probs"][padded] == 0).all()) == (UNPADDED in features)

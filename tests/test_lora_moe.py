@@ -179,9 +179,11 @@ def test_two_ranks_merge_the_sharded_experts_adapters(tmp_path):
     """2 ranks, each holding half of every fused experts tensor and of its adapters (Mixtral, all-linear): the
     export and full_weights give the model the ranks trained. With wrap_policy.moe_experts naming the fused class,
     the experts are sharded with peft's wrapper around them (which reads their weights outside their forward: sharded
-    alone, its forward mixed shards with whole tensors) and train as in the decoder layers' groups."""
+    alone, its forward mixed shards with whole tensors) and train as in the decoder layers' groups; both as one process
+    taking their micro-batches in turn (losses, gradient norms, weights)."""
     from conftest import launch_two_ranks
     from moe_families_worker import micro_batches
+    from moe_families_worker import train as train_in_process
     from test_moe_families import saved_folder
 
     run = {
@@ -207,6 +209,17 @@ def test_two_ranks_merge_the_sharded_experts_adapters(tmp_path):
         ours = transformers_log_probs(Path(case["out"] + ".hf"), probe)[real]
         torch.testing.assert_close(ours, result["log_probs"][real], atol=TOLERANCE, rtol=0)
         assert (transformers_log_probs(Path(case["folder"]), probe)[real] - ours).abs().max() > 1e-2
-    together, apart = torch.load(run["out"])["weights"], torch.load(own_group["out"])["weights"]
-    for key, weight in together.items():
-        torch.testing.assert_close(apart[key], weight, atol=TOLERANCE, rtol=0, msg=key)
+    # Both equal one process taking the two ranks' micro-batches in turn: losses, gradient norms and weights.
+    alone = {**run, "out": str(tmp_path / "one.pt"), "accumulation": 2, "export": False}
+    try:
+        train_in_process(alone)
+    finally:
+        shutdown()
+    reference = torch.load(alone["out"])
+    for case in (run, own_group):
+        result = torch.load(case["out"])
+        assert result["losses"] == pytest.approx(reference["losses"], abs=1e-5), case["out"]
+        assert result["grad_norms"] == pytest.approx(reference["grad_norms"], rel=1e-5), case["out"]
+        assert sorted(result["weights"]) == sorted(reference["weights"])
+        for key, weight in reference["weights"].items():
+            torch.testing.assert_close(result["weights"][key], weight, atol=TOLERANCE, rtol=0, msg=key)

@@ -60,8 +60,12 @@ def linear_cross_entropy(
     logits_of: ChunkLogits,
     cap: Cap | None = None,
 ) -> torch.Tensor:
-    """-sum(log p(targets)) of the flat hidden states [N, H] (IGNORE_INDEX targets count nothing), float32, `chunk`
-    tokens at a time; with autograd on, its gradients come from the same pass (liger's kernel where `cap` allows)."""
+    """-sum(log p(targets)) of the flat hidden states [N, H] (IGNORE_INDEX targets count nothing, and the head runs
+    on the targeted tokens alone), float32, `chunk` tokens at a time; with autograd on, its gradients come from the
+    same pass (liger's kernel where `cap` allows)."""
+    targeted = (targets != IGNORE_INDEX).nonzero().squeeze(1)
+    if 0 < targeted.numel() < targets.numel():  # prompts and padding need no logits (as TRL's fused head skips them)
+        hidden, targets = hidden.index_select(0, targeted), targets.index_select(0, targeted)  # their gradient: 0
     gradients = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
     if not gradients:
         return _LinearCrossEntropy.forward(None, hidden, weight, bias, targets, chunk, logits_of)
@@ -102,7 +106,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_weight = torch.empty_like(weight) if wanted[1] else None
         grad_bias = torch.zeros_like(bias) if bias is not None and wanted[2] else None
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        for start in range(0, targets.numel(), chunk):
+        # Chunks of even size: a small last one would run the CPU's matrix-vector kernels, several times less exact
+        count = targets.numel()
+        chunk = -(-count // -(-count // chunk)) if count else chunk
+        for start in range(0, count, chunk):
             rows = slice(start, start + chunk)
             part, part_targets = hidden[rows], targets[rows]
             keep = (part_targets != IGNORE_INDEX).unsqueeze(-1)

@@ -119,22 +119,15 @@ def shard_sequence(
     indices = (order[context[1]].flatten(), order.flatten()) if context[0] > 1 else None
     documents = _documents(positions) if packed else None
     attend = _sequence_mask_function(documents, real)
-    mask = None
-    if attend is not None:
-        batch_size, total = positions.shape
-        mask = (
-            document_block_mask(batch_size, total, total, mask_function=attend, device=positions.device)
-            if block_mask
-            else _dense_mask(attend, batch_size, *(indices or (torch.arange(total, device=positions.device),) * 2))
-        )
-    # The model gets no mask: its attention (the wrapper) reads the sequence's from here, and nothing else of the
-    # model takes it for a [B, T] padding mask (MoE's load-balancing loss would).
-    counted = tokens if real is None else tokens & real
     # Under context parallel, documents alone (no left padding) are also blocks of the fused kernel: where each starts.
     starts = None
     if indices is not None and documents is not None and not _left_padded(real):
         first = torch.diff(documents, prepend=documents[:, :1] - 1) != 0
         starts = (torch.arange(documents.shape[1], device=documents.device) * first).cummax(-1).values
+    mask = _whole_sequence_mask(attend, positions, indices, block_mask, on_demand=starts is not None)
+    # The model gets no mask: its attention (the wrapper) reads the sequence's from here, and nothing else of the
+    # model takes it for a [B, T] padding mask (MoE's load-balancing loss would).
+    counted = tokens if real is None else tokens & real
     remember_tokens(group, counted[:, order.flatten()], mask, indices, starts)
     return shard
 
@@ -170,10 +163,10 @@ def remember_tokens(
 ) -> None:
     """Record which tokens of the micro-batch just cut for `group` ([B, T + padding] booleans, in the order the
     group's ranks hold them) such a statistic counts: the real ones, or all where the model gets the padding mask
-    itself (a VL micro-batch); the mask its attention applies over the whole sequence (a dense [B, 1, queries, keys]
-    or a BlockMask; None: causal alone); and, under context parallel, the global index of each query this rank
-    attends for and of each key in gathered order (None: both are the whole sequence in order), and where the mask
-    is packed documents alone, each global index's document's first index ([B, T])."""
+    itself (a VL micro-batch); the mask its attention applies over the whole sequence (a dense [B, 1, queries, keys],
+    one made on demand, or a BlockMask; None: causal alone); and, under context parallel, the global index of each
+    query this rank attends for and of each key in gathered order (None: both are the whole sequence in order), and
+    where the mask is packed documents alone, each global index's document's first index ([B, T])."""
     _COUNTED_TOKENS[id(group)] = counted
     _SEQUENCE_MASKS[id(group)] = mask
     _TOKEN_INDICES[id(group)] = indices
@@ -238,6 +231,42 @@ def _dense_mask(attend: Callable, batch_size: int, queries: torch.Tensor, keys: 
     """The boolean [B, 1, queries, keys] mask a mask function describes at those global indices."""
     rows = torch.arange(batch_size, device=queries.device)[:, None, None]
     return attend(rows, None, queries[:, None], keys[None, :])[:, None]
+
+
+def _whole_sequence_mask(
+    attend: Callable | None,
+    positions: torch.Tensor,
+    indices: tuple[torch.Tensor, torch.Tensor] | None,
+    block_mask: bool,
+    on_demand: bool,
+) -> Any:
+    """The mask `attend` describes over the whole sequence (None: none needed): a BlockMask, or the dense one, at the
+    global `indices` (None: in order); `on_demand` where the blocks may attend instead (CP's packed documents), made
+    only if an attention call needs it after all."""
+    if attend is None:
+        return None
+    batch_size, total = positions.shape
+    if block_mask:
+        return document_block_mask(batch_size, total, total, mask_function=attend, device=positions.device)
+    dense = DenseMaskOnDemand(attend, batch_size, *(indices or (torch.arange(total, device=positions.device),) * 2))
+    return dense if on_demand else dense()
+
+
+class DenseMaskOnDemand:
+    """The dense [B, 1, queries, keys] mask a mask function describes, made by the first attention call that needs it
+    and kept for the micro-batch's other layers and their recomputation. Context parallel's blockwise attention of
+    packed documents needs none: at a long sequence its [T/c, T] booleans would be the step's largest tensor."""
+
+    def __init__(self, attend: Callable, batch_size: int, queries: torch.Tensor, keys: torch.Tensor) -> None:
+        self._arguments: tuple | None = (attend, batch_size, queries, keys)
+        self._mask: torch.Tensor | None = None
+
+    @torch.compiler.disable  # made eagerly, once, also where the layer that first needs it is compiled
+    def __call__(self) -> torch.Tensor:
+        if self._mask is None:
+            assert self._arguments is not None
+            self._mask, self._arguments = _dense_mask(*self._arguments), None
+        return self._mask
 
 
 def padding_mask(real: torch.Tensor) -> torch.Tensor | None:
@@ -517,6 +546,8 @@ def _ulysses_attention(inner: str, group: ProcessGroup) -> Callable:
             blockwise = context_attention.blockwise_causal_attention
             output = blockwise(query, key, value, indices, kwargs.get("scaling"), starts)
         else:
+            if isinstance(attention_mask, DenseMaskOnDemand):
+                attention_mask = attention_mask()
             mask = (
                 flex_mask(attention_mask, batch_size, length, window, query.device)
                 if flex_mask is not None
