@@ -32,7 +32,9 @@ LLAMA_50M = [
 ]
 # Qwen3-MoE's 4 experts a layer split over 2 ranks (expert parallelism): the trace assumes balanced routing.
 MOE_EP2 = [*SMALL, "model.name_or_path=builtin:tiny-qwen3-moe", "strategy_args.strategy_config.ep_size=2"]
-MODELS = {"tiny": SMALL, "50M": LLAMA_50M, "moe-ep2": MOE_EP2}
+# The head and loss in chunks of 16 tokens (fake tensors: every row counted, where the run skips untargeted ones).
+CHUNKED = [*SMALL, "training.loss_chunk_tokens=16"]
+MODELS = {"tiny": SMALL, "50M": LLAMA_50M, "moe-ep2": MOE_EP2, "tiny-chunked": CHUNKED}
 ZERO = {
     3: ["strategy_args.strategy_config.reshard_after_forward=true"],
     2: ["strategy_args.strategy_config.reshard_after_forward=false"],
@@ -63,6 +65,7 @@ def _measured(tmp_path, nproc: int, overrides: list[str]) -> dict:
         ("tiny", 4, 3, True),
         ("50M", 2, 3, False),
         ("moe-ep2", 2, 3, False),
+        ("tiny-chunked", 1, 3, False),
     ],
 )
 def test_plan_predicts_the_measured_peak(tmp_path, model, nproc, zero, recompute):

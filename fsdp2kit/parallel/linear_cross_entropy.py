@@ -23,6 +23,7 @@ from functools import cache
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 from torch.autograd.function import once_differentiable
 
 from fsdp2kit.labels import IGNORE_INDEX
@@ -63,8 +64,8 @@ def linear_cross_entropy(
     """-sum(log p(targets)) of the flat hidden states [N, H] (IGNORE_INDEX targets count nothing, and the head runs
     on the targeted tokens alone), float32, `chunk` tokens at a time; with autograd on, its gradients come from the
     same pass (liger's kernel where `cap` allows)."""
-    targeted = (targets != IGNORE_INDEX).nonzero().squeeze(1)
-    if 0 < targeted.numel() < targets.numel():  # prompts and padding need no logits (as TRL's fused head skips them)
+    targeted = _targeted_rows(targets)
+    if targeted is not None:  # prompts and padding need no logits (as TRL's fused head skips them)
         hidden, targets = hidden.index_select(0, targeted), targets.index_select(0, targeted)  # their gradient: 0
     gradients = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
     if not gradients:
@@ -76,6 +77,16 @@ def linear_cross_entropy(
         )
         return loss.float()
     return _LinearCrossEntropy.apply(hidden, weight, bias, targets, chunk, logits_of)
+
+
+def _targeted_rows(targets: torch.Tensor) -> torch.Tensor | None:
+    """The rows whose target is not IGNORE_INDEX where they are some but not all; else None (every row). Also None
+    under fake or meta tensors (`plan` traces the step on fake ones), whose shapes cannot depend on values: every row is then
+    counted, an upper bound of the head's memory."""
+    if is_fake(targets) or targets.is_meta:
+        return None
+    targeted = (targets != IGNORE_INDEX).nonzero().squeeze(1)
+    return targeted if 0 < targeted.numel() < targets.numel() else None
 
 
 @cache
