@@ -160,7 +160,8 @@ def test_bf16_on_cuda_is_the_float32_loss_within_bf16(fused, softcap):
 
 def test_dynamo_traces_the_loss_in_one_graph():
     """Compile-friendly: torch.compile(fullgraph=True) traces the chunks, forward and backward, without a graph break
-    (dynamo's tracing alone, backend eager, to keep this fast), and gives what eager gives."""
+    (dynamo's tracing alone, backend eager, to keep this fast), and gives what eager gives to float32 rounding (the
+    graph runs the head over every row, eager over the targeted rows alone: no data-dependent shape in a graph)."""
     hidden, weight, bias, targets = head_case()
 
     def loss_of(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -170,6 +171,6 @@ def test_dynamo_traces_the_loss_in_one_graph():
     got = compiled(hidden, weight, bias)
     got_grads = torch.autograd.grad(got, [hidden, weight, bias])
     expected = loss_of(hidden, weight, bias)
-    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    torch.testing.assert_close(got, expected)  # float32's default tolerances: rtol 1.3e-6, atol 1e-5
     for a, b in zip(got_grads, torch.autograd.grad(expected, [hidden, weight, bias]), strict=True):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
+        torch.testing.assert_close(a, b)

@@ -81,9 +81,9 @@ def linear_cross_entropy(
 
 def _targeted_rows(targets: torch.Tensor) -> torch.Tensor | None:
     """The rows whose target is not IGNORE_INDEX where they are some but not all; else None (every row). Also None
-    under fake or meta tensors (`plan` traces the step on fake ones), whose shapes cannot depend on values: every
-    row is then counted, an upper bound of the head's memory."""
-    if is_fake(targets) or targets.is_meta:
+    where shapes cannot depend on values: under torch.compile (one graph, no data-dependent shape) and on fake or
+    meta tensors (`plan` traces the step on fake ones: every row counted, an upper bound of the head's memory)."""
+    if torch.compiler.is_compiling() or is_fake(targets) or targets.is_meta:
         return None
     targeted = (targets != IGNORE_INDEX).nonzero().squeeze(1)
     return targeted if 0 < targeted.numel() < targets.numel() else None
