@@ -80,10 +80,12 @@ def linear_cross_entropy(
 
 
 def _targeted_rows(targets: torch.Tensor) -> torch.Tensor | None:
-    """The rows whose target is not IGNORE_INDEX where they are some but not all; else None (every row). Also None
-    where shapes cannot depend on values: under torch.compile (one graph, no data-dependent shape) and on fake or
-    meta tensors (`plan` traces the step on fake ones: every row counted, an upper bound of the head's memory)."""
-    if torch.compiler.is_compiling() or is_fake(targets) or targets.is_meta:
+    """The rows whose target is not IGNORE_INDEX where they are some but not all; else None (every row). On the CPU
+    only: on CUDA their count is a host read that waits for the device, once per micro-batch, where the step makes
+    one (docs/PERFORMANCE.md, "Host reads in the step"); not measured there yet. Also None where shapes cannot depend
+    on values: under torch.compile (one graph) and on fake or meta tensors (`plan` traces the step on fake ones:
+    every row counted, an upper bound of the head's memory)."""
+    if targets.device.type != "cpu" or torch.compiler.is_compiling() or is_fake(targets):
         return None
     targeted = (targets != IGNORE_INDEX).nonzero().squeeze(1)
     return targeted if 0 < targeted.numel() < targets.numel() else None
