@@ -170,27 +170,21 @@ def trainer_arguments(settings: dict[str, Any], plan: dict[str, int]) -> dict[st
     }
 
 
-def build_trainer(settings: dict[str, Any], rows: dict[str, torch.Tensor], plan: dict[str, int], callback: Any) -> Any:
+def build_trainer(model: Any, arguments: dict[str, Any], rows: dict[str, torch.Tensor], callback: Any) -> Any:
     """transformers' Trainer over the padded rows as they are."""
-    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+    from transformers import Trainer, TrainingArguments
 
-    model = AutoModelForCausalLM.from_pretrained(settings["model"], dtype=torch.float32, attn_implementation="sdpa")
-    arguments = TrainingArguments(**trainer_arguments(settings, plan))
-    return Trainer(model=model, args=arguments, train_dataset=Rows(rows), callbacks=[callback])
+    return Trainer(model=model, args=TrainingArguments(**arguments), train_dataset=Rows(rows), callbacks=[callback])
 
 
-def build_sft_trainer(
-    settings: dict[str, Any], rows: dict[str, torch.Tensor], plan: dict[str, int], callback: Any
-) -> Any:
+def build_sft_trainer(model: Any, arguments: dict[str, Any], rows: dict[str, torch.Tensor], callback: Any) -> Any:
     """TRL's SFTTrainer as its users give it tokenized rows: each row's real tokens and labels (-100 on the prompt),
     which TRL's collator pads (right, labels -100) and masks; TRL's defaults that would change the computation set
     as the other side has them (`bf16` and `gradient_checkpointing` default to True in SFTConfig, `max_length` to
     1024 truncation). TRL's own loss path, its fused LM head (log-probs, entropy and top-1 in tiles) included."""
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM
     from trl import SFTConfig, SFTTrainer
 
-    model = AutoModelForCausalLM.from_pretrained(settings["model"], dtype=torch.float32, attn_implementation="sdpa")
     real = rows["attention_mask"].sum(1).tolist()
     dataset = Dataset.from_dict(
         {
@@ -198,14 +192,14 @@ def build_sft_trainer(
             "labels": [row[:length].tolist() for row, length in zip(rows["labels"], real, strict=True)],
         }
     )
-    arguments = SFTConfig(**trainer_arguments(settings, plan), bf16=False, max_length=None)
-    return SFTTrainer(model=model, args=arguments, train_dataset=dataset, callbacks=[callback])
+    config = SFTConfig(**arguments, bf16=False, max_length=None)
+    return SFTTrainer(model=model, args=config, train_dataset=dataset, callbacks=[callback])
 
 
 def run_trainer(settings: dict[str, Any], rows: dict[str, torch.Tensor], plan: dict[str, int]) -> dict[str, Any]:
     """The Trainer (or TRL's SFTTrainer) training the rows, each optimizer step timed."""
     from torch.distributed.fsdp import FSDPModule
-    from transformers import TrainerCallback
+    from transformers import AutoModelForCausalLM, TrainerCallback
 
     accelerate_fsdp_on_cpu()
     record = Record()
@@ -239,7 +233,8 @@ def run_trainer(settings: dict[str, Any], rows: dict[str, torch.Tensor], plan: d
                         module.reshard()
 
     build = build_sft_trainer if settings["backend"] == "sft_trainer" else build_trainer
-    trainer = build(settings, rows, plan, StepTimes())
+    model = AutoModelForCausalLM.from_pretrained(settings["model"], dtype=torch.float32, attn_implementation="sdpa")
+    trainer = build(model, trainer_arguments(settings, plan), rows, StepTimes())
     trainer.train()
     if not found.get("fsdp2"):
         raise SystemExit(f"the Trainer did not train under FSDP2 (its model: {type(trainer.model_wrapped).__name__})")
