@@ -363,3 +363,25 @@ def test_check_shows_the_sequence_parallel_layout(config_file):
     assert plan["mesh"] == {"shape": [2], "dim_names": ["fsdp"]}  # FSDP still shards over both ranks
     assert plan["sequence_parallel"] == {"size": 2, "groups": [[0, 1]], "data_parallel_size": 1}
     assert plan["ulysses_size"] == 2
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_a_dense_mask_on_demand_is_made_once_by_its_first_caller_on_the_batch_device(device, monkeypatch):
+    """Under context parallel, packed documents' dense mask is made by the first attention call that needs it
+    (none, where the blocks attend), then kept for the micro-batch's other layers: the mask the eager build gives,
+    on the batch's device (CUDA keeps the dense path: every CP call there takes it)."""
+    from fsdp2kit.parallel import ulysses
+
+    made = []
+    build = ulysses._dense_mask
+    monkeypatch.setattr(ulysses, "_dense_mask", lambda *args: made.append(1) or build(*args))
+    positions = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 0]], device=device)  # three documents
+    attend = ulysses._sequence_mask_function(ulysses._documents(positions), None)
+    queries, keys = torch.tensor([0, 1, 6, 7], device=device), torch.arange(8, device=device)  # CP 2, rank 0
+    mask = ulysses.DenseMaskOnDemand(attend, 1, queries, keys)
+    assert made == []  # nothing made until asked
+    first = mask()
+    assert mask() is first and made == [1]  # once, then kept
+    expected = build(attend, 1, queries, keys)
+    assert first.device.type == device and first.shape == (1, 1, 4, 8) and torch.equal(first, expected)
+    assert first[0, 0, 2].tolist() == [False] * 3 + [True] * 4 + [False]  # query 6: its document 3-6, causal
