@@ -115,7 +115,7 @@ def run_fsdp2kit(settings: dict[str, Any], rows: dict[str, torch.Tensor], plan: 
 
 def accelerate_fsdp_on_cpu() -> None:
     """Accelerate's state given an FSDP plugin on a CPU: FSDP, as it is on an accelerator (see the module's text)."""
-    from accelerate.state import AcceleratorState
+    from accelerate.state import AcceleratorState, PartialState
     from accelerate.utils import DistributedType
 
     build = AcceleratorState.__init__
@@ -125,6 +125,9 @@ def accelerate_fsdp_on_cpu() -> None:
         if fsdp_plugin is not None and self.distributed_type == DistributedType.MULTI_CPU:
             self.distributed_type = DistributedType.FSDP
             self.fsdp_plugin = fsdp_plugin
+            # As that branch ends: every later AcceleratorState() copies PartialState's type back over its own
+            # (the optimizer's wrapper makes one), which would leave `is_fsdp2` False from then on.
+            PartialState._shared_state["distributed_type"] = DistributedType.FSDP
 
     AcceleratorState.__init__ = build_with_fsdp  # type: ignore[method-assign]
 
@@ -238,6 +241,8 @@ def run_trainer(settings: dict[str, Any], rows: dict[str, torch.Tensor], plan: d
     trainer.train()
     if not found.get("fsdp2"):
         raise SystemExit(f"the Trainer did not train under FSDP2 (its model: {type(trainer.model_wrapped).__name__})")
+    if not trainer.accelerator.is_fsdp2:  # its no_sync between micro-batches would not be FSDP2's (a reduction each)
+        raise SystemExit("the Trainer's Accelerator did not stay in FSDP2 mode (is_fsdp2 is False after training)")
     logged = next(entry for entry in trainer.state.log_history if "loss" in entry)
     first = {"loss": logged["loss"]}
     record.write(settings["out"], dist.get_rank(), found["log_probs"], first)
