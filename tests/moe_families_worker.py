@@ -183,7 +183,10 @@ def train(run: dict[str, Any]) -> None:
         dense_masks[0],
     )
     log_probs = strategy.forward_step(micro_batches(-1, 1)[0])["log_probs"]
+    counters = (blockwise_calls, dense_masks, attention_calls)
+    before_left = [counter[0] for counter in counters]
     left_log_probs = strategy.forward_step(left_padded_probe())["log_probs"] if run.get("left_padded") else None
+    left_calls = [counter[0] - before for counter, before in zip(counters, before_left, strict=True)]
     weights = {name: tensor.clone() for name, tensor in strategy.full_weights(bucket_bytes=1 << 14)}
     ranks_orthogonalised: list = [None] * dist.get_world_size()
     dist.all_gather_object(ranks_orthogonalised, orthogonalised)
@@ -201,6 +204,7 @@ def train(run: dict[str, Any]) -> None:
                 "attention_calls": trained_attention_calls,  # in the train steps, every layer's every call
                 "blockwise_calls": trained_blockwise_calls,  # of them, those CP attended block by block
                 "dense_masks": trained_dense_masks,  # the dense [B, 1, queries, keys] masks made for them
+                "left_calls": left_calls,  # the left-padded probe's: blockwise calls, dense masks, attention calls
                 "chunk_tokens": strategy.chunk_tokens,
                 "trained": [name for name, p in strategy.model.named_parameters() if p.requires_grad],
                 "weights": weights,

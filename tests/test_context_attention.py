@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from transformers.integrations.sdpa_attention import repeat_kv
 
-from fsdp2kit.parallel.context_attention import blockwise_causal_attention, query_runs
-from fsdp2kit.parallel.ulysses import token_order
+from fsdp2kit.parallel.context_attention import KeyRanges, blockwise_causal_attention, query_runs
+from fsdp2kit.parallel.ulysses import _key_ranges, _sequence_mask_function, token_order
 
 HEADS, DIM, LENGTH = 4, 8, 48
 
@@ -24,10 +24,15 @@ def rank_layout(context: int, ulysses: int, rank: int) -> tuple[torch.Tensor, to
 
 def test_query_runs_are_the_rank_chunks():
     queries, _ = rank_layout(4, 1, 1)  # chunks 1 and 6 of 8, 6 tokens each
-    assert query_runs(queries) == [(6, 6, 0), (36, 6, 0)]
-    assert query_runs(torch.arange(5, 9)) == [(5, 4, 0)]
+    assert query_runs(queries) == [(6, 6, 0, -1), (36, 6, 0, -1)]
+    assert query_runs(torch.arange(5, 9)) == [(5, 4, 0, -1)]
     starts = torch.tensor([0] * 8 + [8] * 32 + [40] * 8)  # documents [0, 8), [8, 40), [40, 48)
-    assert query_runs(queries, starts) == [(6, 2, 0), (8, 4, 8), (36, 4, 8), (40, 2, 40)]
+    assert query_runs(queries, starts) == [(6, 2, 0, -1), (8, 4, 8, -1), (36, 4, 8, -1), (40, 2, 40, -1)]
+    # 9 tokens of left padding, real tokens [9, 39), right padding after: the padding runs see [9, 9) and [9, 39)
+    ranges = _key_ranges(None, ((torch.arange(LENGTH) >= 9) & (torch.arange(LENGTH) < 39))[None])
+    assert ranges is not None and ranges.padding_ends is not None
+    runs = query_runs(queries, ranges.starts[0], ranges.padding_ends[0])
+    assert runs == [(6, 3, 9, 9), (9, 3, 9, -1), (36, 3, 9, -1), (39, 3, 9, 39)]
 
 
 @pytest.mark.parametrize("kv_heads", [HEADS, 2])
@@ -67,7 +72,7 @@ def test_blockwise_within_packed_documents_equals_sdpa_with_the_document_mask(co
         k, v = (torch.randn(2, 2, LENGTH, DIM, dtype=torch.float64, generator=generator) for _ in range(2))
         grad = torch.randn(2, queries.numel(), HEADS, DIM, dtype=torch.float64, generator=generator)
         leaves = [t.requires_grad_() for t in (q, k, v)]
-        got = blockwise_causal_attention(q, k, v, (queries, keys), 0.3, starts)
+        got = blockwise_causal_attention(q, k, v, (queries, keys), 0.3, KeyRanges(starts))
         got_grads = torch.autograd.grad(got, leaves, grad)
         same = documents[:, queries, None] == documents[:, None, keys]
         mask = (same & (queries[:, None] >= keys[None, :]))[:, None]
@@ -76,6 +81,50 @@ def test_blockwise_within_packed_documents_equals_sdpa_with_the_document_mask(co
         torch.testing.assert_close(got, expected.transpose(1, 2), atol=1e-10, rtol=0)
         for name, a, b in zip("qkv", got_grads, expected_grads, strict=True):
             torch.testing.assert_close(a, b, atol=1e-10, rtol=0, msg=f"rank {rank}: d{name}")
+
+
+def left_padded_rows() -> torch.Tensor:
+    """Which tokens are real in RL's rows: a prompt left-padded by 7 (its response right-padded after index 40); by 13
+    and no right padding; none padded; a row of padding alone."""
+    index = torch.arange(LENGTH)
+    return torch.stack([(index >= 7) & (index < 41), index >= 13, index >= 0, index < 0])
+
+
+@pytest.mark.parametrize(("context", "ulysses"), [(2, 1), (4, 1), (2, 2)])
+def test_blockwise_over_left_padded_rows_equals_sdpa_with_the_padding_mask(context, ulysses):
+    """Left padding and the right padding after a response: every token's output and the q/k/v gradients equal
+    sdpa's with the dense mask `shard_sequence` builds for such rows (a padding token attends to the real keys
+    before it and to itself), padding tokens included."""
+    real = left_padded_rows()
+    ranges = _key_ranges(None, real)
+    attend = _sequence_mask_function(None, real)
+    assert ranges is not None and attend is not None
+    generator = torch.Generator().manual_seed(context * 3 + ulysses)
+    for rank in range(context):
+        queries, keys = rank_layout(context, ulysses, rank)
+        q = torch.randn(4, HEADS, queries.numel(), DIM, dtype=torch.float64, generator=generator)
+        k, v = (torch.randn(4, 2, LENGTH, DIM, dtype=torch.float64, generator=generator) for _ in range(2))
+        grad = torch.randn(4, queries.numel(), HEADS, DIM, dtype=torch.float64, generator=generator)
+        leaves = [t.requires_grad_() for t in (q, k, v)]
+        got = blockwise_causal_attention(q, k, v, (queries, keys), 0.3, ranges)
+        got_grads = torch.autograd.grad(got, leaves, grad)
+        mask = attend(torch.arange(4)[:, None, None], None, queries[:, None], keys[None, :])[:, None]
+        expected = F.scaled_dot_product_attention(q, repeat_kv(k, 2), repeat_kv(v, 2), mask, scale=0.3)
+        expected_grads = torch.autograd.grad(expected.transpose(1, 2), leaves, grad)
+        torch.testing.assert_close(got, expected.transpose(1, 2), atol=1e-10, rtol=0)
+        for name, a, b in zip("qkv", got_grads, expected_grads, strict=True):
+            torch.testing.assert_close(a, b, atol=1e-10, rtol=0, msg=f"rank {rank}: d{name}")
+
+
+def test_padding_between_real_tokens_or_beside_documents_keeps_the_dense_mask():
+    """Key ranges describe one run of real tokens a row (and documents without padding): a row whose real tokens
+    are two runs, or left padding beside packed documents, get none (the dense mask attends)."""
+    index = torch.arange(LENGTH)
+    two_runs = torch.stack([(index >= 4) & (index < 20) | (index >= 30), index >= 2])
+    assert _key_ranges(None, two_runs) is None
+    documents = (index >= 24).long()[None].expand(2, -1)
+    assert _key_ranges(documents, left_padded_rows()[:2]) is None
+    assert _key_ranges(documents, None) is not None and _key_ranges(None, None) is None
 
 
 def test_bf16_inputs_merge_in_float32():

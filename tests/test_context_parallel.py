@@ -194,8 +194,9 @@ def assert_same_training(
 
 # What each case turns on besides CP, and the proof that it was on: a recomputed layer attends twice per micro-batch
 # (the attention calls of the train steps double), LoRA's adapters are what trains, the loss was cut in chunks, every
-# micro-batch (right-padded and packed documents alike) attended block by block (parallel/context_attention.py; the
-# Mistral's sliding window, shorter than the sequence, keeps every one of its calls on the dense mask).
+# micro-batch (right-padded and packed documents alike) and the left-padded probe attended block by block
+# (parallel/context_attention.py; the Mistral's sliding window, shorter than the sequence, keeps every one of its
+# calls on the dense mask).
 # Without padding the model's outputs at padded targets are 0 (else whatever the padded computation gives).
 RECOMPUTED, LORA_WEIGHTS, CHUNKED, BLOCKWISE = "recomputed", "lora weights", "chunked loss", "blockwise"
 UNPADDED = "unpadded"
@@ -209,6 +210,8 @@ def assert_features_on(got: dict[str, Any], reference: dict[str, Any], features:
     assert got["blockwise_calls"] == (got["attention_calls"] if BLOCKWISE in features else 0)
     if BLOCKWISE in features:  # and no dense mask made beside the blocks, packed documents' included
         assert got["dense_masks"] == 0
+        blockwise, dense_masks, calls = got["left_calls"]  # and the left-padded probe's rows: blocks too
+        assert (blockwise, dense_masks) == (calls, 0) and calls > 0, got["left_calls"]
     mask = micro_batches(-1, 1)[0]["attention_mask"]
     padded = ~(mask[:, :-1] * mask[:, 1:]).bool()
     assert bool((got["log_probs"][padded] == 0).all()) == (UNPADDED in features)

@@ -14,11 +14,14 @@ dv go back to the key positions each block read.
 
 Packed documents are the same blocks per document: a run is cut where a document starts, and its earlier block
 begins at its document's first token instead of the sequence's (each row of the batch has its own documents).
+Left-padded rows (RL's prompts) are blocks too: their real tokens one document from the first real one; a padding
+token attends to itself and the real keys before it (as the dense mask has it: none before the prompt, the whole
+row's after it), a block of those in full and a diagonal block whose output is each token's own value.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -29,9 +32,9 @@ _FLASH_CPU_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 def blockwise_applies(module: Any, query: torch.Tensor, attention_mask: Any, length: int, **kwargs: Any) -> bool:
     """Whether the attention sdpa would compute for these queries over the `length` gathered keys is causal (within
-    documents, whose mask the caller leaves out) with nothing the fused kernel lacks: no other mask (left padding),
-    no sliding window shorter than the sequence, no dropout, softcap, position bias or attention sinks; on the CPU
-    (CUDA keeps sdpa with the dense mask)."""
+    the key ranges of documents or left padding, whose mask the caller leaves out) with nothing the fused kernel
+    lacks: no other mask (padding between real tokens), no sliding window shorter than the sequence, no dropout,
+    softcap, position bias or attention sinks; on the CPU (CUDA keeps sdpa with the dense mask)."""
     causal, window = kwargs.get("is_causal"), kwargs.get("sliding_window")
     conditions = (
         attention_mask is None,
@@ -53,46 +56,104 @@ def blockwise_causal_attention(
     value: torch.Tensor,
     indices: tuple[torch.Tensor, torch.Tensor],
     scaling: float | None,
-    document_starts: torch.Tensor | None = None,
+    key_ranges: KeyRanges | None = None,
 ) -> torch.Tensor:
     """Causal attention of `query` [B, H, L, D] over `key`, `value` [B, H_kv, T, D] (gathered), where `indices`
     holds the global index of each query and each key (the keys: every index below T once), as sdpa would compute it
-    with the dense causal mask by those indices; within packed documents where `document_starts` [B, T] gives each
-    global index its document's first index. Out [B, L, H, D], as transformers' attention functions return it."""
+    with the dense causal mask by those indices; within packed documents or around left padding as `key_ranges`
+    gives each row's. Out [B, L, H, D], as transformers' attention functions return it."""
     order = torch.argsort(indices[1].to(key.device))  # the gathered position of each global index
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     queries = indices[0].cpu()
-    if document_starts is None:
+    if key_ranges is None:
         output = _CausalBlocks.apply(query, key, value, order, query_runs(queries), scale)
     else:
+        starts, ends = key_ranges.starts.cpu(), key_ranges.padding_ends
         rows = [
-            _CausalBlocks.apply(*(t[b : b + 1] for t in (query, key, value)), order, query_runs(queries, starts), scale)
-            for b, starts in enumerate(document_starts.cpu())
+            _CausalBlocks.apply(
+                *(t[b : b + 1] for t in (query, key, value)),
+                order,
+                query_runs(queries, starts[b], None if ends is None else ends[b].cpu()),
+                scale,
+            )
+            for b in range(query.shape[0])
         ]
         output = torch.cat(rows)
     return output.transpose(1, 2).contiguous()
 
 
-# A run of queries: (first global index, length, first global index of its keys: its document's first, or 0).
-Run = tuple[int, int, int]
+class KeyRanges(NamedTuple):
+    """The keys each global index of a batch's rows attends to, as ranges: `starts` [B, T], its document's first
+    index (a real token sees that document causally up to itself); `padding_ends` [B, T] (None: no padding), -1 at
+    a real token, and at a padding token of a left-padded row where the real keys it sees end: it attends to
+    [start, end) and itself."""
+
+    starts: torch.Tensor
+    padding_ends: torch.Tensor | None = None
 
 
-def query_runs(queries: torch.Tensor, document_starts: torch.Tensor | None = None) -> list[Run]:
+# A run of queries: (first global index, length, first global index of its keys: its document's first, or 0; -1 for
+# real tokens, else the end of the real keys the run's padding tokens see).
+Run = tuple[int, int, int, int]
+CAUSAL, FULL, DIAGONAL = "causal", "full", "diagonal"  # a block's keys: up to each query, all, each query's own
+
+
+def query_runs(
+    queries: torch.Tensor, document_starts: torch.Tensor | None = None, padding_ends: torch.Tensor | None = None
+) -> list[Run]:
     """The runs of consecutive global indices in `queries`, in order, cut where a document starts (by
-    `document_starts` [T], each global index's document's first index; None: one document)."""
+    `document_starts` [T], each global index's document's first index; None: one document) and where padding
+    (`padding_ends` [T], KeyRanges') begins or ends."""
     cut = queries.diff() != 1
     first = document_starts[queries] if document_starts is not None else torch.zeros_like(queries)
-    cut |= first.diff() != 0
+    end = padding_ends[queries] if padding_ends is not None else torch.full_like(queries, -1)
+    cut |= (first.diff() != 0) | (end.diff() != 0)
     bounds = [0, *(torch.nonzero(cut).flatten() + 1).tolist(), queries.numel()]
-    starts, firsts = queries[bounds[:-1]].tolist(), first[bounds[:-1]].tolist()
-    return [(starts[i], bounds[i + 1] - bounds[i], firsts[i]) for i in range(len(starts))]
+    starts, firsts, ends = (t[bounds[:-1]].tolist() for t in (queries, first, end))
+    return [(starts[i], bounds[i + 1] - bounds[i], firsts[i], ends[i]) for i in range(len(starts))]
 
 
-def _blocks(start: int, length: int, first: int) -> list[tuple[slice, bool]]:
-    """The key blocks (a range of global indices, causal or not) the run of queries [start, start + length) attends
-    to: its own keys causally, every earlier key of its document (from `first`) in full."""
-    own = (slice(start, start + length), True)
-    return [own, (slice(first, start), False)] if start > first else [own]
+def _blocks(start: int, length: int, first: int, end: int) -> list[tuple[slice, str]]:
+    """The key blocks (a range of global indices and how its keys are seen) the run of queries [start, start +
+    length) attends to: real tokens their own keys causally and every earlier key of their document (from `first`)
+    in full; padding tokens their own key alone and the real keys [first, end) in full."""
+    own = slice(start, start + length)
+    if end < 0:
+        return [(own, CAUSAL), (slice(first, start), FULL)] if start > first else [(own, CAUSAL)]
+    return [(own, DIAGONAL), (slice(first, end), FULL)] if end > first else [(own, DIAGONAL)]
+
+
+def _block_forward(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kind: str, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A block's output and log-sum-exp: the fused kernel's, or for a diagonal block each query's own value (its one
+    key's weight is exactly 1) and its score."""
+    if kind != DIAGONAL:
+        return _FLASH_CPU(query, key, value, 0.0, kind == CAUSAL, scale=scale)
+    precision = torch.promote_types(query.dtype, torch.float32)
+    return value, (query.to(precision) * key.to(precision)).sum(-1) * scale
+
+
+def _block_backward(
+    grad: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    kind: str,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A block's share of dq, dk and dv given the merged output and log-sum-exp: the kernel's backward, or for a
+    diagonal block the same softmax backward with one key per query (weight p = exp(score - lse); dv = p dO; the
+    score's gradient p (dO.v - dO.O))."""
+    if kind != DIAGONAL:
+        return _FLASH_CPU_BACKWARD(grad, query, key, value, out, lse, 0.0, kind == CAUSAL, scale=scale)
+    precision = torch.promote_types(query.dtype, torch.float32)
+    grad, query, key, value, out = (t.to(precision) for t in (grad, query, key, value, out))
+    weight = ((query * key).sum(-1) * scale - lse).exp()
+    score_grad = (weight * ((grad * value).sum(-1) - (grad * out).sum(-1)) * scale)[..., None]
+    return score_grad * key, score_grad * query, weight[..., None] * grad
 
 
 def _block_keys(keys: torch.Tensor, positions: torch.Tensor, heads: int) -> torch.Tensor:
@@ -111,9 +172,9 @@ def _run_forward(
     merged: tuple[torch.Tensor, torch.Tensor] | None = None
     precision = torch.promote_types(query.dtype, torch.float32)
     heads = query.shape[1]
-    for keys, causal in _blocks(*run):
+    for keys, kind in _blocks(*run):
         k, v = (_block_keys(t, order[keys], heads) for t in (key, value))
-        out, lse = _FLASH_CPU(query, k, v, 0.0, causal, scale=scale)
+        out, lse = _block_forward(query, k, v, kind, scale)
         out, lse = out.to(precision), lse.to(precision)
         if merged is not None:
             total = torch.logaddexp(merged[1], lse)
@@ -159,19 +220,10 @@ class _CausalBlocks(torch.autograd.Function):
         dk, dv = torch.zeros_like(key, dtype=precision), torch.zeros_like(value, dtype=precision)
         grad, heads = grad.contiguous(), query.shape[1]
         for rows, run in _run_rows(ctx.runs):
-            for keys, causal in _blocks(*run):
+            for keys, kind in _blocks(*run):
                 k, v = (_block_keys(t, order[keys], heads) for t in (key, value))
-                gq, gk, gv = _FLASH_CPU_BACKWARD(
-                    grad[:, :, rows],
-                    query[:, :, rows],
-                    k,
-                    v,
-                    out[:, :, rows],
-                    lse[:, :, rows],
-                    0.0,
-                    causal,
-                    scale=ctx.scale,
-                )
+                parts = (grad[:, :, rows], query[:, :, rows], k, v, out[:, :, rows], lse[:, :, rows])
+                gq, gk, gv = _block_backward(*parts, kind, ctx.scale)
                 dq[:, :, rows] += gq
                 dk.index_add_(2, order[keys], _heads_summed(gk.to(precision), key.shape[1]))
                 dv.index_add_(2, order[keys], _heads_summed(gv.to(precision), value.shape[1]))
@@ -181,6 +233,6 @@ class _CausalBlocks(torch.autograd.Function):
 def _run_rows(runs: list[Run]) -> list[tuple[slice, Run]]:
     """Each run with the rows of the query tensor that hold it."""
     offsets = [0]
-    for _, length, _ in runs:
+    for _, length, _, _ in runs:
         offsets.append(offsets[-1] + length)
     return [(slice(offsets[i], offsets[i + 1]), run) for i, run in enumerate(runs)]

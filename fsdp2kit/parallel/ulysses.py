@@ -42,7 +42,7 @@ from torch.distributed import ProcessGroup
 from fsdp2kit.errors import UserError
 from fsdp2kit.labels import IGNORE_INDEX
 from fsdp2kit.parallel import context_attention
-from fsdp2kit.parallel.context_attention import blockwise_applies
+from fsdp2kit.parallel.context_attention import KeyRanges, blockwise_applies
 from fsdp2kit.parallel.document_attention import DOCUMENT_FLEX, document_block_mask, document_flex_attention
 from fsdp2kit.parallel.mesh import divisors, sequence_subgroups
 
@@ -119,17 +119,33 @@ def shard_sequence(
     indices = (order[context[1]].flatten(), order.flatten()) if context[0] > 1 else None
     documents = _documents(positions) if packed else None
     attend = _sequence_mask_function(documents, real)
-    # Under context parallel, documents alone (no left padding) are also blocks of the fused kernel: where each starts.
-    starts = None
-    if indices is not None and documents is not None and not _left_padded(real):
-        first = torch.diff(documents, prepend=documents[:, :1] - 1) != 0
-        starts = (torch.arange(documents.shape[1], device=documents.device) * first).cummax(-1).values
-    mask = _whole_sequence_mask(attend, positions, indices, block_mask, on_demand=starts is not None)
+    # Under context parallel, packed documents or left padding (not both) are also blocks of the fused kernel.
+    ranges = _key_ranges(documents, real) if indices is not None else None
+    mask = _whole_sequence_mask(attend, positions, indices, block_mask, on_demand=ranges is not None)
     # The model gets no mask: its attention (the wrapper) reads the sequence's from here, and nothing else of the
     # model takes it for a [B, T] padding mask (MoE's load-balancing loss would).
     counted = tokens if real is None else tokens & real
-    remember_tokens(group, counted[:, order.flatten()], mask, indices, starts)
+    remember_tokens(group, counted[:, order.flatten()], mask, indices, ranges)
     return shard
+
+
+def _key_ranges(documents: torch.Tensor | None, real: torch.Tensor | None) -> KeyRanges | None:
+    """The mask as key ranges (context_attention.KeyRanges) where it is packed documents alone, or left padding of
+    rows whose real tokens are one run (a prompt left-padded, the response and any right padding after it); None
+    where it is anything else (both, padding between real tokens) or causal alone."""
+    left_padded = _left_padded(real)
+    if documents is not None and not left_padded:
+        first = torch.diff(documents, prepend=documents[:, :1] - 1) != 0
+        return KeyRanges((torch.arange(documents.shape[1], device=documents.device) * first).cummax(-1).values)
+    if documents is not None or real is None or not left_padded:
+        return None
+    if ((real[:, 1:] & ~real[:, :-1]).sum(1) + real[:, 0]).max() > 1:  # a row with two runs of real tokens
+        return None
+    begin = real.int().argmax(1, keepdim=True)  # the first real token (0 in a row of padding alone)
+    end = begin + real.sum(1, keepdim=True)
+    index = torch.arange(real.shape[1], device=real.device)
+    padding_ends = torch.where(real, -1, torch.where(index < begin, begin, end))  # none before the prompt
+    return KeyRanges(begin.expand_as(real).contiguous(), padding_ends)
 
 
 def token_order(length: int, context_size: int, ulysses_size: int) -> torch.Tensor:
@@ -150,8 +166,8 @@ _COUNTED_TOKENS: dict[int, torch.Tensor] = {}  # by id(group): a group lives as 
 _SEQUENCE_MASKS: dict[int, Any] = {}
 # And, under context parallel, the global indices of this rank's queries and of the gathered keys (`token_order`).
 _TOKEN_INDICES: dict[int, tuple[torch.Tensor, torch.Tensor] | None] = {}
-# And, under context parallel where the mask is packed documents alone, each global index's document's first index.
-_DOCUMENT_STARTS: dict[int, torch.Tensor | None] = {}
+# And, under context parallel where the mask is packed documents or left padding alone, it as key ranges.
+_KEY_RANGES: dict[int, KeyRanges | None] = {}
 
 
 def remember_tokens(
@@ -159,18 +175,18 @@ def remember_tokens(
     counted: torch.Tensor,
     mask: Any = None,
     indices: tuple[torch.Tensor, torch.Tensor] | None = None,
-    document_starts: torch.Tensor | None = None,
+    key_ranges: KeyRanges | None = None,
 ) -> None:
     """Record which tokens of the micro-batch just cut for `group` ([B, T + padding] booleans, in the order the
     group's ranks hold them) such a statistic counts: the real ones, or all where the model gets the padding mask
     itself (a VL micro-batch); the mask its attention applies over the whole sequence (a dense [B, 1, queries, keys],
     one made on demand, or a BlockMask; None: causal alone); and, under context parallel, the global index of each
     query this rank attends for and of each key in gathered order (None: both are the whole sequence in order), and
-    where the mask is packed documents alone, each global index's document's first index ([B, T])."""
+    where the mask is packed documents or left padding alone, it as key ranges (`_key_ranges`)."""
     _COUNTED_TOKENS[id(group)] = counted
     _SEQUENCE_MASKS[id(group)] = mask
     _TOKEN_INDICES[id(group)] = indices
-    _DOCUMENT_STARTS[id(group)] = document_starts
+    _KEY_RANGES[id(group)] = key_ranges
 
 
 def token_indices(group: ProcessGroup) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -241,7 +257,7 @@ def _whole_sequence_mask(
     on_demand: bool,
 ) -> Any:
     """The mask `attend` describes over the whole sequence (None: none needed): a BlockMask, or the dense one, at the
-    global `indices` (None: in order); `on_demand` where the blocks may attend instead (CP's packed documents), made
+    global `indices` (None: in order); `on_demand` where the blocks may attend instead (CP's key ranges), made
     only if an attention call needs it after all."""
     if attend is None:
         return None
@@ -255,7 +271,8 @@ def _whole_sequence_mask(
 class DenseMaskOnDemand:
     """The dense [B, 1, queries, keys] mask a mask function describes, made by the first attention call that needs it
     and kept for the micro-batch's other layers and their recomputation. Context parallel's blockwise attention of
-    packed documents needs none: at a long sequence its [T/c, T] booleans would be the step's largest tensor."""
+    packed documents or left-padded rows needs none: at a long sequence its [T/c, T] booleans would be the step's
+    largest tensor."""
 
     def __init__(self, attend: Callable, batch_size: int, queries: torch.Tensor, keys: torch.Tensor) -> None:
         self._arguments: tuple | None = (attend, batch_size, queries, keys)
@@ -528,9 +545,9 @@ def _ulysses_attention(inner: str, group: ProcessGroup) -> Callable:
         attention_mask: torch.Tensor | None,
         **kwargs: Any,
     ) -> Any:
-        indices, starts = token_indices(group), None
+        indices, ranges = token_indices(group), None
         if attention_mask is None:  # a text micro-batch: the mask `shard_sequence` made for the whole sequence
-            attention_mask, starts = sequence_mask(group), _DOCUMENT_STARTS.get(id(group))
+            attention_mask, ranges = sequence_mask(group), _KEY_RANGES.get(id(group))
         inner_attention = _inner_attention(inner, module, ALL_ATTENTION_FUNCTIONS)
         if ulysses is not None:  # heads out, sequence in
             module, query, key, value, exchange = _heads_out(module, query, key, value, ulysses)
@@ -540,11 +557,11 @@ def _ulysses_attention(inner: str, group: ProcessGroup) -> Callable:
         if context is not None and (indices is None or indices[1].numel() != length):
             # A forward of tokens no `shard_sequence` cut (the head's probe): each rank's taken as a contiguous part.
             indices = (torch.arange(query.shape[2]) + context.rank() * query.shape[2], torch.arange(length))
-            attention_mask, starts = None, None
-        unblocked = attention_mask if starts is None else None  # packed documents alone are blocks too
+            attention_mask, ranges = None, None
+        unblocked = attention_mask if ranges is None else None  # packed documents or left padding are blocks too
         if inner == "sdpa" and indices is not None and blockwise_applies(module, query, unblocked, length, **kwargs):
             blockwise = context_attention.blockwise_causal_attention
-            output = blockwise(query, key, value, indices, kwargs.get("scaling"), starts)
+            output = blockwise(query, key, value, indices, kwargs.get("scaling"), ranges)
         else:
             if isinstance(attention_mask, DenseMaskOnDemand):
                 attention_mask = attention_mask()
