@@ -10,6 +10,8 @@ from) times the heads it attends with (heads / k under Ulysses), with the ratio 
 Every layout runs with sdpa (the default) and again with eager attention (see ATTENTIONS).
 
 Prints one JSON object. Run: .venv/bin/python benchmarks/context_parallel.py [--budget-mib 64] [--start 512]
+[--sliding-window W --attentions sdpa]: with a window, the same shape as a Mistral whose layers attend to the W
+tokens up to each (context parallel's banded tiles, parallel/context_attention.py: `window_tiles`).
 """
 
 from __future__ import annotations
@@ -141,7 +143,9 @@ def worker(spec: Path) -> None:
     import torch.distributed as dist
 
     args = argparse.Namespace(**json.loads(spec.read_text()))
-    results = [measure_layout(args.folder, attention, *layout, args) for attention in ATTENTIONS for layout in LAYOUTS]
+    results = [
+        measure_layout(args.folder, attention, *layout, args) for attention in args.attentions for layout in LAYOUTS
+    ]
     if dist.get_rank() == 0:
         Path(args.result).write_text(json.dumps(results))
 
@@ -154,12 +158,16 @@ def main() -> None:
     parser.add_argument("--budget-mib", type=float, default=64.0, help="tracked per-rank step peak allowed")
     parser.add_argument("--start", type=int, default=512, help="the first sequence length")
     parser.add_argument("--max-length", type=int, default=16384)
+    parser.add_argument("--sliding-window", type=int, help="a Mistral of the same shape with this sliding window")
+    parser.add_argument("--attentions", nargs="+", choices=ATTENTIONS, default=list(ATTENTIONS))
     args = parser.parse_args()
+    shape = SHAPE if args.sliding_window is None else {**SHAPE, "model_type": "mistral"}
+    shape |= {"sliding_window": args.sliding_window} if args.sliding_window is not None else {}
     sys.path.insert(0, str(REPO))
     from fsdp2kit.distributed import free_port
 
     with tempfile.TemporaryDirectory(prefix="fsdp2kit-cp-") as workdir:
-        folder = model_folder(Path(workdir), SHAPE, "llama-small")
+        folder = model_folder(Path(workdir), shape, "small")
         result, spec = Path(workdir) / "result.json", Path(workdir) / "spec.json"
         paths = {"folder": str(folder), "out": f"{workdir}/run", "result": str(result)}
         spec.write_text(json.dumps({**vars(args), **paths}))
@@ -176,10 +184,10 @@ def main() -> None:
             {
                 "benchmark": "context_parallel",
                 "ranks": RANKS,
-                "model": SHAPE,
+                "model": shape,
                 "dtype": "fp32",
                 "budget_mib_per_rank": args.budget_mib,
-                **{attention: longest(layouts, attention) for attention in ATTENTIONS},
+                **{attention: longest(layouts, attention) for attention in args.attentions},
                 "layouts": layouts,
                 "wall_s": round(time.perf_counter() - began, 1),
             }

@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 from transformers.integrations.sdpa_attention import repeat_kv
 
-from fsdp2kit.parallel.context_attention import KeyRanges, blockwise_causal_attention, query_runs
+from fsdp2kit.parallel import context_attention
+from fsdp2kit.parallel.context_attention import KeyRanges, blockwise_causal_attention, query_runs, window_tiles
 from fsdp2kit.parallel.ulysses import _key_ranges, _sequence_mask_function, token_order
 
 HEADS, DIM, LENGTH = 4, 8, 48
@@ -24,15 +25,15 @@ def rank_layout(context: int, ulysses: int, rank: int) -> tuple[torch.Tensor, to
 
 def test_query_runs_are_the_rank_chunks():
     queries, _ = rank_layout(4, 1, 1)  # chunks 1 and 6 of 8, 6 tokens each
-    assert query_runs(queries) == [(6, 6, 0, -1), (36, 6, 0, -1)]
-    assert query_runs(torch.arange(5, 9)) == [(5, 4, 0, -1)]
+    assert query_runs(queries) == [(6, 6, 0, -1, 0), (36, 6, 0, -1, 0)]
+    assert query_runs(torch.arange(5, 9)) == [(5, 4, 0, -1, 0)]
     starts = torch.tensor([0] * 8 + [8] * 32 + [40] * 8)  # documents [0, 8), [8, 40), [40, 48)
-    assert query_runs(queries, starts) == [(6, 2, 0, -1), (8, 4, 8, -1), (36, 4, 8, -1), (40, 2, 40, -1)]
+    assert query_runs(queries, starts) == [(6, 2, 0, -1, 0), (8, 4, 8, -1, 0), (36, 4, 8, -1, 0), (40, 2, 40, -1, 0)]
     # 9 tokens of left padding, real tokens [9, 39), right padding after: the padding runs see [9, 9) and [9, 39)
     ranges = _key_ranges(None, ((torch.arange(LENGTH) >= 9) & (torch.arange(LENGTH) < 39))[None])
     assert ranges is not None and ranges.padding_ends is not None
     runs = query_runs(queries, ranges.starts[0], ranges.padding_ends[0])
-    assert runs == [(6, 3, 9, 9), (9, 3, 9, -1), (36, 3, 9, -1), (39, 3, 9, 39)]
+    assert runs == [(6, 3, 9, 9, 0), (9, 3, 9, -1, 0), (36, 3, 9, -1, 0), (39, 3, 9, 39, 0)]
 
 
 @pytest.mark.parametrize("kv_heads", [HEADS, 2])
@@ -81,6 +82,48 @@ def test_blockwise_within_packed_documents_equals_sdpa_with_the_document_mask(co
         torch.testing.assert_close(got, expected.transpose(1, 2), atol=1e-10, rtol=0)
         for name, a, b in zip("qkv", got_grads, expected_grads, strict=True):
             torch.testing.assert_close(a, b, atol=1e-10, rtol=0, msg=f"rank {rank}: d{name}")
+
+
+def test_window_tiles_cut_the_runs_a_window_cuts(monkeypatch):
+    assert window_tiles([(36, 6, 0, -1, 0)], 4) == [(36, 4, 0, -1, 4), (40, 2, 0, -1, 4)]
+    assert window_tiles([(2, 3, 0, -1, 0), (8, 4, 8, -1, 0)], 5) == [(2, 3, 0, -1, 0), (8, 4, 8, -1, 0)]
+    assert window_tiles([(6, 3, 9, 9, 0)], 2) == [(6, 3, 9, 9, 0)]  # padding keeps its blocks (no window with it)
+    assert window_tiles([(6, 6, 0, -1, 0)], None) == [(6, 6, 0, -1, 0)]
+    monkeypatch.setattr(context_attention, "BAND_TILE_QUERIES", 3)  # tiles shorter than the window
+    assert window_tiles([(36, 6, 0, -1, 0)], 4) == [(36, 3, 0, -1, 4), (39, 3, 0, -1, 4)]
+
+
+@pytest.mark.parametrize("tile", [context_attention.BAND_TILE_QUERIES, 3])
+@pytest.mark.parametrize("window", [4, 7, 30])
+@pytest.mark.parametrize(("context", "ulysses"), [(2, 1), (4, 1), (2, 2)])
+def test_blockwise_under_a_sliding_window_equals_sdpa_with_the_band_mask(context, ulysses, window, tile, monkeypatch):
+    """Windows shorter than a rank's chunk, than two chunks, and longer than most documents, in tiles of the window
+    and shorter; in one document a row and within packed ones: the band tiles give sdpa's output and gradients with
+    the mask the dense path builds (`_full_sequence_mask`: 0 <= query - key < window, and the document's)."""
+    monkeypatch.setattr(context_attention, "BAND_TILE_QUERIES", tile)
+    lengths = [[5, 7, 12, 3, 21], [48]]
+    documents = torch.stack([torch.repeat_interleave(torch.arange(len(n)), torch.tensor(n)) for n in lengths])
+    starts = torch.stack([torch.searchsorted(row, row, side="left") for row in documents])
+    generator = torch.Generator().manual_seed(context + ulysses + window)
+    for packed in (False, True):
+        for rank in range(context):
+            queries, keys = rank_layout(context, ulysses, rank)
+            q = torch.randn(2, HEADS, queries.numel(), DIM, dtype=torch.float64, generator=generator)
+            k, v = (torch.randn(2, 2, LENGTH, DIM, dtype=torch.float64, generator=generator) for _ in range(2))
+            grad = torch.randn(2, queries.numel(), HEADS, DIM, dtype=torch.float64, generator=generator)
+            leaves = [t.requires_grad_() for t in (q, k, v)]
+            ranges = KeyRanges(starts) if packed else None
+            got = blockwise_causal_attention(q, k, v, (queries, keys), 0.3, ranges, window)
+            got_grads = torch.autograd.grad(got, leaves, grad)
+            distance = queries[:, None] - keys[None, :]
+            mask = ((distance >= 0) & (distance < window))[None, None].expand(2, 1, -1, -1)
+            if packed:
+                mask = mask & (documents[:, queries, None] == documents[:, None, keys])[:, None]
+            expected = F.scaled_dot_product_attention(q, repeat_kv(k, 2), repeat_kv(v, 2), mask, scale=0.3)
+            expected_grads = torch.autograd.grad(expected.transpose(1, 2), leaves, grad)
+            torch.testing.assert_close(got, expected.transpose(1, 2), atol=1e-10, rtol=0)
+            for name, a, b in zip("qkv", got_grads, expected_grads, strict=True):
+                torch.testing.assert_close(a, b, atol=1e-10, rtol=0, msg=f"rank {rank}, packed {packed}: d{name}")
 
 
 def left_padded_rows() -> torch.Tensor:
@@ -157,7 +200,9 @@ def test_cuda_keeps_the_dense_mask_and_agrees_with_the_cpu_blockwise_path():
     generator = torch.Generator().manual_seed(1)
     q = torch.randn(1, HEADS, queries.numel(), DIM, generator=generator)
     k, v = (torch.randn(1, HEADS, LENGTH, DIM, generator=generator) for _ in range(2))
-    assert blockwise_applies(None, q, None, LENGTH) and not blockwise_applies(None, q.cuda(), None, LENGTH)
+    assert blockwise_applies(None, q, None, LENGTH, False) and not blockwise_applies(
+        None, q.cuda(), None, LENGTH, False
+    )
     cpu = blockwise_causal_attention(q, k, v, (queries, keys), None)
     mask = (queries[:, None] >= keys[None, :]).cuda()
     gpu = F.scaled_dot_product_attention(q.cuda(), k.cuda(), v.cuda(), mask).transpose(1, 2)

@@ -194,12 +194,12 @@ def assert_same_training(
 
 # What each case turns on besides CP, and the proof that it was on: a recomputed layer attends twice per micro-batch
 # (the attention calls of the train steps double), LoRA's adapters are what trains, the loss was cut in chunks, every
-# micro-batch (right-padded and packed documents alike) and the left-padded probe attended block by block
-# (parallel/context_attention.py; the Mistral's sliding window, shorter than the sequence, keeps every one of its
-# calls on the dense mask).
+# micro-batch (right-padded and packed documents alike, under the Mistral's sliding window too) attended block by
+# block with no dense mask made (parallel/context_attention.py), and so did the left-padded probe (not under a
+# sliding window: the Mistral's probe keeps the dense mask, unless padding is removed, which packs it).
 # Without padding the model's outputs at padded targets are 0 (else whatever the padded computation gives).
 RECOMPUTED, LORA_WEIGHTS, CHUNKED, BLOCKWISE = "recomputed", "lora weights", "chunked loss", "blockwise"
-UNPADDED = "unpadded"
+UNPADDED, LEFT_BLOCKWISE = "unpadded", "left-padded probe blockwise"
 
 
 def assert_features_on(got: dict[str, Any], reference: dict[str, Any], features: set[str]) -> None:
@@ -210,8 +210,9 @@ def assert_features_on(got: dict[str, Any], reference: dict[str, Any], features:
     assert got["blockwise_calls"] == (got["attention_calls"] if BLOCKWISE in features else 0)
     if BLOCKWISE in features:  # and no dense mask made beside the blocks, packed documents' included
         assert got["dense_masks"] == 0
-        blockwise, dense_masks, calls = got["left_calls"]  # and the left-padded probe's rows: blocks too
-        assert (blockwise, dense_masks) == (calls, 0) and calls > 0, got["left_calls"]
+    blockwise, dense_masks, calls = got["left_calls"]
+    assert calls > 0, got["left_calls"]
+    assert (blockwise == calls, dense_masks == 0) == (LEFT_BLOCKWISE in features,) * 2, got["left_calls"]
     mask = micro_batches(-1, 1)[0]["attention_mask"]
     padded = ~(mask[:, :-1] * mask[:, 1:]).bool()
     assert bool((got["log_probs"][padded] == 0).all()) == (UNPADDED in features)
@@ -221,12 +222,12 @@ def assert_features_on(got: dict[str, Any], reference: dict[str, Any], features:
 @pytest.mark.parametrize(
     ("case", "reference", "weight_atol", "features"),
     [
-        ("cp2", "dense", 1e-5, {RECOMPUTED}),  # and a caller's loss_fn
-        ("cp2 lora", "dense lora", 1e-5, {LORA_WEIGHTS, CHUNKED}),
+        ("cp2", "dense", 1e-5, {RECOMPUTED, BLOCKWISE}),  # and a caller's loss_fn
+        ("cp2 lora", "dense lora", 1e-5, {LORA_WEIGHTS, CHUNKED, BLOCKWISE}),
         # One element of the MoE's layer-1 norm has a tiny gradient (3.7e-6 where the median is 2.5e-3): AdamW's
         # normalised update of it turns fp32 summation order into a ~1e-5 weight difference.
-        ("cp2 ep2", "moe", 2e-5, {BLOCKWISE}),
-        ("cp2 remove padding", "dense padded", 1e-5, {UNPADDED}),
+        ("cp2 ep2", "moe", 2e-5, {BLOCKWISE, LEFT_BLOCKWISE}),
+        ("cp2 remove padding", "dense padded", 1e-5, {UNPADDED, BLOCKWISE, LEFT_BLOCKWISE}),
     ],
 )
 def test_cp2_on_two_ranks_trains_like_one_rank(case, reference, weight_atol, features, one_rank, two_ranks):
@@ -236,7 +237,8 @@ def test_cp2_on_two_ranks_trains_like_one_rank(case, reference, weight_atol, fea
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("case", "data_parallel", "features"), [("cp4", 1, set()), ("u2cp2", 1, {RECOMPUTED}), ("cp2 hsdp", 2, set())]
+    ("case", "data_parallel", "features"),
+    [("cp4", 1, {BLOCKWISE}), ("u2cp2", 1, {RECOMPUTED, BLOCKWISE}), ("cp2 hsdp", 2, {BLOCKWISE})],
 )
 def test_cp_on_four_ranks_trains_like_one_rank(case, data_parallel, features, one_rank, four_ranks):
     assert_features_on(four_ranks[case], one_rank["dense"], features)

@@ -17,6 +17,8 @@ begins at its document's first token instead of the sequence's (each row of the 
 Left-padded rows (RL's prompts) are blocks too: their real tokens one document from the first real one; a padding
 token attends to itself and the real keys before it (as the dense mask has it: none before the prompt, the whole
 row's after it), a block of those in full and a diagonal block whose output is each token's own value.
+Under a sliding window that cuts a run's keys, the run is cut into tiles, each attending to its band of keys through
+the same kernel with a small additive mask (`window_tiles`).
 """
 
 from __future__ import annotations
@@ -30,17 +32,19 @@ _FLASH_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _FLASH_CPU_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
-def blockwise_applies(module: Any, query: torch.Tensor, attention_mask: Any, length: int, **kwargs: Any) -> bool:
+def blockwise_applies(
+    module: Any, query: torch.Tensor, attention_mask: Any, length: int, padded: bool, **kwargs: Any
+) -> bool:
     """Whether the attention sdpa would compute for these queries over the `length` gathered keys is causal (within
-    the key ranges of documents or left padding, whose mask the caller leaves out) with nothing the fused kernel
-    lacks: no other mask (padding between real tokens), no sliding window shorter than the sequence, no dropout,
+    the key ranges of documents or left padding, whose mask the caller leaves out; under a sliding window, where no
+    row is `padded`) with nothing the fused kernel lacks: no other mask (padding between real tokens), no dropout,
     softcap, position bias or attention sinks; on the CPU (CUDA keeps sdpa with the dense mask)."""
     causal, window = kwargs.get("is_causal"), kwargs.get("sliding_window")
     conditions = (
         attention_mask is None,
         query.device.type == "cpu",
         query.shape[2] > 1,
-        window is None or length <= window,
+        window is None or length <= window or not padded,
         not kwargs.get("dropout"),
         kwargs.get("softcap") is None,
         kwargs.get("position_bias") is None,
@@ -57,23 +61,25 @@ def blockwise_causal_attention(
     indices: tuple[torch.Tensor, torch.Tensor],
     scaling: float | None,
     key_ranges: KeyRanges | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of `query` [B, H, L, D] over `key`, `value` [B, H_kv, T, D] (gathered), where `indices`
     holds the global index of each query and each key (the keys: every index below T once), as sdpa would compute it
     with the dense causal mask by those indices; within packed documents or around left padding as `key_ranges`
-    gives each row's. Out [B, L, H, D], as transformers' attention functions return it."""
+    gives each row's; under a sliding `window` (a query sees the keys less than `window` before it; no padding).
+    Out [B, L, H, D], as transformers' attention functions return it."""
     order = torch.argsort(indices[1].to(key.device))  # the gathered position of each global index
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     queries = indices[0].cpu()
     if key_ranges is None:
-        output = _CausalBlocks.apply(query, key, value, order, query_runs(queries), scale)
+        output = _CausalBlocks.apply(query, key, value, order, window_tiles(query_runs(queries), window), scale)
     else:
         starts, ends = key_ranges.starts.cpu(), key_ranges.padding_ends
         rows = [
             _CausalBlocks.apply(
                 *(t[b : b + 1] for t in (query, key, value)),
                 order,
-                query_runs(queries, starts[b], None if ends is None else ends[b].cpu()),
+                window_tiles(query_runs(queries, starts[b], None if ends is None else ends[b].cpu()), window),
                 scale,
             )
             for b in range(query.shape[0])
@@ -93,9 +99,10 @@ class KeyRanges(NamedTuple):
 
 
 # A run of queries: (first global index, length, first global index of its keys: its document's first, or 0; -1 for
-# real tokens, else the end of the real keys the run's padding tokens see).
-Run = tuple[int, int, int, int]
-CAUSAL, FULL, DIAGONAL = "causal", "full", "diagonal"  # a block's keys: up to each query, all, each query's own
+# real tokens, else the end of the real keys the run's padding tokens see; the sliding window, 0: none).
+Run = tuple[int, int, int, int, int]
+# A block's keys: up to each query, all, each query's own, up to each query and less than the window before it.
+CAUSAL, FULL, DIAGONAL, BANDED = "causal", "full", "diagonal", "banded"
 
 
 def query_runs(
@@ -110,26 +117,60 @@ def query_runs(
     cut |= (first.diff() != 0) | (end.diff() != 0)
     bounds = [0, *(torch.nonzero(cut).flatten() + 1).tolist(), queries.numel()]
     starts, firsts, ends = (t[bounds[:-1]].tolist() for t in (queries, first, end))
-    return [(starts[i], bounds[i + 1] - bounds[i], firsts[i], ends[i]) for i in range(len(starts))]
+    return [(starts[i], bounds[i + 1] - bounds[i], firsts[i], ends[i], 0) for i in range(len(starts))]
 
 
-def _blocks(start: int, length: int, first: int, end: int) -> list[tuple[slice, str]]:
+# Queries a banded tile holds at most: its mask is tile x (tile + window - 1), and a query's work is that row.
+BAND_TILE_QUERIES = 1024
+
+
+def window_tiles(runs: list[Run], window: int | None) -> list[Run]:
+    """The runs under a sliding `window`: where it cuts keys off a run (its last query sees fewer than all of its
+    document's keys before it), cut into tiles of at most `window` (and BAND_TILE_QUERIES) queries, each attending
+    to its band alone."""
+    if window is None:
+        return runs
+    tiles = []
+    size = min(window, BAND_TILE_QUERIES)
+    for start, length, first, end, _ in runs:
+        if end >= 0 or start + length - first <= window:  # every query sees its whole document up to itself
+            tiles.append((start, length, first, end, 0))
+            continue
+        stop = start + length
+        tiles += [(a, min(size, stop - a), first, end, window) for a in range(start, stop, size)]
+    return tiles
+
+
+def _blocks(start: int, length: int, first: int, end: int, window: int) -> list[tuple[slice, str]]:
     """The key blocks (a range of global indices and how its keys are seen) the run of queries [start, start +
     length) attends to: real tokens their own keys causally and every earlier key of their document (from `first`)
-    in full; padding tokens their own key alone and the real keys [first, end) in full."""
+    in full, or under a window that cuts them off the keys less than `window` before them from `first` on, one
+    banded block; padding tokens their own key alone and the real keys [first, end) in full."""
     own = slice(start, start + length)
+    if window:
+        return [(slice(max(first, start - window + 1), start + length), BANDED)]
     if end < 0:
         return [(own, CAUSAL), (slice(first, start), FULL)] if start > first else [(own, CAUSAL)]
     return [(own, DIAGONAL), (slice(first, end), FULL)] if end > first else [(own, DIAGONAL)]
 
 
+def _band(queries: slice, keys: slice, window: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The additive [1, 1, queries, keys] mask (the kernel takes its inputs' dtype) of the keys each query sees under
+    the window: at or before it, less than `window` before it."""
+    distance = torch.arange(queries.start, queries.stop, device=device)[:, None] - torch.arange(
+        keys.start, keys.stop, device=device
+    )
+    seen = (distance >= 0) & (distance < window)
+    return torch.zeros(seen.shape, dtype=dtype, device=device).masked_fill(~seen, float("-inf"))[None, None]
+
+
 def _block_forward(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kind: str, scale: float
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kind: str, scale: float, band: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A block's output and log-sum-exp: the fused kernel's, or for a diagonal block each query's own value (its one
-    key's weight is exactly 1) and its score."""
+    """A block's output and log-sum-exp: the fused kernel's (with the `band` of a banded block), or for a diagonal
+    block each query's own value (its one key's weight is exactly 1) and its score."""
     if kind != DIAGONAL:
-        return _FLASH_CPU(query, key, value, 0.0, kind == CAUSAL, scale=scale)
+        return _FLASH_CPU(query, key, value, 0.0, kind == CAUSAL, attn_mask=band, scale=scale)
     precision = torch.promote_types(query.dtype, torch.float32)
     return value, (query.to(precision) * key.to(precision)).sum(-1) * scale
 
@@ -143,12 +184,13 @@ def _block_backward(
     lse: torch.Tensor,
     kind: str,
     scale: float,
+    band: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A block's share of dq, dk and dv given the merged output and log-sum-exp: the kernel's backward, or for a
     diagonal block the same softmax backward with one key per query (weight p = exp(score - lse); dv = p dO; the
     score's gradient p (dO.v - dO.O))."""
     if kind != DIAGONAL:
-        return _FLASH_CPU_BACKWARD(grad, query, key, value, out, lse, 0.0, kind == CAUSAL, scale=scale)
+        return _FLASH_CPU_BACKWARD(grad, query, key, value, out, lse, 0.0, kind == CAUSAL, attn_mask=band, scale=scale)
     precision = torch.promote_types(query.dtype, torch.float32)
     grad, query, key, value, out = (t.to(precision) for t in (grad, query, key, value, out))
     weight = ((query * key).sum(-1) * scale - lse).exp()
@@ -174,7 +216,7 @@ def _run_forward(
     heads = query.shape[1]
     for keys, kind in _blocks(*run):
         k, v = (_block_keys(t, order[keys], heads) for t in (key, value))
-        out, lse = _block_forward(query, k, v, kind, scale)
+        out, lse = _block_forward(query, k, v, kind, scale, _band_of(run, keys, kind, query))
         out, lse = out.to(precision), lse.to(precision)
         if merged is not None:
             total = torch.logaddexp(merged[1], lse)
@@ -223,16 +265,22 @@ class _CausalBlocks(torch.autograd.Function):
             for keys, kind in _blocks(*run):
                 k, v = (_block_keys(t, order[keys], heads) for t in (key, value))
                 parts = (grad[:, :, rows], query[:, :, rows], k, v, out[:, :, rows], lse[:, :, rows])
-                gq, gk, gv = _block_backward(*parts, kind, ctx.scale)
+                gq, gk, gv = _block_backward(*parts, kind, ctx.scale, _band_of(run, keys, kind, query))
                 dq[:, :, rows] += gq
                 dk.index_add_(2, order[keys], _heads_summed(gk.to(precision), key.shape[1]))
                 dv.index_add_(2, order[keys], _heads_summed(gv.to(precision), value.shape[1]))
         return dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype), None, None, None
 
 
+def _band_of(run: Run, keys: slice, kind: str, query: torch.Tensor) -> torch.Tensor | None:
+    """A banded block's mask (None for the others)."""
+    start, length, _, _, window = run
+    return _band(slice(start, start + length), keys, window, query.dtype, query.device) if kind == BANDED else None
+
+
 def _run_rows(runs: list[Run]) -> list[tuple[slice, Run]]:
     """Each run with the rows of the query tensor that hold it."""
     offsets = [0]
-    for _, length, _, _ in runs:
+    for _, length, _, _, _ in runs:
         offsets.append(offsets[-1] + length)
     return [(slice(offsets[i], offsets[i + 1]), run) for i, run in enumerate(runs)]

@@ -524,13 +524,33 @@ def _heads_out(
     return module, query, key, value, (query_split, pieces)
 
 
+def _inner_mask(
+    inner: str,
+    flex_mask: _FlexSequenceMask | None,
+    attention_mask: Any,
+    indices: tuple[torch.Tensor, torch.Tensor] | None,
+    length: int,
+    window: int | None,
+    query: torch.Tensor,
+) -> Any:
+    """The mask the inner attention gets over the `length` gathered keys: the sequence's (made now if on demand) as
+    a BlockMask for FlexAttention, else dense by the global `indices` (additive for eager), narrowed to `window`."""
+    if isinstance(attention_mask, DenseMaskOnDemand):
+        attention_mask = attention_mask()
+    if flex_mask is not None:
+        return flex_mask(attention_mask, query.shape[0], length, window, query.device)
+    additive = query.dtype if inner == "eager" else None
+    return _full_sequence_mask(attention_mask, indices, length, window, additive, query.device)
+
+
 def _ulysses_attention(inner: str, group: ProcessGroup) -> Callable:
     """A transformers attention function: query [batch, heads, seq/n, dim] and key/value [batch, kv_heads, seq/n,
     dim] in, [batch, seq/n, heads, dim] out, computed by `inner` with this rank's heads (`heads_per_rank`, Ulysses'
     all-to-all) for this rank's share of the queries over every key (context parallel: the keys and values
     all-gathered over the c ranks with the rectangular mask, the exact all-gather form of Llama 3's context parallel,
-    Llama 3 paper sec. 3.3.2, also torch's `context_parallel` and torchtitan; where attention is plain causal, no mask
-    but blocks of the fused kernel merged by their log-sum-exp, parallel/context_attention.py)."""
+    Llama 3 paper sec. 3.3.2, also torch's `context_parallel` and torchtitan; where attention is causal, within
+    documents, around left padding or under a sliding window, no such mask but blocks of the fused kernel merged by
+    their log-sum-exp, parallel/context_attention.py)."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     subgroups = sequence_subgroups(group)
@@ -553,30 +573,19 @@ def _ulysses_attention(inner: str, group: ProcessGroup) -> Callable:
             module, query, key, value, exchange = _heads_out(module, query, key, value, ulysses)
         if context is not None:  # every key and value of the sequence, for this rank's queries
             key, value = _GatherKeys.apply(key, context), _GatherKeys.apply(value, context)
-        batch_size, length, window = query.shape[0], key.shape[2], kwargs.get("sliding_window")
+        length, window = key.shape[2], kwargs.get("sliding_window")
         if context is not None and (indices is None or indices[1].numel() != length):
             # A forward of tokens no `shard_sequence` cut (the head's probe): each rank's taken as a contiguous part.
             indices = (torch.arange(query.shape[2]) + context.rank() * query.shape[2], torch.arange(length))
             attention_mask, ranges = None, None
         unblocked = attention_mask if ranges is None else None  # packed documents or left padding are blocks too
-        if inner == "sdpa" and indices is not None and blockwise_applies(module, query, unblocked, length, **kwargs):
+        padded = ranges is not None and ranges.padding_ends is not None
+        blocks = inner == "sdpa" and blockwise_applies(module, query, unblocked, length, padded, **kwargs)
+        if blocks and indices is not None:
             blockwise = context_attention.blockwise_causal_attention
-            output = blockwise(query, key, value, indices, kwargs.get("scaling"), ranges)
+            output = blockwise(query, key, value, indices, kwargs.get("scaling"), ranges, window)
         else:
-            if isinstance(attention_mask, DenseMaskOnDemand):
-                attention_mask = attention_mask()
-            mask = (
-                flex_mask(attention_mask, batch_size, length, window, query.device)
-                if flex_mask is not None
-                else _full_sequence_mask(
-                    attention_mask,
-                    indices,
-                    length,
-                    window,
-                    query.dtype if inner == "eager" else None,
-                    query.device,
-                )
-            )
+            mask = _inner_mask(inner, flex_mask, attention_mask, indices, length, window, query)
             output, _ = inner_attention(module, query, key, value, mask, **kwargs)  # [batch, seq, heads/k, dim]
         # The attention weights (eager) cover this rank's heads only; training never reads them.
         if ulysses is not None:  # sequence out, heads in
