@@ -34,7 +34,9 @@ LLAMA_50M = [
 MOE_EP2 = [*SMALL, "model.name_or_path=builtin:tiny-qwen3-moe", "strategy_args.strategy_config.ep_size=2"]
 # The head and loss in chunks of 16 tokens (fake tensors: every row counted, where the run skips untargeted ones).
 CHUNKED = [*SMALL, "training.loss_chunk_tokens=16"]
-MODELS = {"tiny": SMALL, "50M": LLAMA_50M, "moe-ep2": MOE_EP2, "tiny-chunked": CHUNKED}
+# Context parallel 2 over the demo's packed documents (blockwise attention: its index maps read unfaked in the trace).
+CONTEXT_PARALLEL = [*SMALL, "model.context_parallel_size=2"]
+MODELS = {"tiny": SMALL, "50M": LLAMA_50M, "moe-ep2": MOE_EP2, "tiny-chunked": CHUNKED, "tiny-cp2": CONTEXT_PARALLEL}
 ZERO = {
     3: ["strategy_args.strategy_config.reshard_after_forward=true"],
     2: ["strategy_args.strategy_config.reshard_after_forward=false"],
@@ -66,6 +68,7 @@ def _measured(tmp_path, nproc: int, overrides: list[str]) -> dict:
         ("50M", 2, 3, False),
         ("moe-ep2", 2, 3, False),
         ("tiny-chunked", 1, 3, False),
+        ("tiny-cp2", 2, 3, False),
     ],
 )
 def test_plan_predicts_the_measured_peak(tmp_path, model, nproc, zero, recompute):

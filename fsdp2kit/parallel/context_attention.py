@@ -26,6 +26,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 # The fused CPU kernel that returns the log-sum-exp ([B, H, L], float32 for reduced precision), and its backward.
 _FLASH_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -68,23 +69,27 @@ def blockwise_causal_attention(
     with the dense causal mask by those indices; within packed documents or around left padding as `key_ranges`
     gives each row's; under a sliding `window` (a query sees the keys less than `window` before it; no padding).
     Out [B, L, H, D], as transformers' attention functions return it."""
-    order = torch.argsort(indices[1].to(key.device))  # the gathered position of each global index
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    queries = indices[0].cpu()
+    # The index maps are real values also where `plan` traces the step on fake tensors (shard_sequence runs
+    # unfaked there): the runs are read from them as such.
+    with unset_fake_temporarily():
+        order = torch.argsort(indices[1].to(key.device))  # the gathered position of each global index
+        queries = indices[0].cpu()
+        if key_ranges is None:  # one set of runs for every row
+            each_row = [window_tiles(query_runs(queries), window)]
+        else:
+            starts, ends = key_ranges.starts.cpu(), key_ranges.padding_ends
+            each_row = [
+                window_tiles(query_runs(queries, starts[b], None if ends is None else ends[b].cpu()), window)
+                for b in range(query.shape[0])
+            ]
     if key_ranges is None:
-        output = _CausalBlocks.apply(query, key, value, order, window_tiles(query_runs(queries), window), scale)
+        output = _CausalBlocks.apply(query, key, value, order, each_row[0], scale)
     else:
-        starts, ends = key_ranges.starts.cpu(), key_ranges.padding_ends
-        rows = [
-            _CausalBlocks.apply(
-                *(t[b : b + 1] for t in (query, key, value)),
-                order,
-                window_tiles(query_runs(queries, starts[b], None if ends is None else ends[b].cpu()), window),
-                scale,
-            )
-            for b in range(query.shape[0])
-        ]
-        output = torch.cat(rows)
+        rows = [tuple(t[b : b + 1] for t in (query, key, value)) for b in range(query.shape[0])]
+        output = torch.cat(
+            [_CausalBlocks.apply(*r, order, runs, scale) for r, runs in zip(rows, each_row, strict=True)]
+        )
     return output.transpose(1, 2).contiguous()
 
 
