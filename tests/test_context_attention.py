@@ -1,7 +1,8 @@
 """The blockwise causal attention of context parallel (parallel/context_attention.py), in one process: a rank's
 queries (chunks r and 2c-1-r of 2c) over the keys gathered in cp-rank order give the output and the query, key and
-value gradients of sdpa with the dense causal mask by global index, for every rank of c = 2 and 4, with and without
-grouped key/value heads."""
+value gradients of sdpa with the dense mask by global index, for every rank of c = 2 and 4 and Ulysses 2 x CP 2:
+causal, with and without grouped key/value heads; within packed documents; around left padding; under a sliding
+window."""
 
 from __future__ import annotations
 
@@ -23,6 +24,46 @@ def rank_layout(context: int, ulysses: int, rank: int) -> tuple[torch.Tensor, to
     return order[rank].flatten(), order.flatten()
 
 
+def assert_blockwise_equals_sdpa(
+    indices: tuple[torch.Tensor, torch.Tensor],
+    mask: torch.Tensor,
+    generator: torch.Generator,
+    ranges: KeyRanges | None = None,
+    window: int | None = None,
+    kv_heads: int = 2,
+) -> None:
+    """Blockwise attention of random float64 q, k, v over a rank's `indices` (queries, gathered keys) against sdpa
+    with the dense boolean `mask` [rows, 1, queries, keys]: the output and the q, k, v gradients to 1e-10."""
+    queries, keys = indices
+    rows = mask.shape[0]
+    q = torch.randn(rows, HEADS, queries.numel(), DIM, dtype=torch.float64, generator=generator)
+    k, v = (torch.randn(rows, kv_heads, LENGTH, DIM, dtype=torch.float64, generator=generator) for _ in range(2))
+    grad = torch.randn(rows, queries.numel(), HEADS, DIM, dtype=torch.float64, generator=generator)
+    leaves = [t.requires_grad_() for t in (q, k, v)]
+    got = blockwise_causal_attention(q, k, v, indices, 0.3, ranges, window)
+    got_grads = torch.autograd.grad(got, leaves, grad)
+    repeats = HEADS // kv_heads
+    expected = F.scaled_dot_product_attention(q, repeat_kv(k, repeats), repeat_kv(v, repeats), mask, scale=0.3)
+    expected_grads = torch.autograd.grad(expected.transpose(1, 2), leaves, grad)
+    torch.testing.assert_close(got, expected.transpose(1, 2), atol=1e-10, rtol=0)
+    for name, a, b in zip("qkv", got_grads, expected_grads, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=0, msg=f"d{name}")
+
+
+def causal(indices: tuple[torch.Tensor, torch.Tensor], rows: int = 2) -> torch.Tensor:
+    """The causal mask by global index, [rows, 1, queries, keys]."""
+    queries, keys = indices
+    return (queries[:, None] >= keys[None, :])[None, None].expand(rows, 1, -1, -1)
+
+
+def packed_documents() -> tuple[torch.Tensor, torch.Tensor]:
+    """Two rows of packed documents (a document ends inside a rank's chunk, at a chunk's edge, and one spans several
+    chunks; row 0's 12-token document ends at 24, a chunk's edge at c = 2): each token's document, and its start."""
+    lengths = [[5, 7, 12, 3, 21], [24, 1, 23]]
+    documents = torch.stack([torch.repeat_interleave(torch.arange(len(n)), torch.tensor(n)) for n in lengths])
+    return documents, torch.stack([torch.searchsorted(row, row, side="left") for row in documents])
+
+
 def test_query_runs_are_the_rank_chunks():
     queries, _ = rank_layout(4, 1, 1)  # chunks 1 and 6 of 8, 6 tokens each
     assert query_runs(queries) == [(6, 6, 0, -1, 0), (36, 6, 0, -1, 0)]
@@ -41,47 +82,21 @@ def test_query_runs_are_the_rank_chunks():
 def test_blockwise_equals_sdpa_with_the_dense_mask(context, ulysses, kv_heads):
     generator = torch.Generator().manual_seed(context * 10 + kv_heads)
     for rank in range(context):
-        queries, keys = rank_layout(context, ulysses, rank)
-        q = torch.randn(2, HEADS, queries.numel(), DIM, dtype=torch.float64, generator=generator)
-        k, v = (torch.randn(2, kv_heads, LENGTH, DIM, dtype=torch.float64, generator=generator) for _ in range(2))
-        grad = torch.randn(2, queries.numel(), HEADS, DIM, dtype=torch.float64, generator=generator)
-        leaves = [t.requires_grad_() for t in (q, k, v)]
-        got = blockwise_causal_attention(q, k, v, (queries, keys), 0.3)
-        got_grads = torch.autograd.grad(got, leaves, grad)
-        repeats = HEADS // kv_heads
-        mask = queries[:, None] >= keys[None, :]
-        expected = F.scaled_dot_product_attention(q, repeat_kv(k, repeats), repeat_kv(v, repeats), mask, scale=0.3)
-        expected = expected.transpose(1, 2)
-        expected_grads = torch.autograd.grad(expected, leaves, grad)
-        torch.testing.assert_close(got, expected, atol=1e-10, rtol=0)
-        for name, a, b in zip("qkv", got_grads, expected_grads, strict=True):
-            torch.testing.assert_close(a, b, atol=1e-10, rtol=0, msg=f"rank {rank}: d{name}")
+        indices = rank_layout(context, ulysses, rank)
+        assert_blockwise_equals_sdpa(indices, causal(indices), generator, kv_heads=kv_heads)
 
 
 @pytest.mark.parametrize(("context", "ulysses"), [(2, 1), (4, 1), (2, 2)])
 def test_blockwise_within_packed_documents_equals_sdpa_with_the_document_mask(context, ulysses):
-    """Two rows of packed documents, each its own cut (a document ends inside a rank's chunk, at a chunk's edge, and
-    one spans several chunks): the runs cut at each document's start and its earlier keys from that start give
+    """Each row its own documents: the runs cut at each document's start and its earlier keys from that start give
     sdpa's output and gradients with the block-diagonal causal mask."""
-    lengths = [[5, 7, 12, 3, 21], [24, 1, 23]]  # row 0's 12-token document ends at 24, a chunk's edge at c = 2
-    documents = torch.stack([torch.repeat_interleave(torch.arange(len(n)), torch.tensor(n)) for n in lengths])
-    starts = torch.stack([torch.searchsorted(row, row, side="left") for row in documents])
+    documents, starts = packed_documents()
     generator = torch.Generator().manual_seed(context + ulysses)
     for rank in range(context):
-        queries, keys = rank_layout(context, ulysses, rank)
-        q = torch.randn(2, HEADS, queries.numel(), DIM, dtype=torch.float64, generator=generator)
-        k, v = (torch.randn(2, 2, LENGTH, DIM, dtype=torch.float64, generator=generator) for _ in range(2))
-        grad = torch.randn(2, queries.numel(), HEADS, DIM, dtype=torch.float64, generator=generator)
-        leaves = [t.requires_grad_() for t in (q, k, v)]
-        got = blockwise_causal_attention(q, k, v, (queries, keys), 0.3, KeyRanges(starts))
-        got_grads = torch.autograd.grad(got, leaves, grad)
-        same = documents[:, queries, None] == documents[:, None, keys]
-        mask = (same & (queries[:, None] >= keys[None, :]))[:, None]
-        expected = F.scaled_dot_product_attention(q, repeat_kv(k, 2), repeat_kv(v, 2), mask, scale=0.3)
-        expected_grads = torch.autograd.grad(expected.transpose(1, 2), leaves, grad)
-        torch.testing.assert_close(got, expected.transpose(1, 2), atol=1e-10, rtol=0)
-        for name, a, b in zip("qkv", got_grads, expected_grads, strict=True):
-            torch.testing.assert_close(a, b, atol=1e-10, rtol=0, msg=f"rank {rank}: d{name}")
+        indices = rank_layout(context, ulysses, rank)
+        queries, keys = indices
+        mask = causal(indices) & (documents[:, queries, None] == documents[:, None, keys])[:, None]
+        assert_blockwise_equals_sdpa(indices, mask, generator, KeyRanges(starts))
 
 
 def test_window_tiles_cut_the_runs_a_window_cuts(monkeypatch):
@@ -101,29 +116,17 @@ def test_blockwise_under_a_sliding_window_equals_sdpa_with_the_band_mask(context
     and shorter; in one document a row and within packed ones: the band tiles give sdpa's output and gradients with
     the mask the dense path builds (`_full_sequence_mask`: 0 <= query - key < window, and the document's)."""
     monkeypatch.setattr(context_attention, "BAND_TILE_QUERIES", tile)
-    lengths = [[5, 7, 12, 3, 21], [48]]
-    documents = torch.stack([torch.repeat_interleave(torch.arange(len(n)), torch.tensor(n)) for n in lengths])
-    starts = torch.stack([torch.searchsorted(row, row, side="left") for row in documents])
+    documents, starts = packed_documents()
     generator = torch.Generator().manual_seed(context + ulysses + window)
     for packed in (False, True):
         for rank in range(context):
-            queries, keys = rank_layout(context, ulysses, rank)
-            q = torch.randn(2, HEADS, queries.numel(), DIM, dtype=torch.float64, generator=generator)
-            k, v = (torch.randn(2, 2, LENGTH, DIM, dtype=torch.float64, generator=generator) for _ in range(2))
-            grad = torch.randn(2, queries.numel(), HEADS, DIM, dtype=torch.float64, generator=generator)
-            leaves = [t.requires_grad_() for t in (q, k, v)]
-            ranges = KeyRanges(starts) if packed else None
-            got = blockwise_causal_attention(q, k, v, (queries, keys), 0.3, ranges, window)
-            got_grads = torch.autograd.grad(got, leaves, grad)
+            indices = rank_layout(context, ulysses, rank)
+            queries, keys = indices
             distance = queries[:, None] - keys[None, :]
             mask = ((distance >= 0) & (distance < window))[None, None].expand(2, 1, -1, -1)
             if packed:
                 mask = mask & (documents[:, queries, None] == documents[:, None, keys])[:, None]
-            expected = F.scaled_dot_product_attention(q, repeat_kv(k, 2), repeat_kv(v, 2), mask, scale=0.3)
-            expected_grads = torch.autograd.grad(expected.transpose(1, 2), leaves, grad)
-            torch.testing.assert_close(got, expected.transpose(1, 2), atol=1e-10, rtol=0)
-            for name, a, b in zip("qkv", got_grads, expected_grads, strict=True):
-                torch.testing.assert_close(a, b, atol=1e-10, rtol=0, msg=f"rank {rank}, packed {packed}: d{name}")
+            assert_blockwise_equals_sdpa(indices, mask, generator, KeyRanges(starts) if packed else None, window)
 
 
 def left_padded_rows() -> torch.Tensor:
@@ -144,19 +147,10 @@ def test_blockwise_over_left_padded_rows_equals_sdpa_with_the_padding_mask(conte
     assert ranges is not None and attend is not None
     generator = torch.Generator().manual_seed(context * 3 + ulysses)
     for rank in range(context):
-        queries, keys = rank_layout(context, ulysses, rank)
-        q = torch.randn(4, HEADS, queries.numel(), DIM, dtype=torch.float64, generator=generator)
-        k, v = (torch.randn(4, 2, LENGTH, DIM, dtype=torch.float64, generator=generator) for _ in range(2))
-        grad = torch.randn(4, queries.numel(), HEADS, DIM, dtype=torch.float64, generator=generator)
-        leaves = [t.requires_grad_() for t in (q, k, v)]
-        got = blockwise_causal_attention(q, k, v, (queries, keys), 0.3, ranges)
-        got_grads = torch.autograd.grad(got, leaves, grad)
+        indices = rank_layout(context, ulysses, rank)
+        queries, keys = indices
         mask = attend(torch.arange(4)[:, None, None], None, queries[:, None], keys[None, :])[:, None]
-        expected = F.scaled_dot_product_attention(q, repeat_kv(k, 2), repeat_kv(v, 2), mask, scale=0.3)
-        expected_grads = torch.autograd.grad(expected.transpose(1, 2), leaves, grad)
-        torch.testing.assert_close(got, expected.transpose(1, 2), atol=1e-10, rtol=0)
-        for name, a, b in zip("qkv", got_grads, expected_grads, strict=True):
-            torch.testing.assert_close(a, b, atol=1e-10, rtol=0, msg=f"rank {rank}: d{name}")
+        assert_blockwise_equals_sdpa(indices, mask, generator, ranges)
 
 
 def test_padding_between_real_tokens_or_beside_documents_keeps_the_dense_mask():
