@@ -1,8 +1,8 @@
 """One rank of tests/test_document_attention.py's Ulysses case, launched as `python tests/document_ulysses_worker.py
 MODEL_DIR OUT` under torchrun with 2 ranks: fsdp2kit's sharded model at model.ulysses_size 2 on packed documents,
-once as the build picks on this CPU (a dense document mask) and once with FlexAttention picked as on CUDA (forward
-only: torch has no CPU backward for it). Rank 0 saves each path's whole-sequence logits, its attention and the kind
-of mask its batch carried to OUT."""
+once as the build picks on this CPU (sdpa: blocks of the fused kernel, a dense document mask only on demand) and once
+with FlexAttention picked as on CUDA (forward only: torch has no CPU backward for it). Rank 0 saves each path's
+whole-sequence logits, its attention, the kind of mask its batch carried and whether a dense one was made to OUT."""
 
 from __future__ import annotations
 
@@ -28,8 +28,13 @@ def ulysses_logits(model_dir: str) -> dict[str, object]:
     pieces = [torch.empty_like(local) for _ in range(dist.get_world_size())]
     dist.all_gather(pieces, local.contiguous())
     assert "attention_mask" not in shard  # the wrapper reads the group's mask; the model gets none
-    mask = type(sequence_mask(sharded.sp_group)).__name__
-    return {"logits": torch.cat(pieces, 1), "attention": sharded.model.config._attn_implementation, "mask": mask}
+    mask = sequence_mask(sharded.sp_group)
+    return {
+        "logits": torch.cat(pieces, 1),
+        "attention": sharded.model.config._attn_implementation,
+        "mask": type(mask).__name__,
+        "mask_made": getattr(mask, "_mask", None) is not None,  # a dense mask on demand that an attention call made
+    }
 
 
 def run(model_dir: str, out: str) -> None:

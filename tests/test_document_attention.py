@@ -172,10 +172,12 @@ def ulysses_attention(inner: str, documents: bool, window: int | None, qkv: list
     shard_sequence(batch, group, block_mask=inner == DOCUMENT_FLEX)  # leaves its mask (or none) beside the group
     mask = sequence_mask(group)
     assert (mask is None) != documents
-    assert mask is None or type(mask).__name__ == ("BlockMask" if inner == DOCUMENT_FLEX else "Tensor")
+    assert mask is None or type(mask).__name__ == ("BlockMask" if inner == DOCUMENT_FLEX else "DenseMaskOnDemand")
     module = torch.nn.Module()
     module.is_causal, module.num_key_value_groups = True, 1
-    return _ulysses_attention(inner, group)(module, *qkv, mask, sliding_window=window, scaling=0.25)[0]
+    output = _ulysses_attention(inner, group)(module, *qkv, None, sliding_window=window, scaling=0.25)[0]
+    assert getattr(mask, "_mask", None) is None  # sdpa on the CPU attended by blocks: the dense mask never made
+    return output
 
 
 @pytest.mark.parametrize("window", [None, 8])
@@ -200,7 +202,8 @@ def test_ulysses_attends_through_the_block_mask_as_through_the_dense_mask(llama_
     launch_two_ranks("document_ulysses_worker.py", llama_dir, out, timeout=300)
     seen = torch.load(out, weights_only=False)
     dense, flex = seen["dense"], seen["flex"]
-    assert (dense["mask"], flex["mask"]) == ("Tensor", "BlockMask")
+    assert (dense["mask"], flex["mask"]) == ("DenseMaskOnDemand", "BlockMask")
+    assert not dense["mask_made"]  # sdpa on the CPU attended by blocks (parallel/context_attention.py)
     assert dense["attention"].startswith("ulysses_sdpa") and flex["attention"].startswith(f"ulysses_{DOCUMENT_FLEX}")
     model = AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32).eval()
     with torch.no_grad():

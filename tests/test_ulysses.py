@@ -26,7 +26,14 @@ from fsdp2kit.data.dataset import collate, load_documents
 from fsdp2kit.errors import UserError
 from fsdp2kit.labels import IGNORE_INDEX
 from fsdp2kit.parallel.mesh import mesh_layout
-from fsdp2kit.parallel.ulysses import _rank_key_value, _RankHeadSinks, heads_per_rank, sequence_mask, shard_sequence
+from fsdp2kit.parallel.ulysses import (
+    DenseMaskOnDemand,
+    _rank_key_value,
+    _RankHeadSinks,
+    heads_per_rank,
+    sequence_mask,
+    shard_sequence,
+)
 
 # The numerics tests' model, data and schedule, with no checkpoints, export or loggers.
 TRAINING = {**NUMERICS_CONFIG["training"], "save_steps": 0, "export_hf": False, "report_to": []}
@@ -157,7 +164,9 @@ def test_shard_sequence_gives_packed_documents_their_full_length_mask():
     group = fake_group(0, 2)
     shard = shard_sequence(packed, group)
     assert "attention_mask" not in shard  # not the model's: MoE's router loss would read it as a padding mask
-    mask = sequence_mask(group)[0, 0].int().tolist()
+    on_demand = sequence_mask(group)  # the blocks attend without it: made only if a dense path asks for it
+    assert isinstance(on_demand, DenseMaskOnDemand) and on_demand._mask is None
+    mask = on_demand()[0, 0].int().tolist()
     # Two documents (positions 0-2 and 3-4), the padding (5) continuing the second: causal within each.
     assert mask == [
         [1, 0, 0, 0, 0, 0],

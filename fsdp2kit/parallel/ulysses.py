@@ -119,8 +119,8 @@ def shard_sequence(
     indices = (order[context[1]].flatten(), order.flatten()) if context[0] > 1 else None
     documents = _documents(positions) if packed else None
     attend = _sequence_mask_function(documents, real)
-    # Under context parallel, packed documents or left padding (not both) are also blocks of the fused kernel.
-    ranges = _key_ranges(documents, real) if indices is not None else None
+    # Packed documents or left padding (not both) are also blocks of the fused kernel (sdpa on the CPU).
+    ranges = _key_ranges(documents, real)
     mask = _whole_sequence_mask(attend, positions, indices, block_mask, on_demand=ranges is not None)
     # The model gets no mask: its attention (the wrapper) reads the sequence's from here, and nothing else of the
     # model takes it for a [B, T] padding mask (MoE's load-balancing loss would).
@@ -166,7 +166,7 @@ _COUNTED_TOKENS: dict[int, torch.Tensor] = {}  # by id(group): a group lives as 
 _SEQUENCE_MASKS: dict[int, Any] = {}
 # And, under context parallel, the global indices of this rank's queries and of the gathered keys (`token_order`).
 _TOKEN_INDICES: dict[int, tuple[torch.Tensor, torch.Tensor] | None] = {}
-# And, under context parallel where the mask is packed documents or left padding alone, it as key ranges.
+# And where the mask is packed documents or left padding alone, it as key ranges (each index's own keys).
 _KEY_RANGES: dict[int, KeyRanges | None] = {}
 
 
@@ -524,6 +524,20 @@ def _heads_out(
     return module, query, key, value, (query_split, pieces)
 
 
+def _block_indices(
+    indices: tuple[torch.Tensor, torch.Tensor] | None, ranges: KeyRanges | None, window: int | None, length: int
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The index maps blocks attend by: context parallel's; under Ulysses alone the whole sequence's, where a mask
+    (documents, left padding, a window shorter than the sequence) would otherwise send sdpa to the math kernel; None
+    where sdpa's own causal kernel needs no mask."""
+    if indices is not None:
+        return indices
+    if ranges is not None or (window is not None and length > window):
+        whole = torch.arange(length)
+        return whole, whole
+    return None
+
+
 def _inner_mask(
     inner: str,
     flex_mask: _FlexSequenceMask | None,
@@ -581,9 +595,10 @@ def _ulysses_attention(inner: str, group: ProcessGroup) -> Callable:
         unblocked = attention_mask if ranges is None else None  # packed documents or left padding are blocks too
         padded = ranges is not None and ranges.padding_ends is not None
         blocks = inner == "sdpa" and blockwise_applies(module, query, unblocked, length, padded, **kwargs)
-        if blocks and indices is not None:
+        by = _block_indices(indices, ranges, window, length) if blocks else None
+        if by is not None:
             blockwise = context_attention.blockwise_causal_attention
-            output = blockwise(query, key, value, indices, kwargs.get("scaling"), ranges, window)
+            output = blockwise(query, key, value, by, kwargs.get("scaling"), ranges, window)
         else:
             mask = _inner_mask(inner, flex_mask, attention_mask, indices, length, window, query)
             output, _ = inner_attention(module, query, key, value, mask, **kwargs)  # [batch, seq, heads/k, dim]
