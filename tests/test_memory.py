@@ -34,9 +34,12 @@ LLAMA_50M = [
 MOE_EP2 = [*SMALL, "model.name_or_path=builtin:tiny-qwen3-moe", "strategy_args.strategy_config.ep_size=2"]
 # The head and loss in chunks of 16 tokens (fake tensors: every row counted, where the run skips untargeted ones).
 CHUNKED = [*SMALL, "training.loss_chunk_tokens=16"]
-# Context parallel 2 over the demo's packed documents (blockwise attention: its index maps read unfaked in the trace).
+# Context parallel 2, and Ulysses 2 with sdpa named, over the demo's packed documents: blockwise attention (its
+# index maps read unfaked in the trace).
 CONTEXT_PARALLEL = [*SMALL, "model.context_parallel_size=2"]
-MODELS = {"tiny": SMALL, "50M": LLAMA_50M, "moe-ep2": MOE_EP2, "tiny-chunked": CHUNKED, "tiny-cp2": CONTEXT_PARALLEL}
+ULYSSES_SDPA = [*SMALL, "model.ulysses_size=2", "model.attn_implementation=sdpa"]
+MODELS = {"tiny": SMALL, "50M": LLAMA_50M, "moe-ep2": MOE_EP2, "tiny-chunked": CHUNKED}
+MODELS |= {"tiny-cp2": CONTEXT_PARALLEL, "tiny-ulysses2-sdpa": ULYSSES_SDPA}
 ZERO = {
     3: ["strategy_args.strategy_config.reshard_after_forward=true"],
     2: ["strategy_args.strategy_config.reshard_after_forward=false"],
@@ -69,6 +72,7 @@ def _measured(tmp_path, nproc: int, overrides: list[str]) -> dict:
         ("moe-ep2", 2, 3, False),
         ("tiny-chunked", 1, 3, False),
         ("tiny-cp2", 2, 3, False),
+        ("tiny-ulysses2-sdpa", 2, 3, False),
     ],
 )
 def test_plan_predicts_the_measured_peak(tmp_path, model, nproc, zero, recompute):
