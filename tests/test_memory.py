@@ -34,8 +34,8 @@ LLAMA_50M = [
 MOE_EP2 = [*SMALL, "model.name_or_path=builtin:tiny-qwen3-moe", "strategy_args.strategy_config.ep_size=2"]
 # The head and loss in chunks of 16 tokens (fake tensors: every row counted, where the run skips untargeted ones).
 CHUNKED = [*SMALL, "training.loss_chunk_tokens=16"]
-# Context parallel 2, and Ulysses 2 with sdpa named, over the demo's packed documents: blockwise attention (its
-# index maps read unfaked in the trace).
+# Context parallel 2, and Ulysses 2 with sdpa named, over the demo's packed documents: the run attends by blocks
+# (the CPU's path), the trace by the dense mask (CUDA's, whose memory the plan predicts).
 CONTEXT_PARALLEL = [*SMALL, "model.context_parallel_size=2"]
 ULYSSES_SDPA = [*SMALL, "model.ulysses_size=2", "model.attn_implementation=sdpa"]
 MODELS = {"tiny": SMALL, "50M": LLAMA_50M, "moe-ep2": MOE_EP2, "tiny-chunked": CHUNKED}

@@ -26,7 +26,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import torch
-from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch._subclasses.fake_tensor import is_fake
 
 # The fused CPU kernel that returns the log-sum-exp ([B, H, L], float32 for reduced precision), and its backward.
 _FLASH_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -39,11 +39,12 @@ def blockwise_applies(
     """Whether the attention sdpa would compute for these queries over the `length` gathered keys is causal (within
     the key ranges of documents or left padding, whose mask the caller leaves out; under a sliding window, where no
     row is `padded`) with nothing the fused kernel lacks: no other mask (padding between real tokens), no dropout,
-    softcap, position bias or attention sinks; on the CPU (CUDA keeps sdpa with the dense mask)."""
+    softcap, position bias or attention sinks; on the CPU (CUDA keeps sdpa with the dense mask), with real tensors
+    (`plan` traces on fake ones the memory of a CUDA run, which makes the dense mask)."""
     causal, window = kwargs.get("is_causal"), kwargs.get("sliding_window")
     conditions = (
         attention_mask is None,
-        query.device.type == "cpu",
+        query.device.type == "cpu" and not is_fake(query),
         query.shape[2] > 1,
         window is None or length <= window or not padded,
         not kwargs.get("dropout"),
@@ -70,19 +71,16 @@ def blockwise_causal_attention(
     gives each row's; under a sliding `window` (a query sees the keys less than `window` before it; no padding).
     Out [B, L, H, D], as transformers' attention functions return it."""
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    # The index maps are real values also where `plan` traces the step on fake tensors (shard_sequence runs
-    # unfaked there): the runs are read from them as such.
-    with unset_fake_temporarily():
-        order = torch.argsort(indices[1].to(key.device))  # the gathered position of each global index
-        queries = indices[0].cpu()
-        if key_ranges is None:  # one set of runs for every row
-            each_row = [window_tiles(query_runs(queries), window)]
-        else:
-            starts, ends = key_ranges.starts.cpu(), key_ranges.padding_ends
-            each_row = [
-                window_tiles(query_runs(queries, starts[b], None if ends is None else ends[b].cpu()), window)
-                for b in range(query.shape[0])
-            ]
+    order = torch.argsort(indices[1].to(key.device))  # the gathered position of each global index
+    queries = indices[0].cpu()
+    if key_ranges is None:  # one set of runs for every row
+        each_row = [window_tiles(query_runs(queries), window)]
+    else:
+        starts, ends = key_ranges.starts.cpu(), key_ranges.padding_ends
+        each_row = [
+            window_tiles(query_runs(queries, starts[b], None if ends is None else ends[b].cpu()), window)
+            for b in range(query.shape[0])
+        ]
     if key_ranges is None:
         output = _CausalBlocks.apply(query, key, value, order, each_row[0], scale)
     else:

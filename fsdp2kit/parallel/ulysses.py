@@ -37,7 +37,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed import ProcessGroup
 
 from fsdp2kit.errors import UserError
@@ -534,8 +533,7 @@ def _block_indices(
     if indices is not None:
         return indices
     if ranges is not None or (window is not None and length > window):
-        with unset_fake_temporarily():  # real values, as shard_sequence's are where `plan` traces on fake tensors
-            whole = torch.arange(length)
+        whole = torch.arange(length)
         return whole, whole
     return None
 
