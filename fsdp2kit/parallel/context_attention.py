@@ -74,20 +74,14 @@ def blockwise_causal_attention(
     order = torch.argsort(indices[1].to(key.device))  # the gathered position of each global index
     queries = indices[0].cpu()
     if key_ranges is None:  # one set of runs for every row
-        each_row = [window_tiles(query_runs(queries), window)]
+        output = _CausalBlocks.apply(query, key, value, order, window_tiles(query_runs(queries), window), scale)
     else:
         starts, ends = key_ranges.starts.cpu(), key_ranges.padding_ends
-        each_row = [
-            window_tiles(query_runs(queries, starts[b], None if ends is None else ends[b].cpu()), window)
-            for b in range(query.shape[0])
-        ]
-    if key_ranges is None:
-        output = _CausalBlocks.apply(query, key, value, order, each_row[0], scale)
-    else:
-        rows = [tuple(t[b : b + 1] for t in (query, key, value)) for b in range(query.shape[0])]
-        output = torch.cat(
-            [_CausalBlocks.apply(*r, order, runs, scale) for r, runs in zip(rows, each_row, strict=True)]
-        )
+        rows = []
+        for b in range(query.shape[0]):
+            runs = window_tiles(query_runs(queries, starts[b], None if ends is None else ends[b].cpu()), window)
+            rows.append(_CausalBlocks.apply(*(t[b : b + 1] for t in (query, key, value)), order, runs, scale))
+        output = torch.cat(rows)
     return output.transpose(1, 2).contiguous()
 
 

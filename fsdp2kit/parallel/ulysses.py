@@ -119,8 +119,9 @@ def shard_sequence(
     indices = (order[context[1]].flatten(), order.flatten()) if context[0] > 1 else None
     documents = _documents(positions) if packed else None
     attend = _sequence_mask_function(documents, real)
-    # Packed documents or left padding (not both) are also blocks of the fused kernel (sdpa on the CPU).
-    ranges = _key_ranges(documents, real)
+    # Packed documents or left padding (not both) are also blocks of the fused kernel, which only sdpa on the CPU runs.
+    blocks_possible = positions.device.type == "cpu" and not block_mask
+    ranges = _key_ranges(documents, real) if blocks_possible else None
     mask = _whole_sequence_mask(attend, positions, indices, block_mask, on_demand=ranges is not None)
     # The model gets no mask: its attention (the wrapper) reads the sequence's from here, and nothing else of the
     # model takes it for a [B, T] padding mask (MoE's load-balancing loss would).
