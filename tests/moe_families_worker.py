@@ -33,13 +33,16 @@ def micro_batches(
     """`count` micro-batches of step `step` (step -1: the probe), the same in every process, the last row of each
     right-padded: the router loss leaves padding out. `ragged`: every other micro-batch 4 tokens shorter; `packed`:
     two documents a row (their positions count from 0 again), unpadded; "mixed": micro-batches 2-3 of every 4 packed,
-    0-1 right-padded (so that each of 2 data-parallel ranks, taking every other one, gets one of each)."""
+    0-1 right-padded (so that each of 2 data-parallel ranks, taking every other one, gets one of each); "left": RL's
+    rows instead, the first left-padded by 3 + index % 2 tokens, the last right-padded as above."""
     generator = torch.Generator().manual_seed(2000 + step)
     batches = []
     for index in range(count):
         length = LENGTH - 4 * (ragged and index % 2)
         mask = torch.ones(ROWS, length, dtype=torch.long)
         mask[-1, length - 5 :] = 0
+        if packed == "left":
+            mask[0, : 3 + index % 2] = 0
         ids = torch.randint(3, VOCAB, (ROWS, length), generator=generator).masked_fill(mask == 0, 2)
         if packed is True or (packed == "mixed" and index // 2 % 2):
             positions = (torch.arange(length) % (length // 2)).expand(ROWS, length)

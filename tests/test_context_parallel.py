@@ -107,13 +107,14 @@ LORA = {"lora": {"rank": 4, "target_modules": "all-linear", "init_lora_weights":
 def one_rank(folders: dict[str, Path], out: Path) -> dict[str, dict[str, Any]]:
     """The references, in this process (a world of one): 4 micro-batches a step, 2 right-padded and 2 of packed
     documents (`micro_batches`' "mixed"): every run below trains both kinds in each step, but `model.remove_padding`'s
-    (right-padded micro-batches only, "dense padded")."""
+    (right-padded micro-batches only, "dense padded") and the left-padded RL rows' ("moe left", a caller's loss)."""
     dense, moe = folders["dense"], folders["moe"]
     planned = {
         "dense": run(dense, out / "dense-1.pt", 4),
         "dense lora": run(dense, out / "dense-lora-1.pt", 4, model=LORA),
         "moe": run(moe, out / "moe-1.pt", 4),
         "dense padded": run(dense, out / "dense-padded-1.pt", 4, packed=False),
+        "moe left": run(moe, out / "moe-left-1.pt", 4, packed="left", caller_loss=True),
     }
     try:
         for spec in planned.values():
@@ -126,8 +127,8 @@ def one_rank(folders: dict[str, Path], out: Path) -> dict[str, dict[str, Any]]:
 @pytest.fixture(scope="module")
 def two_ranks(folders: dict[str, Path], out: Path, one_rank: dict) -> dict[str, dict[str, Any]]:
     """One 2-rank launch: CP 2 with a caller's loss and every decoder layer recomputed, CP 2 with LoRA and the loss in
-    chunks of 3 tokens, CP 2 with EP 2 on the MoE, CP 2 with `model.remove_padding`, and the resumes of CP 2's
-    checkpoint at CP 1 (2 data-parallel ranks) and at Ulysses 2."""
+    chunks of 3 tokens, CP 2 with EP 2 on the MoE, CP 2 with `model.remove_padding`, CP 2 on left-padded rows with a
+    caller's loss, and the resumes of CP 2's checkpoint at CP 1 (2 data-parallel ranks) and at Ulysses 2."""
     dense, moe, checkpoint = folders["dense"], folders["moe"], str(out / "ckpt-cp2")
     planned = {
         "cp2": run(
@@ -143,6 +144,7 @@ def two_ranks(folders: dict[str, Path], out: Path, one_rank: dict) -> dict[str, 
         "cp2 lora": run(dense, out / "cp2-lora.pt", 4, cp=2, model=LORA, training={"loss_chunk_tokens": 3}),
         "cp2 ep2": run(moe, out / "cp2-ep2.pt", 4, cp=2, ep=2),
         "cp2 remove padding": run(dense, out / "cp2-rmpad.pt", 4, cp=2, model=REMOVE_PADDING, packed=False),
+        "cp2 left": run(moe, out / "cp2-left.pt", 4, cp=2, packed="left", caller_loss=True),
         "cp2->cp1": run(dense, out / "resume-cp1.pt", 2, resume=checkpoint),
         "cp2->ulysses2": run(dense, out / "resume-u2.pt", 4, ulysses=2, resume=checkpoint),
     }
@@ -228,6 +230,9 @@ def assert_features_on(got: dict[str, Any], reference: dict[str, Any], features:
         # normalised update of it turns fp32 summation order into a ~1e-5 weight difference.
         ("cp2 ep2", "moe", 2e-5, {BLOCKWISE, LEFT_BLOCKWISE}),
         ("cp2 remove padding", "dense padded", 1e-5, {UNPADDED, BLOCKWISE, LEFT_BLOCKWISE}),
+        # RL's left-padded rows trained through the Strategy API with a caller's loss: the padding's diagonal blocks
+        # and the prompts' ranges in every train step's attention.
+        ("cp2 left", "moe left", 2e-5, {BLOCKWISE, LEFT_BLOCKWISE}),
     ],
 )
 def test_cp2_on_two_ranks_trains_like_one_rank(case, reference, weight_atol, features, one_rank, two_ranks):

@@ -214,20 +214,32 @@ def test_ulysses_with_data_parallel_and_hsdp_matches_one_process_on_packed_docum
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "model",
+    ("model", "layout"),
     [
         # Eager attention, and one key/value head for two ranks (each rank needs its own copy of it).
-        pytest.param({"model.config.num_key_value_heads": 1, "model.attn_implementation": "eager"}, id="eager-mqa"),
+        pytest.param(
+            {"model.config.num_key_value_heads": 1, "model.attn_implementation": "eager"},
+            {"model.ulysses_size": 2},
+            id="eager-mqa",
+        ),
         # Unaligned: 3 heads over 2 ranks (2 and 1), sdpa.
         pytest.param(
             UNALIGNED | {"model.config.num_attention_heads": 3, "model.config.num_key_value_heads": 3},
+            {"model.ulysses_size": 2},
             id="unaligned-3-heads",
+        ),
+        # Context parallel 2 on packed documents under a sliding window (16 < 63): sdpa's blocks, banded tiles.
+        pytest.param(
+            {"model.config.model_type": "mistral", "model.config.sliding_window": 16, "data.pack": True},
+            {"model.context_parallel_size": 2},
+            id="cp2-window-packed",
         ),
     ],
 )
-def test_every_gradient_matches_one_process_after_one_step(config_file, uneven_jsonl, tmp_path, model):
+def test_every_gradient_matches_one_process_after_one_step(config_file, uneven_jsonl, tmp_path, model, layout):
     """One AdamW step with epsilon >> |grad| and lr = epsilon moves each weight by lr * g / (|g| + eps) = g (to 1e-7):
-    the exported weights give every parameter's gradient."""
+    the exported weights give every parameter's gradient, through `fsdp2kit train` at 2 ranks of sequence
+    parallelism."""
     settings = SMALL | {"data.source": str(uneven_jsonl), "data.pack": False} | model
     one_step = {
         "training.max_steps": 1,
@@ -244,7 +256,7 @@ def test_every_gradient_matches_one_process_after_one_step(config_file, uneven_j
     train_cli(
         config_file,
         2,
-        settings | one_step | {"model.ulysses_size": 2, "training.gradient_accumulation_steps": 4},
+        settings | one_step | layout | {"training.gradient_accumulation_steps": 4},
         tmp_path,
     )
     trained = {k: v for f in sorted((tmp_path / "hf").glob("*.safetensors")) for k, v in load_file(f).items()}
