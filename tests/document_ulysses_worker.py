@@ -1,8 +1,9 @@
-"""One rank of tests/test_document_attention.py's Ulysses case, launched as `python tests/document_ulysses_worker.py
-MODEL_DIR OUT` under torchrun with 2 ranks: fsdp2kit's sharded model at model.ulysses_size 2 on packed documents,
-once as the build picks on this CPU (sdpa: blocks of the fused kernel, a dense document mask only on demand) and once
-with FlexAttention picked as on CUDA (forward only: torch has no CPU backward for it). Rank 0 saves each path's
-whole-sequence logits, its attention, the kind of mask its batch carried and whether a dense one was made to OUT."""
+"""One rank of tests/test_document_attention.py's Ulysses and context-parallel case, launched as `python
+tests/document_ulysses_worker.py MODEL_DIR OUT` under torchrun with 2 ranks: fsdp2kit's sharded model at
+model.ulysses_size 2 and at model.context_parallel_size 2 on packed documents, each once as the build picks on this CPU
+(sdpa: blocks of the fused kernel, a dense document mask only on demand) and once with FlexAttention picked as on
+CUDA (forward only: torch has no CPU backward for it). Rank 0 saves each path's whole-sequence logits, its attention,
+the kind of mask its batch carried and whether a dense one was made to OUT."""
 
 from __future__ import annotations
 
@@ -15,13 +16,14 @@ from test_document_attention import job, packed_batch
 
 from fsdp2kit.distributed import init_distributed, shutdown
 from fsdp2kit.parallel import document_attention
-from fsdp2kit.parallel.ulysses import sequence_mask
+from fsdp2kit.parallel.ulysses import gathered_order, sequence_mask
 
 
 @torch.no_grad()
-def ulysses_logits(model_dir: str) -> dict[str, object]:
-    """The packed batch's logits through the build's own Ulysses path: each rank's slice, gathered in rank order."""
-    sharded = sharded_model(job(model_dir, ulysses_size=2), init_distributed(None), training=False)
+def sequence_logits(model_dir: str, parallel: str) -> dict[str, object]:
+    """The packed batch's logits through the build's own Ulysses or context-parallel (`parallel`) path: each rank's
+    share, gathered in rank order and put back in the sequence's."""
+    sharded = sharded_model(job(model_dir, **{parallel: 2}), init_distributed(None), training=False)
     ids, positions = packed_batch()
     shard = sharded.variant.shard_batch({"input_ids": ids, "labels": ids, "position_ids": positions}, sharded.sp_group)
     local = sharded.model(**{k: v for k, v in shard.items() if k != "labels"}, use_cache=False).logits
@@ -29,8 +31,10 @@ def ulysses_logits(model_dir: str) -> dict[str, object]:
     dist.all_gather(pieces, local.contiguous())
     assert "attention_mask" not in shard  # the wrapper reads the group's mask; the model gets none
     mask = sequence_mask(sharded.sp_group)
+    order = gathered_order(sharded.sp_group)
+    logits = torch.cat(pieces, 1)
     return {
-        "logits": torch.cat(pieces, 1),
+        "logits": logits if order is None else logits[:, torch.argsort(order)],
         "attention": sharded.model.config._attn_implementation,
         "mask": type(mask).__name__,
         "mask_made": getattr(mask, "_mask", None) is not None,  # a dense mask on demand that an attention call made
@@ -38,9 +42,10 @@ def ulysses_logits(model_dir: str) -> dict[str, object]:
 
 
 def run(model_dir: str, out: str) -> None:
-    seen = {"dense": ulysses_logits(model_dir)}
+    parallel = ("ulysses_size", "context_parallel_size")
+    seen = {f"dense {name}": sequence_logits(model_dir, name) for name in parallel}
     document_attention.document_path = lambda *_: (True, "as on CUDA")  # type: ignore[assignment]
-    seen["flex"] = ulysses_logits(model_dir)
+    seen.update({f"flex {name}": sequence_logits(model_dir, name) for name in parallel})
     if dist.get_rank() == 0:
         torch.save(seen, out)
     shutdown()

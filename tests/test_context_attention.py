@@ -13,7 +13,8 @@ from transformers.integrations.sdpa_attention import repeat_kv
 
 from fsdp2kit.parallel import context_attention
 from fsdp2kit.parallel.context_attention import KeyRanges, blockwise_causal_attention, query_runs, window_tiles
-from fsdp2kit.parallel.ulysses import _key_ranges, _sequence_mask_function, token_order
+from fsdp2kit.parallel.document_attention import document_flex_attention
+from fsdp2kit.parallel.ulysses import _FlexSequenceMask, _key_ranges, _sequence_mask_function, token_order
 
 HEADS, DIM, LENGTH = 4, 8, 48
 
@@ -201,3 +202,110 @@ def test_cuda_keeps_the_dense_mask_and_agrees_with_the_cpu_blockwise_path():
     mask = (queries[:, None] >= keys[None, :]).cuda()
     gpu = F.scaled_dot_product_attention(q.cuda(), k.cuda(), v.cuda(), mask).transpose(1, 2)
     torch.testing.assert_close(gpu.cpu(), cpu, atol=1e-5, rtol=1e-5)
+
+
+def flex_over_rank(
+    made: object, mask: object, indices: tuple[torch.Tensor, torch.Tensor], window: int | None, qkv: list
+) -> torch.Tensor:
+    """FlexAttention of a rank's queries over the gathered keys through the block mask CP's wrapper makes on CUDA
+    (`_FlexSequenceMask` `made`, from `mask`: a rule of global indices, None for causal, or a rectangular tensor)."""
+    block_mask = made(mask, qkv[0].shape[0], indices, LENGTH, window, qkv[0].device)  # type: ignore[operator]
+    return document_flex_attention(torch.nn.Module(), *qkv, block_mask, scaling=0.3)[0]
+
+
+def sdpa_over_rank(mask: torch.Tensor, qkv: list) -> torch.Tensor:
+    q, k, v = qkv
+    repeats = q.shape[1] // k.shape[1]
+    return F.scaled_dot_product_attention(q, repeat_kv(k, repeats), repeat_kv(v, repeats), mask, scale=0.3)
+
+
+def flex_cases(indices: tuple[torch.Tensor, torch.Tensor]) -> list[tuple[object, int | None, torch.Tensor]]:
+    """What CP's FlexAttention path is given for a rank (the batch's mask as `shard_sequence` or a VL model hands it,
+    the layer's window) and the dense [rows, 1, queries, keys] mask sdpa would apply instead: causal, packed
+    documents, left-padded rows (as a rule and as a VL model's rectangular tensor), each with and without a window."""
+    queries, keys = indices
+    documents, _ = packed_documents()
+    real = left_padded_rows()
+    padding = _sequence_mask_function(None, real)
+    assert padding is not None
+    padded = padding(torch.arange(4)[:, None, None], None, queries[:, None], keys[None, :])[:, None]
+    distance = queries[:, None] - keys[None, :]
+    cases = []
+    for window in (None, 7):
+        band = (distance < window) if window else torch.ones_like(distance, dtype=torch.bool)
+        cases += [
+            (None, window, causal(indices, 4) & band),
+            (
+                _sequence_mask_function(documents, None),
+                window,
+                causal(indices) & band & (documents[:, queries, None] == documents[:, None, keys])[:, None],
+            ),
+            (padding, window, padded & band),
+            (padded, window, padded & band),
+        ]
+    return cases
+
+
+@pytest.mark.parametrize(("context", "ulysses"), [(2, 1), (4, 1), (2, 2)])
+def test_flex_block_mask_of_a_rank_equals_sdpa_with_the_dense_mask(context, ulysses):
+    """CP's CUDA path (FlexAttention, model.attn_implementation auto): the block mask of each rank's rows over the
+    gathered keys, read at global indices, gives sdpa's output with the dense mask, for every mask it is handed and
+    under a window (forward: torch has no CPU backward for FlexAttention; the cuda test compares gradients). One
+    `_FlexSequenceMask` serves every rank and case, as one model's layers share it: it must not hand a mask made for
+    other rows or another rule."""
+    made = _FlexSequenceMask()
+    generator = torch.Generator().manual_seed(context * 5 + ulysses)
+    for rank in range(context):
+        indices = rank_layout(context, ulysses, rank)
+        for mask, window, dense in flex_cases(indices):
+            rows = dense.shape[0]
+            q = torch.randn(rows, HEADS, indices[0].numel(), DIM, generator=generator)
+            k, v = (torch.randn(rows, 2, LENGTH, DIM, generator=generator) for _ in range(2))
+            got = flex_over_rank(made, mask, indices, window, [q, k, v])
+            expected = sdpa_over_rank(dense, [q, k, v]).transpose(1, 2)
+            torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5, msg=f"rank {rank} window {window}")
+
+
+def test_flex_block_mask_skips_the_blocks_no_query_sees():
+    """At 1024 tokens and CP 2, rank 0 holds tokens [0, 256) and [768, 1024): its 4 x 8 blocks of 128 x 128 (the keys
+    in gathered order) are computed where a query sees a key, 1 + 2 for the front chunk's two query blocks (causal
+    from the first key) and 7 + 8 for its mirror's, so 14 of 32 never are (a dense mask computes all)."""
+    order = token_order(1024, 2, 1)
+    made, cpu = _FlexSequenceMask(), torch.device("cpu")
+    block_mask = made(None, 1, (order[0].flatten(), order.flatten()), 1024, None, cpu)
+    assert block_mask.shape[-2:] == (512, 1024)
+    assert block_mask.sparsity() == 100 * 14 / 32
+    # Rank 1's rows (chunks 1 and 2: 3 + 4 + 5 + 6 blocks) by the same maker: its own mask, as much work (balanced).
+    other = made(None, 1, (order[1].flatten(), order.flatten()), 1024, None, cpu)
+    assert other.sparsity() == block_mask.sparsity() and not torch.equal(other.kv_indices, block_mask.kv_indices)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize(("context", "ulysses"), [(2, 1), (2, 2)])
+def test_flex_block_mask_of_a_rank_trains_as_the_dense_mask_on_cuda(context, ulysses):
+    """bf16 on CUDA, compiled FlexAttention through each rank's block mask: output and q, k, v gradients of sdpa with
+    the dense mask, within bf16 rounding, for every mask and window of `flex_cases`."""
+    made = _FlexSequenceMask()
+    generator = torch.Generator().manual_seed(context + ulysses)
+    for rank in range(context):
+        indices = rank_layout(context, ulysses, rank)
+        for mask, window, dense in flex_cases(indices):
+            rows = dense.shape[0]
+            qkv = [
+                torch.randn(rows, HEADS, indices[0].numel(), DIM, generator=generator),
+                *(torch.randn(rows, 2, LENGTH, DIM, generator=generator) for _ in range(2)),
+            ]
+            weights = torch.randn(rows, indices[0].numel(), HEADS, DIM, generator=generator).cuda()
+            results = []
+            for attend in ("flex", "sdpa"):
+                leaves = [t.to("cuda", torch.bfloat16).requires_grad_() for t in qkv]
+                cuda_mask = mask.cuda() if isinstance(mask, torch.Tensor) else mask
+                if attend == "flex":
+                    output = flex_over_rank(made, cuda_mask, tuple(t.cuda() for t in indices), window, leaves)
+                else:
+                    output = sdpa_over_rank(dense.cuda(), leaves).transpose(1, 2)
+                (output.float() * weights).sum().backward()
+                results.append([output.float(), *(t.grad.float() for t in leaves)])
+            for name, flex, sdpa in zip(("output", "query", "key", "value"), *results, strict=True):
+                scale = float(sdpa.abs().max()) or 1.0
+                torch.testing.assert_close(flex, sdpa, rtol=0, atol=2e-2 * scale, msg=f"{name} rank {rank}")

@@ -2,7 +2,8 @@
 from transformers' own mask function equals the dense-mask path and each document run alone (fp32, 1e-5), on a model
 built and sharded by fsdp2kit, with padding, and for a family with sliding windows and soft-capped scores; the choice
 (FlexAttention on CUDA, with or without Ulysses; the dense mask on a CPU or where sdpa is named) is what check prints.
-Under Ulysses (2 ranks) the batch carries its documents as a block mask and the outputs equal the dense path's.
+Under Ulysses and context parallel (2 ranks) no dense mask exists on that path and the outputs equal the dense
+path's.
 torch has no CPU backward for FlexAttention: the gradients are compared by the cuda-marked tests."""
 
 from __future__ import annotations
@@ -140,6 +141,30 @@ def test_the_path_is_chosen_by_platform_and_request(requested, documents, ulysse
     assert description is None if says is None else says in description
 
 
+@pytest.mark.parametrize(
+    "requested, documents, device, current, flex, switch, says",
+    [
+        ("auto", True, CUDA, "sdpa", True, True, "FlexAttention with a block mask of each rank's queries"),
+        ("auto", False, CUDA, "sdpa", True, True, "FlexAttention with a block mask of each rank's queries"),
+        ("auto", True, CUDA, "ulysses_document_flex_group1", True, False, "block mask of each rank's queries"),
+        ("sdpa", True, CUDA, "sdpa", True, False, "dense [T/2, T] document mask over the gathered keys (model."),
+        ("sdpa", False, CUDA, "sdpa", True, False, None),
+        ("auto", True, CUDA, "eager", False, False, "(the family has no FlexAttention)"),
+        ("auto", True, CPU, "ulysses_sdpa_group1", True, False, "sdpa by blocks of the fused kernel within documents"),
+        ("auto", True, CPU, "eager", True, False, "dense [T/2, T] document mask over the gathered keys (FlexAtt"),
+        ("auto", False, CPU, "sdpa", True, False, None),
+    ],
+)
+def test_context_parallel_attends_through_flex_attention_on_cuda(
+    requested, documents, device, current, flex, switch, says
+):
+    """Under context parallel (2) a rank's rows need a mask with or without documents: FlexAttention takes it on
+    CUDA by default (a block mask of the rank's queries), the CPU's sdpa its blocks, else the dense [T/c, T] one."""
+    chosen, description = document_path(requested, documents, 1, device, current, flex, 2)
+    assert chosen == switch
+    assert description is None if says is None else says in description
+
+
 def test_check_names_the_path(llama_dir):
     """On this CPU: transformers' sdpa with the dense mask, and why; without document masking, nothing."""
     from fsdp2kit.check import describe
@@ -192,24 +217,28 @@ def test_ulysses_block_masks_equal_its_dense_masks_with_sliding_windows(window):
 
 
 @pytest.mark.slow
-def test_ulysses_attends_through_the_block_mask_as_through_the_dense_mask(llama_dir, tmp_path):
-    """2 gloo ranks, model.ulysses_size 2: with FlexAttention picked (as on CUDA) the Ulysses wrapper runs it over
-    the gathered sequence and the batch carries a BlockMask, no dense mask; the logits equal the dense path's (this
-    CPU's pick) and those of every document run alone by transformers (fp32, 1e-5)."""
+def test_ulysses_and_context_parallel_attend_through_block_masks_as_through_the_dense_mask(llama_dir, tmp_path):
+    """2 gloo ranks, model.ulysses_size 2 and model.context_parallel_size 2: with FlexAttention picked (as on CUDA)
+    the wrapper runs it over the gathered sequence, and no dense mask exists: under Ulysses the batch carries a
+    BlockMask, under CP the documents' rule, of which the wrapper makes the block mask of each rank's rows. The
+    logits equal the dense path's (this CPU's pick) and those of every document run alone by transformers (fp32,
+    1e-5)."""
     from transformers import AutoModelForCausalLM
 
     out = tmp_path / "seen.pt"
     launch_two_ranks("document_ulysses_worker.py", llama_dir, out, timeout=300)
     seen = torch.load(out, weights_only=False)
-    dense, flex = seen["dense"], seen["flex"]
-    assert (dense["mask"], flex["mask"]) == ("DenseMaskOnDemand", "BlockMask")
-    assert not dense["mask_made"]  # sdpa on the CPU attended by blocks (parallel/context_attention.py)
-    assert dense["attention"].startswith("ulysses_sdpa") and flex["attention"].startswith(f"ulysses_{DOCUMENT_FLEX}")
     model = AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         alone = each_document_alone(model, packed_batch()[0])
-    torch.testing.assert_close(flex["logits"], dense["logits"], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(flex["logits"], alone, rtol=1e-5, atol=1e-5)
+    for parallel, flex_mask in (("ulysses_size", "BlockMask"), ("context_parallel_size", "function")):
+        dense, flex = seen[f"dense {parallel}"], seen[f"flex {parallel}"]
+        assert (dense["mask"], flex["mask"]) == ("DenseMaskOnDemand", flex_mask)
+        assert not dense["mask_made"]  # sdpa on the CPU attended by blocks (parallel/context_attention.py)
+        assert dense["attention"].startswith("ulysses_sdpa")
+        assert flex["attention"].startswith(f"ulysses_{DOCUMENT_FLEX}")
+        torch.testing.assert_close(flex["logits"], dense["logits"], rtol=1e-5, atol=1e-5, msg=parallel)
+        torch.testing.assert_close(flex["logits"], alone, rtol=1e-5, atol=1e-5, msg=parallel)
 
 
 @pytest.mark.cuda

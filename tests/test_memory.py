@@ -35,7 +35,8 @@ MOE_EP2 = [*SMALL, "model.name_or_path=builtin:tiny-qwen3-moe", "strategy_args.s
 # The head and loss in chunks of 16 tokens (fake tensors: every row counted, where the run skips untargeted ones).
 CHUNKED = [*SMALL, "training.loss_chunk_tokens=16"]
 # Context parallel 2, and Ulysses 2 with sdpa named, over the demo's packed documents: the run attends by blocks
-# (the CPU's path), the trace by the dense mask (CUDA's, whose memory the plan predicts).
+# (the CPU's path); the trace as CUDA would, whose memory the plan predicts: CP through FlexAttention (no mask, no
+# scores), Ulysses' sdpa with the dense mask.
 CONTEXT_PARALLEL = [*SMALL, "model.context_parallel_size=2"]
 ULYSSES_SDPA = [*SMALL, "model.ulysses_size=2", "model.attn_implementation=sdpa"]
 MODELS = {"tiny": SMALL, "50M": LLAMA_50M, "moe-ep2": MOE_EP2, "tiny-chunked": CHUNKED}
@@ -342,3 +343,19 @@ def test_plan_under_context_parallel():
     assert context["attention"]["scores_bytes"] * 2 == plain["attention"]["scores_bytes"]
     saving = plain["attention"]["scores_bytes"] - context["attention"]["scores_bytes"]
     assert plain["peak_bytes"] - context["peak_bytes"] >= saving
+
+
+def test_plan_of_context_parallel_counts_no_scores():
+    """A CP rank attends (FlexAttention on CUDA, the blocks on a CPU) keeping no [heads, T/c, T] scores: the plan's
+    trace of CP 2 over packed documents at 2048 tokens (one layer's scores 32 MiB) peaks within a quarter of that
+    of Ulysses 2's (the same tokens a rank, no mask), not a layer's scores above it as the math kernel would."""
+    tiny = ["model.config.num_hidden_layers=2", "data.seq_len=2048", "training.per_device_train_batch_size=1"]
+    peaks = {}
+    for layout in ("model.context_parallel_size=2", "model.ulysses_size=2"):
+        report = predict(ConfigSource("examples/demo.yaml", [*tiny, layout], None, None), 2)
+        peaks[layout] = report["peak_bytes"]
+        if layout.startswith("model.context"):
+            scores = report["attention"]["scores_bytes"]
+            assert scores == 4 * 1024 * 2048 * 4
+    difference = peaks["model.context_parallel_size=2"] - peaks["model.ulysses_size=2"]
+    assert abs(difference) < scores / 4, (difference, scores)

@@ -11,7 +11,9 @@ On CUDA the block mask and the attention are compiled (Triton kernels). On a CPU
 (torch has no CPU backward for FlexAttention), so a CPU run keeps the dense mask; `document_path` decides, the build
 applies it, `check` prints it and `plan` counts what it picks. Under Ulysses the same choice holds: the wrapper
 (`parallel/ulysses.py`) runs DOCUMENT_FLEX over the gathered sequence with a block mask made from the whole
-sequence's documents. flash_attention_2 needs nothing: transformers runs it variable-length from the position ids.
+sequence's documents. Under context parallel a rank's rows (its two chunks) over the gathered keys need a mask with
+or without documents: on CUDA DOCUMENT_FLEX takes it too, as a block mask of those rows (`_context_parallel_path`).
+flash_attention_2 needs nothing: transformers runs it variable-length from the position ids.
 """
 
 from __future__ import annotations
@@ -38,16 +40,11 @@ def document_path(
     context_parallel_size: int = 1,
 ) -> tuple[bool, str | None]:
     """Whether a run switches to DOCUMENT_FLEX, and how its packed documents are attended (None: no documents).
-    `requested` is model.attn_implementation as written, `current` what the model resolved it to. Context parallel
-    attends with the dense mask of each rank's queries over the gathered keys (its rows are a rank's two chunks,
-    which a block mask over the whole sequence does not describe)."""
+    `requested` is model.attn_implementation as written, `current` what the model resolved it to."""
+    if context_parallel_size > 1:
+        return _context_parallel_path(requested, documents, device, current, supports_flex, context_parallel_size)
     if not documents:
         return False, None
-    if context_parallel_size > 1:
-        return False, (
-            f"{current} with a dense [T/{context_parallel_size}, T] document mask over the gathered keys "
-            "(context parallel)"
-        )
     gathered = " over the gathered sequence (Ulysses)" if ulysses_size > 1 else ""
     flex = f"FlexAttention with a document block mask{gathered} (no [T, T] mask)"
     if DOCUMENT_FLEX in current:  # switched already: alone, or inside Ulysses' wrapper (ulysses_document_flex_...)
@@ -62,6 +59,33 @@ def document_path(
     if device.type != "cuda":
         return False, f"{dense} (FlexAttention has no backward on {device.type})"
     return True, flex
+
+
+def _context_parallel_path(
+    requested: str, documents: bool, device: torch.device, current: str, supports_flex: bool, size: int
+) -> tuple[bool, str | None]:
+    """`document_path` under context parallel, where each rank attends for its queries (two chunks of T/2c) over the
+    gathered keys, a mask (causal by global index, documents, padding, a window) no kernel applies by itself, with or
+    without documents. On CUDA FlexAttention takes it as a block mask of those rows (the kernel skips every block
+    no query sees; no [T/c, T] tensor); a CPU's sdpa attends by blocks of its fused kernel within documents
+    (parallel/context_attention.py); else the dense [T/c, T] mask."""
+    flex = f"FlexAttention with a block mask of each rank's queries over the gathered keys (no [T/{size}, T] mask)"
+    if DOCUMENT_FLEX in current:
+        return False, flex
+    if device.type == "cuda" and requested == "auto" and supports_flex:
+        return True, flex
+    if not documents:
+        return False, None
+    if device.type != "cuda":
+        if "sdpa" in current:
+            blocks = "sdpa by blocks of the fused kernel within documents over the gathered keys"
+            return False, f"{blocks} (no [T/{size}, T] mask)"
+        why = f"FlexAttention has no backward on {device.type}"
+    elif requested != "auto":
+        why = f"model.attn_implementation: {requested}; auto picks FlexAttention on CUDA"
+    else:
+        why = "the family has no FlexAttention"
+    return False, f"{current} with a dense [T/{size}, T] document mask over the gathered keys ({why})"
 
 
 def document_route(model: Any, cfg: ModelConfig, data: DataConfig, device: torch.device) -> tuple[bool, str | None]:

@@ -18,7 +18,8 @@ no `attention_mask`, which the rest of it (MoE's load-balancing loss) would read
 left-padded samples (RL's prompts) get one too, with the padding masked out as keys. Where the build picked
 FlexAttention for packed documents (parallel/document_attention.py: CUDA, model.attn_implementation auto) the
 wrapper runs DOCUMENT_FLEX over the gathered sequence, and `shard_sequence` hands the same rule as a BlockMask
-(skipped, full or partial 128 x 128 blocks): no [T, T] mask exists on that path.
+(skipped, full or partial 128 x 128 blocks): no [T, T] mask exists on that path. Under context parallel it does so
+on CUDA with or without documents, through a block mask of the rank's rows that the wrapper makes from the rule.
 
 The wrapper is registered under a name that only the models Ulysses switched use: each model owns its config
 (`models/build.py:build_meta_model`), so a plain model built from the same source config in the same process (a
@@ -37,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import is_fake
 from torch.distributed import ProcessGroup
 
 from fsdp2kit.errors import UserError
@@ -259,10 +261,13 @@ def _whole_sequence_mask(
 ) -> Any:
     """The mask `attend` describes over the whole sequence (None: none needed): a BlockMask, or the dense one, at the
     global `indices` (None: in order); `on_demand` where the blocks may attend instead (CP's key ranges), made
-    only if an attention call needs it after all."""
+    only if an attention call needs it after all. Under context parallel a BlockMask's rows are this rank's
+    queries, which the wrapper's `_FlexSequenceMask` maps to global indices: `attend` itself is kept."""
     if attend is None:
         return None
     batch_size, total = positions.shape
+    if block_mask and indices is not None:  # the wrapper makes the BlockMask of this rank's rows, per window
+        return attend
     if block_mask:
         return document_block_mask(batch_size, total, total, mask_function=attend, device=positions.device)
     dense = DenseMaskOnDemand(attend, batch_size, *(indices or (torch.arange(total, device=positions.device),) * 2))
@@ -469,12 +474,23 @@ class _FlexSequenceMask:
     """The BlockMask DOCUMENT_FLEX attends through over the gathered sequence: the one the batch brought
     (`shard_sequence`'s documents and left padding), a mask function over a dense mask that came instead (a VL
     model's left padding, parallel/vision.py), or causal; narrowed to a sliding window shorter than the sequence.
-    The last one made per shape and window is kept for the layers (and recomputations) that see the same mask."""
+    Under context parallel its rows are this rank's queries and its columns the gathered keys (`indices`): a mask
+    function of global indices (`shard_sequence`'s rule, causal, the window) is read through those maps, and the
+    kernel skips every 128 x 128 block no query of it sees, as the balanced chunks leave them. The last one made per
+    shape and window is kept for the layers (and recomputations) that see the same mask."""
 
     def __init__(self) -> None:
-        self._made: dict[tuple, tuple[Any, Any]] = {}
+        self._made: dict[tuple, tuple[Any, Any, Any]] = {}
 
-    def __call__(self, attention_mask: Any, batch_size: int, length: int, window: int | None, device: Any) -> Any:
+    def __call__(
+        self,
+        attention_mask: Any,
+        batch_size: int,
+        indices: tuple[torch.Tensor, torch.Tensor] | None,
+        length: int,
+        window: int | None,
+        device: Any,
+    ) -> Any:
         from torch.nn.attention.flex_attention import BlockMask
         from transformers.masking_utils import and_masks, causal_mask_function, sliding_window_overlay
 
@@ -483,20 +499,34 @@ class _FlexSequenceMask:
             return attention_mask
         key = (batch_size, length, narrow, device)
         made = self._made.get(key)
-        if made is not None and made[0] is attention_mask:
-            return made[1]
+        if made is not None and made[0] is attention_mask and made[1] is indices:
+            return made[2]
         function: Callable
         if isinstance(attention_mask, BlockMask):
             function = attention_mask.mask_mod
-        elif attention_mask is not None:
+        elif isinstance(attention_mask, torch.Tensor):  # its rows and columns are the attention's own
             function = _indexed_mask(attention_mask)
-        else:
-            function = causal_mask_function
+        else:  # a rule of global indices: the sequence's (context parallel), or causal
+            function = _at_global_indices(attention_mask or causal_mask_function, indices, device)
         if narrow is not None:
-            function = and_masks(function, sliding_window_overlay(narrow))
-        block_mask = document_block_mask(batch_size, length, length, mask_function=function, device=device)
-        self._made[key] = (attention_mask, block_mask)
+            function = and_masks(function, _at_global_indices(sliding_window_overlay(narrow), indices, device))
+        queries = length if indices is None else indices[0].numel()
+        block_mask = document_block_mask(batch_size, queries, length, mask_function=function, device=device)
+        self._made[key] = (attention_mask, indices, block_mask)
         return block_mask
+
+
+def _at_global_indices(function: Callable, indices: tuple[torch.Tensor, torch.Tensor] | None, device: Any) -> Callable:
+    """A mask function of global indices read at the attention's own rows and columns: under context parallel this
+    rank's queries and the gathered keys (`indices`), else the sequence in order (itself)."""
+    if indices is None:
+        return function
+    queries, keys = (t.to(device) for t in indices)
+
+    def attend(batch: torch.Tensor, head: Any, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+        return function(batch, head, queries[query], keys[key])
+
+    return attend
 
 
 def _indexed_mask(dense: torch.Tensor) -> Callable:
@@ -553,7 +583,7 @@ def _inner_mask(
     if isinstance(attention_mask, DenseMaskOnDemand):
         attention_mask = attention_mask()
     if flex_mask is not None:
-        return flex_mask(attention_mask, query.shape[0], length, window, query.device)
+        return flex_mask(attention_mask, query.shape[0], indices, length, window, query.device)
     additive = query.dtype if inner == "eager" else None
     return _full_sequence_mask(attention_mask, indices, length, window, additive, query.device)
 
@@ -600,6 +630,10 @@ def _ulysses_attention(inner: str, group: ProcessGroup) -> Callable:
         if by is not None:
             blockwise = context_attention.blockwise_causal_attention
             output = blockwise(query, key, value, by, kwargs.get("scaling"), ranges, window)
+        elif inner == "sdpa" and attention_mask is None and context is not None and is_fake(query):
+            # `plan`'s trace of a causal CP rank: the run's kernel keeps no scores (FlexAttention on CUDA, the blocks
+            # on a CPU), as sdpa's unmasked one; the dense mask would send the trace to the math kernel, which does.
+            output, _ = inner_attention(module, query, key, value, None, **kwargs)
         else:
             mask = _inner_mask(inner, flex_mask, attention_mask, indices, length, window, query)
             output, _ = inner_attention(module, query, key, value, mask, **kwargs)  # [batch, seq, heads/k, dim]
