@@ -149,7 +149,7 @@ def test_the_path_is_chosen_by_platform_and_request(requested, documents, ulysse
         ("auto", True, CUDA, "ulysses_document_flex_group1", True, False, "block mask of each rank's queries"),
         ("sdpa", True, CUDA, "sdpa", True, False, "dense [T/2, T] document mask over the gathered keys (model."),
         ("sdpa", False, CUDA, "sdpa", True, False, None),
-        ("auto", True, CUDA, "eager", False, False, "(the family has no FlexAttention)"),
+        ("auto", True, CUDA, "eager", False, False, "(the family has no FlexAttention"),
         ("auto", True, CPU, "ulysses_sdpa_group1", True, False, "sdpa by blocks of the fused kernel within documents"),
         ("auto", True, CPU, "eager", True, False, "dense [T/2, T] document mask over the gathered keys (FlexAtt"),
         ("auto", False, CPU, "sdpa", True, False, None),
@@ -163,6 +163,25 @@ def test_context_parallel_attends_through_flex_attention_on_cuda(
     chosen, description = document_path(requested, documents, 1, device, current, flex, 2)
     assert chosen == switch
     assert description is None if says is None else says in description
+
+
+def test_a_model_with_attention_sinks_keeps_sdpa():
+    """GPT-OSS's family has FlexAttention, but DOCUMENT_FLEX refuses its sinks: the route does not switch to it on
+    CUDA (packed documents, or context parallel), where it would fail at the first forward."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from fsdp2kit.config.schema import DataConfig, ModelConfig
+    from fsdp2kit.parallel.document_attention import document_route
+
+    settings = {"num_hidden_layers": 1, "hidden_size": 32, "intermediate_size": 32, "num_attention_heads": 4}
+    config = AutoConfig.for_model("gpt_oss", **settings, num_key_value_heads=2, head_dim=8, num_local_experts=2)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")  # GPT-OSS has no sdpa
+    assert model._supports_flex_attn
+    for parallel in ({}, {"context_parallel_size": 2}):
+        cfg = ModelConfig(name_or_path="x", **parallel)
+        switched, says = document_route(model, cfg, DataConfig(pack=True, document_mask=True), CUDA)
+        assert not switched and "attention sinks" in str(says)
 
 
 def test_check_names_the_path(llama_dir):

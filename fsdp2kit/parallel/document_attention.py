@@ -55,7 +55,7 @@ def document_path(
     if requested != "auto":
         return False, f"{dense} (model.attn_implementation: {requested}; auto picks FlexAttention on CUDA)"
     if not supports_flex:
-        return False, f"{dense} (the family has no FlexAttention)"
+        return False, f"{dense} (the family has no FlexAttention, or attention sinks)"
     if device.type != "cuda":
         return False, f"{dense} (FlexAttention has no backward on {device.type})"
     return True, flex
@@ -84,15 +84,16 @@ def _context_parallel_path(
     elif requested != "auto":
         why = f"model.attn_implementation: {requested}; auto picks FlexAttention on CUDA"
     else:
-        why = "the family has no FlexAttention"
+        why = "the family has no FlexAttention, or attention sinks"
     return False, f"{current} with a dense [T/{size}, T] document mask over the gathered keys ({why})"
 
 
 def document_route(model: Any, cfg: ModelConfig, data: DataConfig, device: torch.device) -> tuple[bool, str | None]:
     """`document_path` for a built model: what its decoder's attention resolved to, and whether its family has
-    FlexAttention."""
+    FlexAttention that DOCUMENT_FLEX can run: not with attention sinks (GPT-OSS), which it refuses."""
     current = str(model.config.get_text_config()._attn_implementation)
-    supports_flex = bool(getattr(model, "_supports_flex_attn", False))
+    sinks = any(isinstance(getattr(module, "sinks", None), torch.Tensor) for module in model.modules())
+    supports_flex = bool(getattr(model, "_supports_flex_attn", False)) and not sinks
     documents = (data.pack and data.document_mask) or cfg.remove_padding  # the API's packed rows (train/packing.py)
     return document_path(
         cfg.attn_implementation, documents, cfg.ulysses_size, device, current, supports_flex, cfg.context_parallel_size
