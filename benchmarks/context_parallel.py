@@ -69,7 +69,8 @@ def strategy_config(folder: str, attention: str, ulysses: int, context: int, out
 
 
 def attention_work(strategy: Any, length: int, ulysses: int) -> int:
-    """This rank's causal (query, key) pairs times its heads, from the index maps of the micro-batch cut last."""
+    """This rank's causal (query, key) pairs times its heads, from the index maps of the micro-batch cut last; under
+    a sliding window only the pairs less than the window apart."""
     import torch
 
     from fsdp2kit.parallel.ulysses import token_indices
@@ -77,7 +78,9 @@ def attention_work(strategy: Any, length: int, ulysses: int) -> int:
     group = strategy.sharded.sp_group
     indices = token_indices(group) if group is not None else None
     queries, keys = indices if indices is not None else (torch.arange(length),) * 2
-    pairs = int((queries[:, None] >= keys[None, :]).sum())
+    distance = queries[:, None] - keys[None, :]
+    window = getattr(strategy.model.config, "sliding_window", None) or length
+    pairs = int(((distance >= 0) & (distance < window)).sum())
     return pairs * strategy.model.config.num_attention_heads // ulysses
 
 

@@ -11,6 +11,8 @@
 # Usage, from the checkout on the device (run with carry [".whl"]):
 #   source .whl/on-gpu.sh && bash benchmarks/gpu_quick.sh [DIR]
 # DIR (default $OUT, else docs/bench) receives gpu_tests.txt, gpu_tests.json and gpu_vs_minimal_quick.json.
+# Issue 48's 32k+ figures take a second call of about 3 minutes (one CP rank's attention; world size 1 suffices):
+#   source .whl/on-gpu.sh && python benchmarks/context_parallel_gpu.py > $OUT/gpu_context_parallel.json
 set -uo pipefail
 cd "$(dirname "$0")/.."
 DIR=${1:-${OUT:-docs/bench}}

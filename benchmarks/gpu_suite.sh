@@ -8,7 +8,9 @@
 #   - gpu_cases.json: bf16 tokens/s, MFU, the CUDA peak and `fsdp2kit plan`'s prediction for it, on that shape at
 #     seq 2048 and 4096, recompute off/on, CPU offload with pinned memory, compile;
 #   - gpu_side_by_side.json: the CPU suite's comparisons (raw fully_shard loop, FSDP1, Accelerate) at this
-#     machine's world size, and memory_scaling.
+#     machine's world size, and memory_scaling;
+#   - gpu_context_parallel.json: one context-parallel rank's attention at 32k-128k tokens, fsdp2kit's FlexAttention
+#     path against the dense mask it replaced (benchmarks/context_parallel_gpu.py; world size 1 suffices).
 # Training runs go to RUNS (default runs/gpu_suite). Not run by `make bench` (CPU) nor in CI.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -91,4 +93,7 @@ for bench in vs_raw_fsdp2 vs_fsdp1 vs_accelerate; do
 done
 $PY benchmarks/memory_scaling.py --world-sizes 1 >> "$OUT/side_by_side.jsonl"
 as_json_array "$OUT/side_by_side.jsonl" "$BENCH/gpu_side_by_side.json"
-echo "results: $BENCH/gpu_tests.json $BENCH/gpu_vs_minimal.json $BENCH/gpu_cases.json $BENCH/gpu_side_by_side.json"
+# 5. One context-parallel rank's attention at 32k-128k tokens (FlexAttention's block mask against the dense mask).
+$PY benchmarks/context_parallel_gpu.py > "$BENCH/gpu_context_parallel.json"
+echo "results: $BENCH/gpu_tests.json $BENCH/gpu_vs_minimal.json $BENCH/gpu_cases.json $BENCH/gpu_side_by_side.json" \
+  "$BENCH/gpu_context_parallel.json"

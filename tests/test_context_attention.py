@@ -309,3 +309,20 @@ def test_flex_block_mask_of_a_rank_trains_as_the_dense_mask_on_cuda(context, uly
             for name, flex, sdpa in zip(("output", "query", "key", "value"), *results, strict=True):
                 scale = float(sdpa.abs().max()) or 1.0
                 torch.testing.assert_close(flex, sdpa, rtol=0, atol=2e-2 * scale, msg=f"{name} rank {rank}")
+
+
+def test_the_gpu_benchmark_compares_the_same_attention():
+    """benchmarks/context_parallel_gpu.py (issue 48's figures on a lent GPU) runs forward on a CPU at a small length:
+    both paths of every rank it measures give the same output (bf16 rounding), and it measures ranks 0 and c-1."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parent.parent
+    command = [sys.executable, "benchmarks/context_parallel_gpu.py", "--device", "cpu", "--lengths", "512"]
+    command += ["--sizes", "1", "2", "--repeats", "1"]
+    done = subprocess.run(command, cwd=repo, capture_output=True, text=True, timeout=300, check=True)
+    rows = json.loads(done.stdout)["rows"]
+    assert [(row["context_parallel_size"], row["rank"]) for row in rows] == [(1, 0), (2, 0), (2, 1)]
+    assert all(row["max_diff_relative"] < 1e-2 for row in rows[1:])
