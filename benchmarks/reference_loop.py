@@ -194,11 +194,14 @@ def main() -> None:
         choices=["glibc", "return", "fsdp2kit"],
         default="glibc",
         help="glibc's own settings (a loop as a user writes it), large frees always returned to the OS "
-        "(fsdp2kit before), or fsdp2kit's: returned while loading, reused by the steps (benchmarks/mallopt_cost.py)",
+        "(fsdp2kit before), or fsdp2kit's: one heap, returned while loading, reused by the steps "
+        "(benchmarks/mallopt_cost.py)",
     )
     args = parser.parse_args()
-    from fsdp2kit.distributed import return_large_frees_to_os, reuse_freed_memory
+    from fsdp2kit.distributed import return_large_frees_to_os, reuse_freed_memory, share_one_heap
 
+    if args.allocator == "fsdp2kit":
+        share_one_heap()
     if args.allocator != "glibc":
         return_large_frees_to_os()
     cuda = torch.cuda.is_available()

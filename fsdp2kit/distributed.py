@@ -75,7 +75,7 @@ def free_port() -> int:
 
 
 # glibc's mallopt parameters (malloc.h)
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8
 _ALLOCATOR = {"reusing": False}  # whether this process's heap is in the steps' mode (reuse_freed_memory)
 
 
@@ -101,11 +101,20 @@ def return_large_frees_to_os(threshold_bytes: int = 4 << 20) -> None:
     _mallopt({_M_MMAP_THRESHOLD: threshold_bytes, _M_TRIM_THRESHOLD: 128 << 10}, trim=True)
 
 
+def share_one_heap() -> None:
+    """On CPU, before the process group's threads exist: glibc gives each thread that allocates an arena of its own
+    (up to 8 per core), and one arena's free memory serves no other thread, so gloo's threads' buffers sat in heaps
+    of their own beside the steps' (the 2-rank peak of the Trainer comparison, median of 4 launches: 1033 -> 1003
+    MiB, CPU time unchanged; docs/PERFORMANCE.md)."""
+    _mallopt({_M_ARENA_MAX: 1})
+
+
 def reuse_freed_memory(device: torch.device) -> None:
     """Steps allocate the same buffers every time: on CPU, keep freed memory in the heap for the next step (buffers
     up to 32 MiB from the heap, up to 1 GiB free kept), as CUDA's caching allocator keeps its blocks. Returning it
     made the kernel fault every large buffer's pages in again each step (260k page faults per step at 2 ranks of
-    the 25M benchmark model, 13% of the step: docs/PERFORMANCE.md). Called by every step; cheap once set."""
+    the 25M benchmark model, 13% of the step: docs/PERFORMANCE.md; trimming the heap's top above glibc's 64 MiB
+    still cost 5-10% of the Trainer comparison's step). Called by every step; cheap once set."""
     if device.type == "cpu" and not _ALLOCATOR["reusing"]:
         _ALLOCATOR["reusing"] = True
         _mallopt({_M_MMAP_THRESHOLD: 32 << 20, _M_TRIM_THRESHOLD: 1 << 30})
@@ -175,6 +184,7 @@ def init_distributed(device_mapping: list[int] | None) -> Runtime:
         backend = "cpu:gloo,cuda:nccl"
     else:
         device, backend = torch.device("cpu"), "gloo"
+        share_one_heap()
         return_large_frees_to_os()
     if not dist.is_initialized():
         # Under `torchrun --max-restarts`, every attempt meets in the same store: keys of the attempt before (a dead

@@ -200,6 +200,56 @@ def test_sync_each_batch_holds_only_sharded_gradients():
     assert each["peak_bytes"] < once["peak_bytes"]
 
 
+def test_a_cpu_rank_shares_one_heap_among_its_threads():
+    """On CPU, `init_distributed` limits glibc to one arena before gloo starts its threads
+    (distributed.share_one_heap): threads that allocate then leave no heaps of their own, whose free memory no other
+    thread could reuse. Counted in fresh interpreters (malloc_info's heaps), with and without the setting."""
+    from pathlib import Path
+
+    tests = Path(__file__).resolve().parent
+    heaps = {}
+    for share in (True, False):
+        probe = (
+            f"import sys; sys.path.insert(0, {str(tests)!r}); import test_memory as t; t._heaps_after_threads({share})"
+        )
+        done = run_python("-c", probe, timeout=120)
+        assert done.returncode == 0, done.stderr[-3000:]
+        heaps[share] = int(done.stdout.splitlines()[-1])
+    assert heaps == {True: 1, False: heaps[False]} and heaps[False] > 1, heaps
+
+
+def _heaps_after_threads(share: bool) -> None:
+    """Print how many heaps glibc's malloc_info lists after 4 threads allocated a tensor each (after
+    `init_distributed` on this CPU, or with glibc's defaults)."""
+    import ctypes
+    import tempfile
+    import threading
+    from pathlib import Path
+
+    import torch
+
+    from fsdp2kit.distributed import init_distributed, shutdown
+
+    if share:
+        init_distributed(None)
+    threads = [threading.Thread(target=lambda: torch.ones(1 << 16).sum()) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    libc = ctypes.CDLL("libc.so.6")
+    libc.fopen.restype, libc.fopen.argtypes = ctypes.c_void_p, [ctypes.c_char_p, ctypes.c_char_p]
+    libc.malloc_info.argtypes, libc.fclose.argtypes = [ctypes.c_int, ctypes.c_void_p], [ctypes.c_void_p]
+    with tempfile.NamedTemporaryFile(suffix=".xml") as report:
+        stream = libc.fopen(report.name.encode(), b"w")
+        libc.malloc_info(0, stream)
+        libc.fclose(stream)
+        count = Path(report.name).read_text().count("<heap nr=")
+    if share:
+        shutdown()
+    print(count)
+
+
 def _page_faults_per_step(strategy, batches: list[dict], steps: int) -> float:
     """Minor page faults of this process per `train_step` (each one a fresh page the kernel zeroes)."""
     import resource
