@@ -200,27 +200,32 @@ def test_sync_each_batch_holds_only_sharded_gradients():
     assert each["peak_bytes"] < once["peak_bytes"]
 
 
-def test_a_cpu_rank_shares_one_heap_among_its_threads():
-    """On CPU, `init_distributed` limits glibc to one arena before gloo starts its threads
+def test_cpu_ranks_share_one_heap_among_their_threads(tmp_path):
+    """On CPU with peers, `init_distributed` limits glibc to one arena before gloo starts its threads
     (distributed.share_one_heap): threads that allocate then leave no heaps of their own, whose free memory no other
-    thread could reuse. Counted in fresh interpreters (malloc_info's heaps), with and without the setting."""
+    thread could reuse. One rank keeps glibc's arenas (its collectives move nothing). Counted with malloc_info in
+    fresh processes: 2 ranks under torchrun, and one alone."""
     from pathlib import Path
 
+    from fsdp2kit.distributed import free_port
+
     tests = Path(__file__).resolve().parent
-    heaps = {}
-    for share in (True, False):
-        probe = (
-            f"import sys; sys.path.insert(0, {str(tests)!r}); import test_memory as t; t._heaps_after_threads({share})"
-        )
-        done = run_python("-c", probe, timeout=120)
+    script = tmp_path / "heaps.py"
+    script.write_text(
+        f"import sys; sys.path.insert(0, {str(tests)!r}); import test_memory as t; t._heaps_after_threads()"
+    )
+    two = run_python("-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", free_port(), script)
+    one = run_python(script)
+    counts = {}
+    for name, done in (("two", two), ("one", one)):
         assert done.returncode == 0, done.stderr[-3000:]
-        heaps[share] = int(done.stdout.splitlines()[-1])
-    assert heaps == {True: 1, False: heaps[False]} and heaps[False] > 1, heaps
+        counts[name] = [int(line.split()[1]) for line in done.stdout.splitlines() if line.startswith("heaps ")]
+    assert counts["two"] == [1, 1] and len(counts["one"]) == 1 and counts["one"][0] > 1, counts
 
 
-def _heaps_after_threads(share: bool) -> None:
-    """Print how many heaps glibc's malloc_info lists after 4 threads allocated a tensor each (after
-    `init_distributed` on this CPU, or with glibc's defaults)."""
+def _heaps_after_threads() -> None:
+    """Print how many heaps glibc's malloc_info lists in this rank after `init_distributed` and 4 threads that
+    allocated a tensor each."""
     import ctypes
     import tempfile
     import threading
@@ -230,8 +235,7 @@ def _heaps_after_threads(share: bool) -> None:
 
     from fsdp2kit.distributed import init_distributed, shutdown
 
-    if share:
-        init_distributed(None)
+    init_distributed(None)
     threads = [threading.Thread(target=lambda: torch.ones(1 << 16).sum()) for _ in range(4)]
     for thread in threads:
         thread.start()
@@ -244,10 +248,8 @@ def _heaps_after_threads(share: bool) -> None:
         stream = libc.fopen(report.name.encode(), b"w")
         libc.malloc_info(0, stream)
         libc.fclose(stream)
-        count = Path(report.name).read_text().count("<heap nr=")
-    if share:
-        shutdown()
-    print(count)
+        print("heaps", Path(report.name).read_text().count("<heap nr="), flush=True)
+    shutdown()
 
 
 def _page_faults_per_step(strategy, batches: list[dict], steps: int) -> float:
