@@ -104,8 +104,8 @@ def return_large_frees_to_os(threshold_bytes: int = 4 << 20) -> None:
 def share_one_heap() -> None:
     """On CPU, before the process group's threads exist: glibc gives each thread that allocates an arena of its own
     (up to 8 per core), and one arena's free memory serves no other thread, so gloo's threads' buffers sat in heaps
-    of their own beside the steps' (the 2-rank peak of the Trainer comparison, median of 4 launches: 1033 -> 1003
-    MiB, CPU time unchanged; docs/PERFORMANCE.md). Only with peers: one rank's collectives move nothing, and there
+    of their own beside the steps' (the 2-rank peak of the Trainer comparison, medians of 14 and 8 launches: 1040 ->
+    1012 MiB, CPU time unchanged; docs/PERFORMANCE.md). Only with peers: one rank's collectives move nothing, and there
     one arena cost 3.5% of the step and saved no memory."""
     _mallopt({_M_ARENA_MAX: 1})
 
