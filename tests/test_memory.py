@@ -252,6 +252,12 @@ def _heaps_after_threads() -> None:
     shutdown()
 
 
+def _steady_faults(strategy, batches: list[dict]) -> float:
+    """The fewer page faults per step of two windows of 3 steps: one window can still catch the heap's last growth
+    (a CI run under load once saw 5.3k a step after the export's 2 warm-up steps, against 28k returned)."""
+    return min(_page_faults_per_step(strategy, batches, 3) for _ in range(2))
+
+
 def _page_faults_per_step(strategy, batches: list[dict], steps: int) -> float:
     """Minor page faults of this process per `train_step` (each one a fresh page the kernel zeroes)."""
     import resource
@@ -300,10 +306,10 @@ def _steps_faults(folder: str) -> None:
     batches = [{"input_ids": torch.randint(3, 4096, (4, 500), generator=torch.Generator().manual_seed(0))}]
     strategy = fsdp2kit.Strategy.from_config(config)
     _page_faults_per_step(strategy, batches, 4)  # the heap grows to the step's size
-    faults = {"reused": _page_faults_per_step(strategy, batches, 3)}
+    faults = {"reused": _steady_faults(strategy, batches)}
     strategy.export_hf(Path(folder) / "hf")
-    _page_faults_per_step(strategy, batches, 2)
-    faults["reused_after_export"] = _page_faults_per_step(strategy, batches, 3)
+    _page_faults_per_step(strategy, batches, 3)
+    faults["reused_after_export"] = _steady_faults(strategy, batches)
     fsdp2kit.strategy.reuse_freed_memory = lambda device: None  # the steps no longer switch back
     return_large_frees_to_os()
     _page_faults_per_step(strategy, batches, 1)
