@@ -33,6 +33,12 @@ _FLASH_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _FLASH_CPU_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
+def has_attention_sinks(module: Any) -> bool:
+    """Whether an attention module carries learned sinks (GPT-OSS's `sinks`: an extra logit per head in the softmax),
+    which neither the fused kernels' blocks nor DOCUMENT_FLEX apply."""
+    return isinstance(getattr(module, "sinks", None), torch.Tensor)
+
+
 def blockwise_applies(
     module: Any, query: torch.Tensor, attention_mask: Any, length: int, padded: bool, **kwargs: Any
 ) -> bool:
@@ -50,7 +56,7 @@ def blockwise_applies(
         not kwargs.get("dropout"),
         kwargs.get("softcap") is None,
         kwargs.get("position_bias") is None,
-        not isinstance(getattr(module, "sinks", None), torch.Tensor),
+        not has_attention_sinks(module),
         getattr(module, "is_causal", True) if causal is None else causal,
     )
     return all(conditions)

@@ -25,6 +25,7 @@ from typing import Any, cast
 import torch
 
 from fsdp2kit.config.schema import DataConfig, ModelConfig
+from fsdp2kit.parallel.context_attention import has_attention_sinks
 from fsdp2kit.transformers_compat import mask_interface_function
 
 DOCUMENT_FLEX = "document_flex"
@@ -92,7 +93,7 @@ def document_route(model: Any, cfg: ModelConfig, data: DataConfig, device: torch
     """`document_path` for a built model: what its decoder's attention resolved to, and whether its family has
     FlexAttention that DOCUMENT_FLEX can run: not with attention sinks (GPT-OSS), which it refuses."""
     current = str(model.config.get_text_config()._attn_implementation)
-    sinks = any(isinstance(getattr(module, "sinks", None), torch.Tensor) for module in model.modules())
+    sinks = any(has_attention_sinks(module) for module in model.modules())
     supports_flex = bool(getattr(model, "_supports_flex_attn", False)) and not sinks
     documents = (data.pack and data.document_mask) or cfg.remove_padding  # the API's packed rows (train/packing.py)
     return document_path(

@@ -44,7 +44,7 @@ from torch.distributed import ProcessGroup
 from fsdp2kit.errors import UserError
 from fsdp2kit.labels import IGNORE_INDEX
 from fsdp2kit.parallel import context_attention
-from fsdp2kit.parallel.context_attention import KeyRanges, blockwise_applies
+from fsdp2kit.parallel.context_attention import KeyRanges, blockwise_applies, has_attention_sinks
 from fsdp2kit.parallel.document_attention import DOCUMENT_FLEX, document_block_mask, document_flex_attention
 from fsdp2kit.parallel.mesh import divisors, sequence_subgroups
 
@@ -547,7 +547,7 @@ def _heads_out(
     size = ulysses.size()
     query_split = heads_per_rank(query.shape[1], size)
     module, key, value = _rank_key_value(module, query.shape[1], key, value, size)
-    if isinstance(getattr(module, "sinks", None), torch.Tensor):
+    if has_attention_sinks(module):
         module = _RankHeadSinks(module, query_split, ulysses.rank())
     pieces = [query.shape[2]] * size  # every rank's slice of the sequence is as long (shard_sequence pads it)
     query = _AllToAll.apply(query, ulysses, 1, 2, query_split, pieces)
