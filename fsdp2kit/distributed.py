@@ -102,12 +102,13 @@ def return_large_frees_to_os(threshold_bytes: int = 4 << 20) -> None:
 
 
 def share_one_heap() -> None:
-    """On CPU, before the process group's threads exist: glibc gives each thread that allocates an arena of its own
-    (up to 8 per core), and one arena's free memory serves no other thread, so gloo's threads' buffers sat in heaps
-    of their own beside the steps' (the 2-rank peak of the Trainer comparison, medians of 14 and 8 launches: 1040 ->
-    1012 MiB, CPU time unchanged; docs/PERFORMANCE.md). Only with peers: one rank's collectives move nothing, and there
-    one arena cost 3.5% of the step and saved no memory."""
-    _mallopt({_M_ARENA_MAX: 1})
+    """On a CPU rank with peers (`WORLD_SIZE` > 1), before the process group's threads first allocate: glibc gives
+    each thread that allocates an arena of its own (up to 8 per core), and one arena's free memory serves no other
+    thread, so gloo's threads' buffers sat in heaps of their own beside the steps' (the 2-rank peak of the Trainer
+    comparison, medians of 14 and 8 launches: 1040 -> 1012 MiB, CPU time unchanged; docs/PERFORMANCE.md). Not alone:
+    one rank's collectives move nothing, and there one arena cost 3.5% of the step and saved no memory."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        _mallopt({_M_ARENA_MAX: 1})
 
 
 def reuse_freed_memory(device: torch.device) -> None:
@@ -185,8 +186,7 @@ def init_distributed(device_mapping: list[int] | None) -> Runtime:
         backend = "cpu:gloo,cuda:nccl"
     else:
         device, backend = torch.device("cpu"), "gloo"
-        if world_size > 1:
-            share_one_heap()
+        share_one_heap()
         return_large_frees_to_os()
     if not dist.is_initialized():
         # Under `torchrun --max-restarts`, every attempt meets in the same store: keys of the attempt before (a dead

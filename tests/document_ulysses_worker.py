@@ -3,7 +3,8 @@ tests/document_ulysses_worker.py MODEL_DIR OUT` under torchrun with 2 ranks: fsd
 model.ulysses_size 2 and at model.context_parallel_size 2 on packed documents, each once as the build picks on this CPU
 (sdpa: blocks of the fused kernel, a dense document mask only on demand) and once with FlexAttention picked as on
 CUDA (forward only: torch has no CPU backward for it). Rank 0 saves each path's whole-sequence logits, its attention,
-the kind of mask its batch carried and whether a dense one was made to OUT."""
+the kind of mask its batch carried and whether a dense one was made to OUT; and the shapes of what a training forward
+at context_parallel_size 2 saved for its backward, then ran."""
 
 from __future__ import annotations
 
@@ -41,9 +42,31 @@ def sequence_logits(model_dir: str, parallel: str) -> dict[str, object]:
     }
 
 
+def kept_for_backward(model_dir: str) -> dict[str, object]:
+    """The shapes of the tensors a training forward of the packed batch at context_parallel_size 2 saved for its
+    backward (all but what the attention keeps as the rank's block of the gathered keys and values), the sequence's
+    length, and whether the backward (which gathers those again) gave every parameter a finite gradient."""
+    sharded = sharded_model(job(model_dir, context_parallel_size=2), init_distributed(None), training=True)
+    ids, positions = packed_batch()
+    shard = sharded.variant.shard_batch({"input_ids": ids, "labels": ids, "position_ids": positions}, sharded.sp_group)
+    shapes: list[tuple[int, ...]] = []
+
+    def record(tensor: torch.Tensor) -> torch.Tensor:
+        shapes.append(tuple(tensor.shape))
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(record, lambda tensor: tensor):
+        logits = sharded.model(**{k: v for k, v in shard.items() if k != "labels"}, use_cache=False).logits
+    logits.float().square().mean().backward()
+    grads = [p.grad for p in sharded.model.parameters()]
+    finite = all(g is not None and bool(torch.isfinite(g.full_tensor()).all()) for g in grads)
+    return {"shapes": shapes, "length": ids.shape[1], "finite": finite}
+
+
 def run(model_dir: str, out: str) -> None:
     parallel = ("ulysses_size", "context_parallel_size")
     seen = {f"dense {name}": sequence_logits(model_dir, name) for name in parallel}
+    seen["kept context_parallel_size"] = kept_for_backward(model_dir)
     document_attention.document_path = lambda *_: (True, "as on CUDA")  # type: ignore[assignment]
     seen.update({f"flex {name}": sequence_logits(model_dir, name) for name in parallel})
     if dist.get_rank() == 0:

@@ -241,7 +241,8 @@ def test_ulysses_and_context_parallel_attend_through_block_masks_as_through_the_
     the wrapper runs it over the gathered sequence, and no dense mask exists: under Ulysses the batch carries a
     BlockMask, under CP the documents' rule, of which the wrapper makes the block mask of each rank's rows. The
     logits equal the dense path's (this CPU's pick) and those of every document run alone by transformers (fp32,
-    1e-5)."""
+    1e-5). A training forward at CP 2 keeps for its backward the rank's half of the tokens alone, not the gathered
+    keys and values, and the backward (which gathers them again) runs."""
     from transformers import AutoModelForCausalLM
 
     out = tmp_path / "seen.pt"
@@ -258,6 +259,11 @@ def test_ulysses_and_context_parallel_attend_through_block_masks_as_through_the_
         assert flex["attention"].startswith(f"ulysses_{DOCUMENT_FLEX}")
         torch.testing.assert_close(flex["logits"], dense["logits"], rtol=1e-5, atol=1e-5, msg=parallel)
         torch.testing.assert_close(flex["logits"], alone, rtol=1e-5, atol=1e-5, msg=parallel)
+    # What a CP rank keeps for the backward: its half of the queries and of the keys and values, never the gathered
+    # ones (the attention gathers them again in its backward: ulysses.py `_gathered_again_in_backward`).
+    kept = seen["kept context_parallel_size"]
+    lengths = {shape[2] for shape in kept["shapes"] if len(shape) == 4}  # [batch, heads, tokens, dim]
+    assert lengths == {kept["length"] // 2} and kept["finite"], (lengths, kept["length"])
 
 
 @pytest.mark.cuda

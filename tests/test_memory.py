@@ -201,41 +201,52 @@ def test_sync_each_batch_holds_only_sharded_gradients():
 
 
 def test_cpu_ranks_share_one_heap_among_their_threads(tmp_path):
-    """On CPU with peers, `init_distributed` limits glibc to one arena before gloo starts its threads
-    (distributed.share_one_heap): threads that allocate then leave no heaps of their own, whose free memory no other
-    thread could reuse. One rank keeps glibc's arenas (its collectives move nothing). Counted with malloc_info in
-    fresh processes: 2 ranks under torchrun, and one alone."""
+    """On CPU with peers, glibc is limited to one arena before gloo starts its threads (distributed.share_one_heap):
+    threads that allocate then leave no heaps of their own, whose free memory no other thread could reuse. Set by
+    `init_distributed`, and where a framework starts the process group itself (verl, ROLL), by importing
+    `fsdp2kit.integrations` before it. One rank keeps glibc's arenas (its collectives move nothing). Counted with
+    malloc_info in fresh processes: 2 ranks under torchrun each way, and one alone."""
     from pathlib import Path
 
     from fsdp2kit.distributed import free_port
 
     tests = Path(__file__).resolve().parent
-    script = tmp_path / "heaps.py"
-    script.write_text(
-        f"import sys; sys.path.insert(0, {str(tests)!r}); import test_memory as t; t._heaps_after_threads()"
-    )
-    two = run_python("-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", free_port(), script)
-    one = run_python(script)
     counts = {}
-    for name, done in (("two", two), ("one", one)):
+    for start in ("init_distributed", "framework"):
+        script = tmp_path / f"heaps_{start}.py"
+        call = f"import test_memory as t; t._heaps_after_threads({start!r})"
+        script.write_text(f"import sys; sys.path.insert(0, {str(tests)!r}); {call}")
+        launch = ("-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", free_port())
+        counts[start] = run_python(*launch, script)
+    counts["alone"] = run_python(tmp_path / "heaps_init_distributed.py")
+    for name, done in counts.items():
         assert done.returncode == 0, done.stderr[-3000:]
         counts[name] = [int(line.split()[1]) for line in done.stdout.splitlines() if line.startswith("heaps ")]
-    assert counts["two"] == [1, 1] and len(counts["one"]) == 1 and counts["one"][0] > 1, counts
+    assert counts["init_distributed"] == counts["framework"] == [1, 1], counts
+    assert len(counts["alone"]) == 1 and counts["alone"][0] > 1, counts
 
 
-def _heaps_after_threads() -> None:
-    """Print how many heaps glibc's malloc_info lists in this rank after `init_distributed` and 4 threads that
-    allocated a tensor each."""
+def _heaps_after_threads(start: str) -> None:
+    """Print how many heaps glibc's malloc_info lists in this rank after its process group started (by
+    `init_distributed`, or as a framework's worker starts it: `init_process_group` after importing its adapter), a
+    collective, and 4 threads that allocated a tensor each."""
     import ctypes
     import tempfile
     import threading
     from pathlib import Path
 
     import torch
+    import torch.distributed as dist
 
-    from fsdp2kit.distributed import init_distributed, shutdown
+    if start == "init_distributed":
+        from fsdp2kit.distributed import init_distributed
 
-    init_distributed(None)
+        init_distributed(None)
+    else:
+        import fsdp2kit.integrations  # noqa: F401  (what a verl or ROLL worker imports first)
+
+        dist.init_process_group("gloo")
+    dist.all_reduce(torch.ones(1 << 16))
     threads = [threading.Thread(target=lambda: torch.ones(1 << 16).sum()) for _ in range(4)]
     for thread in threads:
         thread.start()
@@ -249,7 +260,7 @@ def _heaps_after_threads() -> None:
         libc.malloc_info(0, stream)
         libc.fclose(stream)
         print("heaps", Path(report.name).read_text().count("<heap nr="), flush=True)
-    shutdown()
+    dist.destroy_process_group()
 
 
 def _steady_faults(strategy, batches: list[dict]) -> float:

@@ -33,8 +33,6 @@ from verl.workers.engine_workers import TrainingWorker
 from verl.workers.utils.losses import ppo_loss, sft_loss, value_loss
 from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding
 
-from fsdp2kit.integrations.verl import Fsdp2kitEngineConfig
-
 ROWS, PROMPT, RESPONSE = 8, 6, 6  # the global batch: 8 rollouts, two mini-batches of 4
 TEMPERATURE = 0.8
 
@@ -50,6 +48,8 @@ def engine_config(settings: dict, forward_only: bool = False):
         "infer_max_token_len_per_gpu": settings["max_tokens"],
     }
     if settings["backend"] == "fsdp2kit":
+        from fsdp2kit.integrations.verl import Fsdp2kitEngineConfig
+
         return Fsdp2kitEngineConfig(**common, overrides=[f"training.output_dir={settings['out']}.runs"])
     return FSDPEngineConfig(strategy="fsdp2", use_torch_compile=False, **common)
 
@@ -290,7 +290,11 @@ def run_sft(settings: dict) -> dict:
 
 
 def start(settings: dict) -> None:
-    """This rank's process group: torchrun's variables, or one rank's defaults."""
+    """This rank's process group: torchrun's variables, or one rank's defaults. fsdp2kit's side imports its adapter
+    first, as verl's worker process does when it receives its engine config (which registers the engine), and verl's
+    side imports no fsdp2kit: the import sets fsdp2kit's allocator (fsdp2kit/integrations/__init__.py)."""
+    if settings["backend"] == "fsdp2kit":
+        import fsdp2kit.integrations.verl  # noqa: F401
     os.environ["VERL_TEST_ULYSSES"] = str(settings["ulysses"])
     for key, value in {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}.items():
         os.environ.setdefault(key, value)

@@ -32,8 +32,9 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -450,6 +451,13 @@ def _full_sequence_mask(
     return additive.masked_fill(~mask, torch.finfo(additive_dtype).min)
 
 
+def _all_gathered(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """Keys or values [batch, heads, seq/c, dim] all-gathered along the sequence over `group`, in rank order."""
+    parts = [torch.empty_like(x) for _ in range(group.size())]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim=2)
+
+
 class _GatherKeys(torch.autograd.Function):
     """Keys or values [batch, heads, seq/c, dim] all-gathered along the sequence over the context-parallel group,
     in rank order. Its gradient: each rank's block gets the sum of every rank's gradient of it (a reduce-scatter,
@@ -458,9 +466,7 @@ class _GatherKeys(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
         ctx.group = group
-        parts = [torch.empty_like(x) for _ in range(group.size())]
-        dist.all_gather(parts, x.contiguous(), group=group)
-        return torch.cat(parts, dim=2)
+        return _all_gathered(x, group)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
@@ -468,6 +474,44 @@ class _GatherKeys(torch.autograd.Function):
         received = torch.empty_like(send)
         dist.all_to_all_single(received, send, group=ctx.group)
         return received.sum(0), None
+
+
+class _RankBlock(NamedTuple):
+    """What a rank keeps for the backward in place of a gathered key or value: its own block of it."""
+
+    block: torch.Tensor
+    group: ProcessGroup
+
+
+@contextmanager
+def _gathered_again_in_backward(
+    group: ProcessGroup | None, pairs: list[tuple[torch.Tensor, torch.Tensor]]
+) -> Iterator[None]:
+    """Around the attention over keys and values all-gathered over the context-parallel `group` (`pairs`: each
+    gathered tensor and this rank's block of it): whatever the attention saves of them for its backward is kept as
+    the rank's block and gathered again when the backward reads it, as ring attention passes the blocks around again
+    in its backward (torch's `context_parallel`). What a layer keeps for backward then shrinks with c (the gathered
+    keys and values were the one part that did not), at one more all-gather of them per layer."""
+    if group is None:
+        yield
+        return
+
+    def pack(tensor: torch.Tensor) -> Any:
+        for full, block in pairs:
+            if tensor is full:
+                return _RankBlock(block, group)
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, _gather_again):
+        try:
+            yield
+        finally:
+            pairs.clear()  # the hooks outlive the call (each saved tensor holds them): not the gathered tensors
+
+
+def _gather_again(saved: Any) -> torch.Tensor:
+    """A saved tensor as the backward reads it: a gathered one from the ranks' blocks again."""
+    return _all_gathered(saved.block, saved.group) if isinstance(saved, _RankBlock) else saved
 
 
 class _FlexSequenceMask:
@@ -616,8 +660,11 @@ def _ulysses_attention(inner: str, group: ProcessGroup) -> Callable:
         inner_attention = _inner_attention(inner, module, ALL_ATTENTION_FUNCTIONS)
         if ulysses is not None:  # heads out, sequence in
             module, query, key, value, exchange = _heads_out(module, query, key, value, ulysses)
+        gathered: list[tuple[torch.Tensor, torch.Tensor]] = []
         if context is not None:  # every key and value of the sequence, for this rank's queries
+            blocks = key, value
             key, value = _GatherKeys.apply(key, context), _GatherKeys.apply(value, context)
+            gathered = list(zip((key, value), blocks, strict=True))
         length, window = key.shape[2], kwargs.get("sliding_window")
         if context is not None and (indices is None or indices[1].numel() != length):
             # A forward of tokens no `shard_sequence` cut (the head's probe): each rank's taken as a contiguous part.
@@ -625,18 +672,19 @@ def _ulysses_attention(inner: str, group: ProcessGroup) -> Callable:
             attention_mask, ranges = None, None
         unblocked = attention_mask if ranges is None else None  # packed documents or left padding are blocks too
         padded = ranges is not None and ranges.padding_ends is not None
-        blocks = inner == "sdpa" and blockwise_applies(module, query, unblocked, length, padded, **kwargs)
-        by = _block_indices(indices, ranges, window, length) if blocks else None
-        if by is not None:
-            blockwise = context_attention.blockwise_causal_attention
-            output = blockwise(query, key, value, by, kwargs.get("scaling"), ranges, window)
-        elif inner == "sdpa" and attention_mask is None and context is not None and is_fake(query):
-            # `plan`'s trace of a causal CP rank: the run's kernel keeps no scores (FlexAttention on CUDA, the blocks
-            # on a CPU), as sdpa's unmasked one; the dense mask would send the trace to the math kernel, which does.
-            output, _ = inner_attention(module, query, key, value, None, **kwargs)
-        else:
-            mask = _inner_mask(inner, flex_mask, attention_mask, indices, length, window, query)
-            output, _ = inner_attention(module, query, key, value, mask, **kwargs)  # [batch, seq, heads/k, dim]
+        blockwise = inner == "sdpa" and blockwise_applies(module, query, unblocked, length, padded, **kwargs)
+        by = _block_indices(indices, ranges, window, length) if blockwise else None
+        with _gathered_again_in_backward(context, gathered):
+            if by is not None:
+                attend = context_attention.blockwise_causal_attention
+                output = attend(query, key, value, by, kwargs.get("scaling"), ranges, window)
+            elif inner == "sdpa" and attention_mask is None and context is not None and is_fake(query):
+                # `plan`'s trace of a causal CP rank: the run's kernel keeps no scores (FlexAttention on CUDA, the
+                # blocks on a CPU), as sdpa's unmasked one; the dense mask would send the trace to the math kernel.
+                output, _ = inner_attention(module, query, key, value, None, **kwargs)
+            else:
+                mask = _inner_mask(inner, flex_mask, attention_mask, indices, length, window, query)
+                output, _ = inner_attention(module, query, key, value, mask, **kwargs)  # [batch, seq, heads/k, dim]
         # The attention weights (eager) cover this rank's heads only; training never reads them.
         if ulysses is not None:  # sequence out, heads in
             output = _AllToAll.apply(output, ulysses, 1, 2, *reversed(exchange))
