@@ -3,12 +3,14 @@ tests/document_ulysses_worker.py MODEL_DIR OUT` under torchrun with 2 ranks: fsd
 model.ulysses_size 2 and at model.context_parallel_size 2 on packed documents, each once as the build picks on this CPU
 (sdpa: blocks of the fused kernel, a dense document mask only on demand) and once with FlexAttention picked as on
 CUDA (forward only: torch has no CPU backward for it). Rank 0 saves each path's whole-sequence logits, its attention,
-the kind of mask its batch carried and whether a dense one was made to OUT; and the shapes of what a training forward
-at context_parallel_size 2 saved for its backward, then ran."""
+the kind of mask its batch carried and whether a dense one was made to OUT; and what a training forward at
+context_parallel_size 2 kept of the keys and values it gathered, with and without a caller's saved-tensor hooks."""
 
 from __future__ import annotations
 
+import gc
 import sys
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -16,7 +18,7 @@ from conftest import sharded_model
 from test_document_attention import job, packed_batch
 
 from fsdp2kit.distributed import init_distributed, shutdown
-from fsdp2kit.parallel import document_attention
+from fsdp2kit.parallel import document_attention, ulysses
 from fsdp2kit.parallel.ulysses import gathered_order, sequence_mask
 
 
@@ -43,24 +45,40 @@ def sequence_logits(model_dir: str, parallel: str) -> dict[str, object]:
 
 
 def kept_for_backward(model_dir: str) -> dict[str, object]:
-    """The shapes of the tensors a training forward of the packed batch at context_parallel_size 2 saved for its
-    backward (all but what the attention keeps as the rank's block of the gathered keys and values), the sequence's
-    length, and whether the backward (which gathers those again) gave every parameter a finite gradient."""
+    """At context_parallel_size 2, a training forward of the packed batch: how many keys and values the attention
+    all-gathered, how many of those are still alive after it (it keeps the rank's block of them for its backward),
+    and whether the backward (which gathers them again) gave every parameter a finite gradient; then the sequence
+    lengths of what the same forward saves under a caller's saved-tensor hooks (as recompute's or activation
+    offload's), which must get everything, the gathered tensors too."""
     sharded = sharded_model(job(model_dir, context_parallel_size=2), init_distributed(None), training=True)
     ids, positions = packed_batch()
     shard = sharded.variant.shard_batch({"input_ids": ids, "labels": ids, "position_ids": positions}, sharded.sp_group)
-    shapes: list[tuple[int, ...]] = []
+    inputs = {k: v for k, v in shard.items() if k != "labels"}
+    gathered: list[weakref.ref] = []
+    gather = ulysses._GatherKeys.apply
 
-    def record(tensor: torch.Tensor) -> torch.Tensor:
-        shapes.append(tuple(tensor.shape))
-        return tensor
+    def recorded(x: torch.Tensor, group: object) -> torch.Tensor:
+        out = gather(x, group)
+        gathered.append(weakref.ref(out))
+        return out
 
-    with torch.autograd.graph.saved_tensors_hooks(record, lambda tensor: tensor):
-        logits = sharded.model(**{k: v for k, v in shard.items() if k != "labels"}, use_cache=False).logits
+    ulysses._GatherKeys.apply = recorded  # type: ignore[method-assign]
+    logits = sharded.model(**inputs, use_cache=False).logits
+    gc.collect()
+    alive = sum(ref() is not None for ref in gathered)
     logits.float().square().mean().backward()
     grads = [p.grad for p in sharded.model.parameters()]
     finite = all(g is not None and bool(torch.isfinite(g.full_tensor()).all()) for g in grads)
-    return {"shapes": shapes, "length": ids.shape[1], "finite": finite}
+    ulysses._GatherKeys.apply = gather  # type: ignore[method-assign]
+    lengths: set[int] = set()
+
+    def record(tensor: torch.Tensor) -> torch.Tensor:
+        lengths.update([tensor.shape[2]] if tensor.dim() == 4 else [])
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(record, lambda tensor: tensor):
+        sharded.model(**inputs, use_cache=False)
+    return {"gathered": len(gathered), "alive": alive, "finite": finite, "length": ids.shape[1], "hooked": lengths}
 
 
 def run(model_dir: str, out: str) -> None:

@@ -477,10 +477,14 @@ class _GatherKeys(torch.autograd.Function):
 
 
 class _RankBlock(NamedTuple):
-    """What a rank keeps for the backward in place of a gathered key or value: its own block of it."""
+    """What a rank keeps for the backward in place of a gathered key or value (or a view of one: a row of the
+    batch): its own block of it, and where the saved tensor lies in the gathered one."""
 
     block: torch.Tensor
     group: ProcessGroup
+    size: torch.Size
+    stride: tuple[int, ...]
+    offset: int | torch.SymInt
 
 
 @contextmanager
@@ -491,15 +495,18 @@ def _gathered_again_in_backward(
     gathered tensor and this rank's block of it): whatever the attention saves of them for its backward is kept as
     the rank's block and gathered again when the backward reads it, as ring attention passes the blocks around again
     in its backward (torch's `context_parallel`). What a layer keeps for backward then shrinks with c (the gathered
-    keys and values were the one part that did not), at one more all-gather of them per layer."""
-    if group is None:
+    keys and values were the one part that did not), at one more all-gather of them per layer. Saved-tensor hooks do
+    not nest (the innermost pair takes everything saved inside it): where another pair is active (recompute's, which
+    drops what the attention saves until the backward; activation offload's, which moves it), ours would keep what
+    that one drops or moves, so everything is left to it."""
+    if group is None or _other_saved_tensors_hooks():
         yield
         return
 
     def pack(tensor: torch.Tensor) -> Any:
         for full, block in pairs:
-            if tensor is full:
-                return _RankBlock(block, group)
+            if tensor is full or tensor._base is full:  # the blocks of packed rows save a row's view
+                return _RankBlock(block, group, tensor.size(), tensor.stride(), tensor.storage_offset())
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, _gather_again):
@@ -509,9 +516,19 @@ def _gathered_again_in_backward(
             pairs.clear()  # the hooks outlive the call (each saved tensor holds them): not the gathered tensors
 
 
+def _other_saved_tensors_hooks() -> bool:
+    """Whether saved-tensor hooks are active around this call. torch 2.6 and 2.7 lack the (private) query: there the
+    answer is yes, which keeps the gathered tensors, as before."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top is None or top(True) is not None
+
+
 def _gather_again(saved: Any) -> torch.Tensor:
-    """A saved tensor as the backward reads it: a gathered one from the ranks' blocks again."""
-    return _all_gathered(saved.block, saved.group) if isinstance(saved, _RankBlock) else saved
+    """A saved tensor as the backward reads it: a gathered one (or its view) from the ranks' blocks again, laid out as
+    the one the forward gathered (`torch.cat`'s contiguous result)."""
+    if not isinstance(saved, _RankBlock):
+        return saved
+    return _all_gathered(saved.block, saved.group).as_strided(saved.size, saved.stride, saved.offset)
 
 
 class _FlexSequenceMask:
