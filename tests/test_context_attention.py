@@ -326,3 +326,42 @@ def test_the_gpu_benchmark_compares_the_same_attention():
     rows = json.loads(done.stdout)["rows"]
     assert [(row["context_parallel_size"], row["rank"]) for row in rows] == [(1, 0), (2, 0), (2, 1)]
     assert all(row["max_diff_relative"] < 1e-2 for row in rows[1:])
+
+
+@pytest.mark.cuda
+def test_flex_attention_gathers_its_keys_again_in_the_backward_on_cuda():
+    """bf16 on CUDA, compiled FlexAttention (4 heads over 2 key/value heads: its grouped kernel saves the keys and
+    values it is given) of CP rank 0's queries inside `_gathered_again_in_backward`, over a group of one rank: none
+    of the gathered keys and values is alive after the forward, and the output and q, k, v gradients are those of
+    the same attention keeping them, to the bit (the backward gathers the same values again)."""
+    import gc
+    import weakref
+    from contextlib import nullcontext
+
+    import torch.distributed as dist
+    from conftest import process_group
+
+    from fsdp2kit.parallel.ulysses import _gathered_again_in_backward, _GatherKeys
+
+    indices = tuple(t.cuda() for t in rank_layout(2, 1, 0))
+    generator = torch.Generator().manual_seed(5)
+    qkv = [torch.randn(2, HEADS, indices[0].numel(), DIM, generator=generator)]
+    qkv += [torch.randn(2, 2, LENGTH, DIM, generator=generator) for _ in range(2)]
+    weights = torch.randn(2, indices[0].numel(), HEADS, DIM, generator=generator).cuda()
+    with process_group(1):
+        results, alive = [], []
+        for again in (True, False):
+            q, k, v = (t.to("cuda", torch.bfloat16).requires_grad_() for t in qkv)
+            gathered = [(_GatherKeys.apply(t, dist.group.WORLD), t) for t in (k, v)]
+            refs = [weakref.ref(full) for full, _ in gathered]
+            keep = _gathered_again_in_backward(dist.group.WORLD, gathered) if again else nullcontext()
+            with keep:
+                output = flex_over_rank(_FlexSequenceMask(), None, indices, None, [q, *(f for f, _ in gathered)])
+            del gathered
+            gc.collect()
+            alive.append(sum(ref() is not None for ref in refs))
+            (output.float() * weights).sum().backward()
+            results.append([output, q.grad, k.grad, v.grad])
+    assert alive == [0, 2], alive
+    for name, again, kept in zip(("output", "query", "key", "value"), *results, strict=True):
+        torch.testing.assert_close(again, kept, rtol=0, atol=0, msg=name)
