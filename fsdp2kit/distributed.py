@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import atexit
+import ctypes
 import gc
 import os
 import re
 import socket
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -79,12 +82,17 @@ _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8
 _ALLOCATOR = {"reusing": False}  # whether this process's heap is in the steps' mode (reuse_freed_memory)
 
 
-def _mallopt(settings: dict[int, int], trim: bool = False) -> None:
+def _glibc() -> ctypes.CDLL | None:
+    """glibc, whose malloc holds a CPU rank's tensors (None elsewhere, e.g. macOS: nothing to tune or count)."""
     try:
-        import ctypes
+        return ctypes.CDLL("libc.so.6")
+    except OSError:
+        return None
 
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:  # not glibc (e.g. macOS): nothing to tune
+
+def _mallopt(settings: dict[int, int], trim: bool = False) -> None:
+    libc = _glibc()
+    if libc is None:
         return
     for parameter, value in settings.items():
         libc.mallopt(parameter, value)
@@ -109,6 +117,20 @@ def share_one_heap() -> None:
     one rank's collectives move nothing, and there one arena cost 3.5% of the step and saved no memory."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         _mallopt({_M_ARENA_MAX: 1})
+
+
+def malloc_heaps() -> int | None:
+    """How many heaps glibc's malloc holds (malloc_info's), what `share_one_heap` keeps to one (None: not glibc)."""
+    libc = _glibc()
+    if libc is None:
+        return None
+    libc.fopen.restype, libc.fopen.argtypes = ctypes.c_void_p, [ctypes.c_char_p, ctypes.c_char_p]
+    libc.malloc_info.argtypes, libc.fclose.argtypes = [ctypes.c_int, ctypes.c_void_p], [ctypes.c_void_p]
+    with tempfile.NamedTemporaryFile(suffix=".xml") as report:
+        stream = libc.fopen(report.name.encode(), b"w")
+        libc.malloc_info(0, stream)
+        libc.fclose(stream)
+        return Path(report.name).read_text().count("<heap nr=")
 
 
 def reuse_freed_memory(device: torch.device) -> None:

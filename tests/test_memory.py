@@ -230,13 +230,12 @@ def _heaps_after_threads(start: str) -> None:
     """Print how many heaps glibc's malloc_info lists in this rank after its process group started (by
     `init_distributed`, or as a framework's worker starts it: `init_process_group` after importing its adapter), a
     collective, and 4 threads that allocated a tensor each."""
-    import ctypes
-    import tempfile
     import threading
-    from pathlib import Path
 
     import torch
     import torch.distributed as dist
+
+    from fsdp2kit.distributed import malloc_heaps
 
     if start == "init_distributed":
         from fsdp2kit.distributed import init_distributed
@@ -252,14 +251,7 @@ def _heaps_after_threads(start: str) -> None:
         thread.start()
     for thread in threads:
         thread.join()
-    libc = ctypes.CDLL("libc.so.6")
-    libc.fopen.restype, libc.fopen.argtypes = ctypes.c_void_p, [ctypes.c_char_p, ctypes.c_char_p]
-    libc.malloc_info.argtypes, libc.fclose.argtypes = [ctypes.c_int, ctypes.c_void_p], [ctypes.c_void_p]
-    with tempfile.NamedTemporaryFile(suffix=".xml") as report:
-        stream = libc.fopen(report.name.encode(), b"w")
-        libc.malloc_info(0, stream)
-        libc.fclose(stream)
-        print("heaps", Path(report.name).read_text().count("<heap nr="), flush=True)
+    print("heaps", malloc_heaps(), flush=True)
     dist.destroy_process_group()
 
 

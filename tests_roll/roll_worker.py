@@ -28,6 +28,11 @@ ACTOR_STRATEGY = {
 }
 
 
+# glibc's malloc heaps of this rank (fsdp2kit.distributed.malloc_heaps): fsdp2kit's adapter, imported before ROLL's
+# worker starts the process group, keeps threads that allocate later from making heaps of their own.
+HEAPS: dict[str, int | None] = {}
+
+
 def use_fsdp2kit() -> None:
     """What a ROLL user writes (docs/api.md) in the module its worker_cls names."""
     import roll.pipeline.base_worker as base_worker
@@ -105,6 +110,9 @@ def build(
     (`actor_model_args`: keys added to the actor's model_args)."""
     roll_scaffold.install()
     if engine == "fsdp2kit":
+        from fsdp2kit.distributed import malloc_heaps
+
+        HEAPS["at the adapter's import"] = malloc_heaps()
         use_fsdp2kit()
     from roll.pipeline.base_worker import CriticWorker
     from roll.pipeline.rlvr.actor_worker import ActorWorker
@@ -149,6 +157,9 @@ def run(engine: str, role: str, model_dir: str, out: str, ranks: int) -> None:
             pending.result()  # as ROLL waits before its next save; loading before it ends finds no .metadata
         worker.strategy.load_checkpoint(load_dir=folder if role == "actor" else os.path.join(folder, "critic"))
         result["loaded"] = after(worker, role, second)
+    from fsdp2kit.distributed import malloc_heaps
+
+    result["heaps"] = {**HEAPS, "after the run": malloc_heaps()}
     torch.save(result, f"{out}.rank{os.environ['RANK']}")
 
 

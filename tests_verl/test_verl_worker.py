@@ -134,6 +134,10 @@ def assert_sft_equal(ours: dict, verl: dict) -> None:
 def test_actor_and_critic_equal_verl_fsdp2_at_two_ranks(models):
     ours, verl = run(models, "fsdp2kit", ranks=2), run(models, "fsdp2", ranks=2)
     assert ours["dp"] == verl["dp"] == 2
+    # fsdp2kit's adapter, imported before verl starts the process group, kept every thread that allocated after it
+    # from making a heap of its own (gloo's among them); verl's side imports no fsdp2kit, and its threads made theirs.
+    heaps = ours["heaps"]
+    assert heaps["after the run"] == heaps["at the adapter's import"] < verl["heaps"]["after the run"], heaps
     assert_actor_equal(ours["actor"], verl["actor"])
     assert_critic_equal(ours["critic"], verl["critic"])
     assert_sft_equal(ours["sft"], verl["sft"])

@@ -35,6 +35,9 @@ from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_pad
 
 ROWS, PROMPT, RESPONSE = 8, 6, 6  # the global batch: 8 rollouts, two mini-batches of 4
 TEMPERATURE = 0.8
+# glibc's malloc heaps of this rank (fsdp2kit.distributed.malloc_heaps): fsdp2kit's adapter, imported before the
+# process group starts, keeps threads that allocate later from making heaps of their own (integrations/__init__.py).
+HEAPS: dict[str, int | None] = {}
 
 
 def engine_config(settings: dict, forward_only: bool = False):
@@ -294,6 +297,9 @@ def start(settings: dict) -> None:
     first, as verl's worker process does when it receives its engine config (which registers the engine), and verl's
     side imports no fsdp2kit: the import sets fsdp2kit's allocator (fsdp2kit/integrations/__init__.py)."""
     if settings["backend"] == "fsdp2kit":
+        from fsdp2kit.distributed import malloc_heaps
+
+        HEAPS["at the adapter's import"] = malloc_heaps()
         import fsdp2kit.integrations.verl  # noqa: F401
     os.environ["VERL_TEST_ULYSSES"] = str(settings["ulysses"])
     for key, value in {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}.items():
@@ -314,6 +320,9 @@ def main() -> None:
         result["critic"] = run_critic(settings, rollout)
     if "sft" in settings["roles"]:
         result["sft"] = run_sft(settings)
+    from fsdp2kit.distributed import malloc_heaps  # after the run: the import sets nothing
+
+    result["heaps"] = {**HEAPS, "after the run": malloc_heaps()}
     if dist.get_rank() == 0:
         torch.save(result, out)
     dist.barrier()
