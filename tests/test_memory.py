@@ -230,6 +230,7 @@ def _heaps_after_threads(start: str) -> None:
     """Print how many heaps glibc's malloc_info lists in this rank after its process group started (by
     `init_distributed`, or as a framework's worker starts it: `init_process_group` after importing its adapter), a
     collective, and 4 threads that allocated a tensor each."""
+    import sys
     import threading
 
     import torch
@@ -251,7 +252,8 @@ def _heaps_after_threads(start: str) -> None:
         thread.start()
     for thread in threads:
         thread.join()
-    print("heaps", malloc_heaps(), flush=True)
+    sys.stdout.write(f"heaps {malloc_heaps()}\n")  # one write: the ranks share torchrun's (unbuffered) stdout
+    sys.stdout.flush()
     dist.destroy_process_group()
 
 
