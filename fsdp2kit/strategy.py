@@ -29,9 +29,10 @@ from fsdp2kit.data.dataset import load_tokenizer, model_inputs
 from fsdp2kit.distributed import Runtime, init_distributed, returning_freed_memory, reuse_freed_memory
 from fsdp2kit.errors import UserError
 from fsdp2kit.labels import IGNORE_INDEX
-from fsdp2kit.models.export import export_hf, hf_tensors
+from fsdp2kit.models.export import adapter_config, adapter_shards, export_hf, hf_shards, hf_tensors
 from fsdp2kit.models.heads import ValueHead
 from fsdp2kit.models.sharded import ShardedModel, build_sharded_model
+from fsdp2kit.models.shards import WeightShard
 from fsdp2kit.parallel.fsdp import discard_unreduced_grads
 from fsdp2kit.parallel.mesh import data_parallel_group
 from fsdp2kit.parallel.token_logprobs import TokenRequest, chunk_tokens, kept_logits_budget, token_request
@@ -65,6 +66,7 @@ from fsdp2kit.train.step import (
     with_aux_loss,
 )
 from fsdp2kit.train.token_checks import check_token_batch
+from fsdp2kit.weight_sync import WeightSender
 
 Batch = dict[str, torch.Tensor]
 # What offload_states / load_states move (ROLL's OffloadStateType names): the parameters' shards, the optimizer state.
@@ -524,17 +526,51 @@ class Strategy:
         tensors are copies at every world size (a world of one would otherwise yield the live parameters, which the
         next step changes in place under a rollout engine holding them). A step while it is half-read is refused
         (`step`), and so is reading on after one: its tensors would mix weights from before and after."""
+        return self._weight_stream("full_weights", self._weight_buckets(dtype, bucket_bytes))
+
+    def sharded_weights(self, dtype: torch.dtype | None = None) -> Iterator[WeightShard]:
+        """This rank's block of every tensor `full_weights` gives (the same names; LoRA merged), with where it sits
+        in the whole tensor (`WeightShard`): a receiver assembles the model from every rank's blocks and no rank
+        gathers it. A tensor stored otherwise than the model holds it (fused experts) or a merged LoRA weight is
+        gathered and sent whole by one rank, in turn. The blocks are copies; the rules of `full_weights` hold (every
+        rank reads it to the end, no step while it is half-read)."""
+        return self._weight_stream("sharded_weights", hf_shards(self.model, dtype))
+
+    def weight_sender(
+        self,
+        dtype: torch.dtype | None = None,
+        adapter_only: bool = False,
+        delta: bool = True,
+        full_every: int | None = None,
+        bucket_bytes: int = 64 << 20,
+    ) -> WeightSender:
+        """A weight sync to one rollout engine (docs/weight_sync.md), on every rank: `sync` / `start` send this
+        rank's blocks in `dtype` (the rollout's), each sync at version `steps_done`; after the first, only what
+        changed since the version the receiver reports (`delta`), whole every `full_every` versions if asked.
+        `adapter_only`: a LoRA run's adapters alone, in peft's file names, with their adapter_config."""
+        if not adapter_only:
+            return WeightSender(
+                lambda: self.sharded_weights(dtype), "model", lambda: self.steps_done, delta, full_every, bucket_bytes
+            )
+        if self.sharded.variant.adapter_plan is None:
+            raise UserError("weight_sender(adapter_only=True): the model has no LoRA adapters (model.lora)")
+        config = adapter_config(self.model, self.cfg.model.name_or_path)
+        shards = lambda: self._weight_stream("weight_sender", adapter_shards(self.model, dtype))  # noqa: E731
+        return WeightSender(shards, "adapter", lambda: self.steps_done, delta, full_every, bucket_bytes, config)
+
+    def _weight_stream(self, what: str, items: Iterator[Any]) -> Iterator[Any]:
+        """`items` (a collective stream of weights) for the caller, refused where a step comes while it is read."""
         started = self.steps_done
         self.open_weight_streams += 1
         try:
-            agree_on_micro_batch_count(0, self.runtime.device, "full_weights")  # not one rank alone: see its docs
-            for name, tensor in self._weight_buckets(dtype, bucket_bytes):
+            agree_on_micro_batch_count(0, self.runtime.device, what)  # not one rank alone: see full_weights' docs
+            for item in items:
                 if self.steps_done != started:
                     raise UserError(
-                        f"full_weights: the model stepped (step {started} -> {self.steps_done}) while this iterator "
+                        f"{what}: the model stepped (step {started} -> {self.steps_done}) while this iterator "
                         "was half-read; its rest would mix weights from before and after: start a new one"
                     )
-                yield name, tensor
+                yield item
         finally:
             self.open_weight_streams -= 1
 

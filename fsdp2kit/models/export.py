@@ -15,14 +15,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from fsdp2kit.dtypes import torch_dtype
 from fsdp2kit.durable import as_the_umask_allows, disk_full_message, ran_out_of_space
 from fsdp2kit.errors import RunFault
 from fsdp2kit.models.build import tied_weight_names
-from fsdp2kit.models.hf_layout import layout_of, stored_tensors
-from fsdp2kit.models.lora import merged_full_tensor, merged_state
+from fsdp2kit.models.hf_layout import layout_of, renamed_only, stored_tensors
+from fsdp2kit.models.lora import file_config, merged_full_tensor, merged_state, peft_state
+from fsdp2kit.models.shards import WeightShard, shard_of
 from fsdp2kit.parallel.module_paths import model_class_name
 
 if TYPE_CHECKING:
@@ -160,6 +162,52 @@ def hf_tensors(
             yield name, full.to(device=device or full.device, dtype=dtype or full.dtype)
 
     yield from stored_tensors(gathered(), names, layout_of(model, {n: t for n, (t, _) in state.items()}))
+
+
+@torch.no_grad()
+def hf_shards(model: nn.Module, dtype: torch.dtype | None = None) -> Iterator[WeightShard]:
+    """The model as `hf_tensors` gives it, each rank yielding only its own blocks, in the same order on every rank.
+    A tensor the HF folder stores as the model holds it (under its name or a renamed one) is this rank's FSDP shard,
+    gathered by no one, copied (in `dtype`).
+    A tensor that is joined or split to be stored (fused experts), or a LoRA layer's merged weight, is gathered as
+    `hf_tensors` gathers it (a collective) and sent by one rank, in turn, from its whole copy."""
+    state = merged_state(model)
+    names = [name for name in state if name not in tied_weight_names(model)]
+    layout = layout_of(model, {n: t for n, (t, _) in state.items()})
+    stored_as = renamed_only(names, layout)
+    own = [name for name in names if name in stored_as and state[name][1] is None]
+    for name in own:
+        yield shard_of(stored_as[name], state[name][0].detach(), dtype)
+    joined = [name for name in names if name not in set(own)]
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+    def gathered() -> Iterator[tuple[str, torch.Tensor]]:
+        for name in joined:
+            yield name, merged_full_tensor(*state[name]).detach()
+
+    for index, (name, full) in enumerate(stored_tensors(gathered(), joined, layout)):
+        whole = full.to(dtype or full.dtype, copy=True)
+        yield WeightShard(name, whole, tuple(full.shape), (0,) * full.dim(), index % world == rank)
+
+
+@torch.no_grad()
+def adapter_shards(model: nn.Module, dtype: torch.dtype | None = None) -> Iterator[WeightShard]:
+    """This rank's block of each LoRA adapter tensor, under the keys of PEFT's adapter_model.safetensors (what peft's
+    and vLLM's LoRA loaders read); none for a model without adapters. Gathers nothing."""
+    for key, tensor in peft_state(model).items():
+        yield shard_of(key, tensor.detach(), dtype)
+
+
+def adapter_config(model: nn.Module, base_name_or_path: str) -> dict[str, object]:
+    """The adapter's adapter_config.json, as a dict (what a LoRA loader reads beside the tensors)."""
+    return json.loads(json.dumps(file_config(model, base_name_or_path).to_dict(), default=_jsonable))
+
+
+def _jsonable(value: object) -> object:
+    """peft's config holds sets and enums, which its own save writes as lists and their values."""
+    if isinstance(value, set | frozenset):
+        return sorted(value, key=str)
+    return getattr(value, "value", str(value))
 
 
 @torch.no_grad()

@@ -195,15 +195,10 @@ def stored_tensors(named: Iterable[tuple[str, torch.Tensor]], names: list[str], 
     per-expert tensors), so that no more than one group is held. `names` lists every name `named` yields."""
     from transformers.core_model_loading import rename_source_key, revert_weight_conversion
 
-    conversions = model._weight_conversions
-    if not conversions:
+    if not model._weight_conversions:
         yield from named
         return
-    renamings, reverse_converters = _split([t.reverse_transform() for t in conversions[::-1]])
-    group_of = {}
-    for name in names:
-        renamed, pattern = rename_source_key(name, [], reverse_converters)
-        group_of[name] = renamed if pattern is not None else None
+    renamings, group_of = _reverse_groups(names, model)
     left = Counter(group_of.values())  # tensors still to come, per group
     pending: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in named:
@@ -215,6 +210,30 @@ def stored_tensors(named: Iterable[tuple[str, torch.Tensor]], names: list[str], 
         left[group] -= 1
         if left[group] == 0:
             yield from revert_weight_conversion(model, pending.pop(group)).items()  # type: ignore[arg-type]
+
+
+def _reverse_groups(names: Iterable[str], model: ModelShapes) -> tuple[list, dict[str, str | None]]:
+    """`save_pretrained`'s renamings, and each name's conversion group (None: renamed only, no converter)."""
+    from transformers.core_model_loading import rename_source_key
+
+    renamings, reverse_converters = _split([t.reverse_transform() for t in model._weight_conversions[::-1]])
+    group_of: dict[str, str | None] = {}
+    for name in names:
+        renamed, pattern = rename_source_key(name, [], reverse_converters)
+        group_of[name] = renamed if pattern is not None else None
+    return renamings, group_of
+
+
+def renamed_only(names: Iterable[str], model: ModelShapes) -> dict[str, str]:
+    """The stored name of each of `names` that `save_pretrained` only renames (no converter joins or splits it):
+    such a tensor's every block is a block of the stored tensor, at the same place."""
+    from transformers.core_model_loading import rename_source_key
+
+    names = list(names)
+    if not model._weight_conversions:
+        return {name: name for name in names}
+    renamings, group_of = _reverse_groups(names, model)
+    return {name: rename_source_key(name, renamings, [])[0] for name in names if group_of[name] is None}
 
 
 def layout_of(model: Any, state: dict[str, Any]) -> ModelShapes:

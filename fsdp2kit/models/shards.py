@@ -1,12 +1,15 @@
 """Filling one rank's shard of a parameter from a full tensor, and the per-module seeds of fresh weights:
-shared by base-model loading (`models.build`) and adapter loading (`models.lora`)."""
+shared by base-model loading (`models.build`) and adapter loading (`models.lora`); and the other way, a rank's
+shard of a tensor with where it sits in the whole (`WeightShard`), which weight sync sends without a gather."""
 
 from __future__ import annotations
 
 import zlib
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -32,3 +35,35 @@ def copy_to_shard(param: torch.Tensor, full: Any) -> None:
 def module_seed(seed: int, name: str) -> int:
     """The seed of one module's fresh weights: the same at every world size and mesh."""
     return zlib.crc32(f"{seed}:{name}".encode())
+
+
+@dataclass(frozen=True)
+class WeightShard:
+    """One rank's block of one tensor of the HF folder: `local` is `full[o0 : o0 + l0, o1 : o1 + l1, ...]` for
+    `offset` (o0, o1, ...) and `local.shape` (l0, l1, ...). `contributes` is False on a rank whose block another
+    rank also holds and sends (HSDP's replicas, a tensor every rank holds whole): it keeps the ranks in step."""
+
+    name: str
+    local: torch.Tensor
+    full_shape: tuple[int, ...]
+    offset: tuple[int, ...]
+    contributes: bool
+
+
+def shard_of(name: str, tensor: torch.Tensor, dtype: torch.dtype | None) -> WeightShard:
+    """This rank's block of a (sharded or whole) tensor and where it sits, from its DTensor placements: a copy (in
+    `dtype`), never the live shard, which the next step changes in place."""
+    full_shape = tuple(tensor.shape)
+    if not isinstance(tensor, DTensor):  # held whole on every rank: the first rank sends it
+        first = not dist.is_initialized() or dist.get_rank() == 0
+        return WeightShard(name, tensor.to(dtype or tensor.dtype, copy=True), full_shape, (0,) * tensor.dim(), first)
+    local = tensor.to_local()
+    shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+    if tuple(shape) != tuple(local.shape):
+        raise RuntimeError(
+            f"{name}: the local shard {tuple(local.shape)} is not the block {tuple(shape)} its "
+            f"placements {tensor.placements} give"
+        )
+    coordinate = list(tensor.device_mesh.get_coordinate() or ())
+    replicas = [c for c, p in zip(coordinate, tensor.placements, strict=True) if p.is_replicate()]
+    return WeightShard(name, local.to(dtype or local.dtype, copy=True), full_shape, tuple(offset), not any(replicas))
