@@ -12,11 +12,12 @@ from contextlib import contextmanager
 
 import pytest
 import torch
+from torch.distributed.tensor import DTensor
 
 import fsdp2kit
 from fsdp2kit.distributed import shutdown
-from fsdp2kit.errors import UserError
-from fsdp2kit.weight_sync import CorruptMessage, WeightMessage, WeightReceiver
+from fsdp2kit.models.shards import WeightShard
+from fsdp2kit.weight_sync import Block, CorruptMessage, WeightMessage, WeightReceiver
 
 MODELS = {
     "dense": {"name_or_path": "builtin:tiny-llama"},
@@ -90,6 +91,12 @@ def deliver(receiver: WeightReceiver, sent: list[bytes]) -> int | None:
     return next((v for v in reversed(versions) if v is not None), None)
 
 
+def assert_received(receiver: WeightReceiver, s: fsdp2kit.Strategy) -> None:
+    want = expected_weights(s, torch.bfloat16)
+    assert_bitwise({name: receiver.tensors[name] for name in want}, want)
+    assert sorted(receiver.tensors) == sorted(want)
+
+
 def test_delta_sync_keeps_the_receiver_bitwise_equal_and_moves_what_changed():
     """fp32 master weights, bf16 rollout: after each step the receiver holds the trainer's weights cast to bf16, bit
     for bit, the first sync whole and the next ones as changes only (at a small learning rate, a fraction)."""
@@ -114,3 +121,130 @@ def test_delta_sync_keeps_the_receiver_bitwise_equal_and_moves_what_changed():
                 expected_weights(s, torch.bfloat16),
             )
         assert sender.base_bytes == sum(t.numel() * 2 for t in expected_weights(s, torch.bfloat16).values())
+
+
+@pytest.mark.parametrize("fault", ["flipped byte", "dropped message", "receiver restarted"])
+def test_a_damaged_or_lost_sync_is_caught_and_healed_by_a_full_one(fault, caplog):
+    """The receiver never applies a sync it did not get whole and intact, and says so in one line; it stays at its
+    version, which the next sync sees: that one goes whole (one line on the sender) and the receiver is equal again."""
+    with strategy(MODELS["dense"], learning_rate=1e-5) as s:
+        receiver = rollout_receiver(s)
+        sender = s.weight_sender(dtype=torch.bfloat16, bucket_bytes=1 << 16)
+        sent: list[bytes] = []
+        sender.sync(receiver.version, through_bytes(receiver, sent))
+        deliver(receiver, sent)
+        train_once(s, 1)
+        sender.sync(receiver.version, through_bytes(receiver, sent))
+        before = {name: tensor.clone() for name, tensor in receiver.tensors.items()}
+        if fault == "flipped byte":
+            damaged = bytearray(sent[1])
+            damaged[len(damaged) // 2] ^= 0x10
+            sent[1] = bytes(damaged)
+        elif fault == "dropped message":
+            del sent[1]
+        else:  # a new rollout process: the rest of the delta reaches a receiver at no version
+            receiver = rollout_receiver(s)
+            before = {name: tensor.clone() for name, tensor in receiver.tensors.items()}
+            del sent[0]
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="fsdp2kit.weight_sync"):
+            assert deliver(receiver, sent) is None
+        assert all(torch.equal(receiver.tensors[name], tensor) for name, tensor in before.items())  # untouched
+        assert len(caplog.records) == (fault == "flipped byte"), caplog.text  # a lost message leaves no sync whole
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="fsdp2kit.weight_sync"):
+            healed = sender.sync(receiver.version, through_bytes(receiver, sent))
+        assert healed.full
+        assert [r.getMessage() for r in caplog.records] == [
+            f"weight sync: the receiver holds version {receiver.version}, not the 1 sent last: sending version 1 whole"
+        ]
+        assert deliver(receiver, sent) == 1
+        assert_received(receiver, s)
+
+
+def test_a_message_is_checked_before_anything_in_it_is_believed():
+    """Every byte flipped in turn, and every truncation, of a small message: each is refused as corrupt or read back
+    as the same message (a flip in the safetensors header's padding), never as another tensor; bounded work."""
+    block_values = torch.arange(6, dtype=torch.bfloat16)
+    message = WeightMessage(3, 7, 6, "model", 0, 1, 0, 1, [Block("w", (4, 3), (2, 0), (2, 3), block_values)]).seal()
+    data = message.to_bytes()
+    assert WeightMessage.from_bytes(data).header() == message.header()
+    for cut in range(len(data)):
+        with pytest.raises(CorruptMessage):
+            WeightMessage.from_bytes(data[:cut])
+    for i in range(len(data)):
+        flipped = bytearray(data)
+        flipped[i] ^= 0x01
+        try:
+            read = WeightMessage.from_bytes(bytes(flipped))
+        except CorruptMessage:
+            continue
+        assert read.header() == message.header() and torch.equal(read.blocks[0].values, block_values), i
+
+
+def test_a_sync_that_does_not_fit_the_receiver_is_refused_in_one_line():
+    """Not corruption (the checksum holds) but another model: a crash naming the tensor, never a partial apply."""
+    receiver = WeightReceiver({"w": torch.zeros(4, 3, dtype=torch.bfloat16)})
+    wrong_shape = WeightMessage(
+        0, 0, None, "model", 0, 1, 0, 1, [Block("w", (3, 4), (0, 0), (3, 4), torch.ones(12, dtype=torch.bfloat16))]
+    )
+    with pytest.raises(ValueError, match=r"'w' is torch.bfloat16 \[3, 4\] in the sync, torch.bfloat16 \[4, 3\] here"):
+        receiver.receive(wrong_shape.seal())
+    half = WeightMessage(
+        1, 0, None, "model", 0, 1, 0, 1, [Block("w", (4, 3), (0, 0), (2, 3), torch.ones(6, dtype=torch.bfloat16))]
+    )
+    with pytest.raises(ValueError, match="a full sync that does not cover 'w' \\(6 of 12 elements"):
+        receiver.receive(half.seal())
+    assert receiver.version is None and not receiver.tensors["w"].any()
+
+
+def replace_local(shard: WeightShard, live: torch.Tensor) -> WeightShard:
+    local = (live.to_local() if isinstance(live, DTensor) else live).to(torch.bfloat16)
+    return WeightShard(shard.name, local, shard.full_shape, shard.offset, shard.contributes)
+
+
+class SkippingSnapshot(fsdp2kit.weight_sync.WeightSender):
+    """A background sync that reads the weights on its thread instead of copying them first (what the snapshot
+    prevents): the check below must catch it."""
+
+    def start(self, receiver_version, send):
+        self.wait()
+        version = self.current_version()
+        full = self._begin(version, receiver_version)
+        shards = list(self.shards())  # the stream is read here, but the blocks are taken from the live weights later
+        live = dict(self._live)
+        blocks = self._blocks((replace_local(shard, live[shard.name]) for shard in shards), full)
+        self.running = fsdp2kit.weight_sync.sender._Background(lambda: self._send(blocks, version, full, send))
+        return self.running
+
+
+def background_sync_holds_its_version(sender_class) -> bool:
+    """Start a background sync, step the model while its messages wait to be sent, then deliver: does the receiver
+    hold the weights of the version the sync was started at?"""
+    with strategy(MODELS["dense"], learning_rate=1e-3) as s:
+        receiver = rollout_receiver(s)
+        sender = s.weight_sender(dtype=torch.bfloat16, bucket_bytes=1 << 16)
+        sender.__class__ = sender_class
+        sender._live = {name: p.detach() for name, p in s.model.named_parameters()}
+        sent: list[bytes] = []
+        stepped = threading.Event()
+
+        def after_the_step(message):
+            stepped.wait(timeout=60)
+            sent.append(message.to_bytes())
+
+        sender.sync(receiver.version, through_bytes(receiver, sent))
+        deliver(receiver, sent)
+        train_once(s, 1)
+        version_one = expected_weights(s, torch.bfloat16)
+        sender.start(receiver.version, after_the_step)
+        train_once(s, 2)  # the next step runs while the sync of version 1 is in flight
+        stepped.set()
+        stats = sender.wait()
+        assert stats is not None and stats.version == 1 and deliver(receiver, sent) == 1
+        return all(torch.equal(receiver.tensors[name], tensor) for name, tensor in version_one.items())
+
+
+def test_a_background_sync_sends_the_version_it_started_at():
+    assert background_sync_holds_its_version(fsdp2kit.weight_sync.WeightSender)
+    assert not background_sync_holds_its_version(SkippingSnapshot)
