@@ -16,6 +16,7 @@ from torch.distributed.tensor import DTensor
 
 import fsdp2kit
 from fsdp2kit.distributed import shutdown
+from fsdp2kit.errors import UserError
 from fsdp2kit.models.shards import WeightShard
 from fsdp2kit.weight_sync import Block, CorruptMessage, WeightMessage, WeightReceiver
 
@@ -248,3 +249,51 @@ def background_sync_holds_its_version(sender_class) -> bool:
 def test_a_background_sync_sends_the_version_it_started_at():
     assert background_sync_holds_its_version(fsdp2kit.weight_sync.WeightSender)
     assert not background_sync_holds_its_version(SkippingSnapshot)
+
+
+def peft_rollout(base_folder, adapter_config: dict) -> torch.nn.Module:
+    """The rollout side of an adapter-only sync: the base model from its folder, the adapters the config names."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(base_folder, dtype=torch.float32)
+    settings = {k: v for k, v in adapter_config.items() if k in LoraConfig.__dataclass_fields__}
+    return get_peft_model(base, LoraConfig(**settings)).eval()
+
+
+def test_adapter_only_sync_drives_a_peft_model_to_the_trainer_s_log_probs(tmp_path):
+    """A LoRA run sends only its adapters (peft's file names, with their adapter_config): the first sync whole,
+    then changes; a peft model over the same base then gives the trainer's log-probs."""
+    from conftest import make_hf_folder
+
+    make_hf_folder(tmp_path / "base", "tiny-llama", hidden_size=64, intermediate_size=128, num_attention_heads=4)
+    model = {
+        "name_or_path": str(tmp_path / "base"),
+        "dtype": "fp32",
+        "lora": {"rank": 4, "target_modules": "all-linear"},
+    }
+    with strategy(model, learning_rate=1e-2) as s:
+        sender = s.weight_sender(adapter_only=True)
+        messages: list[WeightMessage] = []
+        first = sender.sync(None, messages.append)
+        assert first.full and messages[0].adapter_config["r"] == 4
+        rollout = peft_rollout(tmp_path / "base", messages[0].adapter_config)
+        receiver = WeightReceiver.for_adapter(rollout)
+        assert all(receiver.receive(m.to_bytes()) in (None, 0) for m in messages) and receiver.version == 0
+        ids = torch.randint(3, 200, (2, 16), generator=torch.Generator().manual_seed(5))
+        for step in range(1, 3):
+            train_once(s, step)
+            messages.clear()
+            stats = sender.sync(receiver.version, messages.append)
+            assert not stats.full and stats.bytes <= first.bytes  # fp32 adapters: every value moves, sent whole
+            assert [receiver.receive(m) for m in messages][-1] == step
+            want = s.forward_step({"input_ids": ids})["log_probs"]
+            with torch.no_grad():
+                logits = rollout(input_ids=ids).logits.float()
+            got = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+
+def test_adapter_only_sync_of_a_model_without_adapters_is_refused():
+    with strategy(MODELS["dense"]) as s, pytest.raises(UserError, match=r"adapter_only=True\): the model has no LoRA"):
+        s.weight_sender(adapter_only=True)
