@@ -95,6 +95,19 @@ def test_bad_config_exits_2_with_one_message(override, message, capsys):
 
 
 @pytest.mark.parametrize(
+    "schedule, override, message",
+    [
+        ("constant", "min_lr_ratio=0.1", "training.min_lr_ratio ends a decay; lr_scheduler_type constant never decays"),
+        ("linear", "num_cycles=1", "training.num_cycles shapes a cosine; lr_scheduler_type is linear"),
+    ],
+)
+def test_a_decay_setting_on_a_schedule_that_never_reads_it_exits_2(schedule, override, message, capsys):
+    settings = ["--set", f"training.lr_scheduler_type={schedule}", "--set", f"training.{override}"]
+    assert main(["check", DEMO, *settings]) == 2
+    assert capsys.readouterr().err == f"error: {message}\n"
+
+
+@pytest.mark.parametrize(
     "override, message",
     [
         (

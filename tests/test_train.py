@@ -77,6 +77,11 @@ def test_schedule_shapes():
     assert lr_factor(6, 10, 2, "linear") == pytest.approx(0.5)
     assert lr_factor(6, 10, 2, "cosine") == pytest.approx(0.5)
     assert lr_factor(10, 10, 2, "cosine") == pytest.approx(0.0)
+    # training.min_lr_ratio: each decay ends there (Megatron's lr_min); num_cycles 1: the cosine rises back
+    assert lr_factor(6, 10, 2, "linear", min_ratio=0.2) == pytest.approx(0.6)
+    assert lr_factor(10, 10, 2, "cosine", min_ratio=0.2) == pytest.approx(0.2)
+    assert lr_factor(6, 10, 2, "cosine", cycles=1.0) == pytest.approx(0.0)
+    assert lr_factor(10, 10, 2, "cosine", cycles=1.0) == pytest.approx(1.0)
 
 
 def _learning_rates(cfg, total: int) -> list[float]:

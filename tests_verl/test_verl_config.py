@@ -107,7 +107,7 @@ def test_verl_s_training_worker_builds_fsdp2kit_s_engine(tmp_path, monkeypatch):
     [
         ({"mixed_precision": {"buffer_dtype": "bf16"}}, {}, "mixed_precision.buffer_dtype"),
         ({}, {"optimizer_impl": "torchao.optim", "optimizer": "AdamW"}, "optim.optimizer_impl"),
-        ({}, {"lr_scheduler_type": "cosine", "min_lr_ratio": 0.1}, "optim.min_lr_ratio"),
+        ({}, {"lr_scheduler_type": "cosine", "zero_indexed_step": False}, "optim.zero_indexed_step"),
     ],
 )
 def test_settings_fsdp2kit_would_apply_differently_are_refused(tmp_path, engine, optimizer, named):

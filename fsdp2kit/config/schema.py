@@ -419,6 +419,19 @@ class TrainingConfig(Section):
     warmup_ratio: float = Field(
         0.0, ge=0, le=1, description="without warmup_steps: warm up for this fraction of the run's steps (rounded up)"
     )
+    min_lr_ratio: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="linear and cosine decay end at learning_rate x this, not 0 (verl's optim.min_lr_ratio, "
+        "Megatron's lr_min / lr)",
+    )
+    num_cycles: float = Field(
+        0.5,
+        ge=0,
+        description="cosine: the cosine's periods over the decay; 0.5 falls once to the end, 1 falls and rises back "
+        "(verl's and transformers' num_cycles)",
+    )
     per_device_train_batch_size: int = Field(1, ge=1, description="samples per micro-batch per data-parallel rank")
     per_device_eval_batch_size: int | None = Field(
         None, ge=1, description="samples per evaluation forward per data-parallel rank (default: the training one)"
@@ -493,6 +506,16 @@ class TrainingConfig(Section):
         if value == 0 or value < -1:
             raise ValueError("a number of steps > 0, or -1 to run num_train_epochs (0 would not mean no steps)")
         return value
+
+    @model_validator(mode="after")
+    def _decay_shape_needs_a_decay(self) -> TrainingConfig:
+        """A decay setting on a schedule that never reads it is a mistake the run would hide (a UserError: one
+        sentence naming the key, not the whole section)."""
+        if self.min_lr_ratio and self.lr_scheduler_type == "constant":
+            raise UserError("training.min_lr_ratio ends a decay; lr_scheduler_type constant never decays")
+        if self.num_cycles != 0.5 and self.lr_scheduler_type != "cosine":
+            raise UserError(f"training.num_cycles shapes a cosine; lr_scheduler_type is {self.lr_scheduler_type}")
+        return self
 
     @field_validator("profile_steps")
     @classmethod

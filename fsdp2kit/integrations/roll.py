@@ -27,6 +27,18 @@ RollFunc = Callable[[Any, Any], tuple[torch.Tensor, dict[str, Any]]]
 IGNORED_STATES = ("other_params",)
 
 
+def worker_arguments(worker: Any) -> tuple[str, str, tuple[str, ...], dict[str, Any]]:
+    """What `Strategy.from_config` gets for a ROLL worker (the source's name, its role, the overrides, ROLL's config as
+    a dict), in one place so that tests_roll can hold the schedule it gives to the one ROLL's strategy builds."""
+    pipeline, role = worker.pipeline_config, worker.worker_config.name
+    source = f"ROLL's pipeline_config ({type(pipeline).__name__})"
+    # ROLL's pipeline sets training_args.max_steps over all ranks (set_max_steps); its FSDP2 strategy divides it by the
+    # data-parallel size for its schedule, as this does
+    steps = worker.worker_config.training_args.max_steps
+    overrides = () if steps is None else (f"training.max_steps={steps // worker.rank_info.dp_size}",)
+    return source, role, overrides, asdict(pipeline)
+
+
 @dataclass
 class TokenOutputs:
     """What ROLL's forward and loss functions receive in place of the logits: per position t the log-prob of token
@@ -82,14 +94,9 @@ class RollStrategy:
         strategy from from_config is built already."""
         if self.worker is None:
             return
-        pipeline, role = self.worker.pipeline_config, self.worker.worker_config.name
-        source = f"ROLL's pipeline_config ({type(pipeline).__name__})"
-        # ROLL's pipeline sets training_args.max_steps over all ranks (set_max_steps); its FSDP2 strategy divides it
-        # by the data-parallel size for its schedule, as this does
-        steps = self.worker.worker_config.training_args.max_steps
-        overrides = () if steps is None else (f"training.max_steps={steps // self.worker.rank_info.dp_size}",)
-        strategy = Strategy.from_config(source, role, overrides, written=asdict(pipeline))
-        entropy = role == "actor_train" and float(getattr(pipeline, "entropy_loss_coef", 0) or 0) > 0
+        source, role, overrides, written = worker_arguments(self.worker)
+        strategy = Strategy.from_config(source, role, overrides, written=written)
+        entropy = role == "actor_train" and float(getattr(self.worker.pipeline_config, "entropy_loss_coef", 0) or 0) > 0
         self._attach(strategy, role, bool(self.worker.worker_config.apply_loss_scale), entropy)
 
     @property

@@ -1,9 +1,10 @@
 """verl's configuration as fsdp2kit's: `job_config` turns verl's model, engine and optimizer configs into fsdp2kit's
 native config, and every field of verl 0.9's `HFModelConfig`, `EngineConfig`/`FSDPEngineConfig`, actor and critic
-configs is accounted for here — translated, refused in one sentence unless it has verl's default, or named with the
-reason it is no part of the computation fsdp2kit runs. `tests_verl/test_verl_keys.py` holds these tables to verl's own
-dataclasses, so a field verl adds fails that test until it is handled. Nothing here imports verl (the translation is
-tested without it: tests/test_verl_keys.py); `integrations/verl.py` is verl's side."""
+configs and `FSDPOptimizerConfig` is accounted for here — translated, refused in one sentence unless it has verl's
+default, or named with the reason it is no part of the computation fsdp2kit runs. `tests_verl/test_verl_keys.py`
+holds these tables to verl's own dataclasses, so a field verl adds fails that test until it is handled. Nothing here
+imports verl (the translation is tested without it: tests/test_verl_keys.py); `integrations/verl.py` is verl's
+side."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from typing import Any
 from fsdp2kit.dtypes import short_name
 from fsdp2kit.errors import UserError
 
-# verl's learning-rate schedules that fsdp2kit's schedule reproduces (warmup, then constant or cosine to zero).
+# verl's learning-rate schedules that fsdp2kit's schedule reproduces (warmup from 0, then constant or cosine).
 SCHEDULES = ("constant", "cosine")
 # A refusal: (whether the config's setting is one fsdp2kit would not run as verl does, why), the test taking the
 # config object that holds the field.
@@ -227,6 +228,45 @@ FSDP_ROLE_ONLY: dict[str, str] = {
 }
 
 
+# ---- verl's FSDPOptimizerConfig (verl/workers/config/optimizer.py): actor.optim / critic.optim ------------------
+
+
+def _schedule(config: Any) -> str:
+    """verl's schedule name: the deprecated warmup_style where given (verl copies it into lr_scheduler_type)."""
+    return str(getattr(config, "warmup_style", None) or config.lr_scheduler_type)
+
+
+OPTIMIZER_TRANSLATED: dict[str, str] = {
+    "lr": "training.learning_rate",
+    "weight_decay": "training.weight_decay, on every parameter (training.weight_decay_every_parameter)",
+    "betas": "training.adam_beta1, adam_beta2",
+    "clip_grad": "training.max_grad_norm",
+    "grad_clip": "verl's deprecated clip_grad, which verl copies into it",
+    "total_training_steps": "training.max_steps (the schedule's length)",
+    "lr_warmup_steps": "training.warmup_steps, warming up from 0 as verl (training.warmup_from_zero)",
+    "lr_warmup_steps_ratio": "training.warmup_steps where lr_warmup_steps <= 0: the ratio of the total, rounded down",
+    "lr_scheduler_type": "training.lr_scheduler_type (verl's FSDP engine has constant and cosine; others refused)",
+    "warmup_style": "verl's deprecated lr_scheduler_type, which verl copies into it",
+    "min_lr_ratio": "training.min_lr_ratio (verl's cosine reads it; its constant does not)",
+    "num_cycles": "training.num_cycles (verl's cosine reads it; its constant does not)",
+}
+OPTIMIZER_REFUSED: dict[str, Refusal] = {
+    "optimizer": (lambda config: config.optimizer != "AdamW", "fsdp2kit trains with AdamW"),
+    "optimizer_impl": (
+        lambda config: getattr(config, "optimizer_impl", "torch.optim") != "torch.optim",
+        "fsdp2kit's AdamW is torch.optim's",
+    ),
+    "override_optimizer_config": (
+        _on("override_optimizer_config", None),
+        "fsdp2kit's AdamW takes lr, betas and weight_decay only",
+    ),
+    "zero_indexed_step": (
+        lambda config: _schedule(config) == "cosine" and not getattr(config, "zero_indexed_step", True),
+        "fsdp2kit counts the cosine's steps from 0, as verl's default",
+    ),
+}
+
+
 def refuse(config: Any, refusals: dict[str, Refusal], section: str) -> None:
     """A UserError naming the first of `refusals` that `config` sets to what fsdp2kit would not run as verl does."""
     for key, (refused, why) in refusals.items():
@@ -315,31 +355,23 @@ def mixed_precision(engine_config: Any) -> dict[str, Any]:
 
 def optimizer_settings(optimizer_config: Any) -> dict[str, Any]:
     """fsdp2kit's training section from verl's FSDP optimizer config: torch's AdamW with weight decay on every
-    parameter (verl's build_optimizer gives all parameters one group), clipping at clip_grad, verl's schedule."""
-    schedule = getattr(optimizer_config, "warmup_style", None) or optimizer_config.lr_scheduler_type
-    refusals = {
-        f"optim.optimizer: {optimizer_config.optimizer} (fsdp2kit trains with AdamW)": optimizer_config.optimizer
-        != "AdamW",
-        f"optim.optimizer_impl: {getattr(optimizer_config, 'optimizer_impl', 'torch.optim')} (fsdp2kit's AdamW is "
-        "torch.optim's)": getattr(optimizer_config, "optimizer_impl", "torch.optim") != "torch.optim",
-        "optim.override_optimizer_config: fsdp2kit's AdamW takes lr, betas and weight_decay only": bool(
-            getattr(optimizer_config, "override_optimizer_config", None)
-        ),
-        f"optim.lr_scheduler_type: {schedule} (fsdp2kit's verl engine has {', '.join(SCHEDULES)})": schedule
-        not in SCHEDULES,
-        f"optim.min_lr_ratio: {optimizer_config.min_lr_ratio} (fsdp2kit's cosine decays to 0)": schedule == "cosine"
-        and bool(optimizer_config.min_lr_ratio),
-        f"optim.num_cycles: {optimizer_config.num_cycles} (fsdp2kit's cosine is a half cycle, 0.5)": schedule
-        == "cosine"
-        and optimizer_config.num_cycles != 0.5,
-    }
-    refused = [what for what, applies in refusals.items() if applies]
-    if refused:
-        raise UserError(f"verl config: {refused[0]}")
+    parameter (verl's build_optimizer gives all parameters one group), clipping at clip_grad, and the schedule verl's
+    FSDP engine builds (`_build_lr_scheduler`): its warmup from 0 (step s at lr x s / W), its cosine's floor and
+    cycles."""
+    refuse(optimizer_config, OPTIMIZER_REFUSED, "optim")
+    schedule = _schedule(optimizer_config)
+    if schedule not in SCHEDULES:
+        raise UserError(f"verl config: optim.lr_scheduler_type: {schedule!r} is not supported ({', '.join(SCHEDULES)})")
     total = int(optimizer_config.total_training_steps)
     warmup = int(optimizer_config.lr_warmup_steps or 0)
     if warmup <= 0:  # verl's rule: the ratio of the total, rounded down
         warmup = int(optimizer_config.lr_warmup_steps_ratio * max(total, 0))
+    cosine = {}
+    if schedule == "cosine":  # verl's constant schedule reads neither
+        cosine = {
+            "min_lr_ratio": float(optimizer_config.min_lr_ratio or 0.0),
+            "num_cycles": float(optimizer_config.num_cycles),
+        }
     return {
         "learning_rate": float(optimizer_config.lr),
         "weight_decay": float(optimizer_config.weight_decay),
@@ -349,7 +381,9 @@ def optimizer_settings(optimizer_config: Any) -> dict[str, Any]:
         "max_grad_norm": float(optimizer_config.clip_grad),
         "max_steps": total,
         "warmup_steps": warmup,
+        "warmup_from_zero": True,
         "lr_scheduler_type": schedule,
+        **cosine,
     }
 
 

@@ -55,19 +55,29 @@ def adamw(params: list[nn.Parameter], cfg: TrainingConfig) -> torch.optim.AdamW:
     )
 
 
-def lr_factor(step: int, total_steps: int, warmup_steps: int, kind: str, from_zero: bool = False) -> float:
+def lr_factor(
+    step: int,
+    total_steps: int,
+    warmup_steps: int,
+    kind: str,
+    from_zero: bool = False,
+    min_ratio: float = 0.0,
+    cycles: float = 0.5,
+) -> float:
     """Multiplier of the peak learning rate for optimizer step `step` (0-based). Warmup reaches the peak at its last
     step, or with `from_zero` (training.warmup_from_zero) at the first step after it, from 0 at step 0: transformers'
-    get_{constant,linear,cosine}_schedule_with_warmup, whose decay this is in either case."""
+    get_{constant,linear,cosine}_schedule_with_warmup, whose decay this is in either case. The decay ends at
+    `min_ratio` (training.min_lr_ratio), the cosine runs `cycles` periods (training.num_cycles); each is computed in
+    the order transformers' linear and verl's cosine compute it, so that the rates are theirs to the bit."""
     if step < warmup_steps:
         return (step + (0 if from_zero else 1)) / warmup_steps
     if kind == "constant":
         return 1.0
-    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
-    progress = min(max(progress, 0.0), 1.0)
+    span = max(1, total_steps - warmup_steps)
     if kind == "linear":
-        return 1.0 - progress
-    return 0.5 * (1.0 + math.cos(math.pi * progress))
+        return min_ratio + (1.0 - min_ratio) * max(0.0, (total_steps - step) / span)
+    progress = min((step - warmup_steps) / span, 1.0)
+    return math.cos(math.pi * cycles * 2.0 * progress) * ((1.0 - min_ratio) * 0.5) + (1.0 + min_ratio) * 0.5
 
 
 def warmup_steps(cfg: TrainingConfig, total_steps: int) -> int:
@@ -77,8 +87,8 @@ def warmup_steps(cfg: TrainingConfig, total_steps: int) -> int:
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainingConfig, total_steps: int) -> LambdaLR:
     warmup = warmup_steps(cfg, total_steps)
-    kind, from_zero = cfg.lr_scheduler_type, cfg.warmup_from_zero
-    return LambdaLR(optimizer, lambda step: lr_factor(step, total_steps, warmup, kind, from_zero))
+    shape = (cfg.lr_scheduler_type, cfg.warmup_from_zero, cfg.min_lr_ratio, cfg.num_cycles)
+    return LambdaLR(optimizer, lambda step: lr_factor(step, total_steps, warmup, *shape))
 
 
 def schedule_warnings(cfg: TrainingConfig, total_steps: int) -> list[str]:
