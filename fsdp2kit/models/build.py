@@ -350,11 +350,13 @@ def initialise_weights(
     module's init writes, so peak extra memory is one module's share, never the model's. `only`: the ids of the
     parameters to initialise (those a folder lacked), and no buffers. `buffers_only`: the buffers a folder does not
     hold (rotary tables: not in the state dict); the persistent ones are read with the weights, as `from_pretrained`
-    reads them. A tensor no init writes is refused: its value would be whatever memory held."""
+    reads them. A tensor no init writes is refused: its value would be whatever memory held. LoRA adapters are left
+    to peft's own initialisation (`lora.initialise_adapters`)."""
     if buffers_only:
         wanted = {id(b) for b in model.buffers()} - {id(t) for t in model.state_dict(keep_vars=True).values()}
     else:
-        wanted = {id(p) for p in model.parameters()}
+        base = {id(t) for t in base_state(model).values()}
+        wanted = {id(p) for p in model.parameters() if id(p) in base}
         wanted = wanted & only if only is not None else wanted | {id(b) for b in model.buffers()}
     written: set[int] = set()
     rename = base_renamer(model)

@@ -209,73 +209,105 @@ def adapter_modules(model: nn.Module) -> dict[str, nn.Module]:
     return {name: module for name, module in model.named_modules() if name in adapters}
 
 
-def peft_keys(model: nn.Module) -> dict[str, str]:
-    """Each adapter tensor's state-dict key -> its key in PEFT's adapter_model.safetensors (peft's own naming)."""
+def peft_keys(model: nn.Module, embedding_layers: bool = False) -> dict[str, str]:
+    """Each adapter tensor's state-dict key -> its key in PEFT's adapter_model.safetensors (peft's own naming).
+    `embedding_layers`: with the base embeddings that peft's save adds under an embedding's adapter
+    (`save_embedding_layers`)."""
     from peft import get_peft_model_state_dict
 
     rename = base_renamer(model)
-    live = {key: tensor for key, tensor in model.state_dict(keep_vars=True).items() if rename(key) is None}
-    state = get_peft_model_state_dict(model, state_dict=live, adapter_name=ADAPTER, save_embedding_layers=False)
+    whole = model.state_dict(keep_vars=True)
+    live = whole if embedding_layers else {key: tensor for key, tensor in whole.items() if rename(key) is None}
+    state = get_peft_model_state_dict(
+        model, state_dict=live, adapter_name=ADAPTER, save_embedding_layers=embedding_layers
+    )
     key_of = {id(tensor): key for key, tensor in live.items()}
     return {key_of[id(tensor)]: PEFT_MODEL_PREFIX + key for key, tensor in state.items()}
 
 
-def peft_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The live adapter tensors under the keys of PEFT's adapter_model.safetensors."""
+def peft_state(model: nn.Module, embedding_layers: bool = False) -> dict[str, torch.Tensor]:
+    """The live adapter tensors (and base embeddings: `peft_keys`) under the keys of PEFT's
+    adapter_model.safetensors."""
     state = model.state_dict(keep_vars=True)
-    return {file_key: state[key] for key, file_key in peft_keys(model).items()}
+    return {file_key: state[key] for key, file_key in peft_keys(model, embedding_layers).items()}
+
+
+# The tensors peft's `update_layer` makes for a layer's adapter, in its order: modules (lora_A / lora_B of a Linear,
+# a convolution or a `ParamWrapper`) or bare parameters (an embedding's).
+_MADE_BY_PEFT = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B")
 
 
 @torch.no_grad()
 def initialise_adapters(model: nn.Module, seed: int) -> None:
-    """peft's own initialisation (`reset_lora_parameters`) of each layer's adapters, run on full-size CPU copies
-    seeded by the layer's name, each rank keeping its slice (as for the base weights: the same at any world size).
-    A module to save starts as a copy of the module it replaces."""
+    """Each layer's adapters as peft's `update_layer` makes them, on full-size CPU copies seeded by the layer's name,
+    each rank keeping its slice (as for the base weights: the same at any world size). A module to save starts as a
+    copy of the module it replaces."""
     from peft.tuners.lora import LoraLayer
     from peft.utils.other import ModulesToSaveWrapper
 
     init = adapter_settings(model).init_lora_weights
     for name, module in model.named_modules():
-        children = dict(module._modules)
-        layer: Any = module
-        if isinstance(module, LoraLayer) and ADAPTER in layer.lora_A:
-            full = {key: _full_size_copy(getattr(layer, key)[ADAPTER]) for key in ("lora_A", "lora_B")}
-            shadow: Any = object.__new__(type(module))
-            shadow.__dict__.update(layer.__dict__)
-            shadow._modules = {**children, **{key: nn.ModuleDict({ADAPTER: clone}) for key, clone in full.items()}}
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(module_seed(seed, name))
-                for clone in full.values():  # as peft builds them: nn.Linear's own init, then peft's
-                    clone.reset_parameters()
-                shadow.reset_lora_parameters(ADAPTER, init)
-            for key, clone in full.items():
-                for target, source in zip(getattr(layer, key)[ADAPTER].parameters(), clone.parameters(), strict=True):
-                    copy_to_shard(target, source)
+        if isinstance(module, LoraLayer) and ADAPTER in module.r:
+            _initialise_layer(module, module_seed(seed, name), init)
         elif isinstance(module, ModulesToSaveWrapper):
             original = dict(module.original_module.named_parameters())
             for key, param in module.modules_to_save[ADAPTER].named_parameters():
                 param.copy_(original[key])  # same shapes and placements: both live in one shard group
 
 
-def _full_size_copy(layer: nn.Module) -> Any:
-    """A CPU module like `layer` (an nn.Linear or nn.Embedding of adapter weights) with full-size tensors."""
-    shadow = copy.copy(layer)
-    shadow._parameters = {
-        key: None if p is None else nn.Parameter(torch.empty(p.shape, dtype=p.dtype), requires_grad=False)
-        for key, p in layer._parameters.items()
-    }
+def _initialise_layer(layer: Any, seed: int, init: bool | str) -> None:
+    """peft's steps on a copy of the layer holding full-size fp32 adapters (peft makes them in fp32): each made
+    (a module's `reset_parameters`, as its constructor runs it; an embedding's `torch.randn`), then
+    `reset_lora_parameters`; each rank's slice is copied into the live adapters."""
+    live = {key: getattr(layer, key) for key in _MADE_BY_PEFT if ADAPTER in getattr(layer, key)}
+    full = {key: _full_size_copy(container[ADAPTER]) for key, container in live.items()}
+    shadow: Any = object.__new__(type(layer))
+    shadow.__dict__.update(layer.__dict__)
+    shadow._modules = {**layer._modules, **{key: type(live[key])({ADAPTER: full[key]}) for key in full}}
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for clone in full.values():
+            if isinstance(clone, nn.Module):
+                cast(Any, clone).reset_parameters()
+            else:
+                clone.normal_()
+        shadow.reset_lora_parameters(ADAPTER, init)
+    for key, clone in full.items():
+        for target, source in zip(_tensors(live[key][ADAPTER]), _tensors(clone), strict=True):
+            copy_to_shard(target, source)
+
+
+def _full_size_copy(entry: Any) -> Any:
+    """A CPU copy of an adapter entry (a module of adapter weights, or a bare parameter) with full-size fp32 tensors."""
+
+    def blank(p: torch.Tensor) -> nn.Parameter:
+        return nn.Parameter(torch.empty(p.shape, dtype=torch.float32), requires_grad=False)
+
+    if not isinstance(entry, nn.Module):
+        return blank(entry)
+    shadow = copy.copy(entry)
+    shadow._parameters = {key: None if p is None else blank(p) for key, p in entry._parameters.items()}
     return shadow
+
+
+def _tensors(entry: Any) -> list[torch.Tensor]:
+    """An adapter entry's tensors in a fixed order, so that a live entry and its copy pair up."""
+    return list(entry.parameters()) if isinstance(entry, nn.Module) else [entry]
 
 
 @torch.no_grad()
 def load_adapter(model: nn.Module, folder: Path) -> None:
-    """Fill each rank's adapter shards from a PEFT adapter folder; every key and shape is checked first."""
+    """Fill each rank's adapter shards from a PEFT adapter folder; every key and shape is checked first. A file
+    that peft saved with the base embeddings beside an embedding's adapter (its default) also fills them, as
+    `PeftModel.from_pretrained` does."""
     from safetensors import safe_open
 
     expected = peft_state(model)
     file = folder / ADAPTER_WEIGHTS_FILE
     with safe_open(str(file), framework="pt") as handle:
         stored = set(handle.keys())
+        if not stored <= set(expected):
+            expected = peft_state(model, embedding_layers=True)
         missing = sorted(set(expected) - stored)
         unexpected = sorted(stored - set(expected))
         if missing or unexpected:
@@ -500,10 +532,10 @@ class LoraPart(VariantPart):
         add_input_grad_hooks(model, self.adapters.input_grad_hooks)
 
     def materialise(self, model: nn.Module, seed: int) -> None:
-        if has_adapters(model):
-            initialise_adapters(model, seed)
-        if self.cfg.adapter:
+        if self.cfg.adapter:  # every adapter tensor is in its file
             load_adapter(model, Path(self.cfg.adapter))
+        elif has_adapters(model):
+            initialise_adapters(model, seed)
 
     def checkpoint_config(self, model: nn.Module, name_or_path: str) -> Any:
         return file_config(model, name_or_path)
