@@ -157,7 +157,8 @@ def test_a_damaged_or_lost_sync_is_caught_and_healed_by_a_full_one(fault, caplog
             healed = sender.sync(receiver.version, through_bytes(receiver, sent))
         assert healed.full
         assert [r.getMessage() for r in caplog.records] == [
-            f"weight sync: the receiver holds version {receiver.version}, not the 1 sent last: sending version 1 whole"
+            f"weight sync: version 1 did not reach the receiver whole (it holds version {receiver.version}): sending "
+            "version 1 whole"
         ]
         assert deliver(receiver, sent) == 1
         assert_received(receiver, s)

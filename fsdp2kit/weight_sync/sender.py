@@ -17,7 +17,7 @@ import math
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -68,7 +68,8 @@ class WeightSender:
         self.delta, self.full_every = delta, full_every
         self.bucket_bytes, self.adapter_config, self.group = bucket_bytes, adapter_config, group
         self.base: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}  # what the receiver holds, this rank's blocks
-        self.sent_version: int | None = None
+        self.sent_version: int | None = None  # the last version this rank sent whole
+        self.last_version: int | None = None  # the last version this rank began to send
         self.full_version: int | None = None
         self.syncs = 0
         self.running: _Background | None = None
@@ -103,23 +104,33 @@ class WeightSender:
         return running.result() if running is not None else None
 
     def _begin(self, version: int, receiver_version: int | None) -> bool:
-        """Whether this sync is full, decided alike on every rank (rank 0's view of the receiver counts)."""
-        agreed = torch.tensor([-1 if receiver_version is None else receiver_version], dtype=torch.int64)
+        """Whether this sync is full, decided alike on every rank in one all-reduce: rank 0's view of the receiver
+        counts, and where any rank sees that the last version did not arrive whole (the receiver is elsewhere, or
+        this rank's sends failed part way), every rank sends this one whole and rank 0 says so in one line."""
+        first = not dist.is_initialized() or dist.get_rank(self.group) == 0
+        told = -1 if receiver_version is None else receiver_version
+        sent = -1 if self.sent_version is None else self.sent_version
+        scheduled = self.full_every is not None and self.full_version is not None
+        scheduled = scheduled and version - cast(int, self.full_version) >= cast(int, self.full_every)
+        whole = not self.delta or self.last_version is None or scheduled
+        agreed = torch.tensor([told if first else -2, sent, -sent, whole], dtype=torch.int64)
         if dist.is_initialized():
-            dist.broadcast(agreed, src=dist.get_global_rank(self.group, 0) if self.group else 0, group=self.group)
-        receiver = None if int(agreed) < 0 else int(agreed)
-        full = not self.delta or self.sent_version is None or receiver != self.sent_version
-        if not full and self.full_every is not None and self.full_version is not None:
-            full = version - self.full_version >= self.full_every
-        if self.sent_version is not None and receiver != self.sent_version and self.delta:
+            dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.group)
+        receiver, most_sent, fewest_sent, whole = agreed.tolist()
+        held = None if receiver < 0 else receiver
+        arrived = 0 <= receiver == most_sent == -fewest_sent  # the receiver holds what every rank last sent whole
+        healing = self.delta and self.last_version is not None and not arrived
+        if healing and first:
             log.warning(
-                "weight sync: the receiver holds version %s, not the %s sent last: sending version %s whole",
-                receiver,
-                self.sent_version,
+                "weight sync: version %s did not reach the receiver whole (it holds version %s): sending version %s "
+                "whole",
+                self.last_version,
+                held,
                 version,
             )
+        self.last_version = version
         self.syncs += 1
-        return full
+        return healing or bool(whole)
 
     def _blocks(self, shards: Iterable[WeightShard], full: bool) -> Iterator[Block]:
         """This rank's blocks to send: whole on a full sync, else what changed (nothing for an unchanged block);
@@ -167,7 +178,7 @@ class WeightSender:
 
     def _message(self, version: int, full: bool, rank: int, senders: int, index: int) -> WeightMessage:
         base_version = None if full else self.sent_version
-        config = self.adapter_config if full and index == 0 and rank == 0 else None
+        config = self.adapter_config if full and index == 0 else None  # each rank's first: whichever comes first
         return WeightMessage(self.syncs, version, base_version, self.part, rank, senders, index, None, [], config)
 
     @staticmethod
