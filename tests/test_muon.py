@@ -226,12 +226,48 @@ def test_mindspeed_native_file_with_muon_maps_and_trains(tmp_path, run_main):
     keys = FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
     buffers = [key for key in keys if key.endswith(".momentum_buffer")]
     assert any(".language_model.layers." in key for key in buffers)
-    assert not [key for key in buffers if any(word in key for word in ("embed", "lm_head", "norm", "bias"))]
+    assert any(".embed_tokens." in key for key in buffers)  # MindSpeed-MM's split: the embeddings take Muon
+    assert not [key for key in buffers if any(word in key for word in ("norm", "bias"))]
     with pytest.raises(UserError) as refused:
         load_config(str(native_file_with(tmp_path, "  optimizer: adamw_swap\n")), settings)
     assert str(refused.value).startswith(
         f"{tmp_path / NATIVE.name}: 'training.optimizer' = 'adamw_swap' is not supported"
     )
+
+
+def is_muon_eligible(name: str, ndim: int) -> bool:
+    """MindSpeed-MM's rule as its FSDP2 trainer writes it (`_is_muon_eligible` in Ascend/MindSpeed-MM
+    mindspeed_mm/fsdp/optimizer/optimizer.py, read at commit 57069cd55a8ab16d5affe379a2e2c5f0a4d962b9)."""
+    return not name.endswith(".bias") and "embedding" not in name and "output_layer" not in name and ndim == 2
+
+
+def test_a_mindspeed_mm_muon_file_splits_as_mindspeed_mm(tmp_path):
+    """MindSpeed-MM's models keep the HF names, so its rule gives Muon the embeddings, the LM head and the routers
+    and AdamW the 3-D stacked experts, unlike fsdp2kit's: its Qwen3.5 file with `optimizer: muon` (on a tiny
+    Qwen3.5-MoE) splits as the rule does on the model's names, `check` says which split applies, and
+    training.muon_split gives fsdp2kit's back."""
+    from fsdp2kit.check import describe
+    from fsdp2kit.models.build import build_meta_model, resolve_model
+
+    path = native_file_with(tmp_path, "  optimizer: muon\n")
+    settings = ["model.name_or_path=builtin:tiny-qwen3.5-moe", "data.source=builtin:corpus"]
+    cfg = load_config(str(path), settings)
+    with process_group() as runtime:
+        described = describe(cfg, runtime)
+    shapes = {name: p.ndim for name, p in build_meta_model(resolve_model(cfg.model), cfg.model).named_parameters()}
+    assert described["optimizer"] == {
+        "name": "muon",
+        "split": "mindspeed_mm",
+        "muon": [name for name, ndim in shapes.items() if is_muon_eligible(name, ndim)],
+        "adamw": [name for name, ndim in shapes.items() if not is_muon_eligible(name, ndim)],
+    }
+    muon, adamw = described["optimizer"]["muon"], described["optimizer"]["adamw"]
+    layer = "model.language_model.layers.0.mlp"
+    assert {"model.language_model.embed_tokens.weight", "lm_head.weight", f"{layer}.gate.weight"} <= set(muon)
+    assert {f"{layer}.experts.gate_up_proj", f"{layer}.experts.down_proj"} <= set(adamw)
+    assert any(note.startswith("training.muon_split=mindspeed_mm: ") for note in described["config_notes"])
+    own = load_config(str(path), [*settings, "training.muon_split=hidden_matrices"]).training
+    assert own.muon_split == "hidden_matrices"
 
 
 def test_plan_counts_one_momentum_buffer_per_matrix_and_the_gathered_matrix():
@@ -343,6 +379,7 @@ def test_check_names_what_muon_and_adamw_take():
     attention = [f"model.layers.0.self_attn.{p}_proj.weight" for p in "qkvo"]
     assert optimizer == {
         "name": "muon",
+        "split": "hidden_matrices",  # fsdp2kit's own, a native file's default
         "muon": [*attention, "model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj"],
         "adamw": [
             "model.embed_tokens.weight",

@@ -391,8 +391,16 @@ class TrainingConfig(Section):
     adam_epsilon: float = Field(1.0e-8, gt=0, description="AdamW epsilon")
     optimizer: Literal["adamw", "muon"] = Field(
         "adamw",
-        description="adamw; muon: torch.optim.Muon's orthogonalised update for the hidden 2-D matrices (each computed "
-        "on the whole matrix, the work divided among the ranks), AdamW for embeddings, LM head, routers, norms, biases",
+        description="adamw; muon: torch.optim.Muon's orthogonalised update for the matrices muon_split picks (each "
+        "computed on the whole matrix, the work divided among the ranks), AdamW for the rest",
+    )
+    muon_split: Literal["hidden_matrices", "mindspeed_mm"] = Field(
+        "hidden_matrices",
+        description="with optimizer muon, which parameters Muon takes: hidden_matrices, the hidden layers' 2-D "
+        "matrices and stacked experts (one matrix per expert), AdamW the embeddings, LM head, routers, norms and "
+        "biases (torch.optim.Muon's documentation); mindspeed_mm, MindSpeed-MM's rule (_is_muon_eligible, set by its "
+        "files): every 2-D parameter whose name has no 'embedding' or 'output_layer' and does not end in '.bias', so "
+        "with HF names the embeddings, LM head and routers too, and the 3-D stacked experts to AdamW",
     )
     muon_momentum: float = Field(0.95, ge=0, lt=1, description="with optimizer muon: the momentum of Muon's matrices")
     muon_nesterov: bool = Field(True, description="with optimizer muon: Nesterov momentum")

@@ -1,5 +1,6 @@
-"""`training.optimizer: muon`: torch.optim.Muon's update for the hidden matrices of an FSDP2-sharded model, AdamW for
-every other parameter, as one optimizer (one state dict, one schedule, one step).
+"""`training.optimizer: muon`: torch.optim.Muon's update for the matrices of an FSDP2-sharded model that
+`training.muon_split` picks, AdamW for every other parameter, as one optimizer (one state dict, one schedule, one
+step).
 
 A Newton-Schulz step on a shard is not the step on the matrix. So each matrix's momentum update (elementwise, done on
 the shards) is sent to one owner rank of the matrix's shard group in bf16 (what torch's Newton-Schulz starts from);
@@ -32,12 +33,24 @@ from fsdp2kit.parallel.moe import moe_experts, router_modules
 NamedParameters = list[tuple[str, nn.Parameter]]
 
 
-def muon_split(model: nn.Module) -> tuple[NamedParameters, NamedParameters]:
-    """The trainable parameters Muon takes (2-D matrices of the hidden layers, and a mixture of experts' stacked 3-D
-    experts as one matrix per expert) and those AdamW takes: embeddings, the LM head, the routers, a fused experts
-    module's per-expert biases and every other parameter that is not 2-D (norms, biases), as torch.optim.Muon's
-    documentation and MindSpeed-MM's FSDP2 trainer divide them (a critic's or reward model's `score` is its final
-    layer, as the LM head is a causal LM's)."""
+def muon_split(model: nn.Module, rule: str = "hidden_matrices") -> tuple[NamedParameters, NamedParameters]:
+    """The trainable parameters Muon takes and those AdamW takes, by `rule` (training.muon_split): fsdp2kit's
+    `hidden_matrices` or MindSpeed-MM's `mindspeed_mm`, so that a MindSpeed-MM file splits as MindSpeed-MM does."""
+    takes = mindspeed_mm_eligible if rule == "mindspeed_mm" else hidden_matrices(model)
+    matrices: NamedParameters = []
+    rest: NamedParameters = []
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            (matrices if takes(name, param) else rest).append((name, param))
+    return matrices, rest
+
+
+def hidden_matrices(model: nn.Module) -> Callable[[str, nn.Parameter], bool]:
+    """Whether Muon takes a parameter by fsdp2kit's rule: 2-D matrices of the hidden layers, and a mixture of
+    experts' stacked 3-D experts as one matrix per expert; AdamW takes embeddings, the LM head, the routers, a fused
+    experts module's per-expert biases and every other parameter that is not 2-D (norms, biases), as torch.optim.Muon's
+    documentation divides them (a critic's or reward model's `score` is its final layer, as the LM head is a causal
+    LM's)."""
     hf_model: Any = model
     excluded = [hf_model.get_input_embeddings(), hf_model.get_output_embeddings()] if hasattr(model, "config") else []
     excluded += [m for m in model.modules() if isinstance(m, nn.Embedding)]
@@ -46,13 +59,19 @@ def muon_split(model: nn.Module) -> tuple[NamedParameters, NamedParameters]:
     excluded += [model.get_submodule(name) for name in router_modules(model)]
     left_out = {id(p) for module in excluded if module is not None for p in module.parameters()}
     stacked = {id(p): p.ndim == 3 for _, module in moe_experts(model) for p in module.parameters(recurse=False)}
-    matrices: NamedParameters = []
-    rest: NamedParameters = []
-    for name, param in model.named_parameters():
-        if param.requires_grad:
-            takes = stacked[id(param)] if id(param) in stacked else param.ndim == 2 and id(param) not in left_out
-            (matrices if takes else rest).append((name, param))
-    return matrices, rest
+
+    def takes(name: str, param: nn.Parameter) -> bool:
+        return stacked[id(param)] if id(param) in stacked else param.ndim == 2 and id(param) not in left_out
+
+    return takes
+
+
+def mindspeed_mm_eligible(name: str, param: nn.Parameter) -> bool:
+    """Whether Muon takes a parameter by MindSpeed-MM's rule: its FSDP2 trainer's `_is_muon_eligible`
+    (Ascend/MindSpeed-MM, mindspeed_mm/fsdp/optimizer/optimizer.py, read at commit 57069cd5), a 2-D parameter whose
+    name does not end in `.bias` and has neither `embedding` nor `output_layer` in it. Its models keep the HF names,
+    so their embeddings (`embed_tokens`), LM head and routers take Muon, and 3-D stacked experts AdamW."""
+    return param.ndim == 2 and not name.endswith(".bias") and "embedding" not in name and "output_layer" not in name
 
 
 @dataclass(frozen=True)

@@ -15,22 +15,24 @@ from fsdp2kit.train.muon import MuonWithAdamW, muon_split, require_torch_muon
 
 
 def build_optimizer(model: nn.Module, cfg: TrainingConfig) -> torch.optim.Optimizer:
-    """AdamW over every trainable parameter, or (training.optimizer: muon) Muon over the hidden matrices and AdamW
-    over the rest (train/muon.py)."""
+    """AdamW over every trainable parameter, or (training.optimizer: muon) Muon over the matrices
+    training.muon_split picks and AdamW over the rest (train/muon.py)."""
     trainable = [param for param in model.parameters() if param.requires_grad]
     if cfg.optimizer == "adamw":
         return adamw(trainable, cfg)
     require_torch_muon()
-    matrices, rest = muon_split(model)
+    matrices, rest = muon_split(model, cfg.muon_split)
     return MuonWithAdamW(matrices, adamw([param for _, param in rest], cfg) if rest else None, cfg)
 
 
 def describe_optimizer(model: nn.Module, cfg: TrainingConfig) -> dict[str, object]:
-    """For `check`: the optimizer, and with Muon which parameters it takes and which AdamW takes."""
+    """For `check`: the optimizer, and with Muon the rule that splits the parameters, which it takes and which AdamW
+    takes."""
     if cfg.optimizer == "adamw":
         return {"name": "adamw"}
-    matrices, rest = muon_split(model)
-    return {"name": "muon", "muon": [name for name, _ in matrices], "adamw": [name for name, _ in rest]}
+    matrices, rest = muon_split(model, cfg.muon_split)
+    names = {"muon": [name for name, _ in matrices], "adamw": [name for name, _ in rest]}
+    return {"name": "muon", "split": cfg.muon_split, **names}
 
 
 def adamw(params: list[nn.Parameter], cfg: TrainingConfig) -> torch.optim.AdamW:

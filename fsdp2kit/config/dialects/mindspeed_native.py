@@ -778,6 +778,7 @@ def translate(raw: dict[str, Any], source: str) -> Translation:
     translation.set("data.pack", False, top.child("data"))
     translation.note("data.pack=False: MindSpeed-MM pads each sample to its own length, never packs")
     _weight_decay(translation, data["training"], top)
+    _muon_split(translation, data["training"], top)
     return translation
 
 
@@ -826,6 +827,21 @@ def _weight_decay(translation: Translation, training: dict[str, Any], top: Writt
         "training.weight_decay_every_parameter=True: MindSpeed-MM decays every parameter, biases and norms too "
         "(no_decay_modules and no_decay_params empty)"
     )
+
+
+def _muon_split(translation: Translation, training: dict[str, Any], top: Written) -> None:
+    """MindSpeed-MM's FSDP2 trainer gives Muon the parameters its `_is_muon_eligible` picks, which differ from
+    fsdp2kit's default: its rule, whatever the file's optimizer, so that a --set of optimizer muon splits as
+    MindSpeed-MM would."""
+    where = top.child("training.optimizer") if training.get("optimizer") is not None else top.child("training")
+    translation.set("training.muon_split", "mindspeed_mm", where)
+    if training.get("optimizer") == "muon":
+        translation.note(
+            "training.muon_split=mindspeed_mm: Muon takes what MindSpeed-MM's _is_muon_eligible picks, every 2-D "
+            "parameter whose name has no 'embedding' or 'output_layer' and does not end in '.bias' (with HF names "
+            "the embeddings, LM head and routers too; 3-D stacked experts to AdamW); fsdp2kit's own split: "
+            "--set training.muon_split=hidden_matrices"
+        )
 
 
 __all__ = ["NO_FSDP2_MEANING", "PARAMS", "file_overrides", "is_native_file", "translate"]
