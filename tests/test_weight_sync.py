@@ -164,11 +164,31 @@ def test_a_damaged_or_lost_sync_is_caught_and_healed_by_a_full_one(fault, caplog
         assert_received(receiver, s)
 
 
+def dense_block() -> Block:
+    return Block("w", (4, 3), (2, 0), (2, 3), torch.arange(6, dtype=torch.bfloat16))
+
+
+def sparse_block() -> Block:
+    """Three changes in the 3 x 3 block at column 2 of a 3 x 5 tensor, at the block's flat positions 1, 4 and 8."""
+    values = torch.tensor([1.0, 2.0, 3.0], dtype=torch.bfloat16)
+    return Block("v", (3, 5), (0, 2), (3, 3), values, torch.tensor([0, 3, 4], dtype=torch.uint8), start=1)
+
+
+def test_changes_land_where_their_block_sits():
+    """A full sync, then changes to a block cut along columns (not one flat range): each value at its place."""
+    receiver = WeightReceiver({"v": torch.zeros(3, 5, dtype=torch.bfloat16)})
+    whole = Block("v", (3, 5), (0, 0), (3, 5), torch.zeros(15, dtype=torch.bfloat16))
+    assert receiver.receive(WeightMessage(0, 6, None, "model", 0, 1, 0, 1, [whole]).seal().to_bytes()) == 6
+    assert receiver.receive(WeightMessage(1, 7, 6, "model", 0, 1, 0, 1, [sparse_block()]).seal().to_bytes()) == 7
+    expected = torch.zeros(3, 5, dtype=torch.bfloat16)
+    expected[0, 3], expected[1, 3], expected[2, 4] = 1.0, 2.0, 3.0
+    assert torch.equal(receiver.tensors["v"], expected)
+
+
 def test_a_message_is_checked_before_anything_in_it_is_believed():
     """Every byte flipped in turn, and every truncation, of a small message: each is refused as corrupt or read back
     as the same message (a flip in the safetensors header's padding), never as another tensor; bounded work."""
-    block_values = torch.arange(6, dtype=torch.bfloat16)
-    message = WeightMessage(3, 7, 6, "model", 0, 1, 0, 1, [Block("w", (4, 3), (2, 0), (2, 3), block_values)]).seal()
+    message = WeightMessage(3, 7, 6, "model", 0, 1, 0, 1, [dense_block(), sparse_block()]).seal()
     data = message.to_bytes()
     assert WeightMessage.from_bytes(data).header() == message.header()
     for cut in range(len(data)):
@@ -181,7 +201,9 @@ def test_a_message_is_checked_before_anything_in_it_is_believed():
             read = WeightMessage.from_bytes(bytes(flipped))
         except CorruptMessage:
             continue
-        assert read.header() == message.header() and torch.equal(read.blocks[0].values, block_values), i
+        assert read.header() == message.header(), i
+        for got, sent in zip(read.blocks, message.blocks, strict=True):
+            assert torch.equal(got.values, sent.values) and torch.equal(got.positions(), sent.positions()), i
 
 
 def test_a_sync_that_does_not_fit_the_receiver_is_refused_in_one_line():

@@ -9,7 +9,7 @@ import json
 import math
 import zlib
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -23,7 +23,8 @@ DTYPES = {
     str(dtype).removeprefix("torch."): dtype
     for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.float8_e4m3fn, torch.float8_e5m2)
 }
-INT32_LIMIT = 2**31 - 1
+# The types a block's gaps between changed positions may take, smallest first (signed: torch has no uint16 math).
+GAP_TYPES = (torch.uint8, torch.int16, torch.int32, torch.int64)
 
 
 class CorruptMessage(ValueError):
@@ -32,21 +33,28 @@ class CorruptMessage(ValueError):
 
 @dataclass
 class Block:
-    """A block of one tensor: `full[offset[0] : offset[0] + shape[0], ...]`. `positions` None: `values` is the whole
-    block, row-major; else `values[i]` is the block's element at flat position `positions[i]` (int32, or int64 past
-    2**31 elements)."""
+    """A block of one tensor: `full[offset[0] : offset[0] + shape[0], ...]`. `gaps` None: `values` is the whole block,
+    row-major; else `values[i]` is the block's element at flat position `start + gaps[0] + ... + gaps[i]`: the
+    changed positions in order, each as its distance from the one before, in the smallest integer type that holds the
+    largest (`GAP_TYPES`): two bytes a position where changes are a few percent of the values, not four or eight."""
 
     name: str
     full_shape: tuple[int, ...]
     offset: tuple[int, ...]
     shape: tuple[int, ...]
     values: torch.Tensor
-    positions: torch.Tensor | None = None
+    gaps: torch.Tensor | None = None
+    start: int = 0
 
     @property
     def nbytes(self) -> int:
-        extra = 0 if self.positions is None else self.positions.nbytes
+        extra = 0 if self.gaps is None else self.gaps.nbytes
         return self.values.nbytes + extra
+
+    def positions(self) -> torch.Tensor:
+        """The changed elements' flat positions in the block (int64)."""
+        assert self.gaps is not None, "a whole block has no positions"
+        return self.start + torch.cumsum(self.gaps.to(torch.int64), 0)
 
     def header(self) -> dict[str, Any]:
         return {
@@ -55,7 +63,8 @@ class Block:
             "offset": list(self.offset),
             "shape": list(self.shape),
             "dtype": str(self.values.dtype).removeprefix("torch."),
-            "sparse": self.positions is not None,
+            "sparse": self.gaps is not None,
+            "start": self.start,
         }
 
 
@@ -120,8 +129,8 @@ class WeightMessage:
         tensors = {}
         for i, block in enumerate(self.blocks):
             tensors[f"v{i}"] = block.values
-            if block.positions is not None:
-                tensors[f"p{i}"] = block.positions
+            if block.gaps is not None:
+                tensors[f"p{i}"] = block.gaps
         return tensors
 
     def to_bytes(self) -> bytes:
@@ -197,15 +206,25 @@ def _block(entry: dict[str, Any], i: int, tensors: dict[str, torch.Tensor]) -> B
     values = tensors[f"v{i}"]
     if str(values.dtype).removeprefix("torch.") != entry["dtype"] or values.dim() != 1:
         raise ValueError(f"block {entry['name']!r}: values of another dtype or shape")
-    positions = tensors[f"p{i}"] if entry["sparse"] else None
+    gaps = tensors[f"p{i}"] if entry["sparse"] else None
     numel = math.prod(shape)
-    if positions is None and values.numel() != numel:
+    if gaps is None and values.numel() != numel:
         raise ValueError(f"block {entry['name']!r}: {values.numel()} values for {numel} elements")
-    if positions is not None and (positions.dtype not in (torch.int32, torch.int64) or positions.shape != values.shape):
-        raise ValueError(f"block {entry['name']!r}: positions do not match the values")
-    if positions is not None and positions.numel() and not (0 <= int(positions.min()) <= int(positions.max()) < numel):
-        raise ValueError(f"block {entry['name']!r}: a position outside the block")
-    return Block(str(entry["name"]), full_shape, offset, shape, values, positions)
+    block = Block(str(entry["name"]), full_shape, offset, shape, values, gaps, int(entry["start"]))
+    if gaps is not None:
+        _check_gaps(block, numel)
+    return block
+
+
+def _check_gaps(block: Block, numel: int) -> None:
+    """Positions strictly increasing inside the block, one per value."""
+    gaps = cast(torch.Tensor, block.gaps)
+    if gaps.dtype not in GAP_TYPES or gaps.shape != block.values.shape or gaps.numel() == 0:
+        raise ValueError(f"block {block.name!r}: positions do not match the values")
+    if not 0 <= block.start < numel or int(gaps[0]) != 0 or (gaps.numel() > 1 and int(gaps[1:].min()) < 1):
+        raise ValueError(f"block {block.name!r}: positions out of order")
+    if block.start + int(gaps.to(torch.int64).sum()) >= numel:
+        raise ValueError(f"block {block.name!r}: a position outside the block")
 
 
 def _bytes_of(tensor: torch.Tensor) -> Any:

@@ -160,10 +160,10 @@ class WeightReceiver:
 def _apply_block(tensor: torch.Tensor, block: Block) -> None:
     region = tensor[tuple(slice(o, o + s) for o, s in zip(block.offset, block.shape, strict=True))]
     values = block.values.to(tensor.device)
-    if block.positions is None:
+    if block.gaps is None:
         region.copy_(values.view(block.shape))
         return
-    positions = block.positions.to(tensor.device, torch.int64)
+    positions = block.positions().to(tensor.device)
     if region.is_contiguous():
         region.view(-1)[positions] = values
         return

@@ -13,7 +13,6 @@ while the next `train_step` runs."""
 from __future__ import annotations
 
 import logging
-import math
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -24,7 +23,7 @@ import torch.distributed as dist
 
 from fsdp2kit.errors import UserError
 from fsdp2kit.models.shards import WeightShard
-from fsdp2kit.weight_sync.messages import BITS, INT32_LIMIT, Block, WeightMessage
+from fsdp2kit.weight_sync.messages import BITS, GAP_TYPES, Block, WeightMessage
 
 log = logging.getLogger("fsdp2kit.weight_sync")
 
@@ -132,9 +131,9 @@ class WeightSender:
         self.syncs += 1
         return healing or bool(whole)
 
-    def _blocks(self, shards: Iterable[WeightShard], full: bool) -> Iterator[Block]:
-        """This rank's blocks to send: whole on a full sync, else what changed (nothing for an unchanged block);
-        the base moves to the new values as it goes."""
+    def _blocks(self, shards: Iterable[WeightShard], full: bool) -> Iterator[tuple[int, Block | None]]:
+        """(elements, block to send) for this rank's blocks: whole on a full sync, else what changed (None: nothing
+        did); the base moves to the new values as it goes."""
         for shard in shards:
             if not shard.contributes:
                 continue
@@ -143,9 +142,9 @@ class WeightSender:
             base = None if full else self.base.get(key)
             self.base[key] = current
             block = Block(shard.name, shard.full_shape, shard.offset, tuple(shard.local.shape), current)
-            yield block if base is None else _changes(block, base)
+            yield current.numel(), (block if base is None else _changes(block, base))
 
-    def _send(self, blocks: Iterable[Block], version: int, full: bool, send: Send) -> SyncStats:
+    def _send(self, blocks: Iterable[tuple[int, Block | None]], version: int, full: bool, send: Send) -> SyncStats:
         """Bucket the blocks into messages and send them. A sync that fails part way (a transport error) has moved
         part of the base: the next one goes whole."""
         try:
@@ -154,16 +153,16 @@ class WeightSender:
             self.sent_version = None
             raise
 
-    def _messages(self, blocks: Iterable[Block], version: int, full: bool, send: Send) -> SyncStats:
+    def _messages(self, blocks: Iterable[tuple[int, Block | None]], version: int, full: bool, send: Send) -> SyncStats:
         stats = SyncStats(version, full)
         if full:
             self.base.clear()  # a full sync refills it; none of it is kept from before
         rank = dist.get_rank(self.group) if dist.is_initialized() else 0
         senders = dist.get_world_size(self.group) if dist.is_initialized() else 1
         message = self._message(version, full, rank, senders, 0)
-        for block in blocks:
-            stats.elements += math.prod(block.shape)
-            if block.values.numel() == 0:
+        for elements, block in blocks:
+            stats.elements += elements
+            if block is None:
                 continue
             if message.blocks and message.nbytes + block.nbytes > self.bucket_bytes:
                 self._deliver(message, stats, send)
@@ -210,25 +209,21 @@ class _Background:
         return self.stats
 
 
-def _changes(block: Block, base: torch.Tensor) -> Block:
-    """The elements of `block` whose bits differ from `base`: as positions and values, or whole where that is no
-    larger."""
+def _changes(block: Block, base: torch.Tensor) -> Block | None:
+    """The elements of `block` whose bits differ from `base`: as the gaps between their positions and their values,
+    or the whole block where that is no smaller; None where nothing changed."""
     current = block.values
     bits = BITS[current.element_size()]
-    changed = current.view(bits) != base.view(bits)
-    count = int(changed.sum())
-    position_type = torch.int32 if current.numel() <= INT32_LIMIT else torch.int64
-    if count == 0:
-        return Block(
-            block.name, block.full_shape, block.offset, block.shape, current[:0], current[:0].to(position_type)
-        )
-    sparse_bytes = count * (current.element_size() + position_type.itemsize)
-    if sparse_bytes >= current.nbytes:
+    positions = (current.view(bits) != base.view(bits)).nonzero().reshape(-1)
+    if positions.numel() == 0:
+        return None
+    gaps = torch.diff(positions, prepend=positions[:1])
+    largest = int(gaps.max())
+    gap_type = next(t for t in GAP_TYPES if largest <= torch.iinfo(t).max)
+    if positions.numel() * (current.element_size() + gap_type.itemsize) >= current.nbytes:
         return block
-    positions = changed.nonzero().reshape(-1)
-    return Block(
-        block.name, block.full_shape, block.offset, block.shape, current[positions], positions.to(position_type)
-    )
+    start = int(positions[0])
+    return Block(block.name, block.full_shape, block.offset, block.shape, current[positions], gaps.to(gap_type), start)
 
 
 def _on_host(tensor: torch.Tensor) -> torch.Tensor:
