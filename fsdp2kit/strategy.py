@@ -617,7 +617,7 @@ class Strategy:
         """A checkpoint's state, continued with this run's optimizer settings (learning rate, betas, eps, weight
         decay: the moments and the schedule's step come from the checkpoint), each change said in one line."""
         optimizer = self._trainer_optimizer()
-        check_same_optimizer(path, read_trainer_state(path).get("config", {}), self.cfg.training.optimizer)
+        check_same_optimizer(path, read_trainer_state(path).get("config", {}), self.cfg.training)
         settings = optimizer_settings(optimizer)
         with returning_freed_memory(self.runtime.device):
             state = manager.load(path, self.model, optimizer)

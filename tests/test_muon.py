@@ -151,7 +151,8 @@ def test_muon_at_two_and_four_ranks_equals_one_process_and_resumes_across_world_
 def test_checkpoint_round_trip_continues_the_same_muon_run(model_dir, tmp_path):
     """save_checkpoint after one step, load_checkpoint into a fresh strategy: its second step (Muon's momentum
     buffers and AdamW's moments from the checkpoint) equals the uninterrupted run's, bit for bit; a checkpoint of a
-    Muon run does not continue under AdamW (its state is another optimizer's): one line."""
+    Muon run does not continue under AdamW (its state is another optimizer's) nor under Muon's other split: one line
+    each."""
     config = muon_config(str(model_dir), str(tmp_path / "run"), 3, 1)
     with strategy(config) as s:
         for step in range(2):
@@ -170,6 +171,13 @@ def test_checkpoint_round_trip_continues_the_same_muon_run(model_dir, tmp_path):
         s.load_checkpoint(tmp_path / "ckpt")
         (muon_group,) = [group for group in s.optimizer.param_groups if group["muon"]]
         assert (muon_group["momentum"], muon_group["ns_steps"], "betas" in muon_group) == (0.9, 5, False)
+    config["training"]["muon_split"] = "mindspeed_mm"  # other tensors have momentum buffers: not this state
+    with strategy(config) as s, pytest.raises(UserError) as error:
+        s.load_checkpoint(tmp_path / "ckpt")
+    assert str(error.value) == (
+        f"training.resume: '{tmp_path / 'ckpt'}' holds Muon's state for training.muon_split hidden_matrices, this "
+        "run has mindspeed_mm; set training.muon_split: hidden_matrices to continue it, or training.resume: never"
+    )
     config["training"]["optimizer"] = "adamw"
     with strategy(config) as s, pytest.raises(UserError) as error:
         s.load_checkpoint(tmp_path / "ckpt")

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.optim.lr_scheduler import LRScheduler
 
-from fsdp2kit.config.schema import DataConfig
+from fsdp2kit.config.schema import DataConfig, TrainingConfig
 from fsdp2kit.data.dataset import source_files
 from fsdp2kit.data.registry import registry_path
 from fsdp2kit.errors import UserError
@@ -100,15 +100,24 @@ def optimizer_settings(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]
     ]
 
 
-def check_same_optimizer(checkpoint: Path, saved: dict, optimizer: str) -> None:
+def check_same_optimizer(checkpoint: Path, saved: dict, training: TrainingConfig) -> None:
     """A checkpoint's optimizer state continues only under the optimizer that wrote it (AdamW's two moments are not
-    Muon's momentum): another is one line, before anything is read."""
+    Muon's momentum), and Muon's only under the same split (which tensors have a momentum buffer): another is one
+    line, before anything is read."""
     old = _at(saved, "training.optimizer")
     old = "adamw" if old is _MISSING else old  # written before Muon: AdamW
-    if old != optimizer:
+    if old != training.optimizer:
         raise UserError(
-            f"training.resume: '{checkpoint}' holds the state of training.optimizer {old}, this run has {optimizer}; "
-            f"set training.optimizer: {old} to continue it, or training.resume: never to start afresh"
+            f"training.resume: '{checkpoint}' holds the state of training.optimizer {old}, this run has "
+            f"{training.optimizer}; set training.optimizer: {old} to continue it, or training.resume: never to start "
+            "afresh"
+        )
+    split = _at(saved, "training.muon_split")
+    split = "hidden_matrices" if split is _MISSING else split  # written before the choice: fsdp2kit's split
+    if training.optimizer == "muon" and split != training.muon_split:
+        raise UserError(
+            f"training.resume: '{checkpoint}' holds Muon's state for training.muon_split {split}, this run has "
+            f"{training.muon_split}; set training.muon_split: {split} to continue it, or training.resume: never"
         )
 
 
