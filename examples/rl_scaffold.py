@@ -82,13 +82,21 @@ def run_steps(
     args: argparse.Namespace,
     step: Callable[[torch.nn.Module, torch.Generator], dict[str, float]],
 ) -> None:
-    """args.steps times: refresh every rank's rollout model (plain transformers, on the actor's device: it shares its
-    accelerator) from the actor's full weights, run `step` (rollout model, this rank's generator) -> its metrics,
-    and have rank 0 print them and append them to OUTPUT_DIR/metrics.jsonl."""
+    """args.steps times: bring every rank's rollout model (plain transformers, on the actor's device: it shares its
+    accelerator) to the actor's weights, run `step` (rollout model, this rank's generator) -> its metrics, and have
+    rank 0 print them and append them to OUTPUT_DIR/metrics.jsonl.
+
+    The weights travel as a rollout engine would take them (docs/weight_sync.md): each rank sends its own blocks of
+    the weights, the first time whole and then only what changed, and a `WeightReceiver` applies them to the rollout
+    model once it has every rank's; here the ranks' messages are exchanged with an all-gather."""
     from transformers import AutoModelForCausalLM
+
+    from fsdp2kit.weight_sync import WeightReceiver
 
     device = actor.runtime.device
     rollout = AutoModelForCausalLM.from_config(actor.sharded.source.hf_config).to(device).eval()
+    receiver = WeightReceiver.for_model(rollout)
+    sender = actor.weight_sender(dtype=next(rollout.parameters()).dtype)
     rank = dist.get_rank()
     generator = torch.Generator(device).manual_seed(1234 + rank)
     metrics = Path(args.output_dir) / "metrics.jsonl"
@@ -96,8 +104,14 @@ def run_steps(
         metrics.parent.mkdir(parents=True, exist_ok=True)
         metrics.write_text("")
     for number in range(1, args.steps + 1):
-        rollout.load_state_dict(dict(actor.full_weights()))
-        record = {"step": number, **step(rollout, generator)}
+        mine: list[bytes] = []
+        synced = sender.sync(receiver.version, lambda message: mine.append(message.to_bytes()))
+        every: list[list[bytes]] = [[] for _ in range(dist.get_world_size())]
+        dist.all_gather_object(every, mine)
+        for data in (message for messages in every for message in messages):
+            receiver.receive(data)
+        assert receiver.version == actor.steps_done, "the rollout model missed a weight sync"
+        record = {"step": number, "synced_mb": round(synced.bytes / 2**20, 3), **step(rollout, generator)}
         if rank == 0:
             print(json.dumps(record), flush=True)
             with metrics.open("a") as handle:
