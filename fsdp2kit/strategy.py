@@ -29,7 +29,14 @@ from fsdp2kit.data.dataset import load_tokenizer, model_inputs
 from fsdp2kit.distributed import Runtime, init_distributed, returning_freed_memory, reuse_freed_memory
 from fsdp2kit.errors import UserError
 from fsdp2kit.labels import IGNORE_INDEX
-from fsdp2kit.models.export import adapter_config, adapter_shards, export_hf, hf_shards, hf_tensors
+from fsdp2kit.models.export import (
+    adapter_config,
+    adapter_shards,
+    adapter_tensors,
+    export_hf,
+    hf_shards,
+    hf_tensors,
+)
 from fsdp2kit.models.heads import ValueHead
 from fsdp2kit.models.sharded import ShardedModel, build_sharded_model
 from fsdp2kit.models.shards import WeightShard
@@ -519,14 +526,37 @@ class Strategy:
 
     # ---- weights, states, files -------------------------------------------------------------------------------
 
-    def full_weights(self, dtype: torch.dtype | None = None, bucket_bytes: int = 512 << 20) -> Iterator[Any]:
+    def full_weights(
+        self, dtype: torch.dtype | None = None, bucket_bytes: int = 512 << 20, adapter_only: bool = False
+    ) -> Iterator[Any]:
         """(hf_name, tensor) over the whole model in the names transformers and vLLM load (LoRA: merged), on every
         rank, gathered a bucket of at most `bucket_bytes` at a time (one tensor larger than that is its own
         bucket); the caller picks who sends. Every rank must iterate it to the end: each tensor is a collective. The
         tensors are copies at every world size (a world of one would otherwise yield the live parameters, which the
         next step changes in place under a rollout engine holding them). A step while it is half-read is refused
-        (`step`), and so is reading on after one: its tensors would mix weights from before and after."""
-        return self._weight_stream("full_weights", self._weight_buckets(dtype, bucket_bytes))
+        (`step`), and so is reading on after one: its tensors would mix weights from before and after.
+        `adapter_only`: a LoRA run's adapters alone, in peft's file names (`adapter_config` says how to load them)."""
+        if adapter_only:
+            self._require_adapters("full_weights(adapter_only=True)")
+            tensors = adapter_tensors(self.model, dtype)
+        else:
+            tensors = hf_tensors(self.model, dtype)
+        return self._weight_stream("full_weights", self._weight_buckets(tensors, bucket_bytes))
+
+    @property
+    def adapter_config(self) -> dict[str, Any]:
+        """A LoRA run's adapter_config.json as a dict (what peft's and vLLM's LoRA loaders read with the tensors)."""
+        self._require_adapters("adapter_config")
+        return adapter_config(self.model, self.cfg.model.name_or_path)
+
+    @property
+    def has_adapters(self) -> bool:
+        """Whether only LoRA adapters train (model.lora): their own sync is then possible."""
+        return self.sharded.variant.adapter_plan is not None
+
+    def _require_adapters(self, what: str) -> None:
+        if not self.has_adapters:
+            raise UserError(f"{what}: the model has no LoRA adapters (model.lora)")
 
     def sharded_weights(self, dtype: torch.dtype | None = None) -> Iterator[WeightShard]:
         """This rank's block of every tensor `full_weights` gives (the same names; LoRA merged), with where it sits
@@ -552,9 +582,8 @@ class Strategy:
             return WeightSender(
                 lambda: self.sharded_weights(dtype), "model", lambda: self.steps_done, delta, full_every, bucket_bytes
             )
-        if self.sharded.variant.adapter_plan is None:
-            raise UserError("weight_sender(adapter_only=True): the model has no LoRA adapters (model.lora)")
-        config = adapter_config(self.model, self.cfg.model.name_or_path)
+        self._require_adapters("weight_sender(adapter_only=True)")
+        config = self.adapter_config
         shards = lambda: self._weight_stream("weight_sender", adapter_shards(self.model, dtype))  # noqa: E731
         return WeightSender(shards, "adapter", lambda: self.steps_done, delta, full_every, bucket_bytes, config)
 
@@ -574,12 +603,14 @@ class Strategy:
         finally:
             self.open_weight_streams -= 1
 
-    def _weight_buckets(self, dtype: torch.dtype | None, bucket_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
+    def _weight_buckets(
+        self, tensors: Iterator[tuple[str, torch.Tensor]], bucket_bytes: int
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         """full_weights' copies, gathered a bucket at a time."""
         bucket: list[tuple[str, torch.Tensor]] = []
         size = 0
         live = {_storage(t) for t in (*self.model.parameters(), *self.model.buffers())}
-        for name, weight in hf_tensors(self.model, dtype):
+        for name, weight in tensors:
             if bucket and size + weight.nbytes > bucket_bytes:
                 yield from bucket
                 bucket, size = [], 0

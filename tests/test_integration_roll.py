@@ -381,3 +381,47 @@ def test_roll_s_critic_worker_calls_equal_plain_pytorch(model_dir, tmp_path):
     optimizer.step()
     for name, tensor in plain.state_dict().items():
         torch.testing.assert_close(weights[name], tensor, rtol=0, atol=1e-5, msg=name)
+
+
+class LoraRollout:
+    """The rollout side of ROLL's LoRA model update (vLLM's in ROLL): adapter tensors bucket by bucket, then
+    `add_lora(peft_config)`, which puts them on a peft model over the base."""
+
+    def __init__(self, model_dir):
+        self.model_dir, self.tensors, self.flags, self.model = model_dir, {}, set(), None
+
+    def update_parameter_in_bucket(self, named_weights, is_lora=False):
+        self.tensors.update({name: tensor.clone() for name, tensor in named_weights})
+        self.flags.add(is_lora)
+
+    def add_lora(self, peft_config):
+        from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
+        from transformers import AutoModelForCausalLM
+
+        base = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)
+        settings = {key: value for key, value in peft_config.items() if key in LoraConfig.__dataclass_fields__}
+        self.model = get_peft_model(base, LoraConfig(**settings)).eval()
+        result = set_peft_model_state_dict(self.model, self.tensors)
+        assert not result.unexpected_keys, result.unexpected_keys
+
+
+def test_roll_s_model_update_of_a_lora_run_sends_the_adapters_alone(model_dir, tmp_path):
+    """As ROLL's FSDP2 strategy updates a LoRA rollout: the adapters in peft's file names with is_lora=True, then
+    add_lora with their config; the rollout's peft model then gives the trainer's log-probs."""
+    settings = config(model_dir, tmp_path)
+    settings["model"]["lora"] = {"rank": 4, "target_modules": "all-linear", "init_lora_weights": "gaussian"}
+    rollout_model = LoraRollout(model_dir)
+    try:
+        strategy = RollStrategy.from_config(settings)
+        strategy.setup_model_update(rollout_model, "actor_infer")
+        strategy.model_update("actor_infer", bucket_mb=1)
+        ids = torch.randint(3, 200, (2, 12), generator=torch.Generator().manual_seed(0))
+        want = strategy.strategy.forward_step({"input_ids": ids})["log_probs"]
+    finally:
+        shutdown()
+    assert rollout_model.flags == {True}
+    assert rollout_model.tensors and all(".lora_" in name for name in rollout_model.tensors)
+    with torch.no_grad():
+        logits = rollout_model.model(input_ids=ids).logits.float()
+    got = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)

@@ -226,12 +226,18 @@ class RollStrategy:
         self._receivers[model_update_name] = infer_cluster
 
     def model_update(self, model_update_name: str, bucket_mb: int = 512) -> dict[str, Any]:
-        """The whole model in HF names, bucket by bucket of at most `bucket_mb` MiB (ROLL's
-        model_update_buffer_size_mb), from rank 0 (ROLL's separated mode); every rank gathers (a collective)."""
+        """The weights in HF names, bucket by bucket of at most `bucket_mb` MiB (ROLL's
+        model_update_buffer_size_mb), from rank 0 (ROLL's separated mode); every rank gathers (a collective). A LoRA
+        run sends its adapters alone (peft's file names, `is_lora=True`) and then their config to a receiver with
+        `add_lora`, as ROLL's FSDP2 strategy does; otherwise the whole model."""
         receiver = self._receivers[model_update_name]
-        for bucket in _buckets(self.strategy.full_weights(bucket_bytes=bucket_mb << 20), bucket_mb << 20):
+        lora = self.strategy.has_adapters
+        weights = self.strategy.full_weights(bucket_bytes=bucket_mb << 20, adapter_only=lora)
+        for bucket in _buckets(weights, bucket_mb << 20):
             if self.strategy.runtime.is_main:
-                receiver.update_parameter_in_bucket(bucket, is_lora=False)
+                receiver.update_parameter_in_bucket(bucket, is_lora=lora)
+        if lora and self.strategy.runtime.is_main and hasattr(receiver, "add_lora"):
+            receiver.add_lora(peft_config=self.strategy.adapter_config)
         return {}
 
     def save_checkpoint(

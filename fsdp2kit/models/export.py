@@ -23,7 +23,7 @@ from fsdp2kit.durable import as_the_umask_allows, disk_full_message, ran_out_of_
 from fsdp2kit.errors import RunFault
 from fsdp2kit.models.build import tied_weight_names
 from fsdp2kit.models.hf_layout import layout_of, renamed_only, stored_tensors
-from fsdp2kit.models.lora import file_config, merged_full_tensor, merged_state, peft_state
+from fsdp2kit.models.lora import file_config, full_tensor, merged_full_tensor, merged_state, peft_state
 from fsdp2kit.models.shards import WeightShard, shard_of
 from fsdp2kit.parallel.module_paths import model_class_name
 
@@ -196,6 +196,15 @@ def adapter_shards(model: nn.Module, dtype: torch.dtype | None = None) -> Iterat
     and vLLM's LoRA loaders read); none for a model without adapters. Gathers nothing."""
     for key, tensor in peft_state(model).items():
         yield shard_of(key, tensor.detach(), dtype)
+
+
+@torch.no_grad()
+def adapter_tensors(model: nn.Module, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each LoRA adapter tensor whole, under its key in PEFT's adapter_model.safetensors (a collective: every rank
+    gathers each in turn)."""
+    for key, tensor in peft_state(model).items():
+        whole = full_tensor(tensor)
+        yield key, whole.to(dtype or whole.dtype)
 
 
 def adapter_config(model: nn.Module, base_name_or_path: str) -> dict[str, object]:
