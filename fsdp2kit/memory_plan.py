@@ -287,7 +287,9 @@ def _summed_outputs(outputs: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, 
 
 def computed_sizes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
     """Per-rank bytes from the shard shapes alone: what the ZeRO tables count. AdamW keeps two moments per parameter,
-    Muon one momentum buffer per matrix (and gathers a whole matrix while it orthogonalises it)."""
+    Muon one momentum buffer per matrix (and gathers a whole matrix while it orthogonalises it). A delta weight sync
+    keeps one bf16 copy of the rank's shards in host memory (a tensor sent whole by one rank, such as fused experts,
+    is that rank's whole: more there, less elsewhere), and a background sync a second while it runs."""
 
     def local_bytes(tensor: torch.Tensor) -> int:
         local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
@@ -312,6 +314,8 @@ def computed_sizes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[s
         "largest_unsharded_group": max(groups, default=0),
         "buffers": sum(b.numel() * b.element_size() for b in model.buffers()),
         **gathered,
+        # host memory, not the device's: a delta weight sync's diff base (Strategy.weight_sender, bf16 rollout)
+        "weight_sync_host_bf16": sum(2 * local_bytes(p) // p.element_size() for p in params),
     }
 
 

@@ -320,3 +320,18 @@ def test_adapter_only_sync_drives_a_peft_model_to_the_trainer_s_log_probs(tmp_pa
 def test_adapter_only_sync_of_a_model_without_adapters_is_refused():
     with strategy(MODELS["dense"]) as s, pytest.raises(UserError, match=r"adapter_only=True\): the model has no LoRA"):
         s.weight_sender(adapter_only=True)
+
+
+def test_plan_counts_the_host_copy_a_delta_sync_keeps():
+    """`plan`'s weight_sync_host_bf16 is what the sender's diff base holds after a sync (one bf16 copy of the
+    rank's shards)."""
+    from conftest import REPO
+
+    from fsdp2kit.memory_plan import ConfigSource, predict
+
+    source = ConfigSource(str(REPO / "examples/demo.yaml"), ["model.name_or_path=builtin:tiny-qwen3"], None, None)
+    planned = predict(source, 1)["computed"]["weight_sync_host_bf16"]
+    with strategy(MODELS["tied"]) as s:
+        sender = s.weight_sender(dtype=torch.bfloat16)
+        sender.sync(None, lambda message: None)
+        assert sender.base_bytes == planned > 0
