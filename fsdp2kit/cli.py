@@ -184,9 +184,9 @@ def _launch(nproc: int, argv: list[str], output_dir: Path, command: str) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     with tempfile.TemporaryDirectory(prefix="fsdp2kit-errors-") as error_dir:
         os.environ[ERROR_DIR_ENV] = error_dir
-        args = get_args_parser().parse_args(
-            ["--standalone", f"--nproc-per-node={nproc}", "--max-restarts=0", "-m", "fsdp2kit", *_strip_nproc(argv)]
-        )
+        parser = get_args_parser()
+        launcher = ["--standalone", f"--nproc-per-node={nproc}", "--max-restarts=0", *_forwarded_signals(parser)]
+        args = parser.parse_args([*launcher, "-m", "fsdp2kit", *_strip_nproc(argv)])
         try:
             run(args)
         except ChildFailedError as failure:
@@ -216,6 +216,16 @@ def _launch(nproc: int, argv: list[str], output_dir: Path, command: str) -> int:
                 )
             return code or 128 + int(stopped.sigval)
     return 0
+
+
+def _forwarded_signals(parser: argparse.ArgumentParser) -> list[str]:
+    """torch's launcher forwards SIGTERM, SIGINT, SIGHUP and SIGQUIT to the ranks; SIGUSR1 too (Slurm's `--signal`
+    ahead of a time limit), which would otherwise end the launcher itself. A torch without the option leaves it so:
+    the ranks, their launcher gone, stop as on SIGTERM."""
+    handled = getattr(parser.parse_args(["fsdp2kit"]), "signals_to_handle", None)
+    if handled is None or "SIGUSR1" in handled:
+        return []
+    return [f"--signals-to-handle={handled},SIGUSR1"]
 
 
 def _end_rendezvous(stopped: BaseException) -> None:
@@ -326,12 +336,13 @@ def _plan(args: argparse.Namespace, world_size: int) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """The `fsdp2kit` command. Without `argv` it runs this process's own command line (`fsdp2kit`, `python -m
-    fsdp2kit`): a process that ends with the command, so a Ctrl-C (and, outside a launcher, a SIGTERM) is one line
-    wherever it lands, and once a stop signal has stopped its work it ignores the ones after it; an in-process
-    caller passes `argv` and gets its own handlers back."""
+    fsdp2kit`): a process that ends with the command, so a Ctrl-C or SIGUSR1 (and, outside a launcher, a SIGTERM) is
+    one line wherever it lands, and once a stop signal has stopped its work it ignores the ones after it; an
+    in-process caller passes `argv` and gets its own handlers back."""
     if argv is None:
         PROCESS_STOP.for_this_process = True
         signal.signal(signal.SIGINT, PROCESS_STOP.stop_at_once)
+        signal.signal(signal.SIGUSR1, PROCESS_STOP.stop_at_once)  # a scheduler's warning (Slurm's --signal)
         if not _under_launcher():  # a launcher's SIGTERM to a rank may end the survivors of another's failure
             signal.signal(signal.SIGTERM, PROCESS_STOP.stop_at_once)
     code = _command(sys.argv[1:] if argv is None else argv)

@@ -34,8 +34,8 @@ from fsdp2kit.train.step import StepResult
 
 
 def train(cfg: JobConfig, runtime: Runtime) -> None:
-    """The run, holding output_dir's lock from before the model loads until the last file is written; SIGINT and
-    SIGTERM stop it at the next step boundary."""
+    """The run, holding output_dir's lock from before the model loads until the last file is written; SIGINT,
+    SIGTERM and SIGUSR1 stop it at the next step boundary, saving that step (training.save_on_stop)."""
     refuse_inputs_in_outputs(Path(cfg.training.output_dir), run_inputs(cfg))
     with OutputDirLock(Path(cfg.training.output_dir), runtime.is_main), StopSignals() as stop:
         Trainer(cfg, runtime, stop).run()
@@ -82,6 +82,7 @@ class Trainer:
         stop.abandon_message = self.checkpoints.abandoned_message
         self.resumed_from = self._resume()
         self.start_step = self.strategy.steps_done
+        self.saved_step: int | None = None  # the step of this run's newest save (a stop need not save it again)
         self._write_run_config()
 
     def _global_batches(self) -> GlobalBatches:
@@ -202,10 +203,19 @@ class Trainer:
         self._finish()
 
     def _stop_if_asked(self, step: int) -> None:
+        """At a step boundary every rank agrees on a stop signal: with training.save_on_stop the steps done are saved
+        (a preempted job loses none of them), else the save in flight is finished and published."""
         signum = self.stop.requested()
-        if signum:
-            self.checkpoints.wait()  # the save in flight is finished and published
-            raise Interrupted(self.checkpoints.interrupted_message(signal.Signals(signum).name, step), signum)
+        if not signum:
+            return
+        name = signal.Signals(signum).name
+        if self.tc.save_on_stop and step > self.start_step:
+            if self.saved_step != step:
+                self._save(step, blocking=True)
+            self.checkpoints.wait()  # a save of this step still being written in the background
+            raise Interrupted(self.checkpoints.saved_at_stop_message(name, step), signum)
+        self.checkpoints.wait()
+        raise Interrupted(self.checkpoints.interrupted_message(name, step), signum)
 
     def _compiling(self, step: int) -> AbstractContextManager[Any]:
         """torch.compile works on the first call: say so, or the run looks hung."""
@@ -235,6 +245,7 @@ class Trainer:
 
     def _save(self, step: int, blocking: bool = False) -> None:
         strategy = self.strategy
+        self.saved_step = step
         state = {**strategy.trainer_state(step * self.batches.global_batch_size), "data_files": self.data_files}
         self.checkpoints.save(step, strategy.model, strategy.optimizer, state, blocking=blocking)  # type: ignore[arg-type]
 

@@ -4,6 +4,7 @@ elastic restarts under torchrun, a two-"node" run on localhost, and corrupt chec
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import uuid
@@ -65,6 +66,26 @@ def test_sigkill_after_checkpoint_then_resume_is_exact(tmp_path, straight, async
     assert sorted(got) == list(range(1, 13))
     for step in range(7, 13):
         assert abs(got[step] - straight[step]) <= 1e-6, (step, got[step], straight[step])
+
+
+def test_sigterm_to_the_launcher_saves_the_step_the_run_stops_after_and_the_resume_is_exact(tmp_path, straight):
+    """Issue 63 (5): a stop lost every step since the last checkpoint. SIGTERM reaches the `--nproc 2` launcher as
+    step 5 ends (rank 0 sends it there and waits until the launcher has forwarded it back: a scheduler's signal to
+    the job, at an exact step; no save is due until step 6): the ranks save step 5, committed as any save, exit with
+    one line saying where, and the same command resumes from it on the uninterrupted run's curve."""
+    run = tmp_path / "run"
+    stopped = train(*base(run), fault="step:5:0:SIGTERM@launcher")
+    checkpoints = run / "checkpoints"
+    lines = [line for line in stopped.stderr.splitlines() if line.startswith("error: ")]
+    saved = f"saved checkpoint {checkpoints / 'step_5'}; the same command resumes from it"
+    assert lines == [f"error: interrupted by SIGTERM after step 5: {saved}"], stopped.stderr
+    assert stopped.returncode == 128 + signal.SIGTERM and "Traceback" not in stopped.stderr
+    assert [p.name for p in committed_checkpoints(checkpoints)] == ["step_5"] and not list(checkpoints.glob(".tmp-*"))
+    result = train(*base(run))
+    assert f"resumed from {checkpoints / 'step_5'} at step 5" in result.stdout
+    got = losses(run)
+    assert sorted(got) == list(range(1, 13))
+    assert [got[step] for step in range(6, 13)] == [straight[step] for step in range(6, 13)]
 
 
 @pytest.mark.parametrize("moment", ["before_save:8", "after_shards:8:1", "before_state:8", "before_rename:8"])

@@ -370,18 +370,20 @@ def test_resume_falls_back_from_a_damaged_newest_checkpoint(saved_run, tmp_path,
 @pytest.mark.parametrize("signal_name, exit_code", [("SIGINT", 130), ("SIGTERM", 143)])
 def test_signal_during_async_save_finishes_it_and_the_run_resumes(tmp_path, small_run, signal_name, exit_code):
     """The signal arrives as the step-2 checkpoint starts writing in the background: the write is finished and
-    published, the run stops with one line and 128 + the signal's number, and the same command resumes."""
+    published (the step the run stops after, not saved twice), the run stops with one line and 128 + the signal's
+    number, and the same command resumes."""
     from fsdp2kit.checkpoint.manager import committed_checkpoints
 
     args = [*small_run, "--set", "training.max_steps=4", "--set", "training.save_steps=2"]
     args += ["--set", "strategy_args.strategy_config.async_save_ckpt=true", "--set", "training.report_to=[]"]
     result = run_cli("train", DEMO, *args, env={"FSDP2KIT_FAULT": f"before_save:2:0:{signal_name}"})
+    checkpoints = tmp_path / "run" / "checkpoints"
     assert_one_line_error(
         result,
         exit_code,
-        f"interrupted by {signal_name} after step 2: checkpoint step_2 is complete and the same command resumes",
+        f"interrupted by {signal_name} after step 2: saved checkpoint {checkpoints / 'step_2'}; the same command "
+        "resumes from it",
     )
-    checkpoints = tmp_path / "run" / "checkpoints"
     assert [p.name for p in committed_checkpoints(checkpoints)] == ["step_2"]
     assert not list(checkpoints.glob(".tmp-*"))
     if signal_name == "SIGINT":
@@ -389,6 +391,25 @@ def test_signal_during_async_save_finishes_it_and_the_run_resumes(tmp_path, smal
         assert result.returncode == 0, result.stderr
         assert f"resumed from {checkpoints / 'step_2'} at step 2" in result.stdout
         assert [p.name for p in committed_checkpoints(checkpoints)] == ["step_2", "step_4"]
+
+
+@pytest.mark.parametrize("save_on_stop", [True, False], ids=["save_on_stop", "off"])
+def test_a_stop_before_the_first_checkpoint_saves_the_step_unless_switched_off(
+    tmp_path, small_run, save_on_stop, run_main, monkeypatch
+):
+    """Issue 63 (5): SIGTERM after step 2 of a run whose first save is due at step 4 ended with nothing saved. With
+    training.save_on_stop (the default) step 2 is saved, committed, and the line says where; switched off, the stop
+    is as it was."""
+    from fsdp2kit.checkpoint.manager import committed_checkpoints
+
+    monkeypatch.setenv("FSDP2KIT_FAULT", "step:2:0:SIGTERM")
+    settings = ["training.max_steps=6", "training.save_steps=4", f"training.save_on_stop={save_on_stop}"]
+    result = run_main("train", DEMO, *small_run, *(arg for item in settings for arg in ("--set", item)))
+    checkpoints = tmp_path / "run" / "checkpoints"
+    saved = f"saved checkpoint {checkpoints / 'step_2'}; the same command resumes from it"
+    outcome = saved if save_on_stop else "no checkpoint was written yet"
+    assert_one_line_error(result, 143, f"interrupted by SIGTERM after step 2: {outcome}")
+    assert [p.name for p in committed_checkpoints(checkpoints)] == (["step_2"] if save_on_stop else [])
 
 
 def test_second_run_into_a_locked_output_dir_is_refused(tmp_path, small_run):
@@ -548,21 +569,21 @@ def test_a_warmup_longer_than_the_run_is_one_warning(tmp_path, small_run, run_ma
 
 
 def test_second_sigint_during_the_save_abandons_it_and_the_previous_checkpoint_resumes(tmp_path, small_run):
-    """The first SIGINT arrives as the step-4 checkpoint starts (the run would finish it and stop); a second one
-    arrives after its shards are written, before trainer_state.json: the save is abandoned at once."""
+    """The first SIGINT arrives after step 3 (the run saves step 3 and stops: training.save_on_stop); a second one
+    arrives after that save's shards are written, before trainer_state.json: the save is abandoned at once."""
     from fsdp2kit.checkpoint.manager import committed_checkpoints
 
     args = [*small_run, "--set", "training.max_steps=6", "--set", "training.save_steps=2"]
     args += ["--set", "strategy_args.strategy_config.async_save_ckpt=false", "--set", "training.report_to=[]"]
-    result = run_cli("train", DEMO, *args, env={"FSDP2KIT_FAULT": "before_save:4:0:SIGINT,after_shards:4:0:SIGINT"})
+    result = run_cli("train", DEMO, *args, env={"FSDP2KIT_FAULT": "step:3:0:SIGINT,after_shards:3:0:SIGINT"})
     assert_one_line_error(
         result,
         130,
-        "SIGINT again: abandoned checkpoint step_4 while it was being written; checkpoint step_2 is complete",
+        "SIGINT again: abandoned checkpoint step_3 while it was being written; checkpoint step_2 is complete",
     )
     checkpoints = tmp_path / "run" / "checkpoints"
     assert [p.name for p in committed_checkpoints(checkpoints)] == ["step_2"]
-    assert (checkpoints / ".tmp-step_4" / ".metadata").is_file()  # its shards were written: only the name says
+    assert (checkpoints / ".tmp-step_3" / ".metadata").is_file()  # its shards were written: only the name says
     result = run_cli("train", DEMO, *args)
     assert result.returncode == 0, result.stderr
     assert f"resumed from {checkpoints / 'step_2'} at step 2" in result.stdout
@@ -586,10 +607,11 @@ def test_a_run_in_this_process_leaves_no_launcher_environment(small_run, monkeyp
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("signal_name, exit_code", [("SIGINT", 130), ("SIGTERM", 143)])
+@pytest.mark.parametrize("signal_name, exit_code", [("SIGINT", 130), ("SIGUSR1", 138)])
 def test_signal_to_the_nproc_launcher_reaches_the_ranks(tmp_path, small_run, signal_name, exit_code):
-    """The signal goes to the `--nproc 2` launcher only (the ranks run in their own sessions): it forwards it, the
-    ranks stop at a step boundary with the in-flight save published, one line is printed, and the run resumes."""
+    """The signal goes to the `--nproc 2` launcher only (the ranks run in their own sessions): it forwards it (SIGUSR1,
+    Slurm's warning ahead of a time limit, too, which torch's launcher does not forward by itself), the ranks stop at
+    a step boundary and save it, one line says where, and the run resumes (SIGTERM's: tests/test_checkpoint.py)."""
     import os
     import re
     import signal
@@ -613,14 +635,14 @@ def test_signal_to_the_nproc_launcher_reaches_the_ranks(tmp_path, small_run, sig
     _, stderr = launcher.communicate(timeout=300)
     result = subprocess.CompletedProcess(command, launcher.returncode, "", stderr)
     line = assert_one_line_error(result, exit_code, f"interrupted by {signal_name} after step ")
-    stopped = re.search(r"checkpoint (step_\d+) is complete and the same command resumes from it", line)
-    assert stopped is not None, line
     checkpoints = tmp_path / "run" / "checkpoints"
-    assert committed_checkpoints(checkpoints)[-1].name == stopped.group(1)
-    if signal_name == "SIGTERM":
+    stopped = re.search(rf"after step (\d+): saved checkpoint {re.escape(str(checkpoints))}/(step_\1); the same", line)
+    assert stopped is not None, line
+    assert committed_checkpoints(checkpoints)[-1].name == stopped.group(2)
+    if signal_name == "SIGUSR1":
         result = run_cli("train", DEMO, "--nproc", "2", *args)
         assert result.returncode == 0, result.stderr
-        assert f"resumed from {checkpoints / stopped.group(1)} at step " in result.stdout
+        assert f"resumed from {checkpoints / stopped.group(2)} at step {stopped.group(1)}" in result.stdout
         assert committed_checkpoints(checkpoints)[-1].name == "step_8"
 
 
@@ -939,7 +961,11 @@ def test_a_stop_signal_while_train_starts_is_one_line_wherever_it_lands(tmp_path
             "; nothing was written",
             "; no checkpoint was written yet",
             " before its first step: no checkpoint was written yet",
-            *(f" after step {n}: no checkpoint was written yet" for n in range(1, 400)),
+            *(
+                f" after step {n}: saved checkpoint {tmp_path / 'run' / 'checkpoints' / f'step_{n}'}; the same command "
+                "resumes from it"
+                for n in range(1, 400)
+            ),
         )
     }, said
 

@@ -17,6 +17,7 @@ import pickle
 import shutil
 import signal
 import tempfile
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -40,7 +41,7 @@ from fsdp2kit.checkpoint.dcp_io import (
 )
 from fsdp2kit.distributed import failing_together
 from fsdp2kit.durable import disk_full_message, folder_bytes, fsync_dir, fsync_file, ran_out_of_space, write_durable
-from fsdp2kit.errors import RunFault, UserError
+from fsdp2kit.errors import PROCESS_STOP, RunFault, UserError
 from fsdp2kit.models.export import write_config_and_tokenizer
 from fsdp2kit.parallel.module_paths import model_class_name
 from fsdp2kit.parallel.moe import refuse_other_expert_layout
@@ -52,17 +53,32 @@ FAULT_ENV = "FSDP2KIT_FAULT"
 
 
 def fault_point(name: str, step: int, rank: int) -> None:
-    """Crash-test hook: with `FSDP2KIT_FAULT=name:step[:rank[:SIGNAL|ENOSPC]]` (several separated by commas) the
-    process sends itself SIGNAL (default SIGKILL), or fails as a full disk would, here, on the first attempt only (not
-    after an elastic restart). The tests use it to stop a run at exact moments of a save."""
+    """Crash-test hook: with `FSDP2KIT_FAULT=name:step[:rank[:SIGNAL[@launcher]|ENOSPC]]` (several separated by
+    commas) the process sends itself SIGNAL (default SIGKILL), or fails as a full disk would, here, on the first
+    attempt only (not after an elastic restart). The tests use it to stop a run at exact moments of a save."""
     specs = os.environ.get(FAULT_ENV)
     if not specs or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
         return
     for parts in (spec.split(":") for spec in specs.split(",")):
         if parts[0] == name and int(parts[1]) == step and (len(parts) < 3 or parts[2] in ("*", str(rank))):
-            if len(parts) > 3 and parts[3] == "ENOSPC":  # a full disk, as a write would report it
-                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-            os.kill(os.getpid(), getattr(signal, parts[3]) if len(parts) > 3 else signal.SIGKILL)
+            _fault(parts[3] if len(parts) > 3 else "SIGKILL")
+
+
+def _fault(what: str) -> None:
+    """`fault_point`'s fault: a full disk, a signal to this process, or (`SIGNAL@launcher`) a signal to its launcher,
+    waited for until the launcher has forwarded it here: a scheduler's signal to the whole job, landing at this
+    moment."""
+    if what == "ENOSPC":  # a full disk, as a write would report it
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    name, _, target = what.partition("@")
+    signum = getattr(signal, name)
+    if target != "launcher":
+        os.kill(os.getpid(), signum)
+        return
+    os.kill(os.getppid(), signum)
+    deadline = time.monotonic() + 60
+    while PROCESS_STOP.signum != signum and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def read_trainer_state(path: Path) -> dict:
@@ -287,6 +303,11 @@ class CheckpointManager:
         """`step`: the steps done, counting a resumed run's earlier ones (0: none yet)."""
         when = f"after step {step}" if step else "before its first step"
         return f"interrupted by {signal_name} {when}: {self._complete()}"
+
+    def saved_at_stop_message(self, signal_name: str, step: int) -> str:
+        """A stop that leaves the step it stopped after saved: where that checkpoint is."""
+        saved, resumes = self.root / f"step_{step}", "the same command resumes from it"
+        return f"interrupted by {signal_name} after step {step}: saved checkpoint {saved}; {resumes}"
 
     def abandoned_message(self, signal_name: str) -> str:
         """What a second signal leaves behind: the save in flight abandoned (a `.tmp-step_N` folder, never resumed

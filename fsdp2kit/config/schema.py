@@ -461,6 +461,11 @@ class TrainingConfig(Section):
     )
     save_steps: int = Field(0, ge=0, description="save a DCP checkpoint every N steps (0 = only at the end)")
     save_total_limit: int | None = Field(None, ge=1, description="keep only the newest K checkpoints")
+    save_on_stop: bool = Field(
+        True,
+        description="on SIGTERM, SIGUSR1 (Slurm's --signal) or SIGINT: save the step the run stops after (a committed "
+        "checkpoint, as every save) before exiting; false: only finish a save in flight",
+    )
     resume: str = Field("auto", description="`auto` (newest checkpoint in output_dir), `never`, or a checkpoint path")
     resume_allow_changes: bool = Field(
         False,

@@ -1,7 +1,9 @@
-"""Ctrl-C and SIGTERM as a request to stop, not a crash: the signal is noted, every rank agrees at the next step
-boundary, the checkpoint being written in the background is finished and published, and the run exits with one line
-and code 130/143. A second signal abandons the write at once; the last complete checkpoint is still intact (a
-partly written one is only ever a `.tmp-step_N` folder, removed by the next run)."""
+"""Ctrl-C, SIGTERM and SIGUSR1 (a scheduler's warning ahead of a time limit: Slurm's `--signal`) as a request to
+stop, not a crash: the signal is noted, every rank agrees at the next step boundary, the trainer saves that step
+(training.save_on_stop; else only the checkpoint being written in the background is finished and published), and the
+run exits with one line and code 128 + the signal's number. A second signal abandons the write at once; the last
+complete checkpoint is still intact (a partly written one is only ever a `.tmp-step_N` folder, removed by the next
+run)."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import torch.distributed as dist
 
 from fsdp2kit.errors import PENDING_INTERRUPTS, PROCESS_STOP, Interrupted, report_error
 
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 
 
 class StopSignals:
@@ -55,7 +57,7 @@ class StopSignals:
 
 @contextmanager
 def stopping_at_once(outcome: str) -> Iterator[None]:
-    """For work with no step boundary to stop at (`prepare`, `convert`): the first SIGINT or SIGTERM raises
+    """For work with no step boundary to stop at (`prepare`, `convert`): the first stop signal raises
     `Interrupted` ("interrupted by SIGINT: `outcome`") where the main thread is, so the work unwinds (its partial
     files removed as on any error) and the command ends with one line; a second one during the unwinding exits at
     once. Raised inside a finaliser, the interrupt is not printed there but raised again at the work's next boundary
