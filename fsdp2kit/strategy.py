@@ -578,21 +578,30 @@ class Strategy:
         rank's blocks in `dtype` (the rollout's), each sync at version `steps_done`; after the first, only what
         changed since the version the receiver reports (`delta`), whole every `full_every` versions if asked.
         `adapter_only`: a LoRA run's adapters alone, in peft's file names, with their adapter_config."""
-        if not adapter_only:
-            return WeightSender(
-                lambda: self.sharded_weights(dtype), "model", lambda: self.steps_done, delta, full_every, bucket_bytes
-            )
-        self._require_adapters("weight_sender(adapter_only=True)")
-        config = self.adapter_config
-        shards = lambda: self._weight_stream("weight_sender", adapter_shards(self.model, dtype))  # noqa: E731
-        return WeightSender(shards, "adapter", lambda: self.steps_done, delta, full_every, bucket_bytes, config)
+        if adapter_only:
+            self._require_adapters("weight_sender(adapter_only=True)")
+            part, config, shards_of = "adapter", self.adapter_config, adapter_shards
+        else:
+            part, config, shards_of = "model", None, hf_shards
+        return WeightSender(
+            lambda: self._weight_stream("weight_sender", shards_of(self.model, dtype), agreed=True),
+            part,
+            lambda: self.steps_done,
+            delta,
+            full_every,
+            bucket_bytes,
+            config,
+            agree=lambda: agree_on_micro_batch_count(0, self.runtime.device, "weight_sender"),
+        )
 
-    def _weight_stream(self, what: str, items: Iterator[Any]) -> Iterator[Any]:
-        """`items` (a collective stream of weights) for the caller, refused where a step comes while it is read."""
+    def _weight_stream(self, what: str, items: Iterator[Any], agreed: bool = False) -> Iterator[Any]:
+        """`items` (a collective stream of weights) for the caller, refused where a step comes while it is read;
+        `agreed`: the caller's first collective checked already that every rank is in the same call."""
         started = self.steps_done
         self.open_weight_streams += 1
         try:
-            agree_on_micro_batch_count(0, self.runtime.device, what)  # not one rank alone: see full_weights' docs
+            if not agreed:
+                agree_on_micro_batch_count(0, self.runtime.device, what)  # not one rank alone: see full_weights' docs
             for item in items:
                 if self.steps_done != started:
                     raise UserError(

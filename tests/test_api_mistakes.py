@@ -145,27 +145,32 @@ from fsdp2kit.errors import UserError
 config = {"model": {"config": {"num_hidden_layers": 1}},
           "training": {"output_dir": sys.argv[1], "lr_scheduler_type": "constant"}}
 strategy = fsdp2kit.Strategy.from_config(config)
-for max_tokens in (None, 8):  # each case's error leaves the ranks in step for the next
+sender = strategy.weight_sender()
+reads = {"weights": lambda: list(strategy.full_weights()), "sync": lambda: sender.sync(None, lambda message: None)}
+for reading, max_tokens in (("weights", None), ("weights", 8), ("sync", None)):  # each error leaves them in step
     try:
         if strategy.runtime.rank == 0:
-            list(strategy.full_weights())
+            reads[reading]()
         else:
             strategy.train_step([{"input_ids": torch.arange(16).reshape(2, 8)}], max_tokens=max_tokens)
     except UserError as exc:
-        print(f"rank {strategy.runtime.rank}, max_tokens {max_tokens}: {exc}", flush=True)
+        print(f"rank {strategy.runtime.rank}, {reading}, max_tokens {max_tokens}: {exc}", flush=True)
 """
 
 
 @pytest.mark.slow
 def test_full_weights_read_on_rank_zero_alone_is_one_error_on_every_rank_not_a_hang(tmp_path):
-    """Rank 0 reads full_weights while rank 1 steps: they met in mismatched collectives and hung; now their first
-    collectives agree on which call every rank is in. With max_tokens the step's first collective is the token
-    budget's count of micro-batches: it agrees on the call too (it hung there, issue 34)."""
+    """Rank 0 reads full_weights (or makes a weight sync) while rank 1 steps: they met in mismatched collectives and
+    hung; now their first collectives agree on which call every rank is in. With max_tokens the step's first
+    collective is the token budget's count of micro-batches: it agrees on the call too (it hung there, issue 34)."""
     from conftest import two_ranks_hang
 
     hung, output = two_ranks_hang(RANK_ZERO_READS_THE_WEIGHTS, [str(tmp_path / "out")], tmp_path)
     assert not hung, output
     said = "some ranks are in train_step() and others in full_weights(); full_weights() is a collective"
     for max_tokens in (None, 8):
-        assert f"rank 0, max_tokens {max_tokens}: full_weights: {said}" in output, output
-        assert f"rank 1, max_tokens {max_tokens}: train_step: {said}" in output, output
+        assert f"rank 0, weights, max_tokens {max_tokens}: full_weights: {said}" in output, output
+        assert f"rank 1, weights, max_tokens {max_tokens}: train_step: {said}" in output, output
+    said = "some ranks are in train_step() and others in weight_sender(); a weight sync is a collective"
+    assert f"rank 0, sync, max_tokens None: weight_sender: {said}" in output, output
+    assert f"rank 1, sync, max_tokens None: train_step: {said}" in output, output

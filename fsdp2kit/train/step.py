@@ -179,7 +179,7 @@ def _add_metrics(sums: _Sums, metrics: dict[str, torch.Tensor], share: int) -> N
 
 # The collective calls whose first collective is `micro_batch_extremes` (forward_step's with max_tokens): a rank in
 # one while another is in another (full_weights read on rank 0 only, train_step on the rest) meets it there, and every
-# rank says so. The weight streams come after the calls that are not streams.
+# rank says so.
 COLLECTIVE_CALLS = ("train_step", "full_weights", "forward_step", "sharded_weights", "weight_sender")
 
 
@@ -199,10 +199,12 @@ def micro_batch_extremes(
     most, negated_fewest, last_kind, negated_first_kind, any_refused = agreed.tolist()
     if last_kind != -negated_first_kind:
         calls = (COLLECTIVE_CALLS[-negated_first_kind], COLLECTIVE_CALLS[last_kind])
-        stream = next((name for name in calls if name in COLLECTIVE_CALLS[3:] + ("full_weights",)), None)
+        stream = next((name for name in calls if name in ("full_weights", "sharded_weights")), None)
         why = (
             f"{stream}() is a collective: every rank must read it to the end"
             if stream is not None
+            else "a weight sync is a collective: every rank must make it"
+            if "weight_sender" in calls
             else "every rank must make the same call"
         )
         raise UserError(f"{call}: some ranks are in {calls[0]}() and others in {calls[1]}(); {why}")

@@ -60,12 +60,15 @@ class WeightSender:
         bucket_bytes: int = 64 << 20,
         adapter_config: dict[str, Any] | None = None,
         group: dist.ProcessGroup | None = None,
+        agree: Callable[[], None] | None = None,
     ) -> None:
+        """`agree`: a collective that fails on every rank where the ranks are not all in a sync (the Strategy's
+        check of the call), run before anything else a sync does."""
         if full_every is not None and full_every < 1:
             raise UserError(f"weight sync: full_every={full_every}; give a number of versions >= 1, or None")
         self.shards, self.part, self.current_version = shards, part, current_version
         self.delta, self.full_every = delta, full_every
-        self.bucket_bytes, self.adapter_config, self.group = bucket_bytes, adapter_config, group
+        self.bucket_bytes, self.adapter_config, self.group, self.agree = bucket_bytes, adapter_config, group, agree
         self.base: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}  # what the receiver holds, this rank's blocks
         self.sent_version: int | None = None  # the last version this rank sent whole
         self.last_version: int | None = None  # the last version this rank began to send
@@ -106,6 +109,8 @@ class WeightSender:
         """Whether this sync is full, decided alike on every rank in one all-reduce: rank 0's view of the receiver
         counts, and where any rank sees that the last version did not arrive whole (the receiver is elsewhere, or
         this rank's sends failed part way), every rank sends this one whole and rank 0 says so in one line."""
+        if self.agree is not None:
+            self.agree()
         first = not dist.is_initialized() or dist.get_rank(self.group) == 0
         told = -1 if receiver_version is None else receiver_version
         sent = -1 if self.sent_version is None else self.sent_version
