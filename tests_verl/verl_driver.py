@@ -2,7 +2,9 @@
 (`verl/trainer/ppo/ray_trainer.py`) calls its actor, reference and critic workers, with the engine that verl's
 config names: fsdp2kit's, or verl's own FSDP2 engine. Launched as `python verl_driver.py SETTINGS_JSON` (one rank) or
 under torchrun (two); rank 0 writes what tests/test_verl_worker.py compares. Ray is not involved: the calls go to
-the worker object, each rank given its share of the batch as verl's dispatch (`chunk` by data-parallel rank) gives."""
+the worker object, each rank given its share of the batch as verl's dispatch (`chunk` by data-parallel rank) gives.
+Around the actor's and the critic's first update, and a critic's at an RL learning rate (the `delta` role), verl's
+delta weight sync runs from the worker's engine (DeltaSync)."""
 
 from __future__ import annotations
 
@@ -170,6 +172,112 @@ def from_collecting_rank(tensor: torch.Tensor) -> None:
         dist.broadcast(tensor, src=0)
 
 
+DELTA_LR = 1e-5  # an RL learning rate: one step changes a part of the bf16 values (the delta is sparse)
+GATHER_BATCH = 32  # parameters per gather round: verl's delta engine's default (`batch_gather`)
+
+
+def seed_sync(engine) -> dict[str, torch.Tensor]:
+    """verl's delta engine's seed (`DeltaShardedCheckpointEngine._send_full_seed`): every rank reads
+    `get_per_tensor_param`, rank 0 keeps each tensor cast to the rollout's bf16 as the receiver's weights."""
+    full, peft = engine.get_per_tensor_param()
+    assert peft is None
+    received = {}
+    for name, tensor in full:
+        tensor = tensor.detach()
+        if tensor.is_floating_point():
+            tensor = tensor.to(torch.bfloat16)
+        if dist.get_rank() == 0:
+            received[name] = tensor.clone().contiguous()
+    return received
+
+
+def gathered_deltas(entries) -> list[tuple[str, str, tuple, torch.Tensor, torch.Tensor]]:
+    """`get_per_tensor_param_delta_shard`'s entries gathered to rank 0 as verl's delta engine gathers them
+    (`delta_checkpoint_engine._GatherQueue`, whose module needs zmq and cupy: its steps here): one queue per gather
+    group, a group of None read from rank 0's own entries, the others gathered in rounds of GATHER_BATCH entries
+    with verl's own `sparse_gather.gather_slot_entries_to_rank0` (gloo). (name, dtype, shape, positions, values) per
+    HF tensor on rank 0."""
+    from verl.checkpoint_engine.delta_sync.sparse_gather import gather_slot_entries_to_rank0
+
+    queues: dict[int, tuple] = {}
+    out = []
+
+    def flush(pg, batch: list) -> None:
+        if pg is None:
+            for slots, dtype, counts, idx, val in batch:
+                ends = torch.cumsum(counts, 0).tolist()
+                for (name, shape), start, end in zip(slots, [0, *ends[:-1]], ends, strict=True):
+                    out.append((name, dtype, tuple(shape), idx[start:end], val[start:end]))
+            return
+        counts = torch.cat([entry[2] for entry in batch])
+        got = gather_slot_entries_to_rank0(
+            torch.cat([entry[3] for entry in batch]), torch.cat([entry[4] for entry in batch]), counts, group=pg
+        )
+        slots = [(name, dtype, tuple(shape)) for s, dtype, *_ in batch for name, shape in s]
+        if got is not None:
+            out.extend((*slot, idx, val) for slot, (idx, val) in zip(slots, got, strict=True))
+
+    for slots, dtype, counts, idx, val, pg in entries:
+        _, batch = queues.setdefault(id(pg), (pg, []))
+        batch.append((slots, dtype, counts, idx, val))
+        if len(batch) >= GATHER_BATCH:
+            flush(pg, batch)
+            batch.clear()
+    for pg, batch in queues.values():
+        flush(pg, batch)
+    return out if dist.get_rank() == 0 else []
+
+
+def apply_deltas(received: dict[str, torch.Tensor], deltas: list) -> None:
+    """One flush in verl's wire format (`DeltaShardedCheckpointEngine._assemble_flush`: the `indices` encoding of
+    verl's `DeltaParam`, int32 positions, verl's checksum) applied onto the receiver's weights by verl's own receiver,
+    SGLang's `delta_loader.apply_delta` (checksum, decode, masked copy into `load_weights`)."""
+    import json
+
+    from verl.checkpoint_engine.delta_sync.encode import DeltaParam, checksum
+    from verl.workers.rollout.sglang_rollout.delta_loader import apply_delta
+
+    params, positions, values, pos, val = [], [], [], 0, 0
+    for name, dtype, shape, idx, vals in deltas:
+        params.append(DeltaParam(name, dtype, list(shape), pos, pos + 4 * len(idx), 4, val, val + len(vals)))
+        positions.append(idx.to(torch.int32))
+        values.append(vals)
+        pos, val = pos + 4 * len(idx), val + len(vals)
+    blob = torch.cat(positions).contiguous().view(torch.uint8)
+    flat = torch.cat(values)
+    spec = {"encoding": "indices", "params": [vars(p) for p in params], "checksum": int(checksum(blob, flat))}
+    wire = json.dumps(spec).encode()
+
+    class Model:  # what SGLang's model gives the loader: load_weights(named tensors)
+        def load_weights(self, chunk: list) -> None:
+            for name, tensor in chunk:
+                received[name].copy_(tensor)
+
+    spec_tensor = torch.frombuffer(bytearray(wire), dtype=torch.uint8)
+    apply_delta(Model(), [("__delta_spec__", spec_tensor), ("__positions__", blob), ("__values__", flat)])
+
+
+class DeltaSync:
+    """verl's delta weight sync (`DeltaShardedCheckpointEngine.send_weights`) from a worker's engine: the seed
+    (`get_per_tensor_param`, then `prime_delta_snapshots`) when made, a steady sync (`get_per_tensor_param_delta_shard`,
+    gathered to rank 0 and applied onto the seed there) at `steady`."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.received = seed_sync(engine)
+        self.seed = {name: tensor.clone() for name, tensor in self.received.items()}
+        engine.prime_delta_snapshots()
+
+    def steady(self) -> dict:
+        entries, peft = self.engine.get_per_tensor_param_delta_shard()
+        assert peft is None
+        deltas = gathered_deltas(entries)
+        if dist.get_rank() == 0:
+            apply_deltas(self.received, deltas)
+        changed = {name: len(idx) for name, _, _, idx, _ in deltas}
+        return {"seed": self.seed, "received": self.received, "changed": changed}
+
+
 def actor_worker(settings: dict) -> TrainingWorker:
     """verl's actor: the worker with verl's PPO loss (entropy bonus on)."""
     actor = worker(settings, "language_model", settings["model"])
@@ -192,7 +300,9 @@ def run_actor(settings: dict, rollout: DataProto, checkpoint: Path) -> dict:
     old_log_probs = before["log_probs"] if before else torch.zeros(len(rollout), RESPONSE)
     from_collecting_rank(old_log_probs)
     batch = rollout.union(DataProto.from_single_dict({"old_log_probs": old_log_probs}))
+    sync = DeltaSync(actor.engine)
     first = update(actor, batch, entropy=True)
+    synced = sync.steady()
     after = infer(actor, rollout, "log_probs", entropy=True)
     params = weights(actor)
     actor.to("cpu")
@@ -211,6 +321,7 @@ def run_actor(settings: dict, rollout: DataProto, checkpoint: Path) -> dict:
         "offloaded": offloaded,
         "second": second,
         "restored": restored,
+        "sync": synced,
     }
 
 
@@ -242,9 +353,11 @@ def run_critic(settings: dict, rollout: DataProto) -> dict:
     values = before["values"] if before else torch.zeros(len(rollout), RESPONSE)
     from_collecting_rank(values)
     batch = rollout.union(DataProto.from_single_dict({"values": values}))
+    sync = DeltaSync(critic.engine)
     first = update(critic, batch, entropy=False)
+    synced = sync.steady()
     after = infer(critic, rollout, "values", entropy=False)
-    return {"before": before, "update": first, "after": after, "weights": weights(critic)}
+    return {"before": before, "update": first, "after": after, "weights": weights(critic), "sync": synced}
 
 
 def sft_batch(path: str) -> object:
@@ -320,6 +433,8 @@ def main() -> None:
         result["critic"] = run_critic(settings, rollout)
     if "sft" in settings["roles"]:
         result["sft"] = run_sft(settings)
+    if "delta" in settings["roles"]:
+        result["delta"] = run_critic({**settings, "lr": DELTA_LR}, rollout)
     from fsdp2kit.distributed import malloc_heaps  # after the run: the import sets nothing
 
     result["heaps"] = {**HEAPS, "after the run": malloc_heaps()}

@@ -25,11 +25,13 @@ import torch.nn.functional as F
 from verl.utils import tensordict_utils as tu
 from verl.workers.config import ActorConfig, CriticConfig, EngineConfig
 from verl.workers.engine.base import BaseEngine, EngineRegistry
-from verl.workers.engine.utils import postprocess_batch_func, prepare_micro_batches
+from verl.workers.engine.spec import BlockPlacement, ShardSpec
+from verl.workers.engine.utils import _hf_entry_identity, hf_delta_export, postprocess_batch_func, prepare_micro_batches
 
 from fsdp2kit.config.schema import StrategyConfig
 from fsdp2kit.errors import UserError
 from fsdp2kit.integrations.verl_keys import ACTOR_REFUSED, job_config, refuse
+from fsdp2kit.models.shards import WeightShard
 from fsdp2kit.parallel.mesh import mesh_layout
 from fsdp2kit.strategy import Strategy
 
@@ -229,6 +231,32 @@ class VerlEngine:
         whatever `base_sync_done` says; gathering is bucketed (`layered_summon`'s purpose) by full_weights."""
         return self.strategy.full_weights(), None
 
+    def get_per_tensor_param_shard(
+        self, **kwargs: Any
+    ) -> tuple[Iterator[tuple[str, torch.Tensor, ShardSpec]], dict | None]:
+        """(HF name, this rank's block flattened, in bf16, verl's `ShardSpec`) per tensor of
+        `get_per_tensor_param`, in the same order on every rank and gathered by no one (`Strategy.sharded_weights`:
+        every rank reads it to the end). The spec is verl's explicit override: `place` the block's `BlockPlacement`
+        in the full tensor, `contributes` False where another rank sends the same block (HSDP replicas; a tensor
+        fsdp2kit gathers, fused experts or a merged LoRA weight, arrives whole on every rank and one sends it), and
+        `gather_group` the world, whose every rank holds a block (FSDP shards over all ranks, Ulysses' included; a
+        whole tensor's sender is not always rank 0); None at one rank, verl's "unsharded"."""
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        group = dist.group.WORLD if world > 1 else None
+        return (_verl_shard(shard, group) for shard in self.strategy.sharded_weights(torch.bfloat16)), None
+
+    def get_per_tensor_param_delta_shard(self, **kwargs: Any) -> tuple[Iterator[tuple[Any, ...]], dict | None]:
+        """verl's delta entries `(slots, dtype, counts, positions, values, gather_group)`, computed by verl's own
+        `hf_delta_export` from `get_per_tensor_param_shard` against the snapshots that `prime_delta_snapshots`
+        (verl's BaseEngine's) took after the seed sync, each entry built by verl's `_hf_entry_identity` (fsdp2kit's
+        names are the HF names and its blocks sit in HF coordinates), as verl's FSDP engine does; the snapshots
+        become this export's blocks."""
+        snapshots = getattr(self, "_delta_shard_snap", None)  # where verl's prime_delta_snapshots keeps them
+        if not snapshots:
+            raise UserError("verl engine: get_per_tensor_param_delta_shard before prime_delta_snapshots (the seed)")
+        shards, _ = self.get_per_tensor_param_shard()
+        return hf_delta_export(shards, snapshots, _hf_entry_identity), None
+
     def get_data_parallel_rank(self) -> int:
         return self.layout.data_parallel_rank(dist.get_rank() if dist.is_initialized() else 0)
 
@@ -294,6 +322,14 @@ class VerlEngine:
         if hdfs_path is not None:
             raise UserError("verl engine: load_checkpoint(hdfs_path=...) is not supported; give local_path")
         self.strategy.load_checkpoint(local_path)
+
+
+def _verl_shard(shard: WeightShard, group: dist.ProcessGroup | None) -> tuple[str, torch.Tensor, ShardSpec]:
+    """A `WeightShard` as verl's shard export gives it: the block `full[o0 : o0 + l0, ...]` as verl's
+    `BlockPlacement` (which `translate_flat_indices` maps to flat positions of the full tensor), the block flat."""
+    place = BlockPlacement(tuple(shard.local.shape), tuple(shard.offset), tuple(shard.full_shape))
+    spec = ShardSpec(full_shape=tuple(shard.full_shape), place=place, gather_group=group, contributes=shard.contributes)
+    return shard.name, shard.local.reshape(-1), spec
 
 
 class _MicroBatch:
