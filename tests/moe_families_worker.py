@@ -60,11 +60,13 @@ def next_token_loss(log_probs: torch.Tensor, batch: dict[str, torch.Tensor]) -> 
 
 
 def left_padded_probe() -> dict[str, torch.Tensor]:
-    """RL's layout: prompts left-padded by 3 and 5 tokens (their positions counted from the first real one)."""
-    ids = torch.randint(3, VOCAB, (ROWS, LENGTH), generator=torch.Generator().manual_seed(7))
-    mask = torch.ones(ROWS, LENGTH, dtype=torch.long)
-    mask[0, :3], mask[1, :5] = 0, 0
-    return {"input_ids": ids.masked_fill(mask == 0, 2), "attention_mask": mask}
+    """RL's layout: prompts left-padded by 3 and 5 tokens, the first response right-padded by 2, LENGTH - 1 tokens
+    (not a multiple of any cut: the cut pads it). The padding is eos (1), as RL's rollouts pad: pad_token_id's
+    embedding row is 0, which keeps a padding token's values 0 in every layer, whatever it attends to."""
+    ids = torch.randint(3, VOCAB, (ROWS, LENGTH - 1), generator=torch.Generator().manual_seed(7))
+    mask = torch.ones(ROWS, LENGTH - 1, dtype=torch.long)
+    mask[0, :3], mask[1, :5], mask[0, -2:] = 0, 0, 0
+    return {"input_ids": ids.masked_fill(mask == 0, 1), "attention_mask": mask}
 
 
 def router_only(log_probs: torch.Tensor, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -141,7 +141,7 @@ def left_padded_rows() -> torch.Tensor:
 def test_blockwise_over_left_padded_rows_equals_sdpa_with_the_padding_mask(context, ulysses):
     """Left padding and the right padding after a response: every token's output and the q/k/v gradients equal
     sdpa's with the dense mask `shard_sequence` builds for such rows (a padding token attends to the real keys
-    before it and to itself), padding tokens included."""
+    before it; before the prompt to none: sdpa's 0 and no gradient), padding tokens included."""
     real = left_padded_rows()
     ranges = _key_ranges(None, real)
     attend = _sequence_mask_function(None, real)

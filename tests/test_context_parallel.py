@@ -2,8 +2,9 @@
 every sequence (a front one and its mirror from the back), and attention all-gathers the keys and values over the
 group. Trained that way (fp32), alone, beside Ulysses, HSDP or expert parallelism, with packed documents or right
 padding, a model follows one rank without it: the same losses, gradient norms and weights after 3 steps, the same
-log-probs of left-padded prompts; a checkpoint saved at CP 2 resumes at CP 1 and at Ulysses 2. The runs are
-tests/moe_families_worker.py's (a Mistral with a sliding window shorter than the sequence, and a Qwen3-MoE)."""
+log-probs of left-padded prompts, at their padding too (under eager attention and Ulysses as well); a checkpoint saved
+at CP 2 resumes at CP 1 and at Ulysses 2. The runs are tests/moe_families_worker.py's (a Mistral with a sliding window
+shorter than the sequence, and a Qwen3-MoE)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import pytest
 import torch
 import yaml
 from conftest import as_overrides, launch_two_ranks, read_metrics, reference_run, run_cli, set_args
-from moe_families_worker import LENGTH, left_padded_probe, micro_batches
+from moe_families_worker import left_padded_probe, micro_batches
 from moe_families_worker import train as train_in_process
 from test_expert_parallel import QWEN3_MOE
 from test_expert_parallel import run as expert_run
@@ -101,13 +102,18 @@ def results(planned: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
 # refuses packed ones), then cuts that stream for CP.
 REMOVE_PADDING = {"remove_padding": True}
 LORA = {"lora": {"rank": 4, "target_modules": "all-linear", "init_lora_weights": False}}
+# Eager attention gives a query with no key (a left pad) the mean of its row's values, sdpa 0: a step of RL's rows
+# with each (the default loss counts the last left pad's prediction of the first real token), then the probe.
+EAGER = {"attn_implementation": "eager"}
+ONE_LEFT_STEP = {"packed": "left", "steps": 1}
 
 
 @pytest.fixture(scope="module")
 def one_rank(folders: dict[str, Path], out: Path) -> dict[str, dict[str, Any]]:
     """The references, in this process (a world of one): 4 micro-batches a step, 2 right-padded and 2 of packed
     documents (`micro_batches`' "mixed"): every run below trains both kinds in each step, but `model.remove_padding`'s
-    (right-padded micro-batches only, "dense padded") and the left-padded RL rows' ("moe left", a caller's loss)."""
+    (right-padded micro-batches only, "dense padded") and the left-padded RL rows' ("moe left", a caller's loss; "moe
+    left step" and "moe left eager", one step of one micro-batch, with sdpa and eager attention)."""
     dense, moe = folders["dense"], folders["moe"]
     planned = {
         "dense": run(dense, out / "dense-1.pt", 4),
@@ -115,6 +121,8 @@ def one_rank(folders: dict[str, Path], out: Path) -> dict[str, dict[str, Any]]:
         "moe": run(moe, out / "moe-1.pt", 4),
         "dense padded": run(dense, out / "dense-padded-1.pt", 4, packed=False),
         "moe left": run(moe, out / "moe-left-1.pt", 4, packed="left", caller_loss=True),
+        "moe left step": run(moe, out / "moe-left-step-1.pt", 1, **ONE_LEFT_STEP),
+        "moe left eager": run(moe, out / "moe-left-eager-1.pt", 1, model=EAGER, **ONE_LEFT_STEP),
     }
     try:
         for spec in planned.values():
@@ -128,7 +136,8 @@ def one_rank(folders: dict[str, Path], out: Path) -> dict[str, dict[str, Any]]:
 def two_ranks(folders: dict[str, Path], out: Path, one_rank: dict) -> dict[str, dict[str, Any]]:
     """One 2-rank launch: CP 2 with a caller's loss and every decoder layer recomputed, CP 2 with LoRA and the loss in
     chunks of 3 tokens, CP 2 with EP 2 on the MoE, CP 2 with `model.remove_padding`, CP 2 on left-padded rows with a
-    caller's loss, and the resumes of CP 2's checkpoint at CP 1 (2 data-parallel ranks) and at Ulysses 2."""
+    caller's loss, a step of left-padded rows at Ulysses 2 and with eager attention at CP 2 and Ulysses 2, and the
+    resumes of CP 2's checkpoint at CP 1 (2 data-parallel ranks) and at Ulysses 2."""
     dense, moe, checkpoint = folders["dense"], folders["moe"], str(out / "ckpt-cp2")
     planned = {
         "cp2": run(
@@ -145,6 +154,9 @@ def two_ranks(folders: dict[str, Path], out: Path, one_rank: dict) -> dict[str, 
         "cp2 ep2": run(moe, out / "cp2-ep2.pt", 4, cp=2, ep=2),
         "cp2 remove padding": run(dense, out / "cp2-rmpad.pt", 4, cp=2, model=REMOVE_PADDING, packed=False),
         "cp2 left": run(moe, out / "cp2-left.pt", 4, cp=2, packed="left", caller_loss=True),
+        "ulysses2 left": run(moe, out / "u2-left.pt", 1, ulysses=2, **ONE_LEFT_STEP),
+        "cp2 left eager": run(moe, out / "cp2-left-eager.pt", 1, cp=2, model=EAGER, **ONE_LEFT_STEP),
+        "ulysses2 left eager": run(moe, out / "u2-left-eager.pt", 1, ulysses=2, model=EAGER, **ONE_LEFT_STEP),
         "cp2->cp1": run(dense, out / "resume-cp1.pt", 2, resume=checkpoint),
         "cp2->ulysses2": run(dense, out / "resume-u2.pt", 4, ulysses=2, resume=checkpoint),
     }
@@ -172,11 +184,12 @@ def four_ranks(folders: dict[str, Path], out: Path, two_ranks: dict) -> dict[str
 
 
 def assert_same_training(
-    got: dict[str, Any], expected: dict[str, Any], data_parallel: int, weight_atol: float = 1e-5
+    got: dict[str, Any], expected: dict[str, Any], data_parallel: int, weight_atol: float = 1e-5, unpadded: bool = False
 ) -> float:
-    """Losses, gradient norms and weights after 3 steps within 1e-5, and the left-padded probe's log-probs at the real
-    tokens; the run really split its sequences (its data-parallel degree is world / (ulysses x cp), its attention
-    the wrapper's). Returns the largest difference seen."""
+    """Losses, gradient norms and weights after the run's steps within 1e-5, and the left-padded probe's log-probs at
+    every position, padding included (`unpadded`, model.remove_padding: at the real tokens, and 0 at the others); the
+    run really split its sequences (its data-parallel degree is world / (ulysses x cp), its attention the wrapper's).
+    Returns the largest difference seen."""
     assert got["data_parallel_size"] == data_parallel
     assert got["attention"].startswith("ulysses_")
     assert got["losses"] == pytest.approx(expected["losses"][-len(got["losses"]) :], abs=1e-5)
@@ -188,9 +201,11 @@ def assert_same_training(
         worst = max(worst, (got["weights"][name] - tensor).abs().max().item())
     mask = left_padded_probe()["attention_mask"]
     real = (mask[:, :-1] * mask[:, 1:]).bool()
-    probe = (got["left_log_probs"] - expected["left_log_probs"])[real].abs().max().item()
+    compared = real if unpadded else torch.ones_like(real)
+    assert got["left_log_probs"].shape == real.shape
+    assert bool((got["left_log_probs"][~compared] == 0).all())
+    probe = (got["left_log_probs"] - expected["left_log_probs"])[compared].abs().max().item()
     assert probe < 1e-5, probe
-    assert got["left_log_probs"].shape == (2, LENGTH - 1)
     return max(worst, probe)
 
 
@@ -230,14 +245,23 @@ def assert_features_on(got: dict[str, Any], reference: dict[str, Any], features:
         # normalised update of it turns fp32 summation order into a ~1e-5 weight difference.
         ("cp2 ep2", "moe", 2e-5, {BLOCKWISE, LEFT_BLOCKWISE}),
         ("cp2 remove padding", "dense padded", 1e-5, {UNPADDED, BLOCKWISE, LEFT_BLOCKWISE}),
-        # RL's left-padded rows trained through the Strategy API with a caller's loss: the padding's diagonal blocks
-        # and the prompts' ranges in every train step's attention.
+        # RL's left-padded rows trained through the Strategy API with a caller's loss: the padding's blocks (none
+        # before the prompt) and the prompts' ranges in every train step's attention.
         ("cp2 left", "moe left", 2e-5, {BLOCKWISE, LEFT_BLOCKWISE}),
+        # A padding query before the prompt has no key: Ulysses' blocks give it none (0, as sdpa), eager's dense mask
+        # the mean of the sequence's values and not of the cut's padding (the probe is not a multiple of the cut).
+        ("ulysses2 left", "moe left step", 1e-5, {BLOCKWISE, LEFT_BLOCKWISE}),
+        ("cp2 left eager", "moe left eager", 1e-5, set()),
+        ("ulysses2 left eager", "moe left eager", 1e-5, set()),
     ],
 )
-def test_cp2_on_two_ranks_trains_like_one_rank(case, reference, weight_atol, features, one_rank, two_ranks):
-    assert_features_on(two_ranks[case], one_rank[reference], features)
-    print(f"{case}: max difference", assert_same_training(two_ranks[case], one_rank[reference], 1, weight_atol))
+def test_two_rank_layouts_train_like_one_rank(case, reference, weight_atol, features, one_rank, two_ranks):
+    """Each case of the 2-rank launch as one rank trains it, and its left-padded probe's log-probs at every position
+    (`assert_same_training`)."""
+    got, expected = two_ranks[case], one_rank[reference]
+    assert_features_on(got, expected, features)
+    difference = assert_same_training(got, expected, 1, weight_atol, UNPADDED in features)
+    print(f"{case}: max difference", difference)
 
 
 @pytest.mark.slow

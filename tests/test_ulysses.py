@@ -147,10 +147,10 @@ def test_shard_sequence_pads_and_slices_with_global_positions():
     joined = {key: torch.cat([s[key] for s in shards], dim=1) for key in ("input_ids", "labels", "position_ids")}
     assert joined["input_ids"][:, :5].tolist() == batch["input_ids"].tolist()
     assert joined["labels"].tolist() == [[11, 12, 13, 14, 15, IGNORE_INDEX], [21, 22, 23] + [IGNORE_INDEX] * 3]
-    # The global positions, numbered from the padding mask (cumsum - 1, as generation numbers them): the padded row's
-    # padding repeats its last position, and the sequence's own padding to a multiple of k continues it.
-    assert joined["position_ids"].tolist() == [list(range(6)), [0, 1, 2, 2, 2, 3]]
-    assert shards[1]["position_ids"].tolist() == [[3, 4, 5], [2, 2, 3]]
+    # The global positions, 0..T-1 as the model numbers the batch on one rank (padding included), and the sequence's
+    # own padding to a multiple of k continues them.
+    assert joined["position_ids"].tolist() == [list(range(6)), list(range(6))]
+    assert shards[1]["position_ids"].tolist() == [[3, 4, 5], [3, 4, 5]]
     assert "attention_mask" not in shards[0]  # the model gets no mask (the attention reads the sequence's)
     assert sequence_mask(groups[1]) is None  # right padding under causal attention needs none
 

@@ -15,14 +15,16 @@ dv go back to the key positions each block read.
 Packed documents are the same blocks per document: a run is cut where a document starts, and its earlier block
 begins at its document's first token instead of the sequence's (each row of the batch has its own documents).
 Left-padded rows (RL's prompts) are blocks too: their real tokens one document from the first real one; a padding
-token attends to itself and the real keys before it (as the dense mask has it: none before the prompt, the whole
-row's after it), a block of those in full and a diagonal block whose output is each token's own value.
+token attends to the real keys before it (as the dense mask and one rank's have it: the whole row's after the
+prompt, one block in full), and one before the prompt to no key: no block, its output 0 and its log-sum-exp -inf,
+as sdpa gives a row with no key, and no gradient.
 Under a sliding window that cuts a run's keys, the run is cut into tiles, each attending to its band of keys through
 the same kernel with a small additive mask (`window_tiles`).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple
 
 import torch
@@ -95,7 +97,7 @@ class KeyRanges(NamedTuple):
     """The keys each global index of a batch's rows attends to, as ranges: `starts` [B, T], its document's first
     index (a real token sees that document causally up to itself); `padding_ends` [B, T] (None: no padding), -1 at
     a real token, and at a padding token of a left-padded row where the real keys it sees end: it attends to
-    [start, end) and itself."""
+    [start, end), none where that is empty."""
 
     starts: torch.Tensor
     padding_ends: torch.Tensor | None = None
@@ -104,8 +106,8 @@ class KeyRanges(NamedTuple):
 # A run of queries: (first global index, length, first global index of its keys: its document's first, or 0; -1 for
 # real tokens, else the end of the real keys the run's padding tokens see; the sliding window, 0: none).
 Run = tuple[int, int, int, int, int]
-# A block's keys: up to each query, all, each query's own, up to each query and less than the window before it.
-CAUSAL, FULL, DIAGONAL, BANDED = "causal", "full", "diagonal", "banded"
+# A block's keys: up to each query, all, up to each query and less than the window before it.
+CAUSAL, FULL, BANDED = "causal", "full", "banded"
 
 
 def query_runs(
@@ -148,13 +150,13 @@ def _blocks(start: int, length: int, first: int, end: int, window: int) -> list[
     """The key blocks (a range of global indices and how its keys are seen) the run of queries [start, start +
     length) attends to: real tokens their own keys causally and every earlier key of their document (from `first`)
     in full, or under a window that cuts them off the keys less than `window` before them from `first` on, one
-    banded block; padding tokens their own key alone and the real keys [first, end) in full."""
+    banded block; padding tokens the real keys [first, end) in full, no block where there are none."""
     own = slice(start, start + length)
     if window:
         return [(slice(max(first, start - window + 1), start + length), BANDED)]
     if end < 0:
         return [(own, CAUSAL), (slice(first, start), FULL)] if start > first else [(own, CAUSAL)]
-    return [(own, DIAGONAL), (slice(first, end), FULL)] if end > first else [(own, DIAGONAL)]
+    return [(slice(first, end), FULL)] if end > first else []
 
 
 def _band(queries: slice, keys: slice, window: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -170,12 +172,8 @@ def _band(queries: slice, keys: slice, window: int, dtype: torch.dtype, device: 
 def _block_forward(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kind: str, scale: float, band: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A block's output and log-sum-exp: the fused kernel's (with the `band` of a banded block), or for a diagonal
-    block each query's own value (its one key's weight is exactly 1) and its score."""
-    if kind != DIAGONAL:
-        return _FLASH_CPU(query, key, value, 0.0, kind == CAUSAL, attn_mask=band, scale=scale)
-    precision = torch.promote_types(query.dtype, torch.float32)
-    return value, (query.to(precision) * key.to(precision)).sum(-1) * scale
+    """A block's output and log-sum-exp: the fused kernel's (with the `band` of a banded block)."""
+    return _FLASH_CPU(query, key, value, 0.0, kind == CAUSAL, attn_mask=band, scale=scale)
 
 
 def _block_backward(
@@ -189,16 +187,8 @@ def _block_backward(
     scale: float,
     band: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A block's share of dq, dk and dv given the merged output and log-sum-exp: the kernel's backward, or for a
-    diagonal block the same softmax backward with one key per query (weight p = exp(score - lse); dv = p dO; the
-    score's gradient p (dO.v - dO.O))."""
-    if kind != DIAGONAL:
-        return _FLASH_CPU_BACKWARD(grad, query, key, value, out, lse, 0.0, kind == CAUSAL, attn_mask=band, scale=scale)
-    precision = torch.promote_types(query.dtype, torch.float32)
-    grad, query, key, value, out = (t.to(precision) for t in (grad, query, key, value, out))
-    weight = ((query * key).sum(-1) * scale - lse).exp()
-    score_grad = (weight * ((grad * value).sum(-1) - (grad * out).sum(-1)) * scale)[..., None]
-    return score_grad * key, score_grad * query, weight[..., None] * grad
+    """A block's share of dq, dk and dv given the merged output and log-sum-exp: the kernel's backward."""
+    return _FLASH_CPU_BACKWARD(grad, query, key, value, out, lse, 0.0, kind == CAUSAL, attn_mask=band, scale=scale)
 
 
 def _block_keys(keys: torch.Tensor, positions: torch.Tensor, heads: int) -> torch.Tensor:
@@ -213,7 +203,8 @@ def _block_keys(keys: torch.Tensor, positions: torch.Tensor, heads: int) -> torc
 def _run_forward(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, order: torch.Tensor, run: Run, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One run's output and log-sum-exp, its blocks merged by online softmax in float32 (or the inputs' float64)."""
+    """One run's output and log-sum-exp, its blocks merged by online softmax in float32 (or the inputs' float64); a
+    run of no block (padding before the prompt) has no key: 0 and -inf, sdpa's output for a row with none."""
     merged: tuple[torch.Tensor, torch.Tensor] | None = None
     precision = torch.promote_types(query.dtype, torch.float32)
     heads = query.shape[1]
@@ -226,7 +217,8 @@ def _run_forward(
             out = merged[0] * (merged[1] - total).exp()[..., None] + out * (lse - total).exp()[..., None]
             lse = total
         merged = (out, lse)
-    assert merged is not None  # every run has its own block
+    if merged is None:
+        return torch.zeros_like(query), query.new_full(query.shape[:-1], -math.inf, dtype=precision)
     return merged[0].to(query.dtype), merged[1]
 
 

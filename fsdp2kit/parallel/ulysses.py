@@ -84,14 +84,15 @@ def shard_sequence(
     batch: dict[str, torch.Tensor], group: ProcessGroup, block_mask: bool = False
 ) -> dict[str, torch.Tensor]:
     """This rank's share of every sample of a collated micro-batch (`token_order`): input ids, labels (shifted
-    already, before the cut) and the global position ids (rotary embeddings need them; without them, numbered from
-    the 2-D padding mask as generation numbers a left-padded prompt: cumsum(mask) - 1), the sequence padded at the end
-    to a multiple of the cut with non-target tokens. Packed documents get their block-diagonal causal mask over the
-    whole sequence, and so does padding that comes before a real token (left-padded prompts): no real token attends
-    to it. Right padding needs no mask under causal attention (see the module docstring), so the 2-D mask of a
-    right-padded batch is dropped. Under context parallel the mask's rows are this rank's queries and its columns the
-    gathered keys ([B, 1, T/c, T]), and the global index of each is recorded. `block_mask` (the model attends with
-    DOCUMENT_FLEX): that mask as a BlockMask, never a dense one."""
+    already, before the cut) and the global position ids (rotary embeddings need them; without them 0..T-1, as the
+    model numbers a batch on one rank, padding included: a padding query's scores, which eager's gradient reads,
+    are then one rank's too), the sequence padded at the end to a multiple of the cut with non-target tokens. Packed
+    documents get their block-diagonal causal mask over the whole sequence, and so does padding that comes before a
+    real token (left-padded prompts): no real token attends to it. Right padding needs no mask under causal
+    attention (see the module docstring), so the 2-D mask of a right-padded batch is dropped. Under context parallel
+    the mask's rows are this rank's queries and its columns the gathered keys ([B, 1, T/c, T]), and the global index
+    of each is recorded. `block_mask` (the model attends with DOCUMENT_FLEX): that mask as a BlockMask, never a
+    dense one."""
     subgroups = sequence_subgroups(group)
     ulysses = (subgroups.ulysses.size(), subgroups.ulysses.rank()) if subgroups.ulysses is not None else (1, 0)
     context = (subgroups.context.size(), subgroups.context.rank()) if subgroups.context is not None else (1, 0)
@@ -103,11 +104,7 @@ def shard_sequence(
     positions = batch.get("position_ids")
     packed = positions is not None
     if positions is None:
-        positions = (
-            (real.cumsum(-1) - 1).clamp(min=0)
-            if real is not None
-            else torch.arange(length, device=input_ids.device).expand(input_ids.shape[0], -1)
-        )
+        positions = torch.arange(length, device=input_ids.device).expand(input_ids.shape[0], -1)
     if pad:
         input_ids = F.pad(input_ids, (0, pad))  # any token id will do: it is no target and attended by none
         labels = F.pad(labels, (0, pad), value=IGNORE_INDEX)
@@ -129,7 +126,7 @@ def shard_sequence(
     # The model gets no mask: its attention (the wrapper) reads the sequence's from here, and nothing else of the
     # model takes it for a [B, T] padding mask (MoE's load-balancing loss would).
     counted = tokens if real is None else tokens & real
-    remember_tokens(group, counted[:, order.flatten()], mask, indices, ranges)
+    remember_tokens(group, counted[:, order.flatten()], mask, indices, ranges, length)
     return shard
 
 
@@ -172,6 +169,8 @@ _SEQUENCE_MASKS: dict[int, Any] = {}
 _TOKEN_INDICES: dict[int, tuple[torch.Tensor, torch.Tensor] | None] = {}
 # And where the mask is packed documents or left padding alone, it as key ranges (each index's own keys).
 _KEY_RANGES: dict[int, KeyRanges | None] = {}
+# And the micro-batch's own length: the global indices from it on are the padding to a multiple of the cut.
+_BATCH_LENGTHS: dict[int, int | None] = {}
 
 
 def remember_tokens(
@@ -180,17 +179,20 @@ def remember_tokens(
     mask: Any = None,
     indices: tuple[torch.Tensor, torch.Tensor] | None = None,
     key_ranges: KeyRanges | None = None,
+    length: int | None = None,
 ) -> None:
     """Record which tokens of the micro-batch just cut for `group` ([B, T + padding] booleans, in the order the
     group's ranks hold them) such a statistic counts: the real ones, or all where the model gets the padding mask
     itself (a VL micro-batch); the mask its attention applies over the whole sequence (a dense [B, 1, queries, keys],
     one made on demand, or a BlockMask; None: causal alone); and, under context parallel, the global index of each
     query this rank attends for and of each key in gathered order (None: both are the whole sequence in order), and
-    where the mask is packed documents or left padding alone, it as key ranges (`_key_ranges`)."""
+    where the mask is packed documents or left padding alone, it as key ranges (`_key_ranges`); and the micro-batch's
+    own `length` before the padding to a multiple of the cut (None: no such padding is masked apart)."""
     _COUNTED_TOKENS[id(group)] = counted
     _SEQUENCE_MASKS[id(group)] = mask
     _TOKEN_INDICES[id(group)] = indices
     _KEY_RANGES[id(group)] = key_ranges
+    _BATCH_LENGTHS[id(group)] = length
 
 
 def token_indices(group: ProcessGroup) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -231,7 +233,9 @@ def _sequence_mask_function(documents: torch.Tensor | None, real: torch.Tensor |
     """The mask over the whole sequence as a mask function (batch, head, query, key global indices -> True = attend;
     FlexAttention's form, and indexable with broadcast index tensors) where causal attention alone is not exact:
     packed `documents` (`_documents`), padding (`real` False) before a real token, masked out as keys. None
-    otherwise. A padding token attends to itself at least (a row with nothing to attend to is NaN)."""
+    otherwise. It is transformers' padding mask by global index, so a left-padding query has no key at all, as on
+    one rank: its output is what the inner attention gives such a row (sdpa and FlexAttention 0, eager the mean of
+    the values, `_full_sequence_mask`)."""
     left_padded = _left_padded(real)
     if documents is None and not left_padded:
         return None
@@ -241,7 +245,7 @@ def _sequence_mask_function(documents: torch.Tensor | None, real: torch.Tensor |
         if documents is not None:
             allowed = allowed & (documents[batch, query] == documents[batch, key])
         if left_padded:
-            allowed = allowed & (real[batch, key] | (key == query))  # type: ignore[index]
+            allowed = allowed & real[batch, key]  # type: ignore[index]
         return allowed
 
     return attend
@@ -426,13 +430,16 @@ def _full_sequence_mask(
     sliding_window: int | None,
     additive_dtype: torch.dtype | None,
     device: torch.device,
+    batch_length: int | None = None,
 ) -> torch.Tensor | None:
     """The boolean mask over the gathered sequence (True = attend): the mask the batch brought (packed documents,
     left padding), or causal (None, which sdpa applies itself where queries and keys are the whole sequence in order),
     narrowed to a sliding window that is shorter than the sequence. Its rows and columns are the global tokens
     `indices` names (context parallel: this rank's queries, the gathered keys; None: the sequence in order), and
     causal is by that index. Eager applies no causal mask of its own and adds the mask to the scores: it gets an
-    additive one."""
+    additive one, transformers' (the dtype's min where masked), and -inf at the masked keys from `batch_length` on
+    (the padding to a multiple of the cut): a row with no key (left padding) then weighs the batch's keys alike, as
+    one rank's eager softmax of a row of mins does, and not the cut's padding, which one rank's row has not."""
     queries, keys = (
         (t.to(device) for t in indices) if indices is not None else (torch.arange(length, device=device),) * 2
     )
@@ -447,8 +454,10 @@ def _full_sequence_mask(
         mask = queries[:, None] >= keys[None, :]
     if additive_dtype is None:
         return mask
-    additive = torch.zeros(mask.shape, dtype=additive_dtype, device=device)
-    return additive.masked_fill(~mask, torch.finfo(additive_dtype).min)
+    additive = torch.zeros(mask.shape, dtype=additive_dtype, device=device).masked_fill(
+        ~mask, torch.finfo(additive_dtype).min
+    )
+    return additive if batch_length is None else additive.masked_fill(~mask & (keys >= batch_length), -math.inf)
 
 
 def _all_gathered(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
@@ -638,15 +647,17 @@ def _inner_mask(
     length: int,
     window: int | None,
     query: torch.Tensor,
+    batch_length: int | None,
 ) -> Any:
     """The mask the inner attention gets over the `length` gathered keys: the sequence's (made now if on demand) as
-    a BlockMask for FlexAttention, else dense by the global `indices` (additive for eager), narrowed to `window`."""
+    a BlockMask for FlexAttention, else dense by the global `indices` (additive for eager, `batch_length` the
+    micro-batch's own tokens), narrowed to `window`."""
     if isinstance(attention_mask, DenseMaskOnDemand):
         attention_mask = attention_mask()
     if flex_mask is not None:
         return flex_mask(attention_mask, query.shape[0], indices, length, window, query.device)
     additive = query.dtype if inner == "eager" else None
-    return _full_sequence_mask(attention_mask, indices, length, window, additive, query.device)
+    return _full_sequence_mask(attention_mask, indices, length, window, additive, query.device, batch_length)
 
 
 def _ulysses_attention(inner: str, group: ProcessGroup) -> Callable:
@@ -700,7 +711,8 @@ def _ulysses_attention(inner: str, group: ProcessGroup) -> Callable:
                 # blocks on a CPU), as sdpa's unmasked one; the dense mask would send the trace to the math kernel.
                 output, _ = inner_attention(module, query, key, value, None, **kwargs)
             else:
-                mask = _inner_mask(inner, flex_mask, attention_mask, indices, length, window, query)
+                batch_length = _BATCH_LENGTHS.get(id(group))
+                mask = _inner_mask(inner, flex_mask, attention_mask, indices, length, window, query, batch_length)
                 output, _ = inner_attention(module, query, key, value, mask, **kwargs)  # [batch, seq, heads/k, dim]
         # The attention weights (eager) cover this rank's heads only; training never reads them.
         if ulysses is not None:  # sequence out, heads in

@@ -209,5 +209,6 @@ def shard_vision_batch(batch: dict[str, torch.Tensor], group: ProcessGroup) -> d
     local, indices = _vision_cut(group, total)
     sharded["labels"] = sharded["labels"][:, local]
     # The padded attention mask reaches the MoE router loss: it counts every row, in the order the ranks hold them.
-    remember_tokens(group, torch.ones(batch["input_ids"].shape[0], total, dtype=torch.bool), None, indices)
+    every = torch.ones(batch["input_ids"].shape[0], total, dtype=torch.bool)
+    remember_tokens(group, every, None, indices, length=length)
     return sharded
