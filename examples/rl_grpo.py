@@ -1,11 +1,11 @@
 """GRPO with fsdp2kit as the training back-end, the way an RL framework's workers drive it (CPU or GPUs).
 
 Each step, on every rank: a rollout model (plain transformers, its weights refreshed from the actor through
-`Strategy.weight_sender`: only what changed) samples a group of completions for each prompt; a rule scores them (the reward is the
-fraction of completion tokens equal to one chosen token); advantages are normalised within each group; a reference
-`fsdp2_infer` strategy gives the reference log-probs of the KL term; and the actor's `Strategy.train_step` takes the
-clipped-ratio loss. A tiny model learns this from scratch in a minute or two. Every tensor lives on the actor's
-device, so the same script runs on GPUs.
+`Strategy.weight_sender`: only what changed) samples a group of completions for each prompt; a rule scores them (the
+reward is the fraction of completion tokens equal to one chosen token); advantages are normalised within each group;
+a reference `fsdp2_infer` strategy gives the reference log-probs of the KL term; and the actor's
+`Strategy.train_step` takes the clipped-ratio loss. A tiny model learns this from scratch in a minute or two. Every
+tensor lives on the actor's device, so the same script runs on GPUs.
 
     python examples/rl_grpo.py --nproc 2 --steps 40 --output-dir runs/rl_grpo
 

@@ -2,12 +2,13 @@
 model, the way an RL framework's actor and critic workers drive theirs.
 
 Each step, on every rank: a rollout model (plain transformers on the strategy's device, its weights refreshed from
-the policy through `Strategy.weight_sender`: only what changed) samples a completion for each prompt; a rule scores it (+1 for each
-completion token equal to one chosen token, -1 for each other, averaged: a score in [-1, 1], each token's share
-given as it is said); the critic (`model.model_class: transformers:LlamaForTokenClassification`, one label) gives the
-values [B, T] of the states, from which GAE makes the advantages and returns; the policy's `train_step` takes the
-clipped-ratio loss and the critic's `train_step` the clipped value loss on its `values`. A tiny model learns this
-from scratch in a minute. Every tensor lives on the strategies' device, so the same script runs on GPUs.
+the policy through `Strategy.weight_sender`: only what changed) samples a completion for each prompt; a rule scores
+it (+1 for each completion token equal to one chosen token, -1 for each other, averaged: a score in [-1, 1], each
+token's share given as it is said); the critic (`model.model_class: transformers:LlamaForTokenClassification`, one
+label) gives the values [B, T] of the states, from which GAE makes the advantages and returns; the policy's
+`train_step` takes the clipped-ratio loss and the critic's `train_step` the clipped value loss on its `values`. A
+tiny model learns this from scratch in a minute. Every tensor lives on the strategies' device, so the same script
+runs on GPUs.
 
     python examples/rl_ppo.py --nproc 2 --steps 30 --output-dir runs/rl_ppo
 

@@ -105,7 +105,7 @@ def run_steps(
         metrics.write_text("")
     for number in range(1, args.steps + 1):
         mine: list[bytes] = []
-        synced = sender.sync(receiver.version, lambda message: mine.append(message.to_bytes()))
+        synced = sender.sync(receiver.version, lambda message, mine=mine: mine.append(message.to_bytes()))
         every: list[list[bytes]] = [[] for _ in range(dist.get_world_size())]
         dist.all_gather_object(every, mine)
         for data in (message for messages in every for message in messages):

@@ -404,7 +404,9 @@ class Strategy:
         """log_probs [B, T-1] of input_ids[:, 1:] (and their entropy [B, T-1] when asked), in chunks of tokens, at
         `temperature` (one number or one per sample; or the batch's own `temperature`): of logits / temperature.
         With `max_tokens`, forwards of at most that many real tokens (as many on every data-parallel rank); with
-        model.remove_padding, of the packed real tokens, 0 where token t or t+1 is padding."""
+        model.remove_padding, of the packed real tokens, 0 where token t or t+1 is padding. At padding positions
+        otherwise: what the padded computation gives, which under Ulysses or context parallel equals one rank's where
+        the batch has left padding; in a batch with right padding alone it depends on the layout."""
         forwards: list[Callable[[], dict[str, torch.Tensor]]] = []
         parts: list[Batch] = []
         refused: UserError | None = None

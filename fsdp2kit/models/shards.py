@@ -54,6 +54,7 @@ def shard_of(name: str, tensor: torch.Tensor, dtype: torch.dtype | None) -> Weig
     """This rank's block of a (sharded or whole) tensor and where it sits, from its DTensor placements: a copy (in
     `dtype`), never the live shard, which the next step changes in place."""
     full_shape = tuple(tensor.shape)
+    dtype = dtype if tensor.is_floating_point() else None  # the rollout dtype is a float's: an integer stays one
     if not isinstance(tensor, DTensor):  # held whole on every rank: the first rank sends it
         first = not dist.is_initialized() or dist.get_rank() == 0
         return WeightShard(name, tensor.to(dtype or tensor.dtype, copy=True), full_shape, (0,) * tensor.dim(), first)
