@@ -335,3 +335,19 @@ def test_plan_counts_the_host_copy_a_delta_sync_keeps():
         sender = s.weight_sender(dtype=torch.bfloat16)
         sender.sync(None, lambda message: None)
         assert sender.base_bytes == planned > 0
+
+
+def test_full_every_sends_every_nth_version_whole():
+    with strategy(MODELS["dense"], learning_rate=1e-6) as s:
+        receiver = rollout_receiver(s)
+        sender = s.weight_sender(dtype=torch.bfloat16, full_every=2)
+        whole = []
+        for step in range(5):
+            if step:
+                train_once(s, step)
+            whole.append(sender.sync(receiver.version, receiver.receive).full)
+            assert receiver.version == step
+        assert whole == [True, False, True, False, True]
+        assert_received(receiver, s)
+    with pytest.raises(UserError, match="full_every=0; give a number of versions >= 1"):
+        fsdp2kit.weight_sync.WeightSender(iter, "model", int, full_every=0)
