@@ -10,7 +10,8 @@
 #   - gpu_side_by_side.json: the CPU suite's comparisons (raw fully_shard loop, FSDP1, Accelerate) at this
 #     machine's world size, and memory_scaling;
 #   - gpu_context_parallel.json: one context-parallel rank's attention at 32k-128k tokens, fsdp2kit's FlexAttention
-#     path against the dense mask it replaced (benchmarks/context_parallel_gpu.py; world size 1 suffices).
+#     path against the dense mask it replaced (benchmarks/context_parallel_gpu.py; world size 1 suffices);
+#   - gpu_weight_sync.json: weight sync on a 0.5B shape (benchmarks/weight_sync.py).
 # Training runs go to RUNS (default runs/gpu_suite). Not run by `make bench` (CPU) nor in CI.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -95,5 +96,9 @@ $PY benchmarks/memory_scaling.py --world-sizes 1 >> "$OUT/side_by_side.jsonl"
 as_json_array "$OUT/side_by_side.jsonl" "$BENCH/gpu_side_by_side.json"
 # 5. One context-parallel rank's attention at 32k-128k tokens (FlexAttention's block mask against the dense mask).
 $PY benchmarks/context_parallel_gpu.py > "$BENCH/gpu_context_parallel.json"
+
+# Weight sync to a rollout engine on a 0.5B shape: full, sharded, delta and adapter syncs, and a step beside a
+# background sync (benchmarks/weight_sync.py).
+$PY benchmarks/weight_sync.py --world-sizes 1 --steps 3 --shape 0.5b > "$BENCH/gpu_weight_sync.json"
 echo "results: $BENCH/gpu_tests.json $BENCH/gpu_vs_minimal.json $BENCH/gpu_cases.json $BENCH/gpu_side_by_side.json" \
   "$BENCH/gpu_context_parallel.json"

@@ -9,7 +9,8 @@ batches of 4 x 256 tokens, AdamW; each setting trains 2 steps first. Bytes are t
 the ranks (what reaches the rollout engine), serialised with `WeightMessage.to_bytes` (the transport is the caller's:
 here the bytes are dropped). Times are the slowest rank's.
 
-Prints one JSON object. Run: .venv/bin/python benchmarks/weight_sync.py [--world-sizes 1 2] [--steps 4]
+Prints one JSON object. Run: .venv/bin/python benchmarks/weight_sync.py [--world-sizes 1 2] [--steps 4] [--shape 0.5b]
+(on a GPU the ranks train there: benchmarks/gpu_suite.sh runs the 0.5B shape at world size 1).
 """
 
 from __future__ import annotations
@@ -28,6 +29,19 @@ from harness import REPO, child_env, model_folder
 
 LEARNING_RATES = (1e-6, 1e-5, 1e-4)
 SEQ, BATCH, WARM = 256, 4, 2
+# --shape 0.5b: Qwen2.5-0.5B's dimensions on the builtin tokenizer (fresh weights), for a GPU (gpu_suite.sh).
+SHAPES = {
+    "25m": None,
+    "0.5b": {
+        "hidden_size": 896,
+        "intermediate_size": 4864,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 14,
+        "num_key_value_heads": 2,
+        "vocab_size": 151936,
+        "tie_word_embeddings": True,
+    },
+}
 
 
 def slowest(seconds: float) -> float:
@@ -73,7 +87,7 @@ def full_sync(s: Any) -> tuple[int, float]:
     from safetensors.torch import save
 
     def gather() -> int:
-        weights = dict(s.full_weights(dtype=torch.bfloat16))
+        weights = {name: tensor.cpu() for name, tensor in s.full_weights(dtype=torch.bfloat16)}
         return len(save(weights)) if dist.get_rank() == 0 else 0
 
     size, seconds = timed(gather)
@@ -176,14 +190,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="25m")
     parser.add_argument("--worker", nargs=2, metavar=("MODEL", "OUT"))
     args = parser.parse_args()
     if args.worker:
         worker(Path(args.worker[0]), args.steps, Path(args.worker[1]))
         return
-    report: dict[str, Any] = {"model": "llama25m fp32 master, bf16 rollout", "seq": SEQ, "batch": BATCH, "runs": {}}
+    report: dict[str, Any] = {"model": f"llama {args.shape}, fp32 master, bf16 rollout", "seq": SEQ, "batch": BATCH}
+    report["runs"] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        model = model_folder(Path(tmp))
+        model = model_folder(Path(tmp), SHAPES[args.shape], f"llama{args.shape}")
         for world in args.world_sizes:
             out = Path(tmp) / f"world{world}"
             out.mkdir()
