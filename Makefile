@@ -8,7 +8,8 @@ STAMP := $(VENV)/.installed
 
 install: $(STAMP)
 
-# torch is pinned here to the CPU build that lies on this machine's disk; pyproject only asks torch>=2.6.
+# torch is pinned here to the CPU build that lies on this machine's disk; pyproject asks torch>=2.10, the oldest
+# fsdp2kit accepts (fsdp2kit/distributed.py:OLDEST_TORCH).
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip

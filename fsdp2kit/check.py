@@ -29,7 +29,7 @@ from fsdp2kit.models.build import (
     resolve_model,
     safetensors_index,
 )
-from fsdp2kit.models.sharded import build_sharded_model, count_parameters
+from fsdp2kit.models.sharded import ShardedModel, build_sharded_model, count_parameters
 from fsdp2kit.parallel.document_attention import document_route
 from fsdp2kit.parallel.expert_parallel import describe_expert_parallel
 from fsdp2kit.parallel.fsdp import describe_groups
@@ -196,6 +196,38 @@ def _context_parallel(layout: MeshLayout) -> dict[str, Any]:
     }
 
 
+def run_layout(cfg: JobConfig, sharded: ShardedModel, device: Any) -> list[str]:
+    """The lines a run prints once at its start, from what `check` shows, so that a CP, Ulysses or Muon run says so
+    before its first step instead of printing what the plain demo prints."""
+    layout = sharded.layout
+    mesh = " x ".join(f"{name} {size}" for name, size in zip(layout.dim_names, layout.shape, strict=True))
+    c, k = layout.context_parallel_size, layout.ulysses_size
+    sequence = f"data-parallel {layout.data_parallel_size}"
+    if layout.sequence_size > 1:
+        sequence += f", sequence groups of {layout.sequence_size} (ulysses {k} x context parallel {c})"
+    if c > 1:
+        chunks = str(_context_parallel(layout)["chunks"]).removeprefix("rank r: ")
+        holds = f"1/{c * k} of every row: {chunks} (r: its rank in its context-parallel group)"
+    elif k > 1:
+        holds = f"contiguous slice r of {k} of every row, all tokens for attention over heads/{k} (Ulysses)"
+    else:
+        holds = "whole rows"
+    attention = attention_implementation(sharded.model)
+    documents = document_route(sharded.model, cfg.model, cfg.data, device)[1]
+    optimizer = describe_optimizer(sharded.model, cfg.training)
+    if optimizer["name"] == "muon":
+        muon, adamw = optimizer["muon"], optimizer["adamw"]
+        split = f"muon ({optimizer['split']}): {len(muon)} matrices Muon, {len(adamw)} tensors AdamW"  # type: ignore[arg-type]
+    else:
+        split = "adamw: every trainable parameter"
+    return [
+        f"layout: mesh {mesh} ({layout.world_size} ranks); {sequence}; each rank holds {holds}",
+        f"layout: attention {attention}"
+        + (f"; packed documents: {documents}" if documents else "")
+        + f"; optimizer {split}",
+    ]
+
+
 def _plan_fields(plan: ShardingPlan) -> dict[str, Any]:
     """What the plan decided besides the groups: recompute, compile, TiledMLP, precision, reshard, offload, prefetch."""
     return {
@@ -231,8 +263,8 @@ def print_check(cfg: JobConfig, runtime: Runtime, as_json: bool) -> None:
         print(json.dumps({"files": files, **description}), flush=True)
         return
     print("# resolved config")
-    print(yaml.safe_dump(json.loads(cfg.model_dump_json()), sort_keys=False).rstrip())
+    print(yaml.safe_dump(json.loads(cfg.model_dump_json()), sort_keys=False, allow_unicode=True).rstrip())
     print("# files")
-    print(yaml.safe_dump({"files": files}, sort_keys=False, width=120).rstrip())
+    print(yaml.safe_dump({"files": files}, sort_keys=False, width=120, allow_unicode=True).rstrip())
     print("# plan")
-    print(yaml.safe_dump(description, sort_keys=False).rstrip(), flush=True)
+    print(yaml.safe_dump(description, sort_keys=False, allow_unicode=True).rstrip(), flush=True)

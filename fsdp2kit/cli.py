@@ -1,4 +1,4 @@
-"""The `fsdp2kit` command line (SPEC §2). The config is validated before any rank starts; a user's mistake found
+"""The `fsdp2kit` command line. The config is validated before any rank starts; a user's mistake found
 inside a rank is reported once, as one sentence, with exit code 2; a diverged run likewise, with exit code 1."""
 
 from __future__ import annotations
@@ -63,6 +63,10 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+# plan only computes for a world size; the other commands start it.
+_NPROC_HELP = {"plan": "the world size to plan for (nothing is launched)"}
+
+
 def _add_config_command(sub: argparse.ArgumentParser, name: str) -> None:
     """The arguments of the commands that read a config: train, infer, check, plan, prepare."""
     sub.add_argument("config", help="YAML config (native, or a ROLL file with roles)")
@@ -71,7 +75,7 @@ def _add_config_command(sub: argparse.ArgumentParser, name: str) -> None:
             "--nproc",
             type=int,
             default=None,
-            help="plan: the world size to plan for (nothing is launched); else launch this many local ranks",
+            help=_NPROC_HELP.get(name, "launch this many local ranks (torch.distributed.run); without it, one process"),
         )
     sub.add_argument(
         "--set",

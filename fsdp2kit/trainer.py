@@ -12,6 +12,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from fsdp2kit.check import run_layout
 from fsdp2kit.checkpoint.manager import CheckpointManager, fault_point
 from fsdp2kit.config.schema import JobConfig
 from fsdp2kit.data.dataset import source_files
@@ -65,6 +66,9 @@ class Trainer:
         with phase(f"loading the model ({cfg.model.name_or_path})", runtime.is_main):
             self.strategy = Strategy(cfg, runtime)
         check_data_fits(self.strategy.sharded.source.hf_config, cfg.data.seq_len, self.strategy.tokenizer)
+        if runtime.is_main:
+            for line in run_layout(cfg, self.strategy.sharded, runtime.device):
+                print(line, flush=True)
         self.batches = self._global_batches()
         self.eval_set = self._eval_batches()
         self.data_files = data_files(cfg.data)  # recorded in each checkpoint: a resume refuses edited data

@@ -142,6 +142,14 @@ def _expectation(error: ErrorDetails) -> str:
     return message
 
 
+# Keys other tools keep in their strategy's section that fsdp2kit keeps on the model (they change its attention).
+_KEYS_ELSEWHERE = {
+    "strategy_args.strategy_config.context_parallel_size": "model.context_parallel_size",
+    "strategy_args.strategy_config.ulysses_size": "model.ulysses_size",
+    "strategy_args.strategy_config.ulysses_sequence_parallel_size": "model.ulysses_size",
+}
+
+
 def describe_validation_error(
     exc: ValidationError, raw: dict[str, Any], source: str, written_as: WrittenAs | None = None
 ) -> str:
@@ -152,6 +160,8 @@ def describe_validation_error(
     key = ".".join(str(p) for p in loc)
     file, written_key = written_as(key)
     if errors[0]["type"] == "extra_forbidden":
+        if key in _KEYS_ELSEWHERE:
+            return f"{file}: unknown key '{written_key}': it goes under model here, as '{_KEYS_ELSEWHERE[key]}'"
         owner = _section_at(JobConfig, loc)
         if owner is None:
             return f"{file}: unknown key '{written_key}'"

@@ -83,18 +83,24 @@ def mesh_layout(
     if world_size % ulysses_size:
         raise UserError(
             f"model.ulysses_size = {ulysses_size} does not divide the world size {world_size}; valid: "
-            f"{', '.join(map(str, divisors(world_size)))}"
+            f"{', '.join(map(str, divisors(world_size)))}; {_launch_with(ulysses_size * context_parallel_size)}"
         )
     if (world_size // ulysses_size) % context_parallel_size:
         raise UserError(
             f"model.context_parallel_size = {context_parallel_size} does not divide world size {world_size} / "
             f"model.ulysses_size {ulysses_size}; valid: {', '.join(map(str, divisors(world_size // ulysses_size)))}"
+            f"; {_launch_with(ulysses_size * context_parallel_size)}"
         )
     layout = replace(
         _fsdp_layout(world_size, strategy), ulysses_size=ulysses_size, context_parallel_size=context_parallel_size
     )
     ep_size, efsdp_size = _expert_sizes(world_size, strategy)
     return replace(layout, ep_size=ep_size, efsdp_size=efsdp_size)
+
+
+def _launch_with(sequence_size: int) -> str:
+    """The way out for a layout that needs more ranks than were started: a number of ranks that holds it."""
+    return f"launch with --nproc {sequence_size} (or a multiple of it) for this layout"
 
 
 def _expert_sizes(world_size: int, strategy: StrategyConfig) -> tuple[int, int]:
