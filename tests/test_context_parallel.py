@@ -311,7 +311,8 @@ def test_context_parallel_size_not_dividing_nproc_fails_before_spawning():
     result = run_cli("train", "examples/demo.yaml", "--nproc", 2, "--set", "model.context_parallel_size=3")
     assert result.returncode == 2
     assert result.stderr.strip() == (
-        "error: model.context_parallel_size = 3 does not divide world size 2 / model.ulysses_size 1; valid: 1, 2"
+        "error: model.context_parallel_size = 3 does not divide world size 2 / model.ulysses_size 1; valid: 1, 2; "
+        "launch with --nproc 3 (or a multiple of it) for this layout"
     )
 
 

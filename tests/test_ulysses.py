@@ -366,7 +366,10 @@ def test_fewer_heads_than_ulysses_size_is_one_sentence(config_file, tmp_path):
 def test_ulysses_size_not_dividing_nproc_fails_before_spawning(config_file, tmp_path):
     result = run_cli("train", config_file, "--nproc", 2, "--set", "model.ulysses_size=3")
     assert result.returncode == 2
-    assert result.stderr.strip() == "error: model.ulysses_size = 3 does not divide the world size 2; valid: 1, 2"
+    assert result.stderr.strip() == (
+        "error: model.ulysses_size = 3 does not divide the world size 2; valid: 1, 2; "
+        "launch with --nproc 3 (or a multiple of it) for this layout"
+    )
 
 
 @pytest.mark.slow
