@@ -758,7 +758,7 @@ def test_a_run_announces_each_long_phase_with_its_duration(tmp_path, small_run):
     args += ["--set", "training.export_hf=true"]
     result = run_cli("train", DEMO, *small_run, *args)
     assert result.returncode == 0, result.stderr
-    lines = [line for line in result.stdout.splitlines() if not line.startswith("warning: ")]
+    lines = [line for line in result.stdout.splitlines() if not line.startswith(("warning: ", "layout: "))]
     phases = [
         "loading the model (builtin:tiny-llama)",
         "the token store of builtin:corpus",
