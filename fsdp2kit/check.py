@@ -201,6 +201,10 @@ def run_layout(cfg: JobConfig, sharded: ShardedModel, device: Any) -> list[str]:
     before its first step instead of printing what the plain demo prints."""
     layout = sharded.layout
     mesh = " x ".join(f"{name} {size}" for name, size in zip(layout.dim_names, layout.shape, strict=True))
+    mesh += f" ({layout.world_size} rank{'s' if layout.world_size > 1 else ''})"
+    if layout.ep_size > 1:
+        shape, names = layout.expert_shape
+        mesh += ", experts " + " x ".join(f"{name} {size}" for name, size in zip(names, shape, strict=True))
     c, k = layout.context_parallel_size, layout.ulysses_size
     sequence = f"data-parallel {layout.data_parallel_size}"
     if layout.sequence_size > 1:
@@ -221,7 +225,7 @@ def run_layout(cfg: JobConfig, sharded: ShardedModel, device: Any) -> list[str]:
     else:
         split = "adamw: every trainable parameter"
     return [
-        f"layout: mesh {mesh} ({layout.world_size} ranks); {sequence}; each rank holds {holds}",
+        f"layout: mesh {mesh}; {sequence}; each rank holds {holds}",
         f"layout: attention {attention}"
         + (f"; packed documents: {documents}" if documents else "")
         + f"; optimizer {split}",

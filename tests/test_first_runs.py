@@ -81,7 +81,7 @@ def test_the_plain_demo_says_its_layout(run_main):
             cfg.model, cfg.strategy_args.strategy_config, cfg.data, runtime, training=True, seed=1, materialize=False
         )
         lines = run_layout(cfg, sharded, runtime.device)
-    assert lines[0] == "layout: mesh fsdp 1 (1 ranks); data-parallel 1; each rank holds whole rows"
+    assert lines[0] == "layout: mesh fsdp 1 (1 rank); data-parallel 1; each rank holds whole rows"
     assert "attention sdpa" in lines[1] and "optimizer adamw: every trainable parameter" in lines[1]
 
 
