@@ -219,6 +219,9 @@ def test_a_sync_that_does_not_fit_the_receiver_is_refused_in_one_line():
     )
     with pytest.raises(ValueError, match="a full sync that does not cover 'w' \\(6 of 12 elements"):
         receiver.receive(half.seal())
+    twice = [Block("w", (4, 3), (0, 0), (2, 3), torch.ones(6, dtype=torch.bfloat16)) for _ in range(2)]
+    with pytest.raises(ValueError, match="a full sync with overlapping blocks of 'w'"):
+        receiver.receive(WeightMessage(2, 0, None, "model", 0, 1, 0, 1, twice).seal())
     assert receiver.version is None and not receiver.tensors["w"].any()
 
 

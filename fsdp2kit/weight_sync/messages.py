@@ -178,11 +178,14 @@ def _message(header: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Weight
     ints = ("sync_id", "version", "sender", "senders", "index")
     if not all(isinstance(header[key], int) for key in ints) or not 0 <= header["sender"] < header["senders"]:
         raise ValueError("sync, version or sender numbers")
+    count = _optional_int(header["count"])
+    if header["index"] < 0 or (count is not None and count <= header["index"]):
+        raise ValueError(f"message {header['index']} of a count of {count}")
     message = WeightMessage(
         **{key: header[key] for key in ints},
         base_version=_optional_int(header["base_version"]),
         part=header["part"],
-        count=_optional_int(header["count"]),
+        count=count,
         blocks=blocks,
         adapter_config=header["adapter_config"],
         checksum=int(header["checksum"]),

@@ -136,8 +136,9 @@ class WeightReceiver:
         return self.version
 
     def _check(self, blocks: list[Block], whole: bool) -> None:
-        """Every block names a tensor of ours, of its shape and dtype; a full sync covers every tensor."""
-        covered = dict.fromkeys(self.tensors, 0)
+        """Every block names a tensor of ours, of its shape and dtype; a full sync covers every tensor, its blocks
+        apart from one another (so that their sizes add up to the tensor's only where they tile it)."""
+        placed: dict[str, list[Block]] = {name: [] for name in self.tensors}
         for block in blocks:
             tensor = self.tensors.get(block.name)
             if tensor is None:
@@ -147,13 +148,22 @@ class WeightReceiver:
                     f"weight sync: '{block.name}' is {block.values.dtype} {list(block.full_shape)} in the sync, "
                     f"{tensor.dtype} {list(tensor.shape)} here"
                 )
-            covered[block.name] += math.prod(block.shape)
-        short = [name for name, count in covered.items() if count != self.tensors[name].numel()]
-        if whole and short:
-            raise ValueError(
-                f"weight sync: a full sync that does not cover '{short[0]}' ({covered[short[0]]} of "
-                f"{self.tensors[short[0]].numel()} elements; {len(short)} tensors short)"
-            )
+            placed[block.name].append(block)
+        if whole:
+            for name, tensor in self.tensors.items():
+                _check_tiling(name, placed[name], tensor.numel())
+
+
+def _check_tiling(name: str, blocks: list[Block], numel: int) -> None:
+    """The blocks of a full sync tile the tensor: no two overlap, and together they hold every element."""
+    held = sum(math.prod(block.shape) for block in blocks)
+    if held != numel:
+        raise ValueError(f"weight sync: a full sync that does not cover '{name}' ({held} of {numel} elements)")
+    for i, first in enumerate(blocks):
+        for second in blocks[i + 1 :]:
+            spans = zip(first.offset, first.shape, second.offset, second.shape, strict=True)
+            if all(a < c + n and c < a + m for a, m, c, n in spans):
+                raise ValueError(f"weight sync: a full sync with overlapping blocks of '{name}'")
 
 
 @torch.no_grad()
