@@ -6,7 +6,7 @@
 #   - gpu_vs_minimal.json: fsdp2kit against a minimal fully_shard loop on issue 31's 1.5B Llama shape, eager and
 #     compiled, alternately (benchmarks/gpu_vs_minimal.py), with the issue's targets and whether they are met;
 #   - gpu_cases.json: bf16 tokens/s, MFU, the CUDA peak and `fsdp2kit plan`'s prediction for it, on that shape at
-#     seq 2048 and 4096, recompute off/on, CPU offload with pinned memory, compile;
+#     seq 2048 and 4096, recompute off/on, CPU offload with pinned memory, compile, compile + float8;
 #   - gpu_side_by_side.json: the CPU suite's comparisons (raw fully_shard loop, FSDP1, Accelerate) at this
 #     machine's world size, and memory_scaling;
 #   - gpu_context_parallel.json: one context-parallel rank's attention at 32k-128k tokens, fsdp2kit's FlexAttention
@@ -84,6 +84,9 @@ run_case "bf16_seq2048_offload_pinned" 2048 --set strategy_args.strategy_config.
   --set strategy_args.strategy_config.pin_memory=true
 run_case "bf16_seq2048_compile" 2048 --set training.compile=true
 run_case "bf16_seq2048_compile_recompute" 2048 --set training.compile=true --set model.gradient_checkpointing=true
+# float8 (torchao, tensorwise, float8 all-gather) against bf16_seq2048_compile: issue 62's target >= 1.15x at a lower peak
+run_case "bf16_seq2048_compile_float8" 2048 --set training.compile=true \
+  --set strategy_args.strategy_config.float8.enabled=true
 
 as_json_array "$RESULTS" "$BENCH/gpu_cases.json"
 

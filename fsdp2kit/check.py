@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import torch.nn as nn
 import yaml
 from torch.distributed.fsdp import FSDPModule
 
@@ -32,6 +33,7 @@ from fsdp2kit.models.build import (
 from fsdp2kit.models.sharded import ShardedModel, build_sharded_model, count_parameters
 from fsdp2kit.parallel.document_attention import document_route
 from fsdp2kit.parallel.expert_parallel import describe_expert_parallel
+from fsdp2kit.parallel.float8 import describe_float8
 from fsdp2kit.parallel.fsdp import describe_groups
 from fsdp2kit.parallel.mesh import MeshLayout
 from fsdp2kit.parallel.module_paths import model_class_name
@@ -163,7 +165,7 @@ def describe(cfg: JobConfig, runtime: Runtime) -> dict:
         # Read back from the live modules, so this is what fully_shard did, not what we meant it to do.
         "sharded_modules": [name for name, module in model.named_modules() if isinstance(module, FSDPModule)],
         "groups": describe_groups(model),
-        **_plan_fields(plan),
+        **_plan_fields(plan, model),
         "frozen_modules": cfg.model.freeze_module_prefix,
         "trainable_parameters": trainable,
         # training.optimizer: muon names the matrices Muon orthogonalises and what AdamW takes.
@@ -232,9 +234,11 @@ def run_layout(cfg: JobConfig, sharded: ShardedModel, device: Any) -> list[str]:
     ]
 
 
-def _plan_fields(plan: ShardingPlan) -> dict[str, Any]:
-    """What the plan decided besides the groups: recompute, compile, TiledMLP, precision, reshard, offload, prefetch."""
+def _plan_fields(plan: ShardingPlan, model: nn.Module) -> dict[str, Any]:
+    """What the plan decided besides the groups: recompute, compile, TiledMLP, precision, reshard, offload, prefetch;
+    and the linears torchao's Float8Linear runs in float8 (strategy_config.float8), read back from the model."""
     return {
+        "float8": describe_float8(model),
         "ignored_modules": plan.ignored_modules,
         "recompute_modules": plan.recompute_modules,
         "activation_offload_modules": plan.activation_offload_modules,

@@ -47,6 +47,7 @@ from fsdp2kit.models.heads import ValueHead
 from fsdp2kit.models.sharded import ShardedModel, build_sharded_model
 from fsdp2kit.parallel.activation_offload import Departed, apply_activation_offload
 from fsdp2kit.parallel.document_attention import document_route
+from fsdp2kit.parallel.float8 import gathered_element_size
 from fsdp2kit.parallel.fsdp import before_micro_batch, fsdp_states, stays_gathered
 from fsdp2kit.parallel.token_logprobs import chunk_tokens, install_token_head
 from fsdp2kit.strategy import HeadOutputLoss
@@ -301,11 +302,14 @@ def computed_sizes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[s
     gathered = (
         {"muon_gathered_matrix": gathered_matrix_bytes(optimizer)} if isinstance(optimizer, MuonWithAdamW) else {}
     )
-    groups = []  # unsharded bytes of each fully_shard group, in its compute dtype
+    groups = []  # unsharded bytes of each fully_shard group, in its compute dtype (float8 where gathered in float8)
     for state in fsdp_states(model):
         if (group := state._fsdp_param_group) is not None:
             groups.append(
-                sum(fp._orig_size.numel() * (fp.param_dtype or fp.orig_dtype).itemsize for fp in group.fsdp_params)
+                sum(
+                    fp._orig_size.numel() * gathered_element_size(fp.sharded_param, fp.param_dtype or fp.orig_dtype)
+                    for fp in group.fsdp_params
+                )
             )
     return {
         "sharded_params": sum(local_bytes(p) for p in params),

@@ -186,6 +186,7 @@ def test_every_field_is_documented():
         schema.DataConfig,
         schema.TrainingConfig,
         schema.WrapPolicy,
+        schema.Float8Config,
         schema.StrategyConfig,
         schema.StrategyArgs,
         schema.JobConfig,

@@ -621,9 +621,21 @@ def test_accelerate_context_parallel_is_context_parallel_and_fsdp_shards_over_it
             "Accelerate configs with distributed_type: FSDP",
         ),
         (
+            {"mixed_precision": "fp8", "fp8_config": {"backend": "TE"}},
+            {},
+            "'fp8_config.backend' = TE: fsdp2kit trains mixed_precision fp8 with torchao only; set backend: AO "
+            "(TransformerEngine and MS-AMP are not available)",
+        ),
+        (
             {"mixed_precision": "fp8"},
             {},
-            "'mixed_precision' = 'fp8' is not valid: expected one of 'no', 'bf16' or 'fp16'",
+            "'fp8_config.backend' = not given: fsdp2kit trains mixed_precision fp8 with torchao only; set backend: AO "
+            "(TransformerEngine and MS-AMP are not available)",
+        ),
+        (
+            {"mixed_precision": "fp4"},
+            {},
+            "'mixed_precision' = 'fp4' is not valid: expected one of 'no', 'bf16', 'fp16' or 'fp8'",
         ),
         (
             {},

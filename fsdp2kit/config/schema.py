@@ -558,6 +558,34 @@ class WrapPolicy(Section):
     )
 
 
+class Float8Config(Section):
+    """torchao's float8 training (`strategy_config.float8`): the model's linears matmul in float8 (docs/training.md)."""
+
+    enabled: bool = Field(
+        False, description="convert the linears (not the LM head, routers or dims off 16) to torchao's Float8Linear"
+    )
+    recipe: Literal["tensorwise", "rowwise"] = Field(
+        "tensorwise", description="torchao's scaling recipe: one scale per tensor, or per row (more accurate, slower)"
+    )
+    fsdp_float8_all_gather: bool = Field(
+        True, description="tensorwise: FSDP gathers the weights in float8 (half of bf16's bytes) instead of param_dtype"
+    )
+    exclude_modules: PatternList = Field(
+        default_factory=list,
+        description="module patterns kept in high precision besides the LM head, routers and linears whose "
+        "dimensions are not multiples of 16",
+    )
+
+    @model_validator(mode="after")
+    def _all_gather_needs_tensorwise(self) -> Float8Config:
+        if self.enabled and self.fsdp_float8_all_gather and self.recipe != "tensorwise":
+            raise UserError(
+                f"strategy_config.float8.fsdp_float8_all_gather: torchao gathers float8 weights only with recipe "
+                f"tensorwise, not {self.recipe}; set fsdp_float8_all_gather: false"
+            )
+        return self
+
+
 class StrategyConfig(Section):
     fsdp_size: int | Literal["auto"] | None = Field(
         "auto", description="shard group size; auto/<=1/>=world = 1-D FSDP, else HSDP [ddp, fsdp]"
@@ -630,6 +658,7 @@ class StrategyConfig(Section):
     )
     apply_tiled_mlp: bool = Field(False, description="compute MLPs in sequence tiles to cut activation memory")
     tiled_num_shards: int = Field(4, ge=1, description="number of sequence tiles for TiledMLP")
+    float8: Float8Config = Field(default_factory=Float8Config, description="float8 matmuls with torchao")
     async_save_ckpt: bool = Field(True, description="overlap checkpoint writes with training")
     ckpt_format: Literal["torch_dcp"] = Field("torch_dcp", description="sharded checkpoint format")
 
@@ -706,6 +735,15 @@ class JobConfig(Section):
                 "training.optimizer: muon is not available with strategy_args.strategy_config.offload_policy: true "
                 "(Muon gathers each matrix on a rank's device to orthogonalise it; the offloaded ones stay in host "
                 "memory); turn offload_policy off, or use training.optimizer: adamw"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _float8_without_lora(self) -> JobConfig:
+        if self.strategy_args.strategy_config.float8.enabled and self.model.lora_enabled:
+            raise UserError(
+                "strategy_config.float8.enabled: float8 training is not available with model.lora (untested: the "
+                "adapters wrap the linears float8 would convert); turn one of them off"
             )
         return self
 

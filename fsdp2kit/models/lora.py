@@ -30,6 +30,7 @@ from fsdp2kit.dtypes import torch_dtype
 from fsdp2kit.errors import UserError
 from fsdp2kit.models.shards import copy_to_shard, module_seed
 from fsdp2kit.models.variant_part import VariantPart
+from fsdp2kit.parallel.float8 import plain_weight
 from fsdp2kit.parallel.plan import AdapterPlan, ShardingPlan, match_modules
 
 if TYPE_CHECKING:
@@ -408,7 +409,7 @@ def merged_state(model: nn.Module) -> dict[str, tuple[torch.Tensor, AdaptedTenso
     """The base model's tensors under their own names, each with the LoRA layer whose `merge` changes it, if any;
     a module to save gives its trained copy."""
     rename = base_renamer(model)
-    state = model.state_dict(keep_vars=True)
+    state = {key: plain_weight(tensor) for key, tensor in model.state_dict(keep_vars=True).items()}
     adapted = adapted_tensors(model)
     unknown = sorted(set(adapted) - set(state))
     if unknown:  # peft's MultiheadAttention; lora_bias over a layer without a bias

@@ -23,6 +23,7 @@ from fsdp2kit.parallel.activation_offload import PinnedHost, apply_activation_of
 from fsdp2kit.parallel.compile import compile_modules
 from fsdp2kit.parallel.document_attention import attend_documents
 from fsdp2kit.parallel.expert_parallel import apply_expert_parallel, check_expert_sizes, expert_meshes
+from fsdp2kit.parallel.float8 import apply_float8
 from fsdp2kit.parallel.fsdp import apply_fsdp, shard_device
 from fsdp2kit.parallel.mesh import MeshLayout, build_expert_mesh, build_mesh, mesh_layout, sequence_parallel_group
 from fsdp2kit.parallel.moe import gather_router_logits, routed_expert_count, set_experts_implementation
@@ -54,7 +55,7 @@ def build_sharded_model(
     materialize: bool = True,
 ) -> ShardedModel:
     """Meta-device model -> the variant's patches (split experts, LoRA adapters, vision Ulysses), Ulysses attention
-    -> plan -> freeze -> recompute, TiledMLP, the variant's patches (expert, vision) -> fully_shard ->
+    -> plan -> freeze -> float8 linears -> recompute, TiledMLP, the variant's patches (expert, vision) -> fully_shard ->
     (materialise each rank's shards). Training keeps fp32 master weights and computes in `param_dtype` (default:
     model.dtype); a LoRA base is frozen, so it stays in model.dtype. From `data`: the tokenizer (default: the model's
     own; the readers of data check it against the model, `check_data_fits`); fresh weights come from `seed`;
@@ -80,6 +81,9 @@ def build_sharded_model(
     frozen = set(plan.frozen_parameters)
     for name, param in model.named_parameters():
         param.requires_grad_(training and name not in frozen)
+    float8 = apply_float8(model, strategy.float8) if training else []  # before recompute and compile wrap the layers
+    if float8:
+        plan.notes.append(f"float8 ({strategy.float8.recipe}): {len(float8)} linears matmul in float8 (torchao)")
     apply_recompute(model, plan.recompute_modules, plan.use_reentrant)
     apply_tiled_mlp(model, plan.tiled_mlp_modules, plan.tiled_num_shards)
     variant.patch_sharded(model, plan)

@@ -19,6 +19,7 @@ from torch.optim.lr_scheduler import LRScheduler
 from fsdp2kit.data.dataset import input_token_count, model_inputs
 from fsdp2kit.errors import UserError
 from fsdp2kit.labels import IGNORE_INDEX
+from fsdp2kit.parallel.float8 import refresh_float8_scales
 from fsdp2kit.parallel.fsdp import before_micro_batch, stays_gathered
 from fsdp2kit.parallel.moe import once_per_group
 from fsdp2kit.parallel.token_logprobs import TokenRequest, token_request
@@ -296,7 +297,9 @@ def train_step(
     _refuse_unusable(optimizer, weight, world_size * names_square_sum != names_sum**2 or names_sum < 0, unusable)
     metrics = _averaged_metrics(sums.metrics, sums.counted) if names_sum else {}
     result = StepResult(loss_value, grad_norm, 0.0, input_tokens, False, metrics)
-    return _update(optimizer, scheduler, guard, result)
+    result = _update(optimizer, scheduler, guard, result)
+    refresh_float8_scales(model)
+    return result
 
 
 def _normalise_before(run: _Accumulation, known: list[torch.Tensor | None], sp_size: int) -> torch.Tensor | None:

@@ -252,14 +252,46 @@ def _mixed_precision(translation: Translation, key: Written, value: Any) -> None
     if name in ("no", "fp32"):
         translation.ignore(key, "full precision: param_dtype stays the model's dtype")
         return
-    if name not in ("bf16", "fp16"):
-        raise UserError(f"{key.file}: '{key}' = {value!r} is not valid: expected one of 'no', 'bf16' or 'fp16'")
+    if name not in ("bf16", "fp16", "fp8"):
+        raise UserError(f"{key.file}: '{key}' = {value!r} is not valid: expected one of 'no', 'bf16', 'fp16' or 'fp8'")
+    if name == "fp8":  # Accelerate computes what float8 leaves out in bf16; the backend is fp8_config's (_fp8_config)
+        translation.set(f"{STRATEGY_CONFIG}.float8.enabled", True, key)
+        name = "bf16"
     for native in ("param_dtype", "reduce_dtype", "output_dtype"):
         translation.set(f"{STRATEGY_CONFIG}.{native}", name, key)
     translation.note(
         f"mapped {key}={name} → param_dtype, reduce_dtype, output_dtype={name} (Accelerate's FSDP policy); "
         "Accelerate also upcasts the parameters to fp32 (here model.dtype decides) and autocasts the forward "
         "(fsdp2kit does not)"
+    )
+
+
+def _fp8_backend(translation: Translation, data: dict[str, Any], where: Written) -> dict[str, Any]:
+    """`mixed_precision: fp8` trains with torchao (fp8_config's `backend: AO`); TransformerEngine and MS-AMP are
+    refused rather than run in bf16. Without fp8 Accelerate never reads fp8_config: it is left out (noted)."""
+    fp8_config = data.get("fp8_config")
+    if str(data.get("mixed_precision")).lower() != "fp8":
+        if "fp8_config" in data:
+            translation.ignore(where.child("fp8_config"), "read only with mixed_precision: fp8")
+        return {k: v for k, v in data.items() if k != "fp8_config"}
+    backend = str(fp8_config.get("backend", "")).upper() if isinstance(fp8_config, dict) else ""
+    if backend != "AO":
+        key = where.child("fp8_config.backend")
+        raise UserError(
+            f"{key.file}: '{key}' = {backend or 'not given'}: fsdp2kit trains mixed_precision fp8 with torchao only; "
+            "set backend: AO (TransformerEngine and MS-AMP are not available)"
+        )
+    return data
+
+
+def _fp8_config(translation: Translation, key: Written, value: Any) -> None:
+    """Accelerate's AO recipe takes no keys from a config file: the others in fp8_config are TransformerEngine's
+    and MS-AMP's (fp8_format, amax_history_len, opt_level, ...), ignored with a note."""
+    others = [str(key.child(str(k))) for k in value if k != "backend"]
+    translation.note(
+        f"{key}.backend=AO → strategy_config.float8: torchao's tensorwise recipe with float8 all-gather (Accelerate's "
+        "AO defaults); Accelerate's default filter also keeps the first linear layer in high precision, fsdp2kit "
+        "converts it" + (f"; ignored (TransformerEngine and MS-AMP settings): {', '.join(others)}" if others else "")
     )
 
 
@@ -271,6 +303,7 @@ def _accelerate_fsdp_config(translation: Translation, key: Written, value: Any) 
 ACCELERATE_CONFIG: dict[str, Rule] = {
     "distributed_type": _distributed_type,
     "mixed_precision": _mixed_precision,
+    "fp8_config": _fp8_config,
     "fsdp_config": _accelerate_fsdp_config,
     "parallelism_config": _parallelism,
     **dict.fromkeys(
@@ -307,7 +340,7 @@ ACCELERATE_CONFIG: dict[str, Rule] = {
     ),
     "dynamo_config": ignored("torch.compile settings; fsdp2kit does not compile"),
     **dict.fromkeys(
-        ("deepspeed_config", "megatron_lm_config", "fp8_config", "mpirun_config", "tp_config", "ipex_config"),
+        ("deepspeed_config", "megatron_lm_config", "mpirun_config", "tp_config", "ipex_config"),
         ignored("not used with distributed_type FSDP"),
     ),
 }
@@ -328,7 +361,7 @@ def translate_file(translation: Translation, data: dict[str, Any], path: str) ->
     fsdp_config = data["fsdp_config"]
     if isinstance(fsdp_config, dict) and fsdp_config.get("fsdp_version") is None:
         translation.note("fsdp_config.fsdp_version not given: Accelerate runs FSDP1; its settings read as FSDP2")
-    apply_rules(translation, data, ACCELERATE_CONFIG, Written(path, ""))
+    apply_rules(translation, _fp8_backend(translation, data, Written(path, "")), ACCELERATE_CONFIG, Written(path, ""))
     transformers_schedule(translation, Written(path, ""), "an Accelerate config's HF Trainer")
 
 
