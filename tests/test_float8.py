@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 
 import pytest
 import torch
@@ -42,7 +43,16 @@ def one_rank(tmp_path_factory):
         settings = {**RUN, **extra, "training.output_dir": str(runs / name)}
         result = run_cli("train", DEMO, *set_args(settings))
         assert result.returncode == 0, result.stderr
+        (runs / f"{name}.stderr").write_text(result.stderr)
     return runs
+
+
+def test_installed_torchao_adds_no_warnings_to_a_run(one_rank):
+    """transformers imports torchao wherever it is installed: its CUDA libraries' load failures on a CPU build and
+    torch's notice about its enum registrations would otherwise open every run's output."""
+    for name in ("bf16", "float8"):
+        said = (one_rank / f"{name}.stderr").read_text()
+        assert "Failed to load" not in said and "Enum subclass" not in said, said
 
 
 def test_float8_follows_the_bf16_loss_curve(one_rank):
@@ -204,3 +214,16 @@ def test_float8_with_compile_trains_like_compile_alone_on_cuda():
     float8 = losses(job(strategy_config={"float8": {"enabled": True}}, compile=True), 20)
     assert float8 == pytest.approx(compiled, rel=0.02)
     assert float8[-1] == pytest.approx(compiled[-1], rel=0.01)
+
+
+def test_float8_without_torchao_is_one_line(monkeypatch):
+    from fsdp2kit.config.schema import Float8Config
+    from fsdp2kit.errors import UserError
+    from fsdp2kit.parallel.float8 import apply_float8
+
+    monkeypatch.setitem(sys.modules, "torchao.float8", None)  # what an environment without torchao imports
+    with pytest.raises(UserError) as refused:
+        apply_float8(torch.nn.Sequential(torch.nn.Linear(16, 16)), Float8Config(enabled=True))
+    assert str(refused.value) == (
+        "strategy_config.float8.enabled: float8 training needs torchao (pip install 'fsdp2kit[float8]')"
+    )

@@ -25,6 +25,17 @@ from fsdp2kit.parallel.plan import match_modules
 # a warning per library on every run (torchao's CPU paths, which float8 training uses here, do not need them).
 logging.getLogger("torchao").setLevel(logging.ERROR)
 
+
+class _EnumRegistrationNotice(logging.Filter):
+    """torchao 0.18 registers its enums with a pytree call torch 2.13 deprecates, which warns on every run that
+    imports torchao (transformers does wherever it is installed): a notice to torchao, not to a user."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "is an Enum subclass and is now natively supported" not in record.getMessage()
+
+
+logging.getLogger("torch.utils._pytree").addFilter(_EnumRegistrationNotice())
+
 MULTIPLE = 16  # float8 matmuls (torch._scaled_mm) need both dimensions of the weight to be multiples of 16
 
 
