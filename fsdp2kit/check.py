@@ -30,17 +30,17 @@ from fsdp2kit.models.build import (
     resolve_model,
     safetensors_index,
 )
-from fsdp2kit.models.sharded import ShardedModel, build_sharded_model, count_parameters
+from fsdp2kit.models.sharded import build_sharded_model, count_parameters
 from fsdp2kit.parallel.document_attention import document_route
 from fsdp2kit.parallel.expert_parallel import describe_expert_parallel
 from fsdp2kit.parallel.float8 import describe_float8
 from fsdp2kit.parallel.fsdp import describe_groups
-from fsdp2kit.parallel.mesh import MeshLayout
 from fsdp2kit.parallel.module_paths import model_class_name
 from fsdp2kit.parallel.plan import ShardingPlan
 from fsdp2kit.strategy import INFER_COMMAND, TRAIN_COMMAND
 from fsdp2kit.train.optim import describe_optimizer
 from fsdp2kit.train.run_dir import output_dir_problem
+from fsdp2kit.train.run_layout import context_parallel_layout
 
 
 def _size(files: list[Path]) -> str:
@@ -154,7 +154,7 @@ def describe(cfg: JobConfig, runtime: Runtime) -> dict:
             "data_parallel_size": layout.data_parallel_size,
         },
         # Context parallel: groups across the Ulysses groups; each rank's share of every sequence (`token_order`).
-        "context_parallel": _context_parallel(layout),
+        "context_parallel": context_parallel_layout(layout),
         # Expert parallelism: the experts' own mesh, the modules split over it, and each rank's experts.
         "expert_parallel": describe_expert_parallel(model, plan.expert_parallel, sharded.layout),
         "strategy": cfg.strategy_args.strategy_name,
@@ -183,55 +183,6 @@ def describe(cfg: JobConfig, runtime: Runtime) -> dict:
         "notes": plan.notes + ([attention_note] if attention_note else []),
         "config_notes": cfg.notes,
     }
-
-
-def _context_parallel(layout: MeshLayout) -> dict[str, Any]:
-    """The context-parallel groups and which tokens each rank of one holds (`parallel/ulysses.py:token_order`)."""
-    c, k = layout.context_parallel_size, layout.ulysses_size
-    if c == 1:
-        return {"size": 1, "groups": layout.context_parallel_groups()}
-    return {
-        "size": c,
-        "groups": layout.context_parallel_groups(),
-        "chunks": f"rank r: chunks r and {2 * c - 1}-r of {2 * c} (the sequence padded to a multiple of {2 * c * k})"
-        + (f", cut into {k} contiguous Ulysses slices" if k > 1 else ""),
-    }
-
-
-def run_layout(cfg: JobConfig, sharded: ShardedModel, device: Any) -> list[str]:
-    """The lines a run prints once at its start, from what `check` shows, so that a CP, Ulysses or Muon run says so
-    before its first step instead of printing what the plain demo prints."""
-    layout = sharded.layout
-    mesh = " x ".join(f"{name} {size}" for name, size in zip(layout.dim_names, layout.shape, strict=True))
-    mesh += f" ({layout.world_size} rank{'s' if layout.world_size > 1 else ''})"
-    if layout.ep_size > 1:
-        shape, names = layout.expert_shape
-        mesh += ", experts " + " x ".join(f"{name} {size}" for name, size in zip(names, shape, strict=True))
-    c, k = layout.context_parallel_size, layout.ulysses_size
-    sequence = f"data-parallel {layout.data_parallel_size}"
-    if layout.sequence_size > 1:
-        sequence += f", sequence groups of {layout.sequence_size} (ulysses {k} x context parallel {c})"
-    if c > 1:
-        chunks = str(_context_parallel(layout)["chunks"]).removeprefix("rank r: ")
-        holds = f"1/{c * k} of every row: {chunks} (r: its rank in its context-parallel group)"
-    elif k > 1:
-        holds = f"contiguous slice r of {k} of every row, all tokens for attention over heads/{k} (Ulysses)"
-    else:
-        holds = "whole rows"
-    attention = attention_implementation(sharded.model)
-    documents = document_route(sharded.model, cfg.model, cfg.data, device)[1]
-    optimizer = describe_optimizer(sharded.model, cfg.training)
-    if optimizer["name"] == "muon":
-        muon, adamw = optimizer["muon"], optimizer["adamw"]
-        split = f"muon ({optimizer['split']}): {len(muon)} matrices Muon, {len(adamw)} tensors AdamW"  # type: ignore[arg-type]
-    else:
-        split = "adamw: every trainable parameter"
-    return [
-        f"layout: mesh {mesh}; {sequence}; each rank holds {holds}",
-        f"layout: attention {attention}"
-        + (f"; packed documents: {documents}" if documents else "")
-        + f"; optimizer {split}",
-    ]
 
 
 def _plan_fields(plan: ShardingPlan, model: nn.Module) -> dict[str, Any]:

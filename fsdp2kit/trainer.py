@@ -12,7 +12,6 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from fsdp2kit.check import run_layout
 from fsdp2kit.checkpoint.manager import CheckpointManager, fault_point
 from fsdp2kit.config.schema import JobConfig
 from fsdp2kit.data.dataset import source_files
@@ -31,6 +30,7 @@ from fsdp2kit.train.optim import schedule_warnings
 from fsdp2kit.train.profiling import StepProfiler
 from fsdp2kit.train.resume import check_data_unchanged, check_unchanged, data_files
 from fsdp2kit.train.run_dir import OutputDirLock, refuse_inputs_in_outputs
+from fsdp2kit.train.run_layout import run_layout
 from fsdp2kit.train.step import StepResult
 
 
@@ -67,7 +67,7 @@ class Trainer:
             self.strategy = Strategy(cfg, runtime)
         check_data_fits(self.strategy.sharded.source.hf_config, cfg.data.seq_len, self.strategy.tokenizer)
         if runtime.is_main:
-            for line in run_layout(cfg, self.strategy.sharded, runtime.device):
+            for line in run_layout(self.strategy.sharded, cfg.model, cfg.data, cfg.training, runtime.device):
                 print(line, flush=True)
         self.batches = self._global_batches()
         self.eval_set = self._eval_batches()

@@ -71,16 +71,16 @@ def test_plan_reads_the_examples(run_main):
 def test_the_plain_demo_says_its_layout(run_main):
     from conftest import process_group
 
-    from fsdp2kit.check import run_layout
     from fsdp2kit.config.load import load_config
     from fsdp2kit.models.sharded import build_sharded_model
+    from fsdp2kit.train.run_layout import run_layout
 
     cfg = load_config("examples/demo.yaml", ["training.max_steps=1"])
     with process_group() as runtime:
         sharded = build_sharded_model(
             cfg.model, cfg.strategy_args.strategy_config, cfg.data, runtime, training=True, seed=1, materialize=False
         )
-        lines = run_layout(cfg, sharded, runtime.device)
+        lines = run_layout(sharded, cfg.model, cfg.data, cfg.training, runtime.device)
     assert lines[0] == "layout: mesh fsdp 1 (1 rank); data-parallel 1; each rank holds whole rows"
     assert "attention sdpa" in lines[1] and "optimizer adamw: every trainable parameter" in lines[1]
 
