@@ -122,7 +122,7 @@ def measure_rate(model: Path, learning_rate: float, steps: int, out: Path) -> di
     adapters = fsdp2kit.Strategy.from_config({"model": lora, "training": training})
     sharded = actor.weight_sender(dtype=torch.bfloat16, delta=False)
     delta = actor.weight_sender(dtype=torch.bfloat16)
-    adapter = adapters.weight_sender(adapter_only=True)
+    adapter = adapters.weight_sender(part="adapter")
     for sender in (delta, adapter):
         sender.sync(None, lambda message: message.to_bytes())  # the first sync, whole
     for step in range(WARM):

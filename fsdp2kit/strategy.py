@@ -12,6 +12,7 @@ import inspect
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, cast
 
@@ -29,17 +30,10 @@ from fsdp2kit.data.dataset import load_tokenizer, model_inputs
 from fsdp2kit.distributed import Runtime, init_distributed, returning_freed_memory, reuse_freed_memory
 from fsdp2kit.errors import UserError
 from fsdp2kit.labels import IGNORE_INDEX
-from fsdp2kit.models.export import (
-    adapter_config,
-    adapter_shards,
-    adapter_tensors,
-    export_hf,
-    hf_shards,
-    hf_tensors,
-)
+from fsdp2kit.models.export import export_hf, hf_shards, hf_tensors
 from fsdp2kit.models.heads import ValueHead
 from fsdp2kit.models.sharded import ShardedModel, build_sharded_model
-from fsdp2kit.models.shards import WeightShard
+from fsdp2kit.models.shards import SyncedWeights, WeightShard
 from fsdp2kit.parallel.fsdp import discard_unreduced_grads
 from fsdp2kit.parallel.mesh import data_parallel_group
 from fsdp2kit.parallel.token_logprobs import TokenRequest, chunk_tokens, kept_logits_budget, token_request
@@ -529,7 +523,7 @@ class Strategy:
     # ---- weights, states, files -------------------------------------------------------------------------------
 
     def full_weights(
-        self, dtype: torch.dtype | None = None, bucket_bytes: int = 512 << 20, adapter_only: bool = False
+        self, dtype: torch.dtype | None = None, bucket_bytes: int = 512 << 20, part: str = "model"
     ) -> Iterator[Any]:
         """(hf_name, tensor) over the whole model in the names transformers and vLLM load (LoRA: merged), on every
         rank, gathered a bucket of at most `bucket_bytes` at a time (one tensor larger than that is its own
@@ -537,64 +531,61 @@ class Strategy:
         tensors are copies at every world size (a world of one would otherwise yield the live parameters, which the
         next step changes in place under a rollout engine holding them). A step while it is half-read is refused
         (`step`), and so is reading on after one: its tensors would mix weights from before and after.
-        `adapter_only`: a LoRA run's adapters alone, in peft's file names (`adapter_config` says how to load them)."""
-        if adapter_only:
-            self._require_adapters("full_weights(adapter_only=True)")
-            tensors = adapter_tensors(self.model, dtype)
-        else:
-            tensors = hf_tensors(self.model, dtype)
+        `part`: one of `weight_parts` ("adapter": a LoRA run's adapters alone, in peft's file names)."""
+        tensors = self._synced(part, "full_weights").tensors(dtype)
         return self._weight_stream("full_weights", self._weight_buckets(tensors, bucket_bytes))
 
-    @property
-    def adapter_config(self) -> dict[str, Any]:
-        """A LoRA run's adapter_config.json as a dict (what peft's and vLLM's LoRA loaders read with the tensors)."""
-        self._require_adapters("adapter_config")
-        return adapter_config(self.model, self.cfg.model.name_or_path)
-
-    @property
-    def has_adapters(self) -> bool:
-        """Whether only LoRA adapters train (model.lora): their own sync is then possible."""
-        return self.sharded.variant.adapter_plan is not None
-
-    def _require_adapters(self, what: str) -> None:
-        if not self.has_adapters:
-            raise UserError(f"{what}: the model has no LoRA adapters (model.lora)")
-
-    def sharded_weights(self, dtype: torch.dtype | None = None) -> Iterator[WeightShard]:
+    def sharded_weights(self, dtype: torch.dtype | None = None, part: str = "model") -> Iterator[WeightShard]:
         """This rank's block of every tensor `full_weights` gives (the same names; LoRA merged), with where it sits
         in the whole tensor (`WeightShard`): a receiver assembles the model from every rank's blocks and no rank
         gathers it. A tensor stored otherwise than the model holds it (fused experts) or a merged LoRA weight is
         gathered and sent whole by one rank, in turn. The blocks are copies; the rules of `full_weights` hold (every
         rank reads it to the end, no step while it is half-read)."""
-        return self._weight_stream("sharded_weights", hf_shards(self.model, dtype))
+        return self._weight_stream("sharded_weights", self._synced(part, "sharded_weights").shards(dtype))
 
     def weight_sender(
         self,
         dtype: torch.dtype | None = None,
-        adapter_only: bool = False,
+        part: str = "model",
         delta: bool = True,
         full_every: int | None = None,
         bucket_bytes: int = 64 << 20,
     ) -> WeightSender:
         """A weight sync to one rollout engine (docs/weight_sync.md), on every rank: `sync` / `start` send this
-        rank's blocks in `dtype` (the rollout's), each sync at version `steps_done`; after the first, only what
-        changed since the version the receiver reports (`delta`), whole every `full_every` versions if asked.
-        `adapter_only`: a LoRA run's adapters alone, in peft's file names, with their adapter_config."""
-        if adapter_only:
-            self._require_adapters("weight_sender(adapter_only=True)")
-            part, config, shards_of = "adapter", self.adapter_config, adapter_shards
-        else:
-            part, config, shards_of = "model", None, hf_shards
+        rank's blocks of `part` in `dtype` (the rollout's), each sync at version `steps_done`; after the first, only
+        what changed since the version the receiver reports (`delta`), whole every `full_every` versions if asked."""
+        synced = self._synced(part, "weight_sender")
         return WeightSender(
-            lambda: self._weight_stream("weight_sender", shards_of(self.model, dtype), agreed=True),
+            lambda: self._weight_stream("weight_sender", synced.shards(dtype), agreed=True),
             part,
             lambda: self.steps_done,
             delta,
             full_every,
             bucket_bytes,
-            config,
+            synced.config,
             agree=lambda: agree_on_micro_batch_count(0, self.runtime.device, "weight_sender"),
         )
+
+    @property
+    def weight_parts(self) -> list[str]:
+        """The parts of the weights a rollout engine can load: "model" (the whole model), then the model variant's
+        own, the smallest last (a LoRA run: "adapter")."""
+        return list(self._synced_parts())
+
+    def weights_config(self, part: str) -> dict[str, Any] | None:
+        """What a loader of `part` reads beside its tensors (a LoRA adapter's adapter_config.json), or None."""
+        return self._synced(part, "weights_config").config
+
+    def _synced_parts(self) -> dict[str, SyncedWeights]:
+        whole = SyncedWeights("model", partial(hf_tensors, self.model), partial(hf_shards, self.model))
+        offered = self.sharded.variant.synced_weights(self.model, self.cfg.model.name_or_path)
+        return {weights.part: weights for weights in [whole, *offered]}
+
+    def _synced(self, part: str, what: str) -> SyncedWeights:
+        parts = self._synced_parts()
+        if part not in parts:
+            raise UserError(f"{what}: part={part!r} is not a part of this model's weights; valid: {', '.join(parts)}")
+        return parts[part]
 
     def _weight_stream(self, what: str, items: Iterator[Any], agreed: bool = False) -> Iterator[Any]:
         """`items` (a collective stream of weights) for the caller, refused where a step comes while it is read;

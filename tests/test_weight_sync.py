@@ -299,11 +299,12 @@ def test_adapter_only_sync_drives_a_peft_model_to_the_trainer_s_log_probs(tmp_pa
         "lora": {"rank": 4, "target_modules": "all-linear"},
     }
     with strategy(model, learning_rate=1e-2) as s:
-        sender = s.weight_sender(adapter_only=True)
+        assert s.weight_parts == ["model", "adapter"]
+        sender = s.weight_sender(part="adapter")
         messages: list[WeightMessage] = []
         first = sender.sync(None, messages.append)
-        assert first.full and messages[0].adapter_config["r"] == 4
-        rollout = peft_rollout(tmp_path / "base", messages[0].adapter_config)
+        assert first.full and messages[0].config["r"] == 4
+        rollout = peft_rollout(tmp_path / "base", messages[0].config)
         receiver = WeightReceiver.for_adapter(rollout)
         assert all(receiver.receive(m.to_bytes()) in (None, 0) for m in messages) and receiver.version == 0
         ids = torch.randint(3, 200, (2, 16), generator=torch.Generator().manual_seed(5))
@@ -321,8 +322,10 @@ def test_adapter_only_sync_drives_a_peft_model_to_the_trainer_s_log_probs(tmp_pa
 
 
 def test_adapter_only_sync_of_a_model_without_adapters_is_refused():
-    with strategy(MODELS["dense"]) as s, pytest.raises(UserError, match=r"adapter_only=True\): the model has no LoRA"):
-        s.weight_sender(adapter_only=True)
+    with strategy(MODELS["dense"]) as s:
+        assert s.weight_parts == ["model"]
+        with pytest.raises(UserError, match="weight_sender: part='adapter' is not a part of this model's weights"):
+            s.weight_sender(part="adapter")
 
 
 def test_plan_counts_the_host_copy_a_delta_sync_keeps():

@@ -2,12 +2,13 @@
 syncs through `WeightReceiver` (the channels: `full` from full_weights, `sharded`, `delta`; `adapter`, a peft model
 over the fp32 base), sampling completions from the delta channel's model and scoring tokens with the peft model.
 
-    python weight_sync_receiver.py PORT BASE_FOLDER
+    python weight_sync_receiver.py BASE_FOLDER
 
-Listens on 127.0.0.1:PORT for the trainer's ranks (multiprocessing connections, authkey b"weights"); each sends
-("hello", rank, world) first. Requests: ("sync", channel, bytes), ("full", version, safetensors bytes),
-("status",) -> {channel: (version, {name: crc32})}, ("sample", prompts, seed, length) -> sequences,
-("logprobs", ids) -> [B, T-1], ("die", after): SIGKILL itself after that many more delta messages, ("bye",)."""
+Listens on a port of 127.0.0.1 the system picks, which it prints first, for the trainer's ranks (multiprocessing
+connections, authkey b"weights"); each sends ("hello", rank, world) first. Requests: ("sync", channel, bytes),
+("full", version, safetensors bytes), ("status",) -> {channel: (version, {name: crc32})}, ("sample", prompts, seed,
+length) -> sequences, ("logprobs", ids) -> [B, T-1], ("die", after): SIGKILL itself after that many more delta
+messages, ("bye",)."""
 
 from __future__ import annotations
 
@@ -69,7 +70,7 @@ class Rollout:
 
         from fsdp2kit.weight_sync import WeightMessage
 
-        config = WeightMessage.from_bytes(data).adapter_config
+        config = WeightMessage.from_bytes(data).config
         assert config is not None, "the first adapter message carries no adapter_config"
         settings = {key: value for key, value in config.items() if key in LoraConfig.__dataclass_fields__}
         base = AutoModelForCausalLM.from_pretrained(self.base, dtype=torch.float32)
@@ -106,9 +107,10 @@ class Rollout:
         return torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
 
 
-def serve(port: int, base: Path) -> None:
+def serve(base: Path) -> None:
     rollout = Rollout(base)
-    with Listener(("127.0.0.1", port), authkey=AUTHKEY) as listener:
+    with Listener(("127.0.0.1", 0), authkey=AUTHKEY) as listener:
+        print(listener.address[1], flush=True)
         first = listener.accept()
         _, rank, world = get(first)
         connections = {rank: first}
@@ -143,4 +145,4 @@ def handle(rollout: Rollout, connection: Any, connections: dict[int, Any]) -> bo
 
 
 if __name__ == "__main__":
-    serve(int(sys.argv[1]), Path(sys.argv[2]))
+    serve(Path(sys.argv[1]))

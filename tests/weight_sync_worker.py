@@ -16,17 +16,16 @@ import json
 import logging
 import subprocess
 import sys
-import time
 from multiprocessing.connection import Client
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, cast
 
 import torch
 import torch.distributed as dist
 from weight_sync_receiver import AUTHKEY, crc, get, put
 
 import fsdp2kit
-from fsdp2kit.distributed import free_port, shutdown
+from fsdp2kit.distributed import shutdown
 
 HERE = Path(__file__).parent
 PROMPT, COMPLETION, PROMPTS, GROUP = 4, 6, 2, 4
@@ -43,24 +42,22 @@ class Warnings(logging.Handler):
 
 
 def start_rollout(base: Path) -> tuple[subprocess.Popen | None, int]:
-    """Rank 0 starts the rollout process; every rank learns its port."""
-    port = torch.tensor([free_port() if dist.get_rank() == 0 else 0])
-    dist.broadcast(port, 0)
-    process = None
+    """Rank 0 starts the rollout process, which listens on a port the system picks and prints it; every rank learns
+    it."""
+    process, port = None, torch.tensor([0])
     if dist.get_rank() == 0:
-        process = subprocess.Popen([sys.executable, str(HERE / "weight_sync_receiver.py"), str(int(port)), str(base)])
+        command = [sys.executable, str(HERE / "weight_sync_receiver.py"), str(base)]
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+        port[0] = int(cast(IO[str], process.stdout).readline())
+    dist.broadcast(port, 0)
     return process, int(port)
 
 
 def connect(port: int) -> Any:
-    for _ in range(600):
-        try:
-            connection = Client(("127.0.0.1", port), authkey=AUTHKEY)
-            put(connection, ("hello", dist.get_rank(), dist.get_world_size()))
-            return connection
-        except ConnectionRefusedError:
-            time.sleep(0.1)
-    raise RuntimeError(f"no rollout process on port {port}")
+    """This rank's line to the rollout process (listening already: it prints its port once it listens)."""
+    connection = Client(("127.0.0.1", port), authkey=AUTHKEY)
+    put(connection, ("hello", dist.get_rank(), dist.get_world_size()))
+    return connection
 
 
 def grpo_loss(log_probs: torch.Tensor, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -163,7 +160,7 @@ def main(base: Path, out: Path, steps: int, kill_at: int | None) -> None:
     senders = {
         "sharded": actor.weight_sender(dtype=torch.bfloat16, delta=False, bucket_bytes=1 << 15),
         "delta": actor.weight_sender(dtype=torch.bfloat16, bucket_bytes=1 << 15),
-        "adapter": lora.weight_sender(adapter_only=True),
+        "adapter": lora.weight_sender(part="adapter"),
     }
     process, port = start_rollout(base)
     rollout = connect(port)

@@ -25,6 +25,8 @@ from fsdp2kit.strategy import Strategy
 RollFunc = Callable[[Any, Any], tuple[torch.Tensor, dict[str, Any]]]
 # ROLL's OffloadStateType that its FSDP2 strategy does not move (it moves model_params and optimizer_states only).
 IGNORED_STATES = ("other_params",)
+# What ROLL's rollout workers call with a weight part's config after its tensors (vLLM's and SGLang's add_lora).
+CONFIG_LOADERS = {"adapter": "add_lora"}
 
 
 def worker_arguments(worker: Any) -> tuple[str, str, tuple[str, ...], dict[str, Any]]:
@@ -227,17 +229,18 @@ class RollStrategy:
 
     def model_update(self, model_update_name: str, bucket_mb: int = 512) -> dict[str, Any]:
         """The weights in HF names, bucket by bucket of at most `bucket_mb` MiB (ROLL's
-        model_update_buffer_size_mb), from rank 0 (ROLL's separated mode); every rank gathers (a collective). A LoRA
-        run sends its adapters alone (peft's file names, `is_lora=True`) and then their config to a receiver with
-        `add_lora`, as ROLL's FSDP2 strategy does; otherwise the whole model."""
+        model_update_buffer_size_mb), from rank 0 (ROLL's separated mode); every rank gathers (a collective). As ROLL's
+        FSDP2 strategy does, the smallest part a rollout can load goes: a LoRA run's adapters alone (peft's file
+        names, `is_lora=True`), then their config to the receiver's `add_lora`; otherwise the whole model."""
         receiver = self._receivers[model_update_name]
-        lora = self.strategy.has_adapters
-        weights = self.strategy.full_weights(bucket_bytes=bucket_mb << 20, adapter_only=lora)
-        for bucket in _buckets(weights, bucket_mb << 20):
+        part = self.strategy.weight_parts[-1]
+        for bucket in _buckets(self.strategy.full_weights(bucket_bytes=bucket_mb << 20, part=part), bucket_mb << 20):
             if self.strategy.runtime.is_main:
-                receiver.update_parameter_in_bucket(bucket, is_lora=lora)
-        if lora and self.strategy.runtime.is_main and hasattr(receiver, "add_lora"):
-            receiver.add_lora(peft_config=self.strategy.adapter_config)
+                receiver.update_parameter_in_bucket(bucket, is_lora=part == "adapter")
+        config = self.strategy.weights_config(part)
+        loader = getattr(receiver, CONFIG_LOADERS.get(part, ""), None)  # ROLL's rollout workers' call for it
+        if config is not None and loader is not None and self.strategy.runtime.is_main:
+            loader(peft_config=config)
         return {}
 
     def save_checkpoint(

@@ -23,7 +23,7 @@ from fsdp2kit.durable import as_the_umask_allows, disk_full_message, ran_out_of_
 from fsdp2kit.errors import RunFault
 from fsdp2kit.models.build import tied_weight_names
 from fsdp2kit.models.hf_layout import layout_of, renamed_only, stored_tensors
-from fsdp2kit.models.lora import file_config, full_tensor, merged_full_tensor, merged_state, peft_state
+from fsdp2kit.models.lora import merged_full_tensor, merged_state
 from fsdp2kit.models.shards import WeightShard, shard_of
 from fsdp2kit.parallel.module_paths import model_class_name
 
@@ -188,35 +188,6 @@ def hf_shards(model: nn.Module, dtype: torch.dtype | None = None) -> Iterator[We
     for index, (name, full) in enumerate(stored_tensors(gathered(), joined, layout)):
         whole = full.to(dtype or full.dtype, copy=True)
         yield WeightShard(name, whole, tuple(full.shape), (0,) * full.dim(), index % world == rank)
-
-
-@torch.no_grad()
-def adapter_shards(model: nn.Module, dtype: torch.dtype | None = None) -> Iterator[WeightShard]:
-    """This rank's block of each LoRA adapter tensor, under the keys of PEFT's adapter_model.safetensors (what peft's
-    and vLLM's LoRA loaders read); none for a model without adapters. Gathers nothing."""
-    for key, tensor in peft_state(model).items():
-        yield shard_of(key, tensor.detach(), dtype)
-
-
-@torch.no_grad()
-def adapter_tensors(model: nn.Module, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Each LoRA adapter tensor whole, under its key in PEFT's adapter_model.safetensors (a collective: every rank
-    gathers each in turn)."""
-    for key, tensor in peft_state(model).items():
-        whole = full_tensor(tensor)
-        yield key, whole.to(dtype or whole.dtype)
-
-
-def adapter_config(model: nn.Module, base_name_or_path: str) -> dict[str, object]:
-    """The adapter's adapter_config.json, as a dict (what a LoRA loader reads beside the tensors)."""
-    return json.loads(json.dumps(file_config(model, base_name_or_path).to_dict(), default=_jsonable))
-
-
-def _jsonable(value: object) -> object:
-    """peft's config holds sets and enums, which its own save writes as lists and their values."""
-    if isinstance(value, set | frozenset):
-        return sorted(value, key=str)
-    return getattr(value, "value", str(value))
 
 
 @torch.no_grad()

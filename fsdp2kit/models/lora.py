@@ -15,7 +15,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor
 from fsdp2kit.config.schema import LoraConfig, TrainingConfig
 from fsdp2kit.dtypes import torch_dtype
 from fsdp2kit.errors import UserError
-from fsdp2kit.models.shards import copy_to_shard, module_seed
+from fsdp2kit.models.shards import SyncedWeights, WeightShard, copy_to_shard, module_seed, shard_of
 from fsdp2kit.models.variant_part import VariantPart
 from fsdp2kit.parallel.float8 import plain_weight
 from fsdp2kit.parallel.plan import AdapterPlan, ShardingPlan, match_modules
@@ -514,6 +514,35 @@ def plan_adapters(model: nn.Module, plan: ShardingPlan, cfg: LoraConfig) -> Adap
     )
 
 
+@torch.no_grad()
+def adapter_shards(model: nn.Module, dtype: torch.dtype | None = None) -> Iterator[WeightShard]:
+    """This rank's block of each LoRA adapter tensor, under the keys of PEFT's adapter_model.safetensors (what peft's
+    and vLLM's LoRA loaders read); none for a model without adapters. Gathers nothing."""
+    for key, tensor in peft_state(model).items():
+        yield shard_of(key, tensor.detach(), dtype)
+
+
+@torch.no_grad()
+def adapter_tensors(model: nn.Module, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each LoRA adapter tensor whole, under its key in PEFT's adapter_model.safetensors (a collective: every rank
+    gathers each in turn)."""
+    for key, tensor in peft_state(model).items():
+        whole = full_tensor(tensor)
+        yield key, whole.to(dtype or whole.dtype)
+
+
+def adapter_config(model: nn.Module, base_name_or_path: str) -> dict[str, object]:
+    """The adapter's adapter_config.json, as a dict (what a LoRA loader reads beside the tensors)."""
+    return json.loads(json.dumps(file_config(model, base_name_or_path).to_dict(), default=_jsonable))
+
+
+def _jsonable(value: object) -> object:
+    """peft's config holds sets and enums, which its own save writes as lists and their values."""
+    if isinstance(value, set | frozenset):
+        return sorted(value, key=str)
+    return getattr(value, "value", str(value))
+
+
 @dataclass
 class LoraPart(VariantPart):
     """model.lora: adapters injected on the meta model, planned with their layers' shard groups, initialised by
@@ -547,3 +576,11 @@ class LoraPart(VariantPart):
 
     def describe(self) -> dict[str, Any]:
         return {"lora": dataclasses.asdict(self.adapters) if self.adapters else None}
+
+    def synced_weights(self, model: nn.Module, name_or_path: str) -> SyncedWeights:
+        return SyncedWeights(
+            "adapter",
+            lambda dtype: adapter_tensors(model, dtype),
+            lambda dtype: adapter_shards(model, dtype),
+            adapter_config(model, name_or_path),
+        )

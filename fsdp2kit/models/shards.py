@@ -5,6 +5,7 @@ shard of a tensor with where it sits in the whole (`WeightShard`), which weight 
 from __future__ import annotations
 
 import zlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,3 +69,15 @@ def shard_of(name: str, tensor: torch.Tensor, dtype: torch.dtype | None) -> Weig
     coordinate = list(tensor.device_mesh.get_coordinate() or ())
     replicas = [c for c, p in zip(coordinate, tensor.placements, strict=True) if p.is_replicate()]
     return WeightShard(name, local.to(dtype or local.dtype, copy=True), full_shape, tuple(offset), not any(replicas))
+
+
+@dataclass(frozen=True)
+class SyncedWeights:
+    """One part of the weights a rollout engine can load to follow the model: "model" (every tensor, in the HF
+    folder's names) or a variant's own ("adapter": a LoRA run's adapters in peft's file names), whole (`tensors`, a
+    collective) or as this rank's blocks (`shards`), and what its loader reads beside them (`config`)."""
+
+    part: str
+    tensors: Callable[[torch.dtype | None], Iterator[tuple[str, torch.Tensor]]]
+    shards: Callable[[torch.dtype | None], Iterator[WeightShard]]
+    config: dict[str, Any] | None = None

@@ -25,6 +25,7 @@ from fsdp2kit.data.vl import VLEncoder, VLGlobalBatches, load_conversations, loa
 from fsdp2kit.models.build import ModelSource
 from fsdp2kit.models.heads import LanguageModelHead, OutputHead, ValueHead, pick_head
 from fsdp2kit.models.lora import LoraPart
+from fsdp2kit.models.shards import SyncedWeights
 from fsdp2kit.models.variant_part import TensorLeeway, VariantPart
 from fsdp2kit.models.vl import is_vision_language
 from fsdp2kit.parallel.moe import apply_expert_patch, split_experts
@@ -222,6 +223,11 @@ class ModelVariant:
         """The parts' own end-of-run exports (LoRA: the PEFT adapter folder, with export_hf)."""
         for part in self.parts:
             part.export(model, output_dir, name_or_path, tc, is_main)
+
+    def synced_weights(self, model: nn.Module, name_or_path: str) -> list[SyncedWeights]:
+        """The parts of the weights of its own a rollout engine can load alone (beside the whole model)."""
+        offered = (part.synced_weights(model, name_or_path) for part in self.parts)
+        return [weights for weights in offered if weights is not None]
 
     def exports_hf(self, tc: TrainingConfig) -> bool:
         """Whether the run ends with an HF folder: export_hf of a full model, or export_merged (LoRA merged in)."""

@@ -11,6 +11,7 @@ import torch.nn as nn
 from torch.distributed import ProcessGroup
 
 from fsdp2kit.config.schema import TrainingConfig
+from fsdp2kit.models.shards import SyncedWeights
 from fsdp2kit.parallel.plan import AdapterPlan, ShardingPlan
 
 
@@ -54,3 +55,7 @@ class VariantPart:
     def describe(self) -> dict[str, Any]:
         """This part's lines in `check --json`."""
         return {}
+
+    def synced_weights(self, model: nn.Module, name_or_path: str) -> SyncedWeights | None:
+        """A part of the weights of its own that a rollout engine can load alone (LoRA: the adapters), or None."""
+        return None

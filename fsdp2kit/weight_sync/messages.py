@@ -84,7 +84,7 @@ class WeightMessage:
     index: int
     count: int | None
     blocks: list[Block] = field(default_factory=list)
-    adapter_config: dict[str, Any] | None = None
+    config: dict[str, Any] | None = None
     checksum: int = 0
 
     @property
@@ -103,7 +103,7 @@ class WeightMessage:
             "senders": self.senders,
             "index": self.index,
             "count": self.count,
-            "adapter_config": self.adapter_config,
+            "config": self.config,
             "blocks": [block.header() for block in self.blocks],
         }
 
@@ -187,7 +187,7 @@ def _message(header: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Weight
         part=header["part"],
         count=count,
         blocks=blocks,
-        adapter_config=header["adapter_config"],
+        config=header["config"],
         checksum=int(header["checksum"]),
     )
     return message

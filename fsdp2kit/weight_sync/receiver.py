@@ -58,7 +58,7 @@ class WeightReceiver:
         self.pending: dict[int, _Sync] = {}
         self.pending_syncs = pending_syncs  # syncs held incomplete at once: an older one is dropped (bounded memory)
         self.applied_sync = -1
-        self.adapter_config: dict | None = None
+        self.config: dict | None = None
 
     @classmethod
     def for_model(cls, model: torch.nn.Module) -> WeightReceiver:
@@ -130,9 +130,7 @@ class WeightReceiver:
         for block in blocks:
             _apply_block(self.tensors[block.name], block)
         self.version = first.version
-        self.adapter_config = next(
-            (m.adapter_config for m in sync.messages.values() if m.adapter_config), self.adapter_config
-        )
+        self.config = next((m.config for m in sync.messages.values() if m.config), self.config)
         return self.version
 
     def _check(self, blocks: list[Block], whole: bool) -> None:

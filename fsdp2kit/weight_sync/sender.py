@@ -58,7 +58,7 @@ class WeightSender:
         delta: bool = True,
         full_every: int | None = None,
         bucket_bytes: int = 64 << 20,
-        adapter_config: dict[str, Any] | None = None,
+        config: dict[str, Any] | None = None,
         group: dist.ProcessGroup | None = None,
         agree: Callable[[], None] | None = None,
     ) -> None:
@@ -68,7 +68,7 @@ class WeightSender:
             raise UserError(f"weight sync: full_every={full_every}; give a number of versions >= 1, or None")
         self.shards, self.part, self.current_version = shards, part, current_version
         self.delta, self.full_every = delta, full_every
-        self.bucket_bytes, self.adapter_config, self.group, self.agree = bucket_bytes, adapter_config, group, agree
+        self.bucket_bytes, self.config, self.group, self.agree = bucket_bytes, config, group, agree
         self.base: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}  # what the receiver holds, this rank's blocks
         self.sent_version: int | None = None  # the last version this rank sent whole
         self.last_version: int | None = None  # the last version this rank began to send
@@ -182,7 +182,7 @@ class WeightSender:
 
     def _message(self, version: int, full: bool, rank: int, senders: int, index: int) -> WeightMessage:
         base_version = None if full else self.sent_version
-        config = self.adapter_config if full and index == 0 else None  # each rank's first: whichever comes first
+        config = self.config if full and index == 0 else None  # each rank's first: whichever comes first
         return WeightMessage(self.syncs, version, base_version, self.part, rank, senders, index, None, [], config)
 
     @staticmethod
