@@ -689,7 +689,11 @@ TRAINING: dict[str, Rule] = {
     "lr_scaling_plan": unsupported("per-layer learning rates are not available"),
     "quantization_plan": section(
         {
-            "recipe_name": unsupported("low-precision (quantized) training is not available"),
+            "recipe_name": unsupported(
+                "MindSpeed-MM's quantization recipes (its MX formats) are not read; float8 training with torchao's "
+                "tensorwise or rowwise recipes is strategy_args.strategy_config.float8",
+                harmless=(None,),
+            ),
             **dict.fromkeys(
                 (
                     "apply_modules",
