@@ -1130,7 +1130,7 @@ def test_context_parallel_files_plan_as_written(group):
     assert plan_or_refusal("accelerate/examples/torch_native_parallelism/configs/cp.yaml", "tiny-llama", 4) == (
         f"{CORPUS / 'accelerate/examples/torch_native_parallelism/configs/cp.yaml'}: "
         "'parallelism_config.parallelism_config_cp_size' = 8 does not divide world size 4 / model.ulysses_size 1; "
-        "valid: 1, 2, 4"
+        "valid: 1, 2, 4; launch with --nproc 8 (or a multiple of it) for this layout"
     )
 
 
