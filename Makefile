@@ -93,7 +93,7 @@ lint: install
 bench: install
 	$(BIN)/python -m pip install --quiet -e '.[bench]'
 	for b in memory_scaling vs_raw_fsdp2 vs_fsdp1 vs_accelerate mallopt_cost checkpoint_stall load_export_memory \
-		context_parallel muon_step; do \
+		context_parallel muon_step weight_sync; do \
 		OMP_NUM_THREADS=1 $(BIN)/python benchmarks/$$b.py > docs/bench/$$b.json || exit 1; cat docs/bench/$$b.json; done
 	$(BIN)/python benchmarks/plots.py
 
