@@ -381,13 +381,15 @@ def test_an_adapter_whose_config_and_tensors_disagree_is_not_merged(
     one_line_error(result, "convert --adapter:", "lacks '", "its adapter_config.json and tensors disagree")
 
 
-@pytest.mark.parametrize("damage", ["rank", "truncated"])
+@pytest.mark.parametrize("damage", ["rank", "pissa", "truncated"])
 def test_a_damaged_adapter_is_one_line_in_check(adapter: tuple[Path, Path], damage: str, run_main):
+    """pissa: an initialisation peft computes from the base weights as it injects (it crashed on the meta device)."""
     base, folder = adapter
-    if damage == "rank":
+    if damage in ("rank", "pissa"):
         config = json.loads((folder / "adapter_config.json").read_text())
-        (folder / "adapter_config.json").write_text(json.dumps({**config, "r": "abc"}))
-        fragment = "has r = 'abc'"
+        change = {"r": "abc"} if damage == "rank" else {"init_lora_weights": "pissa"}
+        (folder / "adapter_config.json").write_text(json.dumps({**config, **change}))
+        fragment = "has r = 'abc'" if damage == "rank" else "has init_lora_weights = 'pissa', an initialisation"
     else:
         weights = folder / "adapter_model.safetensors"
         weights.write_bytes(weights.read_bytes()[:500])

@@ -70,6 +70,14 @@ def _check_adapter_settings(config: Any, file: Path, key: str) -> None:
             raise UserError(f"{key}: '{file}' has {name} = {value!r}; it must be a number > 0")
     if not isinstance(config.r, int):
         raise UserError(f"{key}: '{file}' has r = {config.r!r}; the rank must be a whole number")
+    init = config.init_lora_weights
+    if isinstance(init, str) and init != "gaussian":  # pissa, olora, loftq, corda, eva, ...: computed from the base
+        raise UserError(
+            f"{key}: '{file}' has init_lora_weights = {init!r}, an initialisation peft computes from the base "
+            "weights as it injects the adapter, which the meta-device build does not hold; give an adapter saved "
+            "with init_lora_weights true or gaussian (peft converts a PiSSA or OLoRA adapter when saved with "
+            "path_initial_model_for_weight_conversion)"
+        )
 
 
 def _check_adapter_weights(file: Path, key: str) -> None:
