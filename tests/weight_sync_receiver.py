@@ -6,9 +6,9 @@ over the fp32 base), sampling completions from the delta channel's model and sco
 
 Listens on a port of 127.0.0.1 the system picks, which it prints first, for the trainer's ranks (multiprocessing
 connections, authkey b"weights"); each sends ("hello", rank, world) first. Requests: ("sync", channel, bytes),
-("full", version, safetensors bytes), ("status",) -> {channel: (version, {name: crc32})}, ("sample", prompts, seed,
-length) -> sequences, ("logprobs", ids) -> [B, T-1], ("die", after): SIGKILL itself after that many more delta
-messages, ("bye",)."""
+("full", version, safetensors bytes), ("sent",) after a rank's syncs, ("status",) -> {channel: (version, {name:
+crc32})} once every rank's "sent" is in, ("sample", prompts, seed, length) -> sequences, ("logprobs", ids) -> [B,
+T-1], ("die", after): SIGKILL itself after that many more delta messages, ("bye",)."""
 
 from __future__ import annotations
 
@@ -54,6 +54,7 @@ class Rollout:
         self.full_version: int | None = None
         self.peft: Any = None
         self.die_after: int | None = None
+        self.sent: set[int] = set()  # the ranks whose "sent" came since the last status
 
     def sync(self, channel: str, data: bytes) -> None:
         if channel == "adapter" and self.peft is None:
@@ -130,10 +131,13 @@ def handle(rollout: Rollout, connection: Any, connections: dict[int, Any]) -> bo
         rollout.sync(request[1], request[2])
     elif kind == "full":
         rollout.full(request[1], request[2])
-    elif kind == "status":  # after the trainer's barrier: every rank's messages are in, or on their way
-        for other in connections.values():
-            while other is not connection and other.poll(0):
+    elif kind == "sent":  # this rank's messages so far are all in: its line is first in, first out
+        rollout.sent.add(next(rank for rank, line in connections.items() if line is connection))
+    elif kind == "status":  # answered once every rank has said it sent all it had
+        while len(rollout.sent) < len(connections):
+            for other in wait([line for rank, line in connections.items() if rank not in rollout.sent]):
                 handle(rollout, other, connections)
+        rollout.sent.clear()
         put(connection, rollout.status())
     elif kind == "sample":
         put(connection, rollout.sample(*request[1:]))

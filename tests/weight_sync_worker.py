@@ -93,10 +93,13 @@ def sync_full(actor: fsdp2kit.Strategy, rollout: Any) -> None:
 
 
 def status(rollout: Any) -> dict[str, Any] | None:
-    """Rank 0 asks the rollout, after every rank has sent: every rank gets its versions (and rank 0 the CRCs); None
-    where it is gone."""
-    dist.barrier()
+    """Each rank says it has sent all it had, then rank 0 asks the rollout (which answers once it has read every
+    rank's messages): every rank gets its versions (and rank 0 the CRCs); None where it is gone."""
     report: list[Any] = [None]
+    try:
+        put(rollout, ("sent",))
+    except (OSError, EOFError):
+        pass
     if dist.get_rank() == 0:
         try:
             put(rollout, ("status",))
