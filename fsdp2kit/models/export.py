@@ -12,7 +12,7 @@ import re
 import shutil
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -22,7 +22,7 @@ from fsdp2kit.dtypes import torch_dtype
 from fsdp2kit.durable import as_the_umask_allows, disk_full_message, ran_out_of_space
 from fsdp2kit.errors import RunFault
 from fsdp2kit.models.build import tied_weight_names
-from fsdp2kit.models.hf_layout import layout_of, renamed_only, stored_tensors
+from fsdp2kit.models.hf_layout import ModelShapes, layout_of, renamed_only, stored_tensors
 from fsdp2kit.models.lora import merged_full_tensor, merged_state
 from fsdp2kit.models.shards import WeightShard, shard_of
 from fsdp2kit.parallel.module_paths import model_class_name
@@ -153,15 +153,8 @@ def hf_tensors(
     per-expert tensors, renamed keys): a LoRA model's with its adapters merged into the base weights, a tied output
     weight once, under its source. A collective: all ranks iterate it to the end, each tensor all-gathered in turn
     (a conversion group, such as one layer's fused experts, is held until it is whole)."""
-    state = merged_state(model)
-    names = [name for name in state if name not in tied_weight_names(model)]
-
-    def gathered() -> Iterator[tuple[str, torch.Tensor]]:
-        for name in names:
-            full = merged_full_tensor(*state[name]).detach()
-            yield name, full.to(device=device or full.device, dtype=dtype or full.dtype)
-
-    yield from stored_tensors(gathered(), names, layout_of(model, {n: t for n, (t, _) in state.items()}))
+    state, names, layout = _exported_state(model)
+    yield from stored_tensors(_gathered(state, names, dtype, device), names, layout)
 
 
 @torch.no_grad()
@@ -171,23 +164,36 @@ def hf_shards(model: nn.Module, dtype: torch.dtype | None = None) -> Iterator[We
     gathered by no one, copied (in `dtype`).
     A tensor that is joined or split to be stored (fused experts), or a LoRA layer's merged weight, is gathered as
     `hf_tensors` gathers it (a collective) and sent by one rank, in turn, from its whole copy."""
-    state = merged_state(model)
-    names = [name for name in state if name not in tied_weight_names(model)]
-    layout = layout_of(model, {n: t for n, (t, _) in state.items()})
+    state, names, layout = _exported_state(model)
     stored_as = renamed_only(names, layout)
     own = [name for name in names if name in stored_as and state[name][1] is None]
     for name in own:
         yield shard_of(stored_as[name], state[name][0].detach(), dtype)
     joined = [name for name in names if name not in set(own)]
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-
-    def gathered() -> Iterator[tuple[str, torch.Tensor]]:
-        for name in joined:
-            yield name, merged_full_tensor(*state[name]).detach()
-
-    for index, (name, full) in enumerate(stored_tensors(gathered(), joined, layout)):
+    for index, (name, full) in enumerate(stored_tensors(_gathered(state, joined), joined, layout)):
         whole = full.to(dtype or full.dtype, copy=True)
         yield WeightShard(name, whole, tuple(full.shape), (0,) * full.dim(), index % world == rank)
+
+
+def _exported_state(model: nn.Module) -> tuple[dict[str, Any], list[str], ModelShapes]:
+    """The model's tensors under their own names with the LoRA layers that merge into them, the names an export
+    holds (a tied output weight once, under its source) and the HF layout over them."""
+    state = merged_state(model)
+    names = [name for name in state if name not in tied_weight_names(model)]
+    return state, names, layout_of(model, {n: t for n, (t, _) in state.items()})
+
+
+def _gathered(
+    state: dict[str, Any],
+    names: list[str],
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each of `names` whole, its adapter merged in (every rank joins each gather), in `dtype` on `device`."""
+    for name in names:
+        full = merged_full_tensor(*state[name]).detach()
+        yield name, full.to(device=device or full.device, dtype=dtype or full.dtype)
 
 
 @torch.no_grad()

@@ -95,8 +95,8 @@ class WeightSender:
         self.wait()
         version = self.current_version()
         full = self._begin(version, receiver_version)
-        snapshot = [(shard, _on_host(shard.local)) for shard in self.shards() if shard.contributes]
-        blocks = self._blocks((_with_local(shard, host) for shard, host in snapshot), full)
+        snapshot = [_on_host_shard(shard) for shard in self.shards() if shard.contributes]
+        blocks = self._blocks(snapshot, full)
         self.running = _Background(lambda: self._send(blocks, version, full, send))
         return self.running
 
@@ -236,5 +236,6 @@ def _on_host(tensor: torch.Tensor) -> torch.Tensor:
     return tensor if tensor.device.type == "cpu" else tensor.to("cpu")
 
 
-def _with_local(shard: WeightShard, local: torch.Tensor) -> WeightShard:
-    return WeightShard(shard.name, local, shard.full_shape, shard.offset, shard.contributes)
+def _on_host_shard(shard: WeightShard) -> WeightShard:
+    """The shard with its block in host memory (a background sync's copy, taken before the next step)."""
+    return WeightShard(shard.name, _on_host(shard.local), shard.full_shape, shard.offset, shard.contributes)
