@@ -7,8 +7,12 @@ FSDPMemTracker: the same tracker `training.track_memory` measures real runs with
 offload (which needs a GPU) is computed from a traced run without it. Activation offload is traced: the planned
 modules' saved activations leave the device in forward and come back one module ahead of their backward.
 
-The plan predicts an accelerator's memory, so what depends on the device is decided as on CUDA (PLANNED_DEVICE):
-where the build there attends packed documents with FlexAttention (parallel/document_attention.py's
+The plan predicts an accelerator's memory, so what depends on the device is decided as on CUDA (PLANNED_DEVICE),
+and it says so: it names that device, how a run there attends packed documents in `check`'s words for it, and, where
+this machine is another device, how `check` and `train` attend them here (not what the plan counts). Its figures are
+tracked tensor bytes, what a run measures with `training.track_memory: true`, not the process's RSS.
+
+On CUDA, where the build attends packed documents with FlexAttention (parallel/document_attention.py's
 `document_path`), no dense [T, T] document mask exists, and the step is traced on rows without document boundaries
 (plain causal attention saves what FlexAttention saves; its block mask, a few int32 per 128 x 128 block, is left
 out). Where the dense mask stays (model.attn_implementation: sdpa or eager, a family without FlexAttention), the
@@ -25,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import json
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -43,6 +48,7 @@ from fsdp2kit.data.dataset import Sample, collate
 from fsdp2kit.distributed import Runtime, destroy_process_group, require_supported_versions
 from fsdp2kit.dtypes import torch_dtype
 from fsdp2kit.errors import UserError
+from fsdp2kit.models.build import attention_implementation
 from fsdp2kit.models.heads import ValueHead
 from fsdp2kit.models.sharded import ShardedModel, build_sharded_model
 from fsdp2kit.parallel.activation_offload import Departed, apply_activation_offload
@@ -59,6 +65,14 @@ from fsdp2kit.train.step import MicroBatchLoss, TokenCrossEntropy
 Batch = dict[str, torch.Tensor]
 GIB = 1024**3
 PLANNED_DEVICE = torch.device("cuda")  # the device whose memory the plan predicts (the trace itself runs on the CPU)
+# What torch's module tracker warns of on every plan (its module parents out of order in the fake-tensor trace): the
+# tracker's per-module statistics, which the plan does not read; silenced only while the plan traces.
+_TRACKER_WARNING = "The module hierarchy tracking maybe be messed up"
+TRACKED_BYTES_NOTE = (
+    "figures: tracked tensor bytes (torch's FSDPMemTracker), not the process's RSS; the comparable measured figure is "
+    "a run's with `training.track_memory: true` (metrics peak_mem_categories, and on a CPU peak_mem_bytes, "
+    "kind cpu_live_tensors; without it a CPU run's peak_mem_bytes and `report` show the RSS)"
+)
 _STRATEGY = "strategy_args.strategy_config"
 # Fastest first (seed 002's throughput table): less sharding, no recompute, no offload.
 STRATEGIES = {
@@ -179,7 +193,18 @@ def trace_step_memory(cfg: JobConfig, world_size: int) -> dict[str, object]:
     return _TRACES[key]
 
 
+def this_device() -> torch.device:
+    """The device a run on this machine trains on (distributed.init_distributed's choice)."""
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
 def _trace(cfg: JobConfig, world_size: int) -> dict[str, object]:
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_TRACKER_WARNING, category=UserWarning)
+        return _traced(cfg, world_size)
+
+
+def _traced(cfg: JobConfig, world_size: int) -> dict[str, object]:
     with fake_world(world_size) as runtime:
         sharded = build_sharded_model(
             cfg.model,
@@ -195,6 +220,10 @@ def _trace(cfg: JobConfig, world_size: int) -> dict[str, object]:
         # How the run on PLANNED_DEVICE attends packed documents. The fake world's model was built for the CPU (sdpa
         # or eager, under Ulysses too), which keeps the dense mask unless FlexAttention would replace it there.
         flex, document_attention = document_route(model, cfg.model, cfg.data, PLANNED_DEVICE)
+        here = this_device()  # and how a run on this machine attends them, as `check` here says
+        document_attention_here = document_route(model, cfg.model, cfg.data, here)[1]
+        # Only eager attention holds a layer's [heads, queries, keys] scores: sdpa, FlexAttention and flash never do.
+        scores_in_peak = "eager" in attention_implementation(model)
         # The fake world runs on the CPU, where the build leaves activation offload out: here the planned modules'
         # saved activations leave the device as they do on CUDA (only their shapes are kept).
         apply_activation_offload(model, sharded.plan.activation_offload_modules, Departed(), torch.device("cpu"))
@@ -231,7 +260,11 @@ def _trace(cfg: JobConfig, world_size: int) -> dict[str, object]:
         "categories": peak,
         "computed": computed,
         "attention": attention_per_rank(cfg, sharded.source.hf_config.get_text_config()),
+        "scores_in_peak": scores_in_peak,
+        "planned_device": PLANNED_DEVICE.type,
         "document_attention": document_attention,  # as on PLANNED_DEVICE
+        "this_device": here.type,
+        "document_attention_here": document_attention_here,
     }
 
 
@@ -339,12 +372,10 @@ def predict(source: ConfigSource, world_size: int, extra: list[str] = ()) -> dic
     categories = dict(traced["categories"])  # type: ignore[call-overload]
     host = {key: categories.pop(key, 0) for key in _OFF_DEVICE}
     return {
+        **traced,
         "peak_bytes": int(traced["peak_bytes"]) - sum(host.values()),  # type: ignore[call-overload]
         "categories": categories,
         "host_bytes": sum(host.values()),
-        "computed": traced["computed"],
-        "attention": traced["attention"],
-        "document_attention": traced["document_attention"],
         "source": "computed (traced without offload, minus what offload keeps on the host)",
     }
 
@@ -460,10 +491,8 @@ def print_plan(report: dict[str, object], as_json: bool) -> None:
 
     console = Console()
     world_size = report["world_size"]
-    peak = _gib(report["peak_bytes"])
-    console.print(f"per-rank memory at {world_size} rank(s), GiB ({report['source']}): peak {peak}")
-    if report.get("document_attention"):
-        console.print(f"packed documents, planned as on CUDA: {report['document_attention']}")
+    for line in _headline(report):
+        console.print(line, soft_wrap=True, markup=False, highlight=False)
     categories = Table("at the peak (traced)", "GiB")
     for key, value in report["categories"].items():  # type: ignore[attr-defined]
         categories.add_row(key, _gib(value))
@@ -474,8 +503,11 @@ def print_plan(report: dict[str, object], as_json: bool) -> None:
     console.print(computed)
     attention = Table("one layer's attention on a rank (computed)", "value")
     for key, value in report["attention"].items():  # type: ignore[attr-defined]
-        attention.add_row(key, _gib(value) + " GiB" if key.endswith("_bytes") else str(value))
+        if key == "scores_bytes":
+            key += " (in the peak)" if report.get("scores_in_peak") else " (not in the peak)"
+        attention.add_row(key, _gib(value) + " GiB" if key.startswith(_BYTES) else str(value))
     console.print(attention)
+    console.print(_scores_note(bool(report.get("scores_in_peak"))), soft_wrap=True, markup=False, highlight=False)
     strategies = Table("strategy", "recompute", "offload", "peak GiB", "how")
     for row in report["strategies"]:  # type: ignore[attr-defined]
         peak = _gib(row["peak_bytes"]) if "peak_bytes" in row else row["error"]
@@ -483,6 +515,40 @@ def print_plan(report: dict[str, object], as_json: bool) -> None:
     console.print(strategies)
     if "budget" in report:
         _print_budget(console, report["budget"], world_size)  # type: ignore[arg-type]
+
+
+_BYTES = ("scores_bytes", "keys_values_bytes")
+
+
+def _scores_note(in_peak: bool) -> str:
+    """What scores_bytes is: one layer's [heads, queries, keys] scores, which only eager attention stores."""
+    if in_peak:
+        return "scores_bytes: one layer's attention scores, which eager attention stores: the traced peak holds them"
+    return (
+        "scores_bytes: what eager attention would store for one layer; this config's attention (sdpa, FlexAttention "
+        "or flash) never stores them, and neither the peak nor any figure above counts them"
+    )
+
+
+def _headline(report: dict[str, object]) -> list[str]:
+    """Which device the plan is for, its peak, what its figures are, and how packed documents are attended there (and
+    on this machine, where that differs), each in `check`'s words for that device."""
+    planned, here = report.get("planned_device", PLANNED_DEVICE.type), report.get("this_device")
+    traced_on = f"; this machine: {here}" if here and here != planned else ""
+    peak = _gib(report["peak_bytes"])
+    lines = [
+        f"planned for: {planned} (its memory, traced on the CPU with fake tensors{traced_on})",
+        f"per-rank memory at {report['world_size']} rank(s), GiB ({report['source']}): peak {peak}",
+        TRACKED_BYTES_NOTE,
+    ]
+    if report.get("document_attention"):
+        lines.append(f"document_attention on {planned} (counted): {report['document_attention']}")
+    if here and here != planned and report.get("document_attention_here"):
+        lines.append(
+            f"document_attention on this machine ({here}, as `check` and `train` run here, not counted): "
+            f"{report['document_attention_here']}"
+        )
+    return lines
 
 
 def _gib(value: object) -> str:
