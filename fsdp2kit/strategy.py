@@ -36,8 +36,8 @@ from fsdp2kit.models.sharded import ShardedModel, build_sharded_model
 from fsdp2kit.models.shards import SyncedWeights, WeightShard
 from fsdp2kit.parallel.fsdp import discard_unreduced_grads
 from fsdp2kit.parallel.mesh import data_parallel_group
+from fsdp2kit.parallel.sequence_layout import gathered_order
 from fsdp2kit.parallel.token_logprobs import TokenRequest, chunk_tokens, kept_logits_budget, token_request
-from fsdp2kit.parallel.ulysses import gathered_order
 from fsdp2kit.train.evaluate import EvalResult, eval_loss
 from fsdp2kit.train.grads import LossScaler, NonFiniteGuard
 from fsdp2kit.train.host_states import HostStates, state_tensors
@@ -115,7 +115,7 @@ class Strategy:
         self.vocab_size = _vocab_size(hf_config)
         self.max_positions = getattr(hf_config.get_text_config(), "max_position_embeddings", None)
         self.open_weight_streams = 0  # full_weights iterators started and neither finished nor closed on this rank
-        self.chunk_tokens = chunk_tokens(tc.loss_chunk_tokens, self.vocab_size)
+        self.chunk_tokens = chunk_tokens(tc.loss_chunk_tokens, self.vocab_size, self.sharded.layout.tp_size)
         self.kept_logits_bytes = kept_logits_budget(tc.loss_chunk_tokens, self.vocab_size)
         self.aux_loss_coef = float(getattr(hf_config, "router_aux_loss_coef", 0.0) or 0.0)
         self._model_keys = set(inspect.signature(self.model.forward).parameters) - {"labels"}
@@ -337,6 +337,7 @@ class Strategy:
                 on_micro_batch_done=on_micro_batch_done,
                 loss=loss if loss is not None else TokenCrossEntropy(self.chunk_tokens),
                 sync_each_batch=self.cfg.strategy_args.strategy_config.sync_each_batch,
+                tp_size=self.sharded.layout.tp_size,
             )
         except UserError:  # raised part-way (on every rank: a loss_fn's result, all-reduced weights)
             optimizer.zero_grad(set_to_none=True)  # the gradients of the micro-batches before: no step took them

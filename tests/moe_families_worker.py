@@ -131,6 +131,7 @@ def config(run: dict[str, Any]) -> dict[str, Any]:
             "name_or_path": run["folder"],
             "ulysses_size": run["ulysses"],
             "context_parallel_size": run.get("cp", 1),
+            "tensor_parallel_size": run.get("tp", 1),
             "dtype": "fp32",
             **({"lora": run["lora"]} if run.get("lora") else {}),
             **run.get("model", {}),
@@ -160,15 +161,15 @@ def train(run: dict[str, Any]) -> None:
     strategy = fsdp2kit.Strategy.from_config(config(run))
     if run.get("forced"):
         force_routing(strategy.model)
-    sequence = run["ulysses"] * run.get("cp", 1)
+    sequence = run["ulysses"] * run.get("cp", 1) * run.get("tp", 1)
     data_parallel = dist.get_world_size() // sequence
-    rank = dist.get_rank() // sequence  # the ranks of a sequence group train the same micro-batches
+    rank = dist.get_rank() // sequence  # the ranks of a sequence (and tensor-parallel) group train the same ones
     first = strategy.load_checkpoint(run["resume"])["step"] if run.get("resume") else 0
-    from fsdp2kit.parallel import context_attention, ulysses
+    from fsdp2kit.parallel import context_attention, sequence_masks
 
     attention_calls = count_attention_calls(strategy.model)
     blockwise_calls = count_calls(context_attention, "blockwise_causal_attention")
-    dense_masks = count_calls(ulysses, "_dense_mask")
+    dense_masks = count_calls(sequence_masks, "_dense_mask")
     losses, grad_norms, orthogonalised = [], [], []
     for step in range(first, run["steps"]):
         everyone = micro_batches(

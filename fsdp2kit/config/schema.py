@@ -186,6 +186,13 @@ class ModelConfig(Section):
         "chunk and its mirror) and attention all-gathers the keys and values over the c ranks; composes with "
         "ulysses_size",
     )
+    tensor_parallel_size: int = Field(
+        1,
+        ge=1,
+        description="tensor-parallel degree: each decoder layer's matrices, the embedding and the LM head are split "
+        "over this many consecutive ranks by the family's own transformers TP plan (base_model_tp_plan); log-probs "
+        "and the loss are computed on the vocabulary shards; FSDP shards over the rest",
+    )
     gradient_checkpointing: bool = Field(False, description="recompute every decoder layer in backward")
     remove_padding: bool = Field(
         False,

@@ -29,7 +29,9 @@ from fsdp2kit.parallel.mesh import MeshLayout, build_expert_mesh, build_mesh, me
 from fsdp2kit.parallel.moe import gather_router_logits, routed_expert_count, set_experts_implementation
 from fsdp2kit.parallel.plan import ShardingPlan, build_plan
 from fsdp2kit.parallel.recompute import apply_recompute
+from fsdp2kit.parallel.tensor_parallel import apply_tensor_parallel
 from fsdp2kit.parallel.tiled_mlp import apply_tiled_mlp
+from fsdp2kit.parallel.token_logprobs import head_name
 from fsdp2kit.parallel.ulysses import apply_ulysses
 
 
@@ -63,7 +65,13 @@ def build_sharded_model(
     source = resolve_model(model_cfg, data.tokenizer)
     variant = pick_variant(source.hf_config, model_cfg, strategy)
     check_expert_sizes(runtime.world_size, strategy, routed_expert_count(source.hf_config))
-    layout = mesh_layout(runtime.world_size, strategy, model_cfg.ulysses_size, model_cfg.context_parallel_size)
+    layout = mesh_layout(
+        runtime.world_size,
+        strategy,
+        model_cfg.ulysses_size,
+        model_cfg.context_parallel_size,
+        model_cfg.tensor_parallel_size,
+    )
     mesh = build_mesh(runtime.device.type, layout)
     expert_mesh = build_expert_mesh(runtime.device.type, layout)
     sp_group = sequence_parallel_group(layout)
@@ -81,6 +89,12 @@ def build_sharded_model(
     frozen = set(plan.frozen_parameters)
     for name, param in model.named_parameters():
         param.requires_grad_(training and name not in frozen)
+    split = apply_tensor_parallel(model, mesh["tp"] if layout.tp_size > 1 else None, head_name(model))
+    if split:
+        plan.notes.append(
+            f"tensor parallel {layout.tp_size}: {len(split)} modules split by the family's transformers TP plan, "
+            "the LM head by vocabulary (log-probs and loss on its shards)"
+        )
     float8 = apply_float8(model, strategy.float8) if training else []  # before recompute and compile wrap the layers
     if float8:
         plan.notes.append(f"float8 ({strategy.float8.recipe}): {len(float8)} linears matmul in float8 (torchao)")
@@ -90,7 +104,7 @@ def build_sharded_model(
     apply_expert_parallel(model, plan.expert_parallel, expert_mesh)
     compile_modules(model, plan.compiled_modules)
     _offload_activations(model, plan, runtime.device)
-    apply_fsdp(model, mesh, plan, expert_meshes(expert_mesh))
+    apply_fsdp(model, mesh[layout.dense_dims] if layout.tp_size > 1 else mesh, plan, expert_meshes(expert_mesh))
     if materialize:
         shards_on = shard_device(plan, runtime.device)
         materialise(model, source, runtime.device, seed, model_cfg.weights_loading, shards_on, variant.tensor_leeway)

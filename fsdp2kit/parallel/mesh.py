@@ -2,7 +2,9 @@
 sequence groups laid over that mesh without changing it: FSDP still shards over all ranks (or each fsdp group),
 while the ulysses_size x context_parallel_size consecutive ranks of a sequence group share their samples, ordered
 `[dp, cp, sp]`: the Ulysses (sp) groups are consecutive ranks, the context-parallel (cp) groups stride across
-them. Under
+them. With tensor parallelism a `tp` dimension comes innermost: `[fsdp, tp]` or `[ddp, fsdp, tp]`, tp
+consecutive ranks splitting each layer and sharing every input, FSDP sharding over the other dimensions; the
+sequence groups then stride over the tp groups (`[dp, cp, sp, tp]`). Under
 expert parallelism the experts have a mesh of their own, laid out as ROLL lays it out: `[efsdp, ep]`, or
 `[eddp, efsdp, ep]` where efsdp x ep ranks are fewer than the world (`ep` innermost: consecutive ranks)."""
 
@@ -28,6 +30,7 @@ class MeshLayout:
     context_parallel_size: int = 1
     ep_size: int = 1
     efsdp_size: int = 1
+    tp_size: int = 1
 
     @property
     def expert_shape(self) -> tuple[tuple[int, ...], tuple[str, ...]]:
@@ -42,44 +45,93 @@ class MeshLayout:
         return math.prod(self.shape)
 
     @property
+    def dense_dims(self) -> tuple[str, ...]:
+        """The dimensions FSDP shards over: all but `tp`."""
+        return tuple(name for name in self.dim_names if name != "tp")
+
+    @property
     def sequence_size(self) -> int:
         """How many ranks share their samples, each holding a part of every sequence: Ulysses x context parallel."""
         return self.ulysses_size * self.context_parallel_size
 
     @property
     def data_parallel_size(self) -> int:
-        """How many different micro-batches the ranks train on at once: the ranks of a sequence group share theirs."""
-        return self.world_size // self.sequence_size
+        """How many different micro-batches the ranks train on at once: the ranks of a sequence group and of a
+        tensor-parallel group share theirs."""
+        return self.world_size // (self.sequence_size * self.tp_size)
 
     def data_parallel_rank(self, rank: int) -> int:
-        return rank // self.sequence_size
+        return rank // (self.sequence_size * self.tp_size)
+
+    def _rank(self, data: int, sequence: int, tp: int) -> int:
+        """The rank at (data-parallel rank, position in its sequence group, tensor-parallel rank)."""
+        return (data * self.sequence_size + sequence) * self.tp_size + tp
+
+    def _groups(self, positions: list[list[int]]) -> list[list[int]]:
+        """For each data-parallel rank and tensor-parallel rank, the groups of these sequence positions."""
+        return [
+            [self._rank(d, s, t) for s in group]
+            for d in range(self.data_parallel_size)
+            for t in range(self.tp_size)
+            for group in positions
+        ]
 
     def sequence_groups(self) -> list[list[int]]:
-        """The ranks that share samples: sequence_size consecutive ranks."""
-        size = self.sequence_size
-        return [list(range(start, start + size)) for start in range(0, self.world_size, size)]
+        """The ranks that share samples and cut their sequences: sequence_size ranks, a tp group apart."""
+        return self._groups([list(range(self.sequence_size))])
 
     def sequence_parallel_groups(self) -> list[list[int]]:
-        """The Ulysses groups: ulysses_size consecutive ranks."""
-        return [list(range(start, start + self.ulysses_size)) for start in range(0, self.world_size, self.ulysses_size)]
+        """The Ulysses groups: ulysses_size consecutive positions of a sequence group."""
+        k = self.ulysses_size
+        return self._groups([list(range(start, start + k)) for start in range(0, self.sequence_size, k)])
 
     def context_parallel_groups(self) -> list[list[int]]:
         """The context-parallel groups: within a sequence group, the ranks of one Ulysses rank (stride ulysses_size)."""
         k, size = self.ulysses_size, self.sequence_size
-        return [list(range(start + j, start + size, k)) for start in range(0, self.world_size, size) for j in range(k)]
+        return self._groups([list(range(j, size, k)) for j in range(k)])
 
     def data_parallel_groups(self) -> list[list[int]]:
-        """The ranks that train different micro-batches together: one of each sequence group."""
-        return [list(range(offset, self.world_size, self.sequence_size)) for offset in range(self.sequence_size)]
+        """The ranks that train different micro-batches together: one of each sequence and tensor-parallel group."""
+        return [
+            [self._rank(d, s, t) for d in range(self.data_parallel_size)]
+            for s in range(self.sequence_size)
+            for t in range(self.tp_size)
+        ]
 
 
 def mesh_layout(
-    world_size: int, strategy: StrategyConfig, ulysses_size: int = 1, context_parallel_size: int = 1
+    world_size: int,
+    strategy: StrategyConfig,
+    ulysses_size: int = 1,
+    context_parallel_size: int = 1,
+    tp_size: int = 1,
 ) -> MeshLayout:
     """ROLL's rule: fsdp_size auto, <= 1 or >= world -> pure FSDP; otherwise HSDP (world/fsdp_size, fsdp_size).
     FSDP1/Accelerate names: NO_SHARD replicates everywhere; HYBRID_SHARD shards within a node by default.
     `ulysses_size` (which must divide the world size) groups consecutive ranks for sequence parallel;
-    `context_parallel_size` (which must divide world / ulysses_size) groups that many Ulysses groups."""
+    `context_parallel_size` (which must divide world / ulysses_size) groups that many Ulysses groups; `tp_size`
+    (which must divide the world) splits each layer over consecutive ranks, and the rest apply to world / tp_size."""
+    if world_size % tp_size:
+        raise UserError(
+            f"model.tensor_parallel_size = {tp_size} does not divide the world size {world_size}; valid: "
+            f"{', '.join(map(str, divisors(world_size)))}; {_launch_with(tp_size)}"
+        )
+    if tp_size > 1 and strategy.ep_size > 1:
+        raise UserError(
+            f"model.tensor_parallel_size = {tp_size} with strategy_config.ep_size = {strategy.ep_size}: tensor "
+            "parallelism splits attention and leaves the experts to FSDP; set ep_size: 1 (or tensor_parallel_size: 1)"
+        )
+    dense = _sequence_layout(world_size // tp_size, strategy, ulysses_size, context_parallel_size)
+    if tp_size == 1:
+        return dense
+    return replace(dense, shape=(*dense.shape, tp_size), dim_names=(*dense.dim_names, "tp"), tp_size=tp_size)
+
+
+def _sequence_layout(
+    world_size: int, strategy: StrategyConfig, ulysses_size: int, context_parallel_size: int
+) -> MeshLayout:
+    """The layout of the ranks that hold different parts of the data: FSDP's (or HSDP's) mesh, the sequence groups
+    over it, and the experts' mesh."""
     if world_size % ulysses_size:
         raise UserError(
             f"model.ulysses_size = {ulysses_size} does not divide the world size {world_size}; valid: "

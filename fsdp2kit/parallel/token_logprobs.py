@@ -26,6 +26,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 from fsdp2kit.errors import UserError
 from fsdp2kit.labels import IGNORE_INDEX
@@ -37,6 +38,7 @@ from fsdp2kit.parallel.linear_cross_entropy import (
     linear_cross_entropy,
 )
 from fsdp2kit.parallel.module_paths import model_class_name
+from fsdp2kit.parallel.vocab_parallel import VocabShard, VocabShardLogProbs, gathered_logits, vocab_shard
 
 _REQUEST = "_fsdp2kit_token_request"
 _AFTER_HEAD = "_fsdp2kit_after_head"
@@ -131,9 +133,9 @@ def install_token_head(model: nn.Module) -> None:
 def _token_forward(head: nn.Module, original: Forward) -> Forward:
     def forward(hidden: torch.Tensor) -> object:
         request: TokenRequest | None = getattr(head, _REQUEST, None)
-        if request is None:
-            return original(hidden)
         weight, bias = cast(torch.Tensor, head.weight), getattr(head, "bias", None)
+        if request is None:  # a head split by vocabulary (tensor parallel) gathers its logits
+            return gathered_logits(hidden, weight, bias) if isinstance(weight, DTensor) else original(hidden)
         return _chunked(hidden, weight, bias, request, getattr(head, _AFTER_HEAD))
 
     return forward
@@ -223,10 +225,14 @@ class _ChunkLogProbs(torch.autograd.Function):
 def _chunked(
     hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, request: TokenRequest, after: AfterHead
 ) -> torch.Tensor:
-    """Log-probs [B, T] float32 of `request.targets` (or their negated sum), chunk by chunk over the tokens."""
+    """Log-probs [B, T] float32 of `request.targets` (or their negated sum), chunk by chunk over the tokens; on a
+    head split by vocabulary, each chunk's from the rank's shard (`parallel/vocab_parallel.py`)."""
     batch, length = hidden.shape[:2]
     flat_hidden, flat_targets = hidden.reshape(batch * length, -1), request.targets.reshape(-1)
     step = max(1, request.chunk_tokens or flat_targets.numel())
+    shard = vocab_shard(weight, bias)
+    if shard is not None:
+        return _chunked_on_shard(flat_hidden, flat_targets, shard, request, after, step, (batch, length))
     if request.summed:
         logits_of = partial(_logits, weight=weight, bias=bias, after=after)
         cap = Cap(after.softcap) if after.scale == 1 else None  # a fused kernel knows soft-caps, not scales
@@ -248,6 +254,47 @@ def _chunked(
     if request.entropy:
         request.entropies = torch.cat(entropies).reshape(batch, length)
     return torch.cat(log_probs).reshape(batch, length).clone()  # its own storage: FSDP hooks a view badly
+
+
+def _chunked_on_shard(
+    flat_hidden: torch.Tensor,
+    flat_targets: torch.Tensor,
+    shard: VocabShard,
+    request: TokenRequest,
+    after: AfterHead,
+    step: int,
+    shape: tuple[int, int],
+) -> torch.Tensor:
+    """`_chunked` on this rank's vocabulary shard of the head: the same log-probs, entropies and summed loss."""
+    temperature = _token_temperature(request.temperature, *shape)
+
+    def logits_of(
+        hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | float | None]:
+        return _tempered(*_logits(hidden, weight, bias, after), temperature)
+
+    log_probs, entropies = [], []
+    for start in range(0, flat_targets.numel(), step):
+        part = slice(start, start + step)
+        part_temperature = temperature[part] if temperature is not None else None
+        lp, entropy = VocabShardLogProbs.apply(
+            flat_hidden[part],
+            shard.weight,
+            shard.bias,
+            flat_targets[part],
+            part_temperature,
+            logits_of,
+            request.entropy,
+            shard.group,
+            shard.start,
+        )
+        log_probs.append(lp)
+        entropies.append(entropy)
+    if request.summed:
+        return -torch.cat(log_probs).sum()
+    if request.entropy:
+        request.entropies = torch.cat(entropies).reshape(shape)
+    return torch.cat(log_probs).reshape(shape).clone()
 
 
 def _token_temperature(temperature: torch.Tensor | None, batch: int, length: int) -> torch.Tensor | None:
@@ -344,10 +391,13 @@ def kept_logits_budget(setting: int | str, vocab_size: int) -> int:
     return int(setting) * vocab_size * 4
 
 
-def chunk_tokens(setting: int | str, vocab_size: int) -> int:
+def chunk_tokens(setting: int | str, vocab_size: int, tp_size: int = 1) -> int:
     """`training.loss_chunk_tokens`: `auto` chunks above a 32k vocabulary, where the logits start to dominate a
     step's memory, by as many tokens as 1 GiB of float32 logits holds (`budget_chunk_tokens`: 2048 at 128k); 0
-    computes the whole sequence at once."""
+    computes the whole sequence at once. Under tensor parallelism the loss is always computed on the head's
+    vocabulary shards, so `auto` and 0 chunk by what 1 GiB of a shard's logits holds."""
+    if tp_size > 1 and setting in ("auto", 0):
+        return budget_chunk_tokens(-(-vocab_size // tp_size))
     if setting == "auto":
         return budget_chunk_tokens(vocab_size) if vocab_size > 32768 else 0
     return int(setting)

@@ -22,8 +22,8 @@ from fsdp2kit.labels import IGNORE_INDEX
 from fsdp2kit.parallel.float8 import refresh_float8_scales
 from fsdp2kit.parallel.fsdp import before_micro_batch, stays_gathered
 from fsdp2kit.parallel.moe import once_per_group
+from fsdp2kit.parallel.sequence_layout import shard_sequence
 from fsdp2kit.parallel.token_logprobs import TokenRequest, token_request
-from fsdp2kit.parallel.ulysses import shard_sequence
 from fsdp2kit.train.grads import NonFiniteGuard, all_reduce_replicated_grads, clip_grad_norm, scale_grads_
 
 
@@ -120,6 +120,7 @@ class _Accumulation:
     shard_batch: Callable[[dict[str, torch.Tensor], ProcessGroup], dict[str, torch.Tensor]]
     on_micro_batch_done: Callable[[], None] | None
     sync_each_batch: bool = False  # reduce-scatter after every micro-batch: no unsharded gradients held between
+    tp_size: int = 1  # the ranks of a tensor-parallel group compute the same loss of the same micro-batches
 
 
 @dataclass
@@ -139,7 +140,7 @@ def _forward_backward(
 ) -> _Sums:
     """Each micro-batch's forward and backward, gradient sync on the last only."""
     loss, sp_size = run.loss, run.sp_group.size() if run.sp_group is not None else 1
-    share = sp_size if loss.whole_sequence else 1
+    share = (sp_size if loss.whole_sequence else 1) * run.tp_size
     device = run.loss_factor.device
     sums = _Sums(
         torch.zeros((), dtype=torch.float64, device=device),
@@ -257,15 +258,17 @@ def train_step(
     on_micro_batch_done: Callable[[], None] | None = None,
     loss: MicroBatchLoss | None = None,
     sync_each_batch: bool = False,
+    tp_size: int = 1,
 ) -> StepResult:
     """Every rank calls it with as many micro-batches of its own (the ranks of a sequence-parallel group with the
     same ones, each training on the slice `shard_batch` cuts for it). `model` is FSDP-sharded or, in a world of one,
     a plain module; the guard's loss scaler scales the loss (fp16) and the guard decides whether the update is
     applied. `loss` (default: token cross-entropy) gives each micro-batch's weight and weighted loss sum; the step
     minimises their global ratio. `on_micro_batch_done` runs after each micro-batch's backward (the memory tracker's
-    marks)."""
+    marks). The `tp_size` ranks of a tensor-parallel group hold the same micro-batches and compute the same loss: it
+    counts once, and FSDP averages the gradients over the world / tp_size ranks that shard each split tensor."""
     loss = loss if loss is not None else TokenCrossEntropy()
-    world_size, sp_size = dist.get_world_size(), sp_group.size() if sp_group is not None else 1
+    world_size, sp_size = dist.get_world_size() // tp_size, (sp_group.size() if sp_group is not None else 1) * tp_size
     agree_on_micro_batch_count(len(micro_batches), micro_batches[0]["input_ids"].device)
     tokens = torch.stack([input_token_count(mb) for mb in micro_batches]).sum().double()
     known = [loss.weight(i, mb) for i, mb in enumerate(micro_batches)]
@@ -277,11 +280,12 @@ def train_step(
         shard_batch,
         on_micro_batch_done,
         sync_each_batch,
+        tp_size,
     )
     known_weight = _normalise_before(run, known, sp_size)
     sums = _forward_backward(model, micro_batches, run)
     params = _stepped_parameters(model, optimizer)
-    all_reduce_replicated_grads(params, world_size)
+    all_reduce_replicated_grads(params, dist.get_world_size())
     fingerprint = _metric_fingerprint(sums)
     fingerprints = tokens.new_tensor([fingerprint, fingerprint**2])
     totals = torch.stack([sums.loss, sums.weight, tokens / sp_size, *fingerprints, sums.unusable])
@@ -294,7 +298,8 @@ def train_step(
     # The step's one host read of device values (on CUDA, one wait for the device), all together.
     read = torch.stack([totals[0] / global_weight, norm.to(totals), totals[2], global_weight, *totals[3:]])
     loss_value, grad_norm, input_tokens, weight, names_sum, names_square_sum, unusable = read.tolist()
-    _refuse_unusable(optimizer, weight, world_size * names_square_sum != names_sum**2 or names_sum < 0, unusable)
+    ranks = dist.get_world_size()
+    _refuse_unusable(optimizer, weight, ranks * names_square_sum != names_sum**2 or names_sum < 0, unusable)
     metrics = _averaged_metrics(sums.metrics, sums.counted) if names_sum else {}
     result = StepResult(loss_value, grad_norm, 0.0, input_tokens, False, metrics)
     result = _update(optimizer, scheduler, guard, result)
@@ -316,7 +321,7 @@ def _normalise_before(run: _Accumulation, known: list[torch.Tensor | None], sp_s
     run.loss_factor = run.loss_factor / global_weight
     # A mixture of experts adds router_aux_loss_coef x its load-balancing loss averaged over all micro-batches of all
     # ranks, as transformers adds it to each batch's mean loss; in units of summed token losses:
-    coef, world_size = float(run.aux_loss_weight), dist.get_world_size()
+    coef, world_size = float(run.aux_loss_weight), dist.get_world_size() // run.tp_size
     run.aux_loss_weight = (coef * global_weight / (len(known) * world_size)).float() if coef else 0.0
     return global_weight
 
