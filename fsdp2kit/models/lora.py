@@ -246,6 +246,29 @@ def peft_state(model: nn.Module, embedding_layers: bool = False) -> dict[str, to
 _MADE_BY_PEFT = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B")
 
 
+def split_adapters(model: nn.Module, modules: dict[str, str]) -> dict[str, str]:
+    """Under tensor parallelism an adapter follows its base layer's split: a layer split by output columns has its
+    B split alike (A, whole on every rank, sees the whole input); one split by input rows has its A split alike
+    (its partial products summed as the base's are) and B whole. A wrapped embedding is refused."""
+    from peft.tuners.lora import LoraLayer
+
+    split: dict[str, str] = {}
+    for name, style in modules.items():
+        layer = model.get_submodule(name)
+        if not isinstance(layer, LoraLayer):
+            split[name] = style
+            continue
+        if layer.lora_embedding_A or style.startswith("embedding"):
+            raise UserError(
+                f"model.lora: '{name}' is split by vocabulary under model.tensor_parallel_size, which its adapter "
+                "does not follow; leave it out of lora.target_modules (or set tensor_parallel_size: 1)"
+            )
+        split[f"{name}.base_layer"] = style
+        follower = "lora_B" if style.startswith("colwise") else "lora_A"
+        split.update({f"{name}.{follower}.{key}": style for key in getattr(layer, follower)})
+    return split
+
+
 @torch.no_grad()
 def initialise_adapters(model: nn.Module, seed: int) -> None:
     """Each layer's adapters as peft's `update_layer` makes them, on full-size CPU copies seeded by the layer's name,
@@ -568,6 +591,9 @@ class LoraPart(VariantPart):
     def after_plan(self, model: nn.Module, plan: ShardingPlan) -> None:
         self.adapters = plan_adapters(model, plan, self.cfg)
         add_input_grad_hooks(model, self.adapters.input_grad_hooks)
+
+    def split_modules(self, model: nn.Module, modules: dict[str, str]) -> dict[str, str]:
+        return split_adapters(model, modules)
 
     def materialise(self, model: nn.Module, seed: int) -> None:
         if self.cfg.adapter:  # every adapter tensor is in its file

@@ -89,7 +89,8 @@ def build_sharded_model(
     frozen = set(plan.frozen_parameters)
     for name, param in model.named_parameters():
         param.requires_grad_(training and name not in frozen)
-    split = apply_tensor_parallel(model, mesh["tp"] if layout.tp_size > 1 else None, head_name(model))
+    tp_mesh = mesh["tp"] if layout.tp_size > 1 else None
+    split = apply_tensor_parallel(model, tp_mesh, head_name(model), variant.split_modules)
     if split:
         plan.notes.append(
             f"tensor parallel {layout.tp_size}: {len(split)} modules split by the family's transformers TP plan, "

@@ -30,7 +30,7 @@ from fsdp2kit.models.variant_part import TensorLeeway, VariantPart
 from fsdp2kit.models.vl import is_vision_language
 from fsdp2kit.parallel.moe import apply_expert_patch, split_experts
 from fsdp2kit.parallel.plan import AdapterPlan, ShardingPlan
-from fsdp2kit.parallel.ulysses import shard_sequence
+from fsdp2kit.parallel.sequence_layout import shard_sequence
 from fsdp2kit.parallel.vision import apply_vision_patch, apply_vision_ulysses, shard_vision_batch
 
 Batch = dict[str, torch.Tensor]
@@ -182,6 +182,11 @@ class ModelVariant:
     def patch_sharded(self, model: nn.Module, plan: ShardingPlan) -> None:
         for part in self.parts:
             part.patch_sharded(model, plan)
+
+    def split_modules(self, model: nn.Module, modules: dict[str, str]) -> dict[str, str]:
+        for part in self.parts:
+            modules = part.split_modules(model, modules)
+        return modules
 
     def materialise(self, model: nn.Module, seed: int) -> None:
         for part in self.parts:

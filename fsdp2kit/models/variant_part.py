@@ -42,6 +42,11 @@ class VariantPart:
     def patch_sharded(self, model: nn.Module, plan: ShardingPlan) -> None:
         """Change how modules run, after recompute and before fully_shard."""
 
+    def split_modules(self, model: nn.Module, modules: dict[str, str]) -> dict[str, str]:
+        """The tensor-parallel styles {module path: style} of what the family's plan splits, as this part changes
+        the modules at those paths (LoRA wraps a linear: its base and adapters split in its place)."""
+        return modules
+
     def materialise(self, model: nn.Module, seed: int) -> None:
         """Initialise or load this part's own weights once the base's are in place."""
 

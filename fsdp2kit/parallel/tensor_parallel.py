@@ -8,6 +8,7 @@ attention runs on each rank's own heads."""
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Any
 
 import torch.nn as nn
@@ -68,36 +69,42 @@ def _matches(pattern: str, names: list[str]) -> list[str]:
 
 
 def planned_modules(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
-    """{module path: style} of the modules the plan splits, each checked: a style fsdp2kit does not apply, or one
-    on a module that is not a plain linear or embedding (a fused experts block, an adapter-wrapped layer), is
-    refused rather than split wrong."""
+    """{module path: style} of the modules the plan's patterns match."""
     names = [name for name, _ in model.named_modules()]
+    return {name: style for pattern, style in plan.items() for name in _matches(pattern, names)}
+
+
+def _check_splittable(model: nn.Module, modules: dict[str, str]) -> None:
+    """A style fsdp2kit does not apply, or one on a module that is not a plain linear or embedding (a fused experts
+    block), is refused rather than split wrong."""
     styles = _styles()
-    modules: dict[str, str] = {}
-    for pattern, style in plan.items():
-        for name in _matches(pattern, names):
-            module = model.get_submodule(name)
-            kinds = (nn.Embedding,) if style == "embedding_rowwise" else (nn.Linear,)
-            if style not in styles or (style != "replicated_with_grad_allreduce" and type(module) not in kinds):
-                raise UserError(
-                    f"model.tensor_parallel_size: transformers' TP plan splits '{name}' ({type(module).__name__}) "
-                    f"as '{style}', which fsdp2kit does not apply; valid styles on linears and embeddings: "
-                    f"{', '.join(sorted(styles))}; set model.tensor_parallel_size: 1"
-                )
-            modules[name] = style
-    return modules
+    for name, style in modules.items():
+        module = model.get_submodule(name)
+        kinds = (nn.Embedding,) if style == "embedding_rowwise" else (nn.Linear,)
+        if style not in styles or (style != "replicated_with_grad_allreduce" and type(module) not in kinds):
+            raise UserError(
+                f"model.tensor_parallel_size: transformers' TP plan splits '{name}' ({type(module).__name__}) "
+                f"as '{style}', which fsdp2kit does not apply; valid styles on linears and embeddings: "
+                f"{', '.join(sorted(styles))}; set model.tensor_parallel_size: 1"
+            )
 
 
-def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh | None, head: str) -> dict[str, str]:
-    """Split `model` in place over `tp_mesh` (None: nothing to split) by its family's plan; the LM head `head` by
-    vocabulary (its weight's rows, and the bias's), a tied head sharing the embedding's rows. Returns the split
-    modules and their styles."""
+def apply_tensor_parallel(
+    model: nn.Module,
+    tp_mesh: DeviceMesh | None,
+    head: str,
+    split: Callable[[nn.Module, dict[str, str]], dict[str, str]] = lambda _, modules: modules,
+) -> dict[str, str]:
+    """Split `model` in place over `tp_mesh` (None: nothing to split) by its family's plan, as `split` (the model
+    variant's `split_modules`) translates it; the LM head `head` by vocabulary (its weight's rows, and the bias's), a
+    tied head sharing the embedding's rows. Returns the split modules and their styles."""
     if tp_mesh is None:
         return {}
     config = getattr(model, "config", None)
     split_heads_check(getattr(config, "text_config", None) or config, tp_mesh.size())
     tied = model.get_submodule(head).weight is model.get_input_embeddings().weight  # type: ignore[operator]
-    modules = planned_modules(model, tp_plan(model, head))
+    modules = split(model, planned_modules(model, tp_plan(model, head)))
+    _check_splittable(model, modules)
     styles = _styles()
     parallelize_module(model, tp_mesh, {name: styles[style] for name, style in modules.items()})
     head_module = model.get_submodule(head)
