@@ -1,0 +1,198 @@
+"""Tensor parallelism: `model.tensor_parallel_size: t` splits each decoder layer by the family's transformers TP plan
+over t consecutive ranks, the embedding and the LM head by vocabulary, and computes log-probs and the loss on the
+head's vocabulary shards; FSDP shards over the other ranks. Trained that way (fp32) at TP 2, TP 2 x FSDP 2 and TP 2 x
+CP 2, with LoRA and with a caller's loss, a Llama, a Qwen3 (tied embeddings, per-head norms) and a Qwen3-MoE follow
+one rank without it: the same losses, gradient norms and weights after 3 steps, the same log-probs of left-padded
+rows; a checkpoint saved at TP 2 x FSDP 2 resumes at FSDP 4 and at FSDP 2 (TP 1) to the uninterrupted run's loss;
+the export loads in transformers with the same log-probs. The runs are tests/moe_families_worker.py's."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import launch_two_ranks
+from moe_families_worker import left_padded_probe
+from moe_families_worker import train as train_in_process
+from test_expert_parallel import QWEN3_MOE
+from test_expert_parallel import run as expert_run
+from test_moe_families import saved_folder, stored, transformers_log_probs
+
+from fsdp2kit.config.schema import StrategyConfig
+from fsdp2kit.distributed import shutdown
+from fsdp2kit.errors import UserError
+from fsdp2kit.parallel.mesh import mesh_layout
+
+LORA = {"lora": {"rank": 4, "target_modules": "all-linear", "init_lora_weights": False}}
+FAMILIES = {"llama": {}, "qwen3": {"head_dim": 8, "tie_word_embeddings": True}, "qwen3_moe": QWEN3_MOE}
+
+
+# Unit level: the layout and the refusals.
+
+
+def test_tp_is_the_innermost_dimension_and_shares_the_batch():
+    """8 ranks, TP 2 x CP 2 x FSDP: tp pairs are consecutive ranks with one micro-batch; the sequence groups stride
+    over them; FSDP's mesh is the other dimension."""
+    layout = mesh_layout(8, StrategyConfig(), context_parallel_size=2, tp_size=2)
+    assert (layout.shape, layout.dim_names, layout.dense_dims) == ((4, 2), ("fsdp", "tp"), ("fsdp",))
+    assert (layout.data_parallel_size, [layout.data_parallel_rank(r) for r in range(8)]) == (2, [0] * 4 + [1] * 4)
+    assert layout.sequence_groups() == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert layout.data_parallel_groups() == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    hsdp = mesh_layout(8, StrategyConfig(fsdp_size=2), tp_size=2)
+    assert (hsdp.shape, hsdp.dim_names) == ((2, 2, 2), ("ddp", "fsdp", "tp"))
+
+
+def test_a_tp_size_that_does_not_divide_the_world_is_refused():
+    with pytest.raises(UserError, match=r"model.tensor_parallel_size = 3 does not divide the world size 4; valid: "):
+        mesh_layout(4, StrategyConfig(), tp_size=3)
+    with pytest.raises(UserError, match=r"tensor_parallel_size = 2 with strategy_config.ep_size = 2"):
+        mesh_layout(4, StrategyConfig(ep_size=2), tp_size=2)
+
+
+def test_heads_must_split_and_a_family_needs_a_plan():
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    from fsdp2kit.parallel.tensor_parallel import split_heads_check, tp_plan
+
+    with pytest.raises(UserError, match=r"does not divide the model's num_key_value_heads \(2\).*valid: 1, 2$"):
+        split_heads_check(LlamaConfig(num_attention_heads=4, num_key_value_heads=2), 4)
+    with torch.device("meta"):
+        gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2))
+        llama = LlamaForCausalLM(LlamaConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2))
+    with pytest.raises(UserError, match=r"the gpt2 family has no tensor-parallel plan in transformers"):
+        tp_plan(gpt2, "lm_head")
+    assert tp_plan(llama, "lm_head")["model.layers.*.self_attn.o_proj"] == "rowwise"
+    assert "lm_head" not in tp_plan(llama, "lm_head")  # the head is split by vocabulary, whatever the plan says
+
+
+# End to end: one rank in this process, then one launch of 4 ranks and one of 2.
+
+
+def run(folder: Path, out: Path, accumulation: int, **options: Any) -> dict[str, Any]:
+    """One run of tests/moe_families_worker.py with the left-padded probe and mixed packed and right-padded
+    micro-batches."""
+    return expert_run(folder, out, accumulation, **({"left_padded": True, "packed": "mixed"} | options))
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tp_models")
+    return {family: saved_folder(root / family, family, settings) for family, settings in FAMILIES.items()}
+
+
+@pytest.fixture(scope="module")
+def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("tp_runs")
+
+
+def results(planned: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    return {key: torch.load(spec["out"]) for key, spec in planned.items()}
+
+
+@pytest.fixture(scope="module")
+def one_rank(folders: dict[str, Path], out: Path) -> dict[str, dict[str, Any]]:
+    """The references, in this process: 4 micro-batches a step; the Qwen3 with LoRA through a caller's loss."""
+    planned = {family: run(folder, out / f"{family}-1.pt", 4) for family, folder in folders.items()}
+    planned["lora"] = run(folders["qwen3"], out / "lora-1.pt", 4, model=LORA, caller_loss=True)
+    try:
+        for spec in planned.values():
+            train_in_process(spec)
+    finally:
+        shutdown()
+    return results(planned)
+
+
+@pytest.fixture(scope="module")
+def four_ranks(folders: dict[str, Path], out: Path, one_rank: dict) -> dict[str, dict[str, Any]]:
+    """One 4-rank launch: every family at TP 2 x FSDP 2 (the Llama's saving a checkpoint after step 2), the Llama
+    at TP 2 x CP 2, and the resume of that checkpoint at FSDP 4."""
+    planned = {f"{name} tp2x2": run(folder, out / f"{name}-tp2x2.pt", 2, tp=2) for name, folder in folders.items()}
+    planned["llama tp2x2"].update(save_at=2, checkpoint=str(out / "ckpt-tp2x2"))
+    planned["llama tp2cp2"] = run(folders["llama"], out / "llama-tp2cp2.pt", 4, tp=2, cp=2)
+    planned["resume fsdp4"] = run(folders["llama"], out / "resume-fsdp4.pt", 1, resume=str(out / "ckpt-tp2x2"))
+    spec = out / "four_ranks.json"
+    spec.write_text(json.dumps(list(planned.values())))
+    launch_two_ranks("moe_families_worker.py", spec, ranks=4)
+    return results(planned)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(folders: dict[str, Path], out: Path, four_ranks: dict) -> dict[str, dict[str, Any]]:
+    """One 2-rank launch: every family at TP 2 (the Llama's exported), the Qwen3 with LoRA through a caller's loss,
+    and the resume of TP 2 x FSDP 2's checkpoint at FSDP 2."""
+    planned = {f"{family} tp2": run(folder, out / f"{family}-tp2.pt", 4, tp=2) for family, folder in folders.items()}
+    planned["llama tp2"].update(export=True)
+    planned["lora tp2"] = run(folders["qwen3"], out / "lora-tp2.pt", 4, tp=2, model=LORA, caller_loss=True)
+    planned["resume fsdp2"] = run(folders["llama"], out / "resume-fsdp2.pt", 2, resume=str(out / "ckpt-tp2x2"))
+    spec = out / "two_ranks.json"
+    spec.write_text(json.dumps(list(planned.values())))
+    launch_two_ranks("moe_families_worker.py", spec)
+    return results(planned)
+
+
+def assert_same_training(got: dict[str, Any], expected: dict[str, Any], data_parallel: int) -> None:
+    """Losses, gradient norms and weights after the run's steps within 1e-5 of one rank's, and the left-padded
+    probe's log-probs at every position; the run's data-parallel degree is world / (tp x cp)."""
+    assert got["data_parallel_size"] == data_parallel
+    assert got["losses"] == pytest.approx(expected["losses"][-len(got["losses"]) :], abs=1e-5)
+    assert got["grad_norms"] == pytest.approx(expected["grad_norms"][-len(got["grad_norms"]) :], rel=1e-5)
+    assert sorted(got["weights"]) == sorted(expected["weights"])
+    for name, tensor in expected["weights"].items():
+        torch.testing.assert_close(got["weights"][name], tensor, atol=1e-5, rtol=0, msg=name)
+    torch.testing.assert_close(got["left_log_probs"], expected["left_log_probs"], atol=1e-5, rtol=0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("case", "reference", "data_parallel"),
+    [
+        ("llama tp2", "llama", 1),
+        ("qwen3 tp2", "qwen3", 1),
+        ("qwen3_moe tp2", "qwen3_moe", 1),
+        ("lora tp2", "lora", 1),
+    ],
+)
+def test_tp2_follows_one_rank(case, reference, data_parallel, one_rank, two_ranks):
+    assert_same_training(two_ranks[case], one_rank[reference], data_parallel)
+    if case == "lora tp2":  # what trained was the adapters
+        assert all(".lora_" in name for name in two_ranks[case]["trained"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("case", "reference", "data_parallel"),
+    [
+        ("llama tp2x2", "llama", 2),
+        ("qwen3 tp2x2", "qwen3", 2),
+        ("qwen3_moe tp2x2", "qwen3_moe", 2),
+        ("llama tp2cp2", "llama", 1),
+    ],
+)
+def test_tp2_beside_fsdp_and_context_parallel_follows_one_rank(case, reference, data_parallel, one_rank, four_ranks):
+    assert_same_training(four_ranks[case], one_rank[reference], data_parallel)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["resume fsdp4", "resume fsdp2"])
+def test_a_tp2x2_checkpoint_resumes_without_tp(case, one_rank, four_ranks, two_ranks):
+    got = {**four_ranks, **two_ranks}[case]
+    assert len(got["losses"]) == 1
+    assert got["losses"] == pytest.approx(one_rank["llama"]["losses"][-1:], abs=1e-5)
+    for name, tensor in one_rank["llama"]["weights"].items():
+        torch.testing.assert_close(got["weights"][name], tensor, atol=1e-5, rtol=0, msg=name)
+
+
+@pytest.mark.slow
+def test_a_tp2_export_loads_in_transformers_with_the_same_log_probs(folders, out, two_ranks):
+    export = out / "llama-tp2.pt.hf"
+    written, saved = stored(export), stored(folders["llama"])
+    assert {k: v.shape for k, v in written.items()} == {k: v.shape for k, v in saved.items()}
+    probe = left_padded_probe()
+    mask = probe["attention_mask"]
+    real = (mask[:, :-1] * mask[:, 1:]).bool()
+    torch.testing.assert_close(
+        two_ranks["llama tp2"]["left_log_probs"][real], transformers_log_probs(export, probe)[real], atol=1e-5, rtol=0
+    )
