@@ -73,7 +73,7 @@ def attention_work(strategy: Any, length: int, ulysses: int) -> int:
     a sliding window only the pairs less than the window apart."""
     import torch
 
-    from fsdp2kit.parallel.ulysses import token_indices
+    from fsdp2kit.parallel.sequence_layout import token_indices
 
     group = strategy.sharded.sp_group
     indices = token_indices(group) if group is not None else None

@@ -2,8 +2,8 @@
 world size 1): what a rank of CP c computes for one layer, its queries (chunks r and 2c-1-r of 2c: `token_order`)
 over every key and value of the sequence (as `_GatherKeys` hands them), forward and backward, in bf16, by the path
 fsdp2kit takes on CUDA (FlexAttention, compiled, through the block mask of the rank's rows at global indices:
-`parallel/ulysses.py:_FlexSequenceMask`) and by the one it took before (sdpa with the dense [T/c, T] mask), beside
-one unsplit GPU (c = 1: sdpa's causal flash kernel over the whole sequence).
+`parallel/sequence_masks.py:_FlexSequenceMask`) and by the one it took before (sdpa with the dense [T/c, T] mask),
+beside one unsplit GPU (c = 1: sdpa's causal flash kernel over the whole sequence).
 
 Per (T, c, rank r in {0, c-1}): the peak of allocated memory above the inputs, the median time of --repeats
 forward+backward passes after a warm-up (CUDA events), and the largest difference of the two paths' outputs
@@ -37,7 +37,7 @@ def rank_inputs(
 ) -> tuple[tuple[torch.Tensor, torch.Tensor], list[torch.Tensor]]:
     """The global indices of the rank's queries and of the gathered keys, and its q [1, H, T/c, D] and the gathered
     k, v [1, H_kv, T, D] (bf16; leaves that take gradients on CUDA)."""
-    from fsdp2kit.parallel.ulysses import token_order
+    from fsdp2kit.parallel.sequence_layout import token_order
 
     order = token_order(length, size, 1)
     indices = (order[rank].flatten().to(device), order.flatten().to(device))
@@ -49,7 +49,7 @@ def rank_inputs(
 def flex_path(indices: tuple[torch.Tensor, torch.Tensor], length: int) -> Callable[[list[torch.Tensor]], torch.Tensor]:
     """fsdp2kit's CUDA path: the block mask of the rank's rows (made once, as one micro-batch's layers share it)."""
     from fsdp2kit.parallel.document_attention import document_flex_attention
-    from fsdp2kit.parallel.ulysses import _FlexSequenceMask
+    from fsdp2kit.parallel.sequence_masks import _FlexSequenceMask
 
     device = indices[0].device
     block_mask = _FlexSequenceMask()(None, 1, indices, length, None, device)

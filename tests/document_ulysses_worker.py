@@ -18,8 +18,8 @@ from conftest import sharded_model
 from test_document_attention import job, packed_batch
 
 from fsdp2kit.distributed import init_distributed, shutdown
-from fsdp2kit.parallel import document_attention, ulysses
-from fsdp2kit.parallel.ulysses import gathered_order, sequence_mask
+from fsdp2kit.parallel import context_parallel, document_attention
+from fsdp2kit.parallel.sequence_layout import gathered_order, sequence_mask
 
 
 @torch.no_grad()
@@ -55,21 +55,21 @@ def kept_for_backward(model_dir: str) -> dict[str, object]:
     shard = sharded.variant.shard_batch({"input_ids": ids, "labels": ids, "position_ids": positions}, sharded.sp_group)
     inputs = {k: v for k, v in shard.items() if k != "labels"}
     gathered: list[weakref.ref] = []
-    gather = ulysses._GatherKeys.apply
+    gather = context_parallel._GatherKeys.apply
 
     def recorded(x: torch.Tensor, group: object) -> torch.Tensor:
         out = gather(x, group)
         gathered.append(weakref.ref(out))
         return out
 
-    ulysses._GatherKeys.apply = recorded  # type: ignore[method-assign]
+    context_parallel._GatherKeys.apply = recorded  # type: ignore[method-assign]
     logits = sharded.model(**inputs, use_cache=False).logits
     gc.collect()
     alive = sum(ref() is not None for ref in gathered)
     logits.float().square().mean().backward()
     grads = [p.grad for p in sharded.model.parameters()]
     finite = all(g is not None and bool(torch.isfinite(g.full_tensor()).all()) for g in grads)
-    ulysses._GatherKeys.apply = gather  # type: ignore[method-assign]
+    context_parallel._GatherKeys.apply = gather  # type: ignore[method-assign]
     lengths: set[int] = set()
 
     def record(tensor: torch.Tensor) -> torch.Tensor:

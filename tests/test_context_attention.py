@@ -14,7 +14,8 @@ from transformers.integrations.sdpa_attention import repeat_kv
 from fsdp2kit.parallel import context_attention
 from fsdp2kit.parallel.context_attention import KeyRanges, blockwise_causal_attention, query_runs, window_tiles
 from fsdp2kit.parallel.document_attention import document_flex_attention
-from fsdp2kit.parallel.ulysses import _FlexSequenceMask, _key_ranges, _sequence_mask_function, token_order
+from fsdp2kit.parallel.sequence_layout import token_order
+from fsdp2kit.parallel.sequence_masks import _FlexSequenceMask, _key_ranges, _sequence_mask_function
 
 HEADS, DIM, LENGTH = 4, 8, 48
 
@@ -341,7 +342,7 @@ def test_flex_attention_gathers_its_keys_again_in_the_backward_on_cuda():
     import torch.distributed as dist
     from conftest import process_group
 
-    from fsdp2kit.parallel.ulysses import _gathered_again_in_backward, _GatherKeys
+    from fsdp2kit.parallel.context_parallel import _gathered_again_in_backward, _GatherKeys
 
     indices = tuple(t.cuda() for t in rank_layout(2, 1, 0))
     generator = torch.Generator().manual_seed(5)

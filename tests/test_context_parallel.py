@@ -26,7 +26,7 @@ from fsdp2kit.config.schema import StrategyConfig
 from fsdp2kit.distributed import shutdown
 from fsdp2kit.errors import UserError
 from fsdp2kit.parallel.mesh import mesh_layout
-from fsdp2kit.parallel.ulysses import token_order
+from fsdp2kit.parallel.sequence_layout import token_order
 
 STEPS = 3
 MISTRAL = {"sliding_window": 6}  # shorter than the sequence: the band is applied by global index

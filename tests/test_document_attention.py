@@ -208,7 +208,8 @@ def ulysses_attention(inner: str, documents: bool, window: int | None, qkv: list
     batch's documents (`shard_sequence`'s mask: a BlockMask for DOCUMENT_FLEX, else dense) or plain causal rows."""
     import torch.distributed as dist
 
-    from fsdp2kit.parallel.ulysses import _ulysses_attention, sequence_mask, shard_sequence
+    from fsdp2kit.parallel.sequence_layout import sequence_mask, shard_sequence
+    from fsdp2kit.parallel.ulysses import _ulysses_attention
 
     ids, positions = (t.to(qkv[0].device) for t in packed_batch())
     group = dist.group.WORLD
@@ -260,8 +261,8 @@ def test_ulysses_and_context_parallel_attend_through_block_masks_as_through_the_
         torch.testing.assert_close(flex["logits"], dense["logits"], rtol=1e-5, atol=1e-5, msg=parallel)
         torch.testing.assert_close(flex["logits"], alone, rtol=1e-5, atol=1e-5, msg=parallel)
     # What a CP rank keeps for the backward: its block of the keys and values, none of the gathered ones (the attention
-    # gathers them again in its backward: ulysses.py `_gathered_again_in_backward`); under a caller's saved-tensor
-    # hooks (recompute's, offload's), everything goes to those, the gathered [.., T, ..] ones too.
+    # gathers them again in its backward: context_parallel.py `_gathered_again_in_backward`); under a caller's
+    # saved-tensor hooks (recompute's, offload's), everything goes to those, the gathered [.., T, ..] ones too.
     kept = seen["kept context_parallel_size"]
     assert kept["gathered"] > 0 and kept["alive"] == 0 and kept["finite"], kept
     assert kept["length"] in kept["hooked"] and kept["length"] // 2 in kept["hooked"], kept

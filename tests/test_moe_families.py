@@ -201,7 +201,7 @@ def test_router_rows_gathered_from_a_ulysses_pair_are_in_sequence_order_without_
     sequence order, without the padding a text batch's loss leaves out (the last token of sequence 1), or every row
     where the model masks padding itself (a VL batch)."""
     from fsdp2kit.parallel.moe import _sequence_rows
-    from fsdp2kit.parallel.ulysses import remember_tokens
+    from fsdp2kit.parallel.sequence_layout import remember_tokens
 
     group: Any = object()  # what the records are keyed by; no collective runs
     token = torch.arange(8.0).reshape(2, 4)  # token t of sequence b is 4b + t

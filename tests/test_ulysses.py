@@ -26,14 +26,9 @@ from fsdp2kit.data.dataset import collate, load_documents
 from fsdp2kit.errors import UserError
 from fsdp2kit.labels import IGNORE_INDEX
 from fsdp2kit.parallel.mesh import mesh_layout
-from fsdp2kit.parallel.ulysses import (
-    DenseMaskOnDemand,
-    _rank_key_value,
-    _RankHeadSinks,
-    heads_per_rank,
-    sequence_mask,
-    shard_sequence,
-)
+from fsdp2kit.parallel.sequence_layout import sequence_mask, shard_sequence
+from fsdp2kit.parallel.sequence_masks import DenseMaskOnDemand
+from fsdp2kit.parallel.ulysses import _rank_key_value, _RankHeadSinks, heads_per_rank
 
 # The numerics tests' model, data and schedule, with no checkpoints, export or loggers.
 TRAINING = {**NUMERICS_CONFIG["training"], "save_steps": 0, "export_hf": False, "report_to": []}
@@ -394,15 +389,15 @@ def test_a_dense_mask_on_demand_is_made_once_by_its_first_caller_on_the_batch_de
     """Under context parallel, packed documents' dense mask is made by the first attention call that needs it
     (none, where the blocks attend), then kept for the micro-batch's other layers: the mask the eager build gives,
     on the batch's device (CUDA keeps the dense path: every CP call there takes it)."""
-    from fsdp2kit.parallel import ulysses
+    from fsdp2kit.parallel import sequence_masks
 
     made = []
-    build = ulysses._dense_mask
-    monkeypatch.setattr(ulysses, "_dense_mask", lambda *args: made.append(1) or build(*args))
+    build = sequence_masks._dense_mask
+    monkeypatch.setattr(sequence_masks, "_dense_mask", lambda *args: made.append(1) or build(*args))
     positions = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 0]], device=device)  # three documents
-    attend = ulysses._sequence_mask_function(ulysses._documents(positions), None)
+    attend = sequence_masks._sequence_mask_function(sequence_masks._documents(positions), None)
     queries, keys = torch.tensor([0, 1, 6, 7], device=device), torch.arange(8, device=device)  # CP 2, rank 0
-    mask = ulysses.DenseMaskOnDemand(attend, 1, queries, keys)
+    mask = sequence_masks.DenseMaskOnDemand(attend, 1, queries, keys)
     assert made == []  # nothing made until asked
     first = mask()
     assert mask() is first and made == [1]  # once, then kept

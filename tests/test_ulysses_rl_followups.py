@@ -89,7 +89,7 @@ def _context_parallel_rank(rank: int, port: int, want: torch.Tensor, results: di
     a VL micro-batch (`shard_vision_batch` records the index maps, the language model's entry cuts the embeddings)."""
     from fsdp2kit.config.schema import StrategyConfig
     from fsdp2kit.parallel.mesh import mesh_layout, sequence_parallel_group
-    from fsdp2kit.parallel.ulysses import token_order
+    from fsdp2kit.parallel.sequence_layout import token_order
     from fsdp2kit.parallel.vision import shard_vision_batch
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)

@@ -16,7 +16,8 @@ from transformers import GptOssConfig
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssAttention, eager_attention_forward
 
-from fsdp2kit.parallel.ulysses import _ulysses_attention, remember_tokens
+from fsdp2kit.parallel.sequence_layout import remember_tokens
+from fsdp2kit.parallel.ulysses import _ulysses_attention
 
 DIM = 8
 CASES = {  # name: (query heads, key/value heads, inner attention)

@@ -1,7 +1,7 @@
 """Plain causal attention of a context-parallel rank's queries over the gathered keys, block by block, keeping no
 scores (`model.context_parallel_size`, the sdpa path on CPU).
 
-Under context parallel a rank's queries are contiguous runs of global token indices (parallel/ulysses.py:
+Under context parallel a rank's queries are contiguous runs of global token indices (parallel/sequence_layout.py:
 `token_order`: cp rank r holds chunks r and 2c-1-r of 2c), its keys every token of the sequence. Where attention is
 plain causal, the queries of a run that starts at global index s see every key before s in full and the keys of
 their own run causally, and no later key: two blocks a fused kernel computes without a mask, returning each query's

@@ -11,8 +11,9 @@ On CUDA the block mask and the attention are compiled (Triton kernels). On a CPU
 (torch has no CPU backward for FlexAttention), so a CPU run keeps the dense mask; `document_path` decides, the build
 applies it, `check` prints it and `plan` counts what it picks. Under Ulysses the same choice holds: the wrapper
 (`parallel/ulysses.py`) runs DOCUMENT_FLEX over the gathered sequence with a block mask made from the whole
-sequence's documents. Under context parallel a rank's rows (its two chunks) over the gathered keys need a mask with
-or without documents: on CUDA DOCUMENT_FLEX takes it too, as a block mask of those rows (`_context_parallel_path`).
+sequence's documents (`parallel/sequence_masks.py`). Under context parallel a rank's rows (its two chunks) over the
+gathered keys need a mask with or without documents: on CUDA DOCUMENT_FLEX takes it too, as a block mask of those
+rows (`_context_parallel_path`).
 flash_attention_2 needs nothing: transformers runs it variable-length from the position ids.
 """
 

@@ -32,7 +32,7 @@ from torch.distributed import ProcessGroup
 from fsdp2kit.errors import UserError
 from fsdp2kit.parallel.forward_patch import Forward, replace_forward
 from fsdp2kit.parallel.module_paths import model_class_name, modules_of_classes
-from fsdp2kit.parallel.ulysses import counted_tokens
+from fsdp2kit.parallel.sequence_layout import counted_tokens
 
 
 class MixtralBlockSparseTop2MLP(nn.Module):

@@ -20,7 +20,8 @@ from torch.distributed import ProcessGroup
 
 from fsdp2kit.labels import IGNORE_INDEX
 from fsdp2kit.parallel.mesh import sequence_subgroups
-from fsdp2kit.parallel.ulysses import padding_mask, remember_tokens, token_order
+from fsdp2kit.parallel.sequence_layout import remember_tokens, token_order
+from fsdp2kit.parallel.sequence_masks import padding_mask
 
 _PROJECTOR_CLASS = re.compile(r"(Merger|Projector)$")
 
@@ -171,7 +172,7 @@ def apply_vision_ulysses(model: nn.Module, group: ProcessGroup) -> None:
             positions = torch.arange(length, device=embeds.device).expand(3, embeds.shape[0], -1)
         kwargs["inputs_embeds"] = embeds[:, local]
         kwargs["position_ids"] = positions[..., local]
-        # Over the whole sequence, as parallel/ulysses.py:shard_sequence cuts a text batch: left padding (RL's
+        # Over the whole sequence, as parallel/sequence_layout.py:shard_sequence cuts a text batch: left padding (RL's
         # prompts) masked out as keys (rows: this rank's queries, columns: the gathered keys); right padding needs
         # no mask under causal attention.
         mask = kwargs.get("attention_mask")

@@ -14,7 +14,8 @@ from fsdp2kit.train.optim import describe_optimizer
 
 
 def context_parallel_layout(layout: MeshLayout) -> dict[str, Any]:
-    """The context-parallel groups and which tokens each rank of one holds (`parallel/ulysses.py:token_order`)."""
+    """The context-parallel groups and which tokens each rank of one holds
+    (`parallel/sequence_layout.py:token_order`)."""
     c, k = layout.context_parallel_size, layout.ulysses_size
     if c == 1:
         return {"size": 1, "groups": layout.context_parallel_groups()}
