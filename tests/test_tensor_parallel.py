@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+import yaml
 from conftest import launch_two_ranks
 from moe_families_worker import left_padded_probe
 from moe_families_worker import train as train_in_process
@@ -196,3 +197,63 @@ def test_a_tp2_export_loads_in_transformers_with_the_same_log_probs(folders, out
     torch.testing.assert_close(
         two_ranks["llama tp2"]["left_log_probs"][real], transformers_log_probs(export, probe)[real], atol=1e-5, rtol=0
     )
+
+
+# Real files as written: Accelerate's tp_hsdp.yaml (scaled to 4 ranks) and MindSpeed-MM's Qwen3.5-4B native file
+# with its own `parallel.tensor_parallel_size` key set to 2.
+
+
+@pytest.mark.slow
+def test_accelerate_tp_hsdp_file_trains_two_steps_on_four_ranks(tmp_path):
+    """Accelerate's tp_hsdp.yaml (dp_replicate 2 x dp_shard 2 x tp 2 on 8 processes) with dp_replicate 1 for the 4
+    ranks here: the mesh [fsdp 2, tp 2], 2 optimizer steps of tiny-llama on the built-in corpus."""
+    from conftest import REPO, run_cli
+
+    written = yaml.safe_load((CORPUS / "accelerate/examples/torch_native_parallelism/configs/tp_hsdp.yaml").read_text())
+    written["parallelism_config"]["parallelism_config_dp_replicate_size"] = 1
+    written["num_processes"] = 4
+    scaled = tmp_path / "tp_hsdp.yaml"
+    scaled.write_text(yaml.safe_dump(written))
+    settings = [*SHORT_RUN, f"training.output_dir={tmp_path / 'run'}"]
+    args = [REPO / "examples/demo.yaml", "--fsdp-config", scaled, "--nproc", 4]
+    result = run_cli("train", *args, *(a for s in settings for a in ("--set", s)), timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert_two_steps(tmp_path / "run", result.stdout, "layout: mesh fsdp 2 x tp 2 (4 ranks); data-parallel 2")
+
+
+@pytest.mark.slow
+def test_mindspeed_native_file_with_tensor_parallel_size_2_trains_two_steps(tmp_path):
+    """MindSpeed-MM's Qwen3.5-4B file (whose trainer defines tensor_parallel_size and tp_plan but refuses any size
+    but 1) with `parallel.tensor_parallel_size=2`: a tiny Qwen3.5 (vision tower whole, language model split) on
+    image+text conversations, 2 optimizer steps on 2 ranks."""
+    import sys
+
+    from conftest import REPO, run_cli
+
+    sys.path.insert(0, str(REPO / "examples"))
+    from make_vl_dataset import main as make_dataset
+
+    make_dataset(tmp_path, 8, 0)
+    settings = [
+        "parallel.tensor_parallel_size=2",
+        "model.name_or_path=builtin:tiny-qwen3.5",
+        f"data.source={tmp_path / 'llamafactory.json'}",
+        *SHORT_RUN,
+        f"training.output_dir={tmp_path / 'run'}",
+    ]
+    name = CORPUS / "mindspeed_mm/examples/qwen3_5/qwen3_5_4B_config.yaml"
+    result = run_cli("train", name, "--nproc", 2, *(a for s in settings for a in ("--set", s)), timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert_two_steps(tmp_path / "run", result.stdout, "layout: mesh fsdp 1 x tp 2 (2 ranks); data-parallel 1")
+
+
+CORPUS = Path(__file__).parent / "fixtures/real_configs"
+SHORT_RUN = ["data.seq_len=128", "training.max_steps=2", "training.export_hf=false", "training.report_to=[]"]
+
+
+def assert_two_steps(run_dir: Path, printed: str, layout: str) -> None:
+    """Two steps with a loss and a gradient, under the layout the run printed at its start."""
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps] == [1, 2]
+    assert all(s["loss"] > 0 and s["grad_norm"] > 0 for s in steps)
+    assert layout in printed, printed[-2000:]

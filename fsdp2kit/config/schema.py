@@ -193,6 +193,12 @@ class ModelConfig(Section):
         "over this many consecutive ranks by the family's own transformers TP plan (base_model_tp_plan); log-probs "
         "and the loss are computed on the vocabulary shards; FSDP shards over the rest",
     )
+    tensor_parallel_plan: dict[str, Literal["colwise", "rowwise"]] = Field(
+        default_factory=dict,
+        description="module-path patterns (`model.layers.{*}.self_attn.q_proj`) and how each is split, in place of "
+        "the family's own plan: colwise (by output columns) or rowwise (by input rows); the LM head is split by "
+        "vocabulary either way",
+    )
     gradient_checkpointing: bool = Field(False, description="recompute every decoder layer in backward")
     remove_padding: bool = Field(
         False,

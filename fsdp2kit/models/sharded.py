@@ -90,7 +90,8 @@ def build_sharded_model(
     for name, param in model.named_parameters():
         param.requires_grad_(training and name not in frozen)
     tp_mesh = mesh["tp"] if layout.tp_size > 1 else None
-    split = apply_tensor_parallel(model, tp_mesh, head_name(model), variant.split_modules)
+    own_plan: dict[str, str] = dict(model_cfg.tensor_parallel_plan)
+    split = apply_tensor_parallel(model, tp_mesh, head_name(model), variant.split_modules, own_plan)
     if split:
         plan.notes.append(
             f"tensor parallel {layout.tp_size}: {len(split)} modules split by the family's transformers TP plan, "

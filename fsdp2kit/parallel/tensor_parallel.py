@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_modul
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
 from fsdp2kit.errors import UserError
+from fsdp2kit.parallel.plan import compile_pattern
 
 
 class ReplicatedOverRows(ParallelStyle):
@@ -74,6 +75,24 @@ def planned_modules(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
     return {name: style for pattern, style in plan.items() for name in _matches(pattern, names)}
 
 
+def users_modules(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
+    """{module path: style} of the modules `model.tensor_parallel_plan`'s patterns match; one that matches nothing
+    is refused."""
+    names = [name for name, _ in model.named_modules() if name]
+    modules: dict[str, str] = {}
+    for pattern, style in plan.items():
+        regex = compile_pattern(pattern)
+        hits = [name for name in names if regex.fullmatch(name)]
+        if not hits:
+            example = next((n for n in names if n.count(".") == pattern.count(".")), names[0] if names else "")
+            raise UserError(
+                f"model.tensor_parallel_plan: pattern '{pattern}' matches no module of the model "
+                f"(module paths look like '{example}')"
+            )
+        modules.update(dict.fromkeys(hits, style))
+    return modules
+
+
 def _check_splittable(model: nn.Module, modules: dict[str, str]) -> None:
     """A style fsdp2kit does not apply, or one on a module that is not a plain linear or embedding (a fused experts
     block), is refused rather than split wrong."""
@@ -94,16 +113,19 @@ def apply_tensor_parallel(
     tp_mesh: DeviceMesh | None,
     head: str,
     split: Callable[[nn.Module, dict[str, str]], dict[str, str]] = lambda _, modules: modules,
+    own_plan: dict[str, str] | None = None,
 ) -> dict[str, str]:
-    """Split `model` in place over `tp_mesh` (None: nothing to split) by its family's plan, as `split` (the model
-    variant's `split_modules`) translates it; the LM head `head` by vocabulary (its weight's rows, and the bias's), a
-    tied head sharing the embedding's rows. Returns the split modules and their styles."""
+    """Split `model` in place over `tp_mesh` (None: nothing to split) by its family's plan (or the user's
+    `own_plan`, model.tensor_parallel_plan), as `split` (the model variant's `split_modules`) translates it; the LM
+    head `head` by vocabulary (its weight's rows, and the bias's), a tied head sharing the embedding's rows. Returns
+    the split modules and their styles."""
     if tp_mesh is None:
         return {}
     config = getattr(model, "config", None)
     split_heads_check(getattr(config, "text_config", None) or config, tp_mesh.size())
     tied = model.get_submodule(head).weight is model.get_input_embeddings().weight  # type: ignore[operator]
-    modules = split(model, planned_modules(model, tp_plan(model, head)))
+    planned = users_modules(model, own_plan) if own_plan else planned_modules(model, tp_plan(model, head))
+    modules = split(model, {name: style for name, style in planned.items() if name != head})
     _check_splittable(model, modules)
     styles = _styles()
     parallelize_module(model, tp_mesh, {name: styles[style] for name, style in modules.items()})

@@ -214,11 +214,7 @@ PARALLELISM: dict[str, Rule] = {
     "parallelism_config_dp_shard_size": already_read,
     "parallelism_config_dp_replicate_size": ignored("the replicate size is the world size / fsdp_size"),
     "parallelism_config_sp_size": to("model.ulysses_size"),
-    "parallelism_config_tp_size": unsupported(
-        "Accelerate's tensor parallelism is not available in fsdp2kit, which shards with FSDP2 only; set it to 1 "
-        "(parallelism_config_dp_shard_size and dp_replicate_size still give the HSDP mesh)",
-        harmless=(1,),
-    ),
+    "parallelism_config_tp_size": to("model.tensor_parallel_size"),
     "parallelism_config_cp_size": to("model.context_parallel_size"),
     "parallelism_config_cp_comm_strategy": ignored(
         "how torch's context_parallel passes key/value blocks (allgather or alltoall); fsdp2kit all-gathers them, "

@@ -34,6 +34,7 @@ from fsdp2kit.config.dialects.translation import (
     to,
     unknown_key,
     unsupported,
+    whole_ranks,
 )
 from fsdp2kit.config.dialects.translation import (
     file_overrides as split_overrides,
@@ -168,7 +169,27 @@ FSDP_PLAN: dict[str, Rule] = {
     "pregather": unsupported("MindSpeed-MM's pre-gathering of all parameters before each step", harmless=(False,)),
 }
 
-TENSOR_PARALLEL = "tensor parallelism is not available in fsdp2kit (nor in MindSpeed-MM's FSDP2 trainer); set it to 1"
+
+def _tp_plan(translation: Translation, key: Written, value: Any) -> None:
+    """`tp_plan`'s lists of module patterns split by output columns (`colwise_parallel`) or input rows
+    (`rowwise_parallel`): model.tensor_parallel_plan, in place of the family's own plan. MindSpeed-MM's FSDP2 trainer
+    defines them but applies none (it refuses tensor_parallel_size > 1); fsdp2kit applies them as written."""
+    if not isinstance(value, dict):
+        raise UserError(f"{key.file}: '{key}' must be a mapping of colwise_parallel / rowwise_parallel lists")
+    plan: dict[str, str] = {}
+    for name, patterns in value.items():
+        style = {"colwise_parallel": "colwise", "rowwise_parallel": "rowwise"}.get(name)
+        if name == "sequence_parallel" and patterns:
+            raise UserError(
+                f"{key.file}: '{key.child(name)}' is not supported: fsdp2kit keeps the norms and activations "
+                "between the split layers whole on every tensor-parallel rank; leave it empty"
+            )
+        if style is None and name != "sequence_parallel":
+            raise UserError(f"{key.file}: unknown key '{key.child(name)}'; valid: colwise_parallel, rowwise_parallel")
+        plan.update(dict.fromkeys(patterns or [], style))
+    if plan:
+        translation.set("model.tensor_parallel_plan", plan, key)
+        translation.note(f"mapped {key} → model.tensor_parallel_plan ({len(plan)} patterns), in place of the family's")
 
 
 def _recompute_pair(translation: Translation, key: Written, values: dict[str, Any], older: str | None) -> None:
@@ -202,8 +223,8 @@ PARALLEL: dict[str, Rule] = {
         "MindSpeed-MM refuses any value but world / (ulysses × ring × tensor sizes), which fsdp2kit derives"
     ),
     "fsdp_plan": section(FSDP_PLAN),
-    "tensor_parallel_size": unsupported(TENSOR_PARALLEL, harmless=(1,)),
-    "tp_plan": ignored("used only with tensor_parallel_size > 1"),
+    "tensor_parallel_size": to("model.tensor_parallel_size", whole_ranks),
+    "tp_plan": _tp_plan,
     "ring_attention_size": to("model.context_parallel_size"),
     "ulysses_parallel_size": to("model.ulysses_size"),
     **dict.fromkeys(("context_parallel_size", "context_parallel_algo", "ulysses_degree_in_cp"), already_read),
