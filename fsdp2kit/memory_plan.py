@@ -237,15 +237,9 @@ def _traced(cfg: JobConfig, world_size: int) -> dict[str, object]:
             tracker = FSDPMemTracker(model, optimizer)
             tracker.track_inputs(tuple(micro_batches))
             with tracker:
-                gathered, each = stays_gathered(model), cfg.strategy_args.strategy_config.sync_each_batch
+                each = cfg.strategy_args.strategy_config.sync_each_batch
                 for _ in range(2):  # the second step is the steady state: optimizer states exist during backward
-                    for index, batch in enumerate(micro_batches):
-                        before_micro_batch(model, index == accumulation - 1, each, gathered)
-                        if sharded.sp_group is not None:
-                            with unset_fake_temporarily():
-                                batch = sharded.variant.shard_batch(batch, sharded.sp_group)
-                        loss(model, index, batch, 0.0).loss_sum.backward()
-                        tracker.reset_mod_stats()
+                    _traced_step(sharded, loss, micro_batches, each, tracker)
                     for param, local in pairs:
                         local.grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
                     optimizer.step()
@@ -266,6 +260,21 @@ def _traced(cfg: JobConfig, world_size: int) -> dict[str, object]:
         "this_device": here.type,
         "document_attention_here": document_attention_here,
     }
+
+
+def _traced_step(
+    sharded: ShardedModel, loss: MicroBatchLoss, micro_batches: list[dict[str, Any]], each: bool, tracker: Any
+) -> None:
+    """One step's forwards and backwards under the tracker, gradients reduced after the last micro-batch (or after
+    each, strategy_config.sync_each_batch), each micro-batch cut for the sequence group as a run cuts it."""
+    model, gathered = sharded.model, stays_gathered(sharded.model)
+    for index, batch in enumerate(micro_batches):
+        before_micro_batch(model, index == len(micro_batches) - 1, each, gathered)
+        if sharded.sp_group is not None:
+            with unset_fake_temporarily():
+                batch = sharded.variant.shard_batch(batch, sharded.sp_group)
+        loss(model, index, batch, 0.0).loss_sum.backward()
+        tracker.reset_mod_stats()
 
 
 def attention_per_rank(cfg: JobConfig, text_config: Any) -> dict[str, int]:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp2kit.config.schema import DataConfig, ModelConfig, StrategyConfig
 from fsdp2kit.distributed import Runtime
@@ -65,13 +66,8 @@ def build_sharded_model(
     source = resolve_model(model_cfg, data.tokenizer)
     variant = pick_variant(source.hf_config, model_cfg, strategy)
     check_expert_sizes(runtime.world_size, strategy, routed_expert_count(source.hf_config))
-    layout = mesh_layout(
-        runtime.world_size,
-        strategy,
-        model_cfg.ulysses_size,
-        model_cfg.context_parallel_size,
-        model_cfg.tensor_parallel_size,
-    )
+    sizes = model_cfg.ulysses_size, model_cfg.context_parallel_size, model_cfg.tensor_parallel_size
+    layout = mesh_layout(runtime.world_size, strategy, *sizes)
     mesh = build_mesh(runtime.device.type, layout)
     expert_mesh = build_expert_mesh(runtime.device.type, layout)
     sp_group = sequence_parallel_group(layout)
@@ -89,14 +85,7 @@ def build_sharded_model(
     frozen = set(plan.frozen_parameters)
     for name, param in model.named_parameters():
         param.requires_grad_(training and name not in frozen)
-    tp_mesh = mesh["tp"] if layout.tp_size > 1 else None
-    own_plan: dict[str, str] = dict(model_cfg.tensor_parallel_plan)
-    split = apply_tensor_parallel(model, tp_mesh, head_name(model), variant.split_modules, own_plan)
-    if split:
-        plan.notes.append(
-            f"tensor parallel {layout.tp_size}: {len(split)} modules split by the family's transformers TP plan, "
-            "the LM head by vocabulary (log-probs and loss on its shards)"
-        )
+    _split_layers(model, mesh, layout, model_cfg, variant, plan)
     float8 = apply_float8(model, strategy.float8) if training else []  # before recompute and compile wrap the layers
     if float8:
         plan.notes.append(f"float8 ({strategy.float8.recipe}): {len(float8)} linears matmul in float8 (torchao)")
@@ -114,6 +103,21 @@ def build_sharded_model(
     if not training:
         model.eval()
     return ShardedModel(model, plan, layout, source, sp_group, variant)
+
+
+def _split_layers(
+    model: nn.Module, mesh: DeviceMesh, layout: MeshLayout, cfg: ModelConfig, variant: ModelVariant, plan: ShardingPlan
+) -> None:
+    """Tensor parallelism over the mesh's `tp` dimension (none without one), noted in the plan."""
+    tp_mesh = mesh["tp"] if layout.tp_size > 1 else None
+    own_plan: dict[str, str] = dict(cfg.tensor_parallel_plan)
+    split = apply_tensor_parallel(model, tp_mesh, head_name(model), variant.split_modules, own_plan)
+    if split:
+        whose = "model.tensor_parallel_plan" if own_plan else "the family's transformers TP plan"
+        plan.notes.append(
+            f"tensor parallel {layout.tp_size}: {len(split)} modules split by {whose}, the LM head by vocabulary "
+            "(log-probs and loss on its shards)"
+        )
 
 
 def check_expert_parallel(world_size: int, model_cfg: ModelConfig, strategy: StrategyConfig, data: DataConfig) -> None:
