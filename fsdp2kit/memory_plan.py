@@ -283,13 +283,14 @@ def attention_per_rank(cfg: JobConfig, text_config: Any) -> dict[str, int]:
     sequence; context parallel (c) holds chunks r and 2c-1-r of 2c: a rank's T/c queries attend over all T keys,
     all-gathered. The sequence is padded as the run pads it (to a multiple of k, or of 2 c k). The scores, [queries,
     keys] per head, are what eager attention (and a dense document mask, per row) materialises; fused kernels never
-    do."""
-    k, c = cfg.model.ulysses_size, cfg.model.context_parallel_size
+    do. Tensor parallelism (t) leaves a rank heads / t of them before Ulysses divides those."""
+    k, c, t = cfg.model.ulysses_size, cfg.model.context_parallel_size, cfg.model.tensor_parallel_size
     multiple = 2 * c * k if c > 1 else k
     keys = -(-cfg.data.seq_len // multiple) * multiple
     heads = text_config.num_attention_heads
     kv_heads = getattr(text_config, "num_key_value_heads", None) or heads
     head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // heads
+    heads, kv_heads = heads // t, kv_heads // t
     dtype = cfg.strategy_args.strategy_config.param_dtype or cfg.model.dtype
     itemsize, batch = torch_dtype(dtype).itemsize, cfg.training.per_device_train_batch_size
     heads_per_rank, kv_per_rank = -(-heads // k), -(-kv_heads // k)
@@ -316,7 +317,8 @@ def _training_loss(
     if not isinstance(head, ValueHead):
         install_token_head(model)
         vocab = model.get_output_embeddings().weight.shape[0]  # type: ignore[operator]
-        return TokenCrossEntropy(chunk_tokens(cfg.training.loss_chunk_tokens, vocab)), micro_batches
+        chunk = chunk_tokens(cfg.training.loss_chunk_tokens, vocab, cfg.model.tensor_parallel_size)
+        return TokenCrossEntropy(chunk), micro_batches
     head.install(model, torch.device("cpu"), "fsdp2kit plan")
     keys = set(inspect.signature(model.forward).parameters) - {"labels"}
     model_batches = [head.model_batch(batch, keys) for batch in micro_batches]

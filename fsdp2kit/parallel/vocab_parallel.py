@@ -15,7 +15,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed import ProcessGroup
 from torch.distributed.tensor import DTensor, Shard
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from fsdp2kit.labels import IGNORE_INDEX
 
@@ -41,9 +40,11 @@ def vocab_shard(weight: torch.Tensor, bias: torch.Tensor | None) -> VocabShard |
     """The rank's shard of a head whose weight is split by vocabulary over a tp mesh (None: a whole head)."""
     if not isinstance(weight, DTensor):
         return None
-    _, offset = compute_local_shape_and_global_offset(weight.shape, weight.device_mesh, weight.placements)
+    mesh = weight.device_mesh
+    rows = -(-weight.shape[0] // mesh.size())  # Shard(0)'s rows per rank, torch.chunk's: the last rank may have fewer
     local_bias = bias.to_local() if isinstance(bias, DTensor) else bias
-    return VocabShard(weight.to_local(), local_bias, weight.device_mesh.get_group(), offset[0])
+    start = min(mesh.get_local_rank() * rows, weight.shape[0])
+    return VocabShard(weight.to_local(), local_bias, mesh.get_group(), start)
 
 
 def gathered_logits(hidden: torch.Tensor, weight: DTensor, bias: torch.Tensor | None) -> torch.Tensor:
