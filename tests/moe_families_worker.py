@@ -157,6 +157,18 @@ def config(run: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def assembled_blocks(strategy: Any, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Every rank's `sharded_weights` blocks put together where they say they sit (NaN where no rank's block lands):
+    on rank 0, the model as a rollout engine would assemble it without a gather."""
+    everyone: list = [None] * dist.get_world_size()
+    mine = [(s.name, s.local, s.offset) for s in strategy.sharded_weights() if s.contributes]
+    dist.all_gather_object(everyone, mine)
+    whole = {name: torch.full_like(tensor, float("nan")) for name, tensor in like.items()}
+    for name, local, offset in (block for blocks in everyone for block in blocks):
+        whole[name][tuple(slice(o, o + n) for o, n in zip(offset, local.shape, strict=True))] = local
+    return whole
+
+
 def train(run: dict[str, Any]) -> None:
     strategy = fsdp2kit.Strategy.from_config(config(run))
     if run.get("forced"):
@@ -194,6 +206,7 @@ def train(run: dict[str, Any]) -> None:
     left_log_probs = strategy.forward_step(left_padded_probe())["log_probs"] if run.get("left_padded") else None
     left_calls = [counter[0] - before for counter, before in zip(counters, before_left, strict=True)]
     weights = {name: tensor.clone() for name, tensor in strategy.full_weights(bucket_bytes=1 << 14)}
+    blocks = assembled_blocks(strategy, weights) if run.get("sharded_weights") else None
     ranks_orthogonalised: list = [None] * dist.get_world_size()
     dist.all_gather_object(ranks_orthogonalised, orthogonalised)
     if run["export"]:
@@ -216,6 +229,7 @@ def train(run: dict[str, Any]) -> None:
                 "weights": weights,
                 "loss_scale": strategy.scaler.scale,
                 "orthogonalised": ranks_orthogonalised,
+                "sharded_weights": blocks,
             },
             run["out"],
         )

@@ -580,6 +580,17 @@ def test_accelerate_parallelism_config_is_the_hsdp_mesh(tmp_path):
     assert (layout.shape, layout.dim_names) == ((2, 2), ("ddp", "fsdp"))
 
 
+def test_accelerate_tp_size_is_tensor_parallelism_beside_the_hsdp_mesh(tmp_path):
+    """Accelerate's mesh is dp_replicate x dp_shard x tp: tp_size is model.tensor_parallel_size, innermost, and the
+    dp_shard group is FSDP's over the other ranks."""
+    sizes = {"parallelism_config_dp_replicate_size": 2, "parallelism_config_dp_shard_size": 2}
+    strategy, cfg = accelerate_strategy(tmp_path, {}, parallelism_config={**sizes, "parallelism_config_tp_size": 2})
+    assert cfg.model.tensor_parallel_size == 2
+    assert "mapped parallelism_config.parallelism_config_tp_size → model.tensor_parallel_size" in cfg.notes
+    layout = mesh_layout(8, strategy, tp_size=cfg.model.tensor_parallel_size)
+    assert (layout.shape, layout.dim_names) == ((2, 2, 2), ("ddp", "fsdp", "tp"))
+
+
 def test_accelerate_context_parallel_is_context_parallel_and_fsdp_shards_over_its_ranks(tmp_path):
     """Issue 48 (4): Accelerate's cp_size is model.context_parallel_size; it shards over dp_shard x cp ranks (its
     dp_shard_cp mesh), so the fsdp group is that many ranks; what ParallelismConfig refuses is refused."""
@@ -653,14 +664,6 @@ def test_accelerate_context_parallel_is_context_parallel_and_fsdp_shards_over_it
             {},
             {"fsdp_auto_wrap_policy": "SIZE_BASED_WRAP"},
             "'fsdp_config.fsdp_auto_wrap_policy' = SIZE_BASED_WRAP needs 'fsdp_config.fsdp_min_num_params' > 0",
-        ),
-        (
-            {"parallelism_config": {"parallelism_config_tp_size": 2}},
-            {},
-            "'parallelism_config.parallelism_config_tp_size' = 2 is not supported: Accelerate's tensor "
-            "parallelism is not "
-            "available in fsdp2kit, which shards with FSDP2 only; set it to 1 (parallelism_config_dp_shard_size and "
-            "dp_replicate_size still give the HSDP mesh)",
         ),
     ],
 )

@@ -421,12 +421,11 @@ EXPECTED: dict[str, tuple[str, int, dict | str]] = {
     "accelerate/examples/slurm/fsdp_config.yaml": ("tiny-llama", 2, FULL_PRECISION),
     # Context parallel over all of its 8 processes (model.context_parallel_size 8), FSDP over dp_shard x cp ranks.
     "accelerate/examples/torch_native_parallelism/configs/cp.yaml": ("tiny-llama", 8, {**ACCELERATE_CP, "mesh": [8]}),
+    # At its 8 processes: HSDP [ddp 2, fsdp 2] beside tensor parallelism 2 (mesh [ddp, fsdp, tp]).
     "accelerate/examples/torch_native_parallelism/configs/tp_hsdp.yaml": (
         "tiny-llama",
-        2,
-        "'parallelism_config.parallelism_config_tp_size' = 2 is not supported: Accelerate's tensor parallelism is not "
-        "available in fsdp2kit, which shards with FSDP2 only; set it to 1 (parallelism_config_dp_shard_size and "
-        "dp_replicate_size still give the HSDP mesh)",
+        8,
+        {**ACCELERATE_LAYERS, "mesh": [2, 2, 2]},
     ),
     "accelerate/tests/test_configs/latest_fsdp.yaml": (
         "tiny-llama",

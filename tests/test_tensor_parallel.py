@@ -28,6 +28,14 @@ from fsdp2kit.errors import UserError
 from fsdp2kit.parallel.mesh import mesh_layout
 
 LORA = {"lora": {"rank": 4, "target_modules": "all-linear", "init_lora_weights": False}}
+# A user's own plan (model.tensor_parallel_plan, MindSpeed-MM's tp_plan): the MLP split, attention left whole.
+MLP_ONLY = {
+    "tensor_parallel_plan": {
+        "model.layers.{*}.mlp.gate_proj": "colwise",
+        "model.layers.{*}.mlp.up_proj": "colwise",
+        "model.layers.{*}.mlp.down_proj": "rowwise",
+    }
+}
 FAMILIES = {"llama": {}, "qwen3": {"head_dim": 8, "tie_word_embeddings": True}, "qwen3_moe": QWEN3_MOE}
 
 
@@ -51,6 +59,8 @@ def test_a_tp_size_that_does_not_divide_the_world_is_refused():
         mesh_layout(4, StrategyConfig(), tp_size=3)
     with pytest.raises(UserError, match=r"tensor_parallel_size = 2 with strategy_config.ep_size = 2"):
         mesh_layout(4, StrategyConfig(ep_size=2), tp_size=2)
+    with pytest.raises(UserError, match=r"float8.enabled with model.tensor_parallel_size = 2: float8 matmuls"):
+        mesh_layout(4, StrategyConfig(float8={"enabled": True}), tp_size=2)
 
 
 def test_heads_must_split_and_a_family_needs_a_plan():
@@ -112,6 +122,7 @@ def four_ranks(folders: dict[str, Path], out: Path, one_rank: dict) -> dict[str,
     at TP 2 x CP 2, and the resume of that checkpoint at FSDP 4."""
     planned = {f"{name} tp2x2": run(folder, out / f"{name}-tp2x2.pt", 2, tp=2) for name, folder in folders.items()}
     planned["llama tp2x2"].update(save_at=2, checkpoint=str(out / "ckpt-tp2x2"))
+    planned["qwen3 tp2x2"].update(sharded_weights=True)
     planned["llama tp2cp2"] = run(folders["llama"], out / "llama-tp2cp2.pt", 4, tp=2, cp=2)
     planned["resume fsdp4"] = run(folders["llama"], out / "resume-fsdp4.pt", 1, resume=str(out / "ckpt-tp2x2"))
     spec = out / "four_ranks.json"
@@ -127,6 +138,7 @@ def two_ranks(folders: dict[str, Path], out: Path, four_ranks: dict) -> dict[str
     planned = {f"{family} tp2": run(folder, out / f"{family}-tp2.pt", 4, tp=2) for family, folder in folders.items()}
     planned["llama tp2"].update(export=True)
     planned["lora tp2"] = run(folders["qwen3"], out / "lora-tp2.pt", 4, tp=2, model=LORA, caller_loss=True)
+    planned["own plan tp2"] = run(folders["llama"], out / "own-plan-tp2.pt", 4, tp=2, model=MLP_ONLY)
     planned["resume fsdp2"] = run(folders["llama"], out / "resume-fsdp2.pt", 2, resume=str(out / "ckpt-tp2x2"))
     spec = out / "two_ranks.json"
     spec.write_text(json.dumps(list(planned.values())))
@@ -154,6 +166,7 @@ def assert_same_training(got: dict[str, Any], expected: dict[str, Any], data_par
         ("qwen3 tp2", "qwen3", 1),
         ("qwen3_moe tp2", "qwen3_moe", 1),
         ("lora tp2", "lora", 1),
+        ("own plan tp2", "llama", 1),
     ],
 )
 def test_tp2_follows_one_rank(case, reference, data_parallel, one_rank, two_ranks):
@@ -174,6 +187,16 @@ def test_tp2_follows_one_rank(case, reference, data_parallel, one_rank, two_rank
 )
 def test_tp2_beside_fsdp_and_context_parallel_follows_one_rank(case, reference, data_parallel, one_rank, four_ranks):
     assert_same_training(four_ranks[case], one_rank[reference], data_parallel)
+
+
+@pytest.mark.slow
+def test_each_ranks_weight_blocks_at_tp2x2_tile_the_model(four_ranks):
+    """Weight sync's blocks (`sharded_weights`: each rank's piece of each HF tensor and where it sits) from TP 2 x FSDP
+    2 put together: exactly `full_weights`, every element from some rank."""
+    got = four_ranks["qwen3 tp2x2"]
+    assert sorted(got["sharded_weights"]) == sorted(got["weights"])
+    for name, tensor in got["weights"].items():
+        assert torch.equal(got["sharded_weights"][name], tensor), name
 
 
 @pytest.mark.slow
@@ -257,3 +280,16 @@ def assert_two_steps(run_dir: Path, printed: str, layout: str) -> None:
     assert [s["step"] for s in steps] == [1, 2]
     assert all(s["loss"] > 0 and s["grad_norm"] > 0 for s in steps)
     assert layout in printed, printed[-2000:]
+
+
+def test_mindspeed_tp_plan_is_the_users_plan_and_sequence_parallel_is_refused():
+    from fsdp2kit.config import load_config
+
+    name = str(CORPUS / "mindspeed_mm/examples/qwen3_5/qwen3_5_4B_config.yaml")
+    columns, rows = "model.language_model.layers.{*}.mlp.up_proj", "model.language_model.layers.{*}.mlp.down_proj"
+    swaps = ["parallel.tensor_parallel_size=2", f'parallel.tp_plan.colwise_parallel=["{columns}"]']
+    cfg = load_config(name, [*swaps, f'parallel.tp_plan.rowwise_parallel=["{rows}"]'])
+    assert cfg.model.tensor_parallel_size == 2
+    assert cfg.model.tensor_parallel_plan == {columns: "colwise", rows: "rowwise"}
+    with pytest.raises(UserError, match=r"'parallel.tp_plan.sequence_parallel' is not supported: fsdp2kit keeps"):
+        load_config(name, [*swaps, "parallel.tp_plan.sequence_parallel=[model.norm]"])

@@ -121,6 +121,11 @@ def mesh_layout(
             f"model.tensor_parallel_size = {tp_size} with strategy_config.ep_size = {strategy.ep_size}: tensor "
             "parallelism splits attention and leaves the experts to FSDP; set ep_size: 1 (or tensor_parallel_size: 1)"
         )
+    if tp_size > 1 and strategy.float8.enabled:
+        raise UserError(
+            f"strategy_config.float8.enabled with model.tensor_parallel_size = {tp_size}: float8 matmuls of split "
+            "layers are not supported; set float8.enabled: false (or tensor_parallel_size: 1)"
+        )
     dense = _sequence_layout(world_size // tp_size, strategy, ulysses_size, context_parallel_size)
     if tp_size == 1:
         return dense
