@@ -10,15 +10,16 @@ The exchanges go in rounds, as dion's Muon (torchtitan's experiments) does them:
 own per round in one all-to-all and returns the results in another, so no rank ever holds more than one gathered
 matrix; here a round mixes shapes and uneven row splits, and the owners are balanced by Newton-Schulz cost, largest
 matrix first (as hyper_parallel's HSDP Muon assigns them). Under HSDP every replica's shard group does the same,
-each rank a 1/fsdp_size share. The momentum buffer is a DTensor sharded like its parameter: DCP saves it and
-reshards it to another world size like AdamW's moments."""
+each rank a 1/fsdp_size share. A matrix split over two mesh dimensions (tensor parallelism beside FSDP) is gathered
+whole on every rank of its mesh, which each orthogonalises and takes its own block of. The momentum buffer is a
+DTensor sharded like its parameter: DCP saves it and reshards it to another world size like AdamW's moments."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -28,6 +29,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from fsdp2kit.config.schema import TrainingConfig
 from fsdp2kit.errors import UserError
+from fsdp2kit.models.shards import local_index
 from fsdp2kit.parallel.moe import moe_experts, router_modules
 
 NamedParameters = list[tuple[str, nn.Parameter]]
@@ -110,6 +112,11 @@ def shard_group(name: str, param: torch.Tensor) -> ShardGroup:
     return ShardGroup(mesh.get_group(sharded[0]), mesh.size(sharded[0]), mesh.get_local_rank(sharded[0]))
 
 
+def split_twice(param: torch.Tensor) -> bool:
+    """A matrix split over more than one mesh dimension: tensor parallelism's split, sharded again by FSDP."""
+    return isinstance(param, DTensor) and sum(not isinstance(p, Replicate) for p in param.placements) > 1
+
+
 def require_whole_experts(name: str, param: torch.Tensor) -> None:
     """FSDP2 and expert parallelism shard stacked experts by expert only (Shard(0), or FSDP's strided shard under
     EP), so each rank holds whole expert matrices: it orthogonalises them itself, nothing to gather, the work divided
@@ -163,8 +170,8 @@ def exchanges(names: list[str], matrices: list[nn.Parameter]) -> list[Exchange]:
     """The rounds of each shard group, the same on every rank (built from the same parameter order)."""
     by_group: dict[ShardGroup, list[int]] = {}
     for index, (name, param) in enumerate(zip(names, matrices, strict=True)):
-        if param.ndim == 3:
-            continue  # stacked experts: each rank orthogonalises the experts it holds (require_whole_experts)
+        if param.ndim == 3 or split_twice(param):
+            continue  # stacked experts: each rank orthogonalises the experts it holds; twice split: gathered whole
         by_group.setdefault(shard_group(name, param), []).append(index)
     plans = []
     for shards, indices in by_group.items():
@@ -236,6 +243,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
         self.matrices = [param for _, param in matrices]
         self.exchanges = exchanges(self.names, self.matrices)
         self.stacked = [index for index, param in enumerate(self.matrices) if param.ndim == 3]
+        self.split_twice = [index for index, param in enumerate(self.matrices) if split_twice(param)]
         for index in self.stacked:
             require_whole_experts(self.names[index], self.matrices[index])
         self.orthogonalised: list[str] = []
@@ -265,6 +273,9 @@ class MuonWithAdamW(torch.optim.Optimizer):
         for index in self.stacked:
             if index in updates:
                 self._experts(index, updates[index], groups[id(self.matrices[index])])
+        for index in self.split_twice:
+            if index in updates:
+                self._gathered(index, updates[index], groups[id(self.matrices[index])])
         if self.adamw is not None:
             self.adamw.step()
         return loss
@@ -323,6 +334,17 @@ class MuonWithAdamW(torch.optim.Optimizer):
         for local, expert in enumerate(held_experts(param)):
             self._apply(weights[local], orthogonalise(update[local], group), group, param.shape)
             self.orthogonalised.append(f"{self.names[index]}[{expert}]")
+
+    def _gathered(self, index: int, update: torch.Tensor, group: dict[str, Any]) -> None:
+        """A matrix split over two mesh dimensions: its update gathered whole on every rank, orthogonalised, and this
+        rank's block of it applied."""
+        param = cast(DTensor, self.matrices[index])
+        whole = DTensor.from_local(
+            update, param.device_mesh, param.placements, shape=param.shape, stride=param.stride(), run_check=False
+        ).full_tensor()
+        result = orthogonalise(whole, group)
+        self._apply(_local(param), result[local_index(param)], group, param.shape)
+        self.orthogonalised.append(self.names[index])
 
     @staticmethod
     def _apply(rows: torch.Tensor, update: torch.Tensor, group: dict[str, Any], shape: torch.Size) -> None:
