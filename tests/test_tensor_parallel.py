@@ -18,7 +18,7 @@ import yaml
 from conftest import launch_two_ranks
 from moe_families_worker import left_padded_probe
 from moe_families_worker import train as train_in_process
-from test_expert_parallel import QWEN3_MOE
+from test_expert_parallel import QWEN3_MOE, results
 from test_expert_parallel import run as expert_run
 from test_moe_families import saved_folder, stored, transformers_log_probs
 
@@ -103,10 +103,6 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("tp_runs")
-
-
-def results(planned: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    return {key: torch.load(spec["out"]) for key, spec in planned.items()}
 
 
 @pytest.fixture(scope="module")

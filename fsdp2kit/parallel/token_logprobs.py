@@ -38,7 +38,13 @@ from fsdp2kit.parallel.linear_cross_entropy import (
     linear_cross_entropy,
 )
 from fsdp2kit.parallel.module_paths import model_class_name
-from fsdp2kit.parallel.vocab_parallel import VocabShard, VocabShardLogProbs, gathered_logits, vocab_shard
+from fsdp2kit.parallel.vocab_parallel import (
+    VocabShard,
+    VocabShardLogProbs,
+    gathered_logits,
+    softmax_gradient_,
+    vocab_shard,
+)
 
 _REQUEST = "_fsdp2kit_token_request"
 _AFTER_HEAD = "_fsdp2kit_after_head"
@@ -207,12 +213,7 @@ class _ChunkLogProbs(torch.autograd.Function):
         else:
             grad_logits, slope = _tempered(*_logits(hidden, weight, bias, ctx.after), temperature)
             grad_logits.sub_(normaliser.unsqueeze(-1))  # log p
-        if ctx.entropy:
-            probs = grad_logits.exp()
-            grad_logits.add_(entropies.unsqueeze(-1)).mul_(grad_entropy.float().unsqueeze(-1))  # g_H x (log p + H)
-            grad_logits.add_(grad.unsqueeze(-1)).mul_(probs).neg_()  # -p x (g_lp + g_H x (log p + H))
-        else:
-            grad_logits.exp_().mul_(-grad.unsqueeze(-1))  # -grad x softmax
+        softmax_gradient_(grad_logits, grad, grad_entropy if ctx.entropy else None, entropies)
         grad_logits.scatter_add_(-1, targets.clamp(min=0).unsqueeze(-1), grad.unsqueeze(-1))  # + grad x one-hot
         if slope is not None:
             grad_logits.mul_(slope)

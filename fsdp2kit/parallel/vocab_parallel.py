@@ -96,12 +96,7 @@ class VocabShardLogProbs(torch.autograd.Function):
         grad = grad.float().masked_fill(targets == IGNORE_INDEX, 0.0)
         grad_logits, slope = ctx.logits_of(hidden, weight, bias, temperature)
         grad_logits.sub_(normaliser.unsqueeze(-1))  # log p of this shard's tokens
-        if ctx.entropy:
-            probs = grad_logits.exp()
-            grad_logits.add_(entropies.unsqueeze(-1)).mul_(grad_entropy.float().unsqueeze(-1))  # g_H x (log p + H)
-            grad_logits.add_(grad.unsqueeze(-1)).mul_(probs).neg_()  # -p x (g_lp + g_H x (log p + H))
-        else:
-            grad_logits.exp_().mul_(-grad.unsqueeze(-1))  # -grad x softmax
+        softmax_gradient_(grad_logits, grad, grad_entropy if ctx.entropy else None, entropies)
         local, mine = _local_targets(targets, ctx.start, grad_logits.shape[-1])
         grad_logits.scatter_add_(-1, local.unsqueeze(-1), grad.masked_fill(~mine, 0.0).unsqueeze(-1))  # + one-hot
         if slope is not None:
@@ -112,6 +107,19 @@ class VocabShardLogProbs(torch.autograd.Function):
         grad_bias = grad_logits.sum(0) if bias is not None and ctx.needs_input_grad[2] else None
         grad_weight = grad_logits.t() @ hidden if ctx.needs_input_grad[1] else None
         return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None
+
+
+def softmax_gradient_(
+    log_p: torch.Tensor, grad: torch.Tensor, grad_entropy: torch.Tensor | None, entropies: torch.Tensor
+) -> None:
+    """log p [tokens, vocab] turned in place into the gradient of the logits, but for the target's one-hot term:
+    -g_lp x p, and with an entropy's gradient g_H also -g_H x p x (log p + H)."""
+    if grad_entropy is None:
+        log_p.exp_().mul_(-grad.unsqueeze(-1))  # -grad x softmax
+        return
+    probs = log_p.exp()
+    log_p.add_(entropies.unsqueeze(-1)).mul_(grad_entropy.float().unsqueeze(-1))  # g_H x (log p + H)
+    log_p.add_(grad.unsqueeze(-1)).mul_(probs).neg_()  # -p x (g_lp + g_H x (log p + H))
 
 
 def _local_targets(targets: torch.Tensor, start: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
