@@ -305,3 +305,16 @@ def test_mindspeed_tp_plan_is_the_users_plan_and_sequence_parallel_is_refused():
     assert cfg.model.tensor_parallel_plan == {columns: "colwise", rows: "rowwise"}
     with pytest.raises(UserError, match=r"'parallel.tp_plan.sequence_parallel' is not supported: fsdp2kit keeps"):
         load_config(name, [*swaps, "parallel.tp_plan.sequence_parallel=[model.norm]"])
+
+
+def test_the_vocabulary_split_head_equals_the_whole_head(tmp_path):
+    """tests/vocab_parallel_worker.py on 2 ranks: log-probs with entropies at per-token temperatures, and the summed
+    loss, through a soft-capped, scaled head of an odd vocabulary in chunks: values and gradients equal the whole
+    head's."""
+    launch_two_ranks("vocab_parallel_worker.py", tmp_path / "differences.pt")
+    differences = torch.load(tmp_path / "differences.pt")
+    assert set(differences) == {
+        *(f"{key}{tail}" for key in ("out", "hidden_grad", "weight_grad", "bias_grad") for tail in ("", " summed")),
+        "entropies",
+    }
+    assert max(differences.values()) < 1e-5, differences
