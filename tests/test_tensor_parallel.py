@@ -109,7 +109,8 @@ def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def one_rank(folders: dict[str, Path], out: Path) -> dict[str, dict[str, Any]]:
     """The references, in this process: 4 micro-batches a step; the Qwen3 with LoRA through a caller's loss."""
     planned = {family: run(folder, out / f"{family}-1.pt", 4) for family, folder in folders.items()}
-    planned["lora"] = run(folders["qwen3"], out / "lora-1.pt", 4, model=LORA, caller_loss=True)
+    for family, folder in folders.items():
+        planned[f"{family} lora"] = run(folder, out / f"{family}-lora-1.pt", 4, model=LORA, caller_loss=True)
     planned["muon"] = run(folders["qwen3"], out / "muon-1.pt", 4, training=MUON)
     try:
         for spec in planned.values():
@@ -127,7 +128,8 @@ def four_ranks(folders: dict[str, Path], out: Path, one_rank: dict) -> dict[str,
     planned["llama tp2x2"].update(save_at=2, checkpoint=str(out / "ckpt-tp2x2"))
     planned["qwen3 tp2x2"].update(sharded_weights=True)
     planned["muon tp2x2"] = run(folders["qwen3"], out / "muon-tp2x2.pt", 2, tp=2, training=MUON)
-    planned["llama tp2cp2"] = run(folders["llama"], out / "llama-tp2cp2.pt", 4, tp=2, cp=2)
+    for family, folder in folders.items():
+        planned[f"{family} tp2cp2"] = run(folder, out / f"{family}-tp2cp2.pt", 4, tp=2, cp=2)
     planned["resume fsdp4"] = run(folders["llama"], out / "resume-fsdp4.pt", 1, resume=str(out / "ckpt-tp2x2"))
     spec = out / "four_ranks.json"
     spec.write_text(json.dumps(list(planned.values())))
@@ -141,7 +143,9 @@ def two_ranks(folders: dict[str, Path], out: Path, four_ranks: dict) -> dict[str
     and the resume of TP 2 x FSDP 2's checkpoint at FSDP 2."""
     planned = {f"{family} tp2": run(folder, out / f"{family}-tp2.pt", 4, tp=2) for family, folder in folders.items()}
     planned["llama tp2"].update(export=True)
-    planned["lora tp2"] = run(folders["qwen3"], out / "lora-tp2.pt", 4, tp=2, model=LORA, caller_loss=True)
+    for family, folder in folders.items():
+        lora_run = run(folder, out / f"{family}-lora-tp2.pt", 4, tp=2, model=LORA, caller_loss=True)
+        planned[f"{family} lora tp2"] = lora_run
     planned["muon tp2"] = run(folders["qwen3"], out / "muon-tp2.pt", 4, tp=2, training=MUON)
     planned["own plan tp2"] = run(folders["llama"], out / "own-plan-tp2.pt", 4, tp=2, model=MLP_ONLY)
     planned["resume fsdp2"] = run(folders["llama"], out / "resume-fsdp2.pt", 2, resume=str(out / "ckpt-tp2x2"))
@@ -175,14 +179,16 @@ def assert_same_training(got: dict[str, Any], expected: dict[str, Any], data_par
         ("llama tp2", "llama", 1),
         ("qwen3 tp2", "qwen3", 1),
         ("qwen3_moe tp2", "qwen3_moe", 1),
-        ("lora tp2", "lora", 1),
+        ("llama lora tp2", "llama lora", 1),
+        ("qwen3 lora tp2", "qwen3 lora", 1),
+        ("qwen3_moe lora tp2", "qwen3_moe lora", 1),
         ("own plan tp2", "llama", 1),
         ("muon tp2", "muon", 1),
     ],
 )
 def test_tp2_follows_one_rank(case, reference, data_parallel, one_rank, two_ranks):
     assert_same_training(two_ranks[case], one_rank[reference], data_parallel)
-    if case == "lora tp2":  # what trained was the adapters
+    if "lora" in case:  # what trained was the adapters
         assert all(".lora_" in name for name in two_ranks[case]["trained"])
 
 
@@ -194,6 +200,8 @@ def test_tp2_follows_one_rank(case, reference, data_parallel, one_rank, two_rank
         ("qwen3 tp2x2", "qwen3", 2),
         ("qwen3_moe tp2x2", "qwen3_moe", 2),
         ("llama tp2cp2", "llama", 1),
+        ("qwen3 tp2cp2", "qwen3", 1),
+        ("qwen3_moe tp2cp2", "qwen3_moe", 1),
         ("muon tp2x2", "muon", 2),
     ],
 )
