@@ -482,11 +482,11 @@ class Strategy:
         """The token-mean cross-entropy of shifted micro-batches (the `train` command's, labels already shifted)
         over all data-parallel ranks, in eval mode, without gradients; every rank must give as many micro-batches
         (`train/evaluate.py:EvalBatches`)."""
-        group = self.sharded.sp_group
-        device = self.runtime.device
+        layout, device = self.sharded.layout, self.runtime.device
+        sharing = layout.sequence_size * layout.tp_size  # ranks with the same micro-batches and the same log-probs
         with self._inference():
             on_device = ({k: v.to(device, non_blocking=True) for k, v in mb.items()} for mb in micro_batches)
-            return eval_loss(lambda b: self.token_logprobs(b)[0], on_device, device, group.size() if group else 1)
+            return eval_loss(lambda b: self.token_logprobs(b)[0], on_device, device, sharing)
 
     @contextmanager
     def _inference(self) -> Iterator[None]:

@@ -157,6 +157,14 @@ def config(run: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def labelled(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A right-padded micro-batch as the `train` command's: labels shifted, IGNORE_INDEX where there is no target."""
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    labels = torch.full_like(ids, -100)
+    labels[:, :-1] = ids[:, 1:].masked_fill(mask[:, 1:] == 0, -100)
+    return {**batch, "labels": labels}
+
+
 def assembled_blocks(strategy: Any, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Every rank's `sharded_weights` blocks put together where they say they sit (NaN where no rank's block lands):
     on rank 0, the model as a rollout engine would assemble it without a gather."""
@@ -201,6 +209,7 @@ def train(run: dict[str, Any]) -> None:
         dense_masks[0],
     )
     log_probs = strategy.forward_step(micro_batches(-1, 1)[0])["log_probs"]
+    evaluated = strategy.evaluate([labelled(micro_batches(-1, 1)[0])])  # every data-parallel rank the same batch
     counters = (blockwise_calls, dense_masks, attention_calls)
     before_left = [counter[0] for counter in counters]
     left_log_probs = strategy.forward_step(left_padded_probe())["log_probs"] if run.get("left_padded") else None
@@ -230,6 +239,7 @@ def train(run: dict[str, Any]) -> None:
                 "loss_scale": strategy.scaler.scale,
                 "orthogonalised": ranks_orthogonalised,
                 "sharded_weights": blocks,
+                "eval": (evaluated.loss, evaluated.tokens),
             },
             run["out"],
         )

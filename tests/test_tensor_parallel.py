@@ -168,6 +168,10 @@ def assert_same_training(got: dict[str, Any], expected: dict[str, Any], data_par
     for name, tensor in expected["weights"].items():
         torch.testing.assert_close(got["weights"][name], tensor, atol=weight_atol, rtol=0, msg=name)
     torch.testing.assert_close(got["left_log_probs"], expected["left_log_probs"], atol=log_prob_atol, rtol=0)
+    # `evaluate` of the same batch on every data-parallel rank: one rank's loss, its tokens counted once per rank
+    # that trains its own micro-batches (the ranks of a tp or sequence group share theirs)
+    assert got["eval"][0] == pytest.approx(expected["eval"][0], abs=log_prob_atol)
+    assert got["eval"][1] == data_parallel * expected["eval"][1]
     if muon:  # every rank orthogonalised every matrix whole (the split ones gathered), as the one rank did
         assert all(steps[-1] == expected["orthogonalised"][0][-1] for steps in got["orthogonalised"])
 
@@ -326,3 +330,27 @@ def test_the_vocabulary_split_head_equals_the_whole_head(tmp_path):
         "entropies",
     }
     assert max(differences.values()) < 1e-5, differences
+
+
+@pytest.mark.slow
+def test_infer_at_tp2_scores_each_sample_once_as_fsdp_does(folders, tmp_path):
+    """`fsdp2kit infer` of a saved Llama on 2 ranks, FSDP 2 and TP 2: the same samples once each, the same sums."""
+    from conftest import REPO, run_cli
+
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"text": f"sample {i} " + "words " * (i % 5)}) + "\n" for i in range(9)))
+    scored = {}
+    for tp in (1, 2):
+        out = tmp_path / f"tp{tp}"
+        settings = [f"model.name_or_path={folders['llama']}", f"data.source={data}", "data.seq_len=32"]
+        settings += [f"training.output_dir={out}"]
+        settings += [f"model.tensor_parallel_size={tp}", "training.report_to=[]"]
+        args = (a for setting in settings for a in ("--set", setting))
+        result = run_cli("infer", REPO / "examples/demo.yaml", "--nproc", 2, *args, timeout=300)
+        assert result.returncode == 0, result.stderr[-3000:]
+        lines = [json.loads(line) for line in (out / "infer.jsonl").read_text().splitlines()]
+        scored[tp] = [line for line in lines if not line.get("summary")]
+    assert [r["index"] for r in scored[2]] == list(range(9))
+    for fsdp, split in zip(scored[1], scored[2], strict=True):
+        assert (split["num_tokens"], split["truncated"]) == (fsdp["num_tokens"], fsdp["truncated"])
+        assert split["sum_logprob"] == pytest.approx(fsdp["sum_logprob"], abs=1e-4)

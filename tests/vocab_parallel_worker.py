@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
+from fsdp2kit.distributed import shutdown
 from fsdp2kit.labels import IGNORE_INDEX
 from fsdp2kit.parallel.token_logprobs import AfterHead, TokenRequest, _chunked
 
@@ -46,8 +47,7 @@ def head_outputs(split: bool, summed: bool) -> dict[str, torch.Tensor]:
     return answer
 
 
-if __name__ == "__main__":
-    dist.init_process_group("gloo")
+def main() -> None:
     differences = {}
     for summed in (False, True):
         split, whole = head_outputs(True, summed), head_outputs(False, summed)
@@ -55,4 +55,12 @@ if __name__ == "__main__":
             differences[f"{key}{' summed' if summed else ''}"] = (split[key] - whole[key]).abs().max().item()
     if dist.get_rank() == 0:
         torch.save(differences, sys.argv[1])
-    dist.destroy_process_group()
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    dist.init_process_group("gloo")
+    try:
+        main()
+    finally:
+        shutdown()

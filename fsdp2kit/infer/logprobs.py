@@ -66,7 +66,7 @@ def infer(cfg: JobConfig, runtime: Runtime) -> None:
         ]
 
     gathered: list[list[dict]] = [[] for _ in range(runtime.world_size)]
-    dist.all_gather_object(gathered, results if runtime.rank % layout.sequence_size == 0 else [])  # once per group
+    dist.all_gather_object(gathered, results if layout.answers_for_its_data(runtime.rank) else [])  # once per group
     if not runtime.is_main:
         return
     _write_records(sorted((r for part in gathered for r in part), key=lambda r: r["index"]), cfg)

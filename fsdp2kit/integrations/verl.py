@@ -268,7 +268,7 @@ class VerlEngine:
 
     def is_mp_src_rank_with_outputs(self) -> bool:
         """The first rank of each sequence group reports (every rank of it holds the same outputs)."""
-        return (dist.get_rank() if dist.is_initialized() else 0) % self.layout.sequence_size == 0
+        return self.layout.answers_for_its_data(dist.get_rank() if dist.is_initialized() else 0)
 
     def to(self, device: str, model: bool = True, optimizer: bool = True, grad: bool = True) -> None:
         """Parameters and/or optimizer state to "cpu" or to this rank's accelerator; gradients are never held

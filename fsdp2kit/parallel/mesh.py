@@ -63,6 +63,11 @@ class MeshLayout:
     def data_parallel_rank(self, rank: int) -> int:
         return rank // (self.sequence_size * self.tp_size)
 
+    def answers_for_its_data(self, rank: int) -> bool:
+        """Whether `rank` is the first of the ranks that share its micro-batches (a sequence group's, a tensor-parallel
+        group's), which hold the same results of them: the one that reports them."""
+        return rank % (self.sequence_size * self.tp_size) == 0
+
     def _rank(self, data: int, sequence: int, tp: int) -> int:
         """The rank at (data-parallel rank, position in its sequence group, tensor-parallel rank)."""
         return (data * self.sequence_size + sequence) * self.tp_size + tp
@@ -252,9 +257,9 @@ def sequence_parallel_group(layout: MeshLayout) -> ProcessGroup | None:
 
 
 def data_parallel_group(layout: MeshLayout) -> ProcessGroup | None:
-    """This rank's data-parallel group (None: the whole world, without sequence parallel). Every rank creates every
-    group, as torch requires."""
-    if layout.sequence_size == 1:
+    """This rank's data-parallel group (None: the whole world, without sequence or tensor parallel). Every rank
+    creates every group, as torch requires."""
+    if layout.sequence_size == 1 and layout.tp_size == 1:
         return None
     group, _ = dist.new_subgroups_by_enumeration(layout.data_parallel_groups())
     return group

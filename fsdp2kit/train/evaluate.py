@@ -55,10 +55,11 @@ def eval_loss(
     log_probs: Callable[[Batch], torch.Tensor],
     micro_batches: Iterable[Batch],
     device: torch.device,
-    sequence_parallel_size: int = 1,
+    sharing: int = 1,
 ) -> EvalResult:
     """`log_probs(batch)` gives each whole sequence's target log-probs [B, T] (0 where the label is IGNORE_INDEX,
-    the same on every rank of a sequence-parallel group, which are then counted once)."""
+    the same on each of the `sharing` ranks of a sequence-parallel or tensor-parallel group, which are then counted
+    once)."""
     totals = torch.zeros(2, dtype=torch.float64, device=device)
     for batch in micro_batches:
         targets = batch["labels"] != IGNORE_INDEX
@@ -66,5 +67,5 @@ def eval_loss(
         totals[0] -= torch.where(targets, values, torch.zeros_like(values)).sum()
         totals[1] += targets.sum()
     dist.all_reduce(totals)
-    loss_sum, tokens = (totals / sequence_parallel_size).tolist()
+    loss_sum, tokens = (totals / sharing).tolist()
     return EvalResult(loss_sum / tokens if tokens else math.nan, round(tokens))
