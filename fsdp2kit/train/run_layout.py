@@ -49,6 +49,9 @@ def run_layout(
         holds = f"contiguous slice r of {k} of every row, all tokens for attention over heads/{k} (Ulysses)"
     else:
         holds = "whole rows"
+    if layout.tp_size > 1:
+        t = layout.tp_size
+        holds += f"; tensor parallel {t}: 1/{t} of each split layer (its heads / {t}) and of the vocabulary's logits"
     attention = attention_implementation(sharded.model)
     documents = document_route(sharded.model, model, data, device)[1]
     optimizer = describe_optimizer(sharded.model, training)
