@@ -1,6 +1,6 @@
 """strategy_config.float8: torchao's float8 matmuls on the tiny Llama (dimensions multiples of 16), on the CPU
 (torch._scaled_mm runs float8 there): losses against bf16, float8 all-gather on and off, 2 ranks against 1, resume,
-the HF export, `check`'s list and the refusals."""
+the HF export, `check`'s list, LoRA over a float8 base and the refusals."""
 
 from __future__ import annotations
 
@@ -11,9 +11,10 @@ import sys
 import pytest
 import torch
 import yaml
-from conftest import as_overrides, process_group, read_metrics, run_cli, set_args, sharded_model
+from conftest import as_overrides, process_group, read_metrics, run_cli, set_args, sharded_model, token_batch
 
 from fsdp2kit.config.load import load_config
+from fsdp2kit.distributed import shutdown
 from fsdp2kit.memory_plan import computed_sizes
 
 pytest.importorskip("torchao.float8")
@@ -139,6 +140,118 @@ def test_check_lists_the_float8_linears(run_main):
     assert json.loads(result.stdout)["float8"] is None
 
 
+# LoRA over every linear at rank 16 (its A and B have dimensions multiples of 16: only the adapters' own mark keeps
+# them out of float8), a module to save beside them.
+LORA = {"model.lora": {"rank": 16, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj"]}}
+LORA_SAVED = {"model.lora": {**LORA["model.lora"], "modules_to_save": ["down_proj"]}}
+
+
+def test_check_lists_only_the_frozen_base_linears_with_lora(run_main):
+    """With LoRA, float8 converts each adapted linear's frozen `base_layer` (and the linears no adapter wraps); lora_A,
+    lora_B and the modules to save (their trained copy and its frozen original) stay in high precision."""
+    result = run_main("check", DEMO, "--json", *set_args({**RUN, **LORA_SAVED, f"{F8}.enabled": True}))
+    assert result.returncode == 0, result.stderr
+    float8 = json.loads(result.stdout)["float8"]
+    adapted = [*(f"self_attn.{p}_proj" for p in "qkvo"), "mlp.gate_proj", "mlp.up_proj"]
+    assert float8["modules"] == [f"model.layers.{i}.{name}.base_layer" for i in (0, 1) for name in adapted]
+    kept = [
+        *(f"{name}.lora_{ab}.default" for name in adapted for ab in "AB"),
+        *(f"mlp.down_proj.{copy}" for copy in ("original_module", "modules_to_save.default")),
+    ]
+    assert float8["high_precision_linears"] == [f"model.layers.{i}.{name}" for i in (0, 1) for name in kept] + [
+        "lm_head"
+    ]
+
+
+@pytest.fixture(scope="module")
+def lora_runs(tmp_path_factory):
+    """LoRA over a bf16-computed base and LoRA over a float8 base, 10 steps at 1 rank, their adapters exported."""
+    runs = tmp_path_factory.mktemp("lora")
+    for name, extra in {"lora": {}, "float8": {f"{F8}.enabled": True}}.items():
+        settings = {**RUN, **LORA, **extra, "training.max_steps": 10, "training.save_steps": 10}
+        settings.update({"training.export_hf": True, "training.output_dir": str(runs / name)})
+        result = run_cli("train", DEMO, *set_args(settings))
+        assert result.returncode == 0, result.stderr
+    return runs
+
+
+def test_lora_over_a_float8_base_follows_lora_alone(lora_runs):
+    lora, float8 = losses(lora_runs / "lora"), losses(lora_runs / "float8")
+    assert len(lora) == len(float8) == 10
+    assert float8 != lora  # the base's matmuls did run in float8
+    for step, (got, expected) in enumerate(zip(float8, lora, strict=True), start=1):
+        assert got == pytest.approx(expected, rel=0.02), step
+    assert float8[-1] == pytest.approx(lora[-1], rel=0.01)
+
+
+def test_lora_over_float8_saves_and_exports_what_lora_alone_does(lora_runs):
+    """The checkpoint holds the same adapter tensors (and optimizer states) as without float8, in the same dtypes, and
+    the exported adapter folder is the same PEFT folder."""
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint import FileSystemReader
+
+    def saved(run):
+        metadata = FileSystemReader(str(run / "checkpoints" / "step_10")).read_metadata().state_dict_metadata
+        return {key: getattr(meta, "properties", None) for key, meta in metadata.items()}
+
+    def exported(run):
+        tensors = load_file(run / "adapter" / "adapter_model.safetensors")
+        config = json.loads((run / "adapter" / "adapter_config.json").read_text())
+        config["target_modules"] = sorted(config["target_modules"])  # a set in peft: written in hash order
+        return {key: (t.dtype, t.shape) for key, t in tensors.items()}, config
+
+    assert saved(lora_runs / "float8") == saved(lora_runs / "lora")
+    (tensors, config), (expected, expected_config) = exported(lora_runs / "float8"), exported(lora_runs / "lora")
+    assert tensors == expected and {dtype for dtype, _ in tensors.values()} == {torch.float32}
+    assert not any("base_layer" in key for key in tensors)
+    assert config == expected_config
+
+
+def test_lora_over_float8_trains_only_the_adapters(tmp_path):
+    """The frozen base runs in torchao's Float8Linear (its weight gathered in float8) and stays bitwise as it was;
+    every adapter tensor moves."""
+    import fsdp2kit
+    from fsdp2kit.parallel.float8 import describe_float8, plain_weight
+
+    settings = {**RUN, **LORA, f"{F8}.enabled": True, "training.max_steps": 3, "training.output_dir": str(tmp_path)}
+    try:
+        strategy = fsdp2kit.Strategy.from_config(DEMO, overrides=as_overrides(settings))
+        model = strategy.model
+        described = describe_float8(model)
+        assert described is not None and described["fsdp_float8_all_gather"]
+        bases = [name for name in described["modules"] if name.endswith(".base_layer")]
+        assert len(bases) == 12 and set(described["modules"]) - set(bases) == {
+            f"model.layers.{i}.mlp.down_proj" for i in (0, 1)
+        }
+
+        def weights():
+            return {name: plain_weight(p).full_tensor().clone() for name, p in model.named_parameters()}
+
+        before = weights()
+        for _ in range(3):
+            strategy.train_step([token_batch(2, 64)])
+        after = weights()
+    finally:
+        shutdown()
+    frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
+    assert {f"{name}.weight" for name in described["modules"]} <= frozen
+    assert all(torch.equal(after[name], before[name]) for name in frozen)
+    trained = set(before) - frozen
+    assert trained and all("lora_" in name for name in trained)
+    assert all(not torch.equal(after[name], before[name]) for name in trained)
+
+
+@pytest.mark.slow
+def test_two_ranks_equal_one_rank_with_lora_over_float8(lora_runs, tmp_path):
+    """The frozen base's float8 weights are the same casts at any world size (their scales never change); what
+    differs is the order of the adapters' gradient sums."""
+    settings = {**RUN, **LORA, f"{F8}.enabled": True, "training.max_steps": 10, "training.output_dir": str(tmp_path)}
+    settings["training.gradient_accumulation_steps"] = 1  # 2 ranks x 1: the global batches of 1 rank x 2
+    result = run_cli("train", DEMO, "--nproc", "2", *set_args(settings))
+    assert result.returncode == 0, result.stderr
+    assert losses(tmp_path) == pytest.approx(losses(lora_runs / "float8"), rel=1e-5)
+
+
 @pytest.mark.parametrize(
     "settings, said",
     [
@@ -148,17 +261,12 @@ def test_check_lists_the_float8_linears(run_main):
             "tensorwise, not rowwise; set fsdp_float8_all_gather: false",
         ),
         (
-            {f"{F8}.enabled": True, "model.lora.rank": 8},
-            "strategy_config.float8.enabled: float8 training is not available with model.lora (untested: the "
-            "adapters wrap the linears float8 would convert); turn one of them off",
-        ),
-        (
             {f"{F8}.enabled": True, f"{F8}.exclude_modules": ["model.layers.9"]},
             "strategy_config.float8.exclude_modules: pattern 'model.layers.9' matches no module of the model "
             "(module paths look like 'model.layers.0')",
         ),
     ],
-    ids=["rowwise-all-gather", "lora", "pattern"],
+    ids=["rowwise-all-gather", "pattern"],
 )
 def test_refusals_are_one_line_and_exit_2(run_main, settings, said):
     result = run_main("check", DEMO, *set_args({**RUN, **settings}))

@@ -752,15 +752,6 @@ class JobConfig(Section):
         return self
 
     @model_validator(mode="after")
-    def _float8_without_lora(self) -> JobConfig:
-        if self.strategy_args.strategy_config.float8.enabled and self.model.lora_enabled:
-            raise UserError(
-                "strategy_config.float8.enabled: float8 training is not available with model.lora (untested: the "
-                "adapters wrap the linears float8 would convert); turn one of them off"
-            )
-        return self
-
-    @model_validator(mode="after")
     def _merged_export_needs_lora(self) -> JobConfig:
         if self.training.export_merged and not self.model.lora_enabled:
             raise ValueError("training.export_merged: true merges LoRA adapters and needs model.lora")

@@ -30,7 +30,7 @@ from fsdp2kit.dtypes import torch_dtype
 from fsdp2kit.errors import UserError
 from fsdp2kit.models.shards import SyncedWeights, WeightShard, copy_to_shard, module_seed, shard_of
 from fsdp2kit.models.variant_part import VariantPart
-from fsdp2kit.parallel.float8 import plain_weight
+from fsdp2kit.parallel.float8 import keep_high_precision, plain_weight
 from fsdp2kit.parallel.plan import AdapterPlan, ShardingPlan, match_modules
 
 if TYPE_CHECKING:
@@ -140,6 +140,18 @@ def inject_lora(model: nn.Module, cfg: LoraConfig, dtype: torch.dtype | None) ->
     if dtype is not None:
         for module in adapter_modules(model).values():
             module.to(dtype)
+    keep_adapters_out_of_float8(model)
+
+
+def keep_adapters_out_of_float8(model: nn.Module) -> None:
+    """float8 training (strategy_config.float8) converts the frozen base's linears, a LoRA layer's `base_layer`
+    included, and never what trains: lora_A, lora_B (nn.Linear inside peft's layers) and the modules to save (the
+    trained copy and its frozen original, which no forward runs) stay in high precision."""
+    inserted, adapters = _structure(model)
+    originals = {name for name in inserted if name.endswith(".original_module")}
+    for name, module in model.named_modules():
+        if name in adapters or name in originals:
+            keep_high_precision(module)
 
 
 def inject_peft(model: nn.Module, config: PeftConfig) -> None:

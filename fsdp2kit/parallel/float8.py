@@ -37,14 +37,24 @@ class _EnumRegistrationNotice(logging.Filter):
 logging.getLogger("torch.utils._pytree").addFilter(_EnumRegistrationNotice())
 
 MULTIPLE = 16  # float8 matmuls (torch._scaled_mm) need both dimensions of the weight to be multiples of 16
+HIGH_PRECISION = "fsdp2kit_high_precision"  # a module attribute: keep_high_precision's mark
+
+
+def keep_high_precision(module: nn.Module) -> None:
+    """Mark a module that float8 training leaves as it is, with every linear below it, whatever its dimensions: what a
+    model variant trains beside a frozen base (LoRA's adapters and modules to save, `models/lora.py`) says so itself,
+    before the plan, so that the filter here needs to know no variant."""
+    setattr(module, HIGH_PRECISION, True)
 
 
 def float8_modules(model: nn.Module, cfg: Float8Config) -> list[str]:
     """The linears converted: every nn.Linear but the LM head, the routers (their logits pick the experts), those
-    whose dimensions are not multiples of 16 and those under `exclude_modules`."""
+    whose dimensions are not multiples of 16, those under `exclude_modules` and those under a module marked by
+    `keep_high_precision`."""
     get_outputs = getattr(model, "get_output_embeddings", None)
     head = get_outputs() if get_outputs is not None else None
-    kept = [*router_modules(model), *match_modules(model, cfg.exclude_modules, "float8.exclude_modules")]
+    marked = [name for name, module in model.named_modules() if getattr(module, HIGH_PRECISION, False)]
+    kept = [*router_modules(model), *match_modules(model, cfg.exclude_modules, "float8.exclude_modules"), *marked]
     return [
         name
         for name, module in model.named_modules()
