@@ -113,8 +113,13 @@ def shard_group(name: str, param: torch.Tensor) -> ShardGroup:
 
 
 def split_twice(param: torch.Tensor) -> bool:
-    """A matrix split over more than one mesh dimension: tensor parallelism's split, sharded again by FSDP."""
-    return isinstance(param, DTensor) and sum(not isinstance(p, Replicate) for p in param.placements) > 1
+    """A matrix split over more than one mesh dimension: tensor parallelism's split, sharded again by FSDP (stacked
+    experts, split by expert over theirs, are held whole by their ranks: `require_whole_experts`)."""
+    return (
+        isinstance(param, DTensor)
+        and param.ndim == 2
+        and sum(not isinstance(p, Replicate) for p in param.placements) > 1
+    )
 
 
 def require_whole_experts(name: str, param: torch.Tensor) -> None:
