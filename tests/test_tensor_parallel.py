@@ -370,5 +370,5 @@ def test_tp2x2_in_bf16_follows_one_rank_in_bf16(one_rank, four_ranks):
     """bf16 compute, fp32 master weights: a row-split layer sums its ranks' partial products in bf16 where one rank
     sums inside its matmul, so the runs agree to bf16's rounding, not to fp32's."""
     got, expected = four_ranks["llama tp2x2 bf16"], one_rank["llama bf16"]
-    assert got["losses"] == pytest.approx(expected["losses"], abs=2e-2)
+    assert got["losses"] == pytest.approx(expected["losses"], abs=2e-3)  # measured: 2.1e-4
     assert got["losses"] != pytest.approx(one_rank["llama"]["losses"], abs=1e-6)  # bf16 did compute
