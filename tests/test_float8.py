@@ -335,3 +335,17 @@ def test_float8_without_torchao_is_one_line(monkeypatch):
     assert str(refused.value) == (
         "strategy_config.float8.enabled: float8 training needs torchao (pip install 'fsdp2kit[float8]')"
     )
+
+
+def test_a_moe_models_fused_experts_stay_in_the_compute_dtype_and_say_so(run_main):
+    """tiny-qwen3-moe: attention's linears in float8 (its routers are not linears: they stay as they were, as any
+    router would); the fused experts (3-D weights run as grouped matmuls, which torchao's float8 training does not
+    convert) stay in the compute dtype, listed and noted."""
+    settings = {**RUN, f"{F8}.enabled": True, "model.name_or_path": "builtin:tiny-qwen3-moe"}
+    result = run_main("check", DEMO, "--json", *set_args(settings))
+    assert result.returncode == 0, result.stderr
+    described = json.loads(result.stdout)
+    float8, layers = described["float8"], range(2)
+    assert float8["modules"] == [f"model.layers.{i}.self_attn.{p}_proj" for i in layers for p in "qkvo"]
+    assert float8["high_precision_grouped_matmuls"] == [f"model.layers.{i}.mlp.experts" for i in layers]
+    assert any("2 fused experts' grouped matmuls stay in the compute dtype" in note for note in described["notes"])

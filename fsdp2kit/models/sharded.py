@@ -24,7 +24,7 @@ from fsdp2kit.parallel.activation_offload import PinnedHost, apply_activation_of
 from fsdp2kit.parallel.compile import compile_modules
 from fsdp2kit.parallel.document_attention import attend_documents
 from fsdp2kit.parallel.expert_parallel import apply_expert_parallel, check_expert_sizes, expert_meshes
-from fsdp2kit.parallel.float8 import apply_float8
+from fsdp2kit.parallel.float8 import apply_float8, grouped_matmul_modules
 from fsdp2kit.parallel.fsdp import apply_fsdp, shard_device
 from fsdp2kit.parallel.mesh import MeshLayout, build_expert_mesh, build_mesh, mesh_layout, sequence_parallel_group
 from fsdp2kit.parallel.moe import gather_router_logits, routed_expert_count, set_experts_implementation
@@ -86,9 +86,8 @@ def build_sharded_model(
     for name, param in model.named_parameters():
         param.requires_grad_(training and name not in frozen)
     _split_layers(model, mesh, layout, model_cfg, variant, plan)
-    float8 = apply_float8(model, strategy.float8) if training else []  # before recompute and compile wrap the layers
-    if float8:
-        plan.notes.append(f"float8 ({strategy.float8.recipe}): {len(float8)} linears matmul in float8 (torchao)")
+    if training:  # before recompute and compile wrap the layers
+        _float8_linears(model, strategy, plan)
     apply_recompute(model, plan.recompute_modules, plan.use_reentrant)
     apply_tiled_mlp(model, plan.tiled_mlp_modules, plan.tiled_num_shards)
     variant.patch_sharded(model, plan)
@@ -117,6 +116,18 @@ def _split_layers(
         plan.notes.append(
             f"tensor parallel {layout.tp_size}: {len(split)} modules split by {whose}, the LM head by vocabulary "
             "(log-probs and loss on its shards)"
+        )
+
+
+def _float8_linears(model: nn.Module, strategy: StrategyConfig, plan: ShardingPlan) -> None:
+    """torchao's float8 on the chosen linears (none unless strategy_config.float8.enabled), noted in the plan with
+    what stays in the compute dtype."""
+    float8 = apply_float8(model, strategy.float8)
+    if float8:
+        grouped = grouped_matmul_modules(model)
+        plan.notes.append(
+            f"float8 ({strategy.float8.recipe}): {len(float8)} linears matmul in float8 (torchao)"
+            + (f"; {len(grouped)} fused experts' grouped matmuls stay in the compute dtype" if grouped else "")
         )
 
 

@@ -86,6 +86,16 @@ def apply_float8(model: nn.Module, cfg: Float8Config) -> list[str]:
     return names
 
 
+def grouped_matmul_modules(model: nn.Module) -> list[str]:
+    """Modules holding stacked 3-D weights (a mixture of experts' fused experts, run as grouped matmuls), which
+    torchao's float8 training does not convert: they stay in the compute dtype."""
+    return [
+        name
+        for name, module in model.named_modules()
+        if any(param.ndim == 3 for param in module.parameters(recurse=False))
+    ]
+
+
 def refresh_float8_scales(model: nn.Module) -> None:
     """After an optimizer step: the float8 scales of the weights FSDP gathers in float8, one all-reduce for all of
     them (torchao's precompute; it does nothing where no weight is gathered in float8)."""
@@ -108,6 +118,7 @@ def describe_float8(model: nn.Module) -> dict[str, Any] | None:
         "high_precision_linears": [
             name for name, module in model.named_modules() if type(module) is nn.Linear and name not in converted
         ],
+        "high_precision_grouped_matmuls": grouped_matmul_modules(model),
     }
 
 
