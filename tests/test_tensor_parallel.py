@@ -68,6 +68,8 @@ def test_a_tp_size_that_does_not_divide_the_world_is_refused():
         mesh_layout(4, StrategyConfig(), tp_size=3)
     with pytest.raises(UserError, match=r"tensor_parallel_size = 2 with strategy_config.ep_size = 2"):
         mesh_layout(4, StrategyConfig(ep_size=2), tp_size=2)
+    with pytest.raises(UserError, match=r"size 2; valid: 1, 2; .* \(the world size here: 4 ranks / model.tensor_para"):
+        mesh_layout(4, StrategyConfig(), ulysses_size=4, tp_size=2)
     with pytest.raises(UserError, match=r"float8.enabled with model.tensor_parallel_size = 2: float8 matmuls"):
         mesh_layout(4, StrategyConfig(float8={"enabled": True}), tp_size=2)
 

@@ -131,9 +131,14 @@ def mesh_layout(
             f"strategy_config.float8.enabled with model.tensor_parallel_size = {tp_size}: float8 matmuls of split "
             "layers are not supported; set float8.enabled: false (or tensor_parallel_size: 1)"
         )
-    dense = _sequence_layout(world_size // tp_size, strategy, ulysses_size, context_parallel_size)
     if tp_size == 1:
-        return dense
+        return _sequence_layout(world_size, strategy, ulysses_size, context_parallel_size)
+    try:
+        dense = _sequence_layout(world_size // tp_size, strategy, ulysses_size, context_parallel_size)
+    except UserError as error:  # its world size is the ranks of one tp rank's: say so
+        raise UserError(
+            f"{error} (the world size here: {world_size} ranks / model.tensor_parallel_size {tp_size})"
+        ) from None
     return replace(dense, shape=(*dense.shape, tp_size), dim_names=(*dense.dim_names, "tp"), tp_size=tp_size)
 
 
