@@ -155,6 +155,11 @@ def describe(cfg: JobConfig, runtime: Runtime) -> dict:
         },
         # Context parallel: groups across the Ulysses groups; each rank's share of every sequence (`token_order`).
         "context_parallel": context_parallel_layout(layout),
+        # Tensor parallelism: groups of consecutive ranks that split each layer and share samples.
+        "tensor_parallel": {"size": layout.tp_size, "groups": layout.tensor_parallel_groups()},
+        # The mesh in the dimensions Accelerate and torchtitan name: replicas, FSDP's shards beside the sequence
+        # groups (which FSDP shards over too), context and Ulysses groups, tp.
+        "parallel_dims": layout.parallel_dims(),
         # Expert parallelism: the experts' own mesh, the modules split over it, and each rank's experts.
         "expert_parallel": describe_expert_parallel(model, plan.expert_parallel, sharded.layout),
         "strategy": cfg.strategy_args.strategy_name,

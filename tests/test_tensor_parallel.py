@@ -59,8 +59,11 @@ def test_tp_is_the_innermost_dimension_and_shares_the_batch():
     assert (layout.data_parallel_size, [layout.data_parallel_rank(r) for r in range(8)]) == (2, [0] * 4 + [1] * 4)
     assert layout.sequence_groups() == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert layout.data_parallel_groups() == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert layout.tensor_parallel_groups() == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert layout.parallel_dims() == {"dp_replicate": 1, "dp_shard": 2, "cp": 2, "sp": 1, "tp": 2}
     hsdp = mesh_layout(8, StrategyConfig(fsdp_size=2), tp_size=2)
     assert (hsdp.shape, hsdp.dim_names) == ((2, 2, 2), ("ddp", "fsdp", "tp"))
+    assert hsdp.parallel_dims() == {"dp_replicate": 2, "dp_shard": 2, "cp": 1, "sp": 1, "tp": 2}
 
 
 def test_a_tp_size_that_does_not_divide_the_world_is_refused():

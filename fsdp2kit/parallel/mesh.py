@@ -95,6 +95,27 @@ class MeshLayout:
         k, size = self.ulysses_size, self.sequence_size
         return self._groups([list(range(j, size, k)) for j in range(k)])
 
+    def tensor_parallel_groups(self) -> list[list[int]]:
+        """The tp groups: tp_size consecutive ranks."""
+        t = self.tp_size
+        return [list(range(start, start + t)) for start in range(0, self.world_size, t)]
+
+    def parallel_dims(self) -> dict[str, int | None]:
+        """The sizes in Accelerate's and torchtitan's names: dp_replicate x dp_shard x cp x sp x tp = world, FSDP
+        sharding over dp_shard x cp x sp ranks and replicating across dp_replicate. Where a sequence group reaches
+        across FSDP's shard groups (HSDP with shard groups smaller than it), the mesh has no such reading: the two
+        data-parallel sizes are None."""
+        dense = dict(zip(self.dim_names, self.shape, strict=True))
+        replicate, shard = dense.get("ddp", 1), dense.get("fsdp", 1)
+        inside = shard % self.sequence_size == 0
+        return {
+            "dp_replicate": replicate if inside else None,
+            "dp_shard": shard // self.sequence_size if inside else None,
+            "cp": self.context_parallel_size,
+            "sp": self.ulysses_size,
+            "tp": self.tp_size,
+        }
+
     def data_parallel_groups(self) -> list[list[int]]:
         """The ranks that train different micro-batches together: one of each sequence and tensor-parallel group."""
         return [
