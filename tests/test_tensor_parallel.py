@@ -377,3 +377,12 @@ def test_tp2x2_in_bf16_follows_one_rank_in_bf16(one_rank, four_ranks):
     got, expected = four_ranks["llama tp2x2 bf16"], one_rank["llama bf16"]
     assert got["losses"] == pytest.approx(expected["losses"], abs=2e-3)  # measured: 2.1e-4
     assert got["losses"] != pytest.approx(one_rank["llama"]["losses"], abs=1e-6)  # bf16 did compute
+
+
+def test_a_value_model_under_tensor_parallelism_is_refused_in_one_line(run_main):
+    """A critic (a scalar head, no LM head to split by vocabulary) at TP 2: one line naming the key, exit 2."""
+    critic = ["model.model_class=transformers:LlamaForTokenClassification", "model.config.num_labels=1"]
+    sets = (a for s in ["model.tensor_parallel_size=2", *critic] for a in ("--set", s))
+    code, _, err = run_main("check", "examples/demo.yaml", "--nproc", 2, *sets)
+    assert code == 2 and err.count("\n") == 1, err
+    assert err.startswith("error: model.tensor_parallel_size = 2: tensor parallelism serves causal LMs"), err

@@ -13,6 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp2kit.config.schema import DataConfig, ModelConfig, StrategyConfig
 from fsdp2kit.distributed import Runtime
+from fsdp2kit.errors import UserError
 from fsdp2kit.models.build import (
     ModelSource,
     build_meta_model,
@@ -107,10 +108,17 @@ def build_sharded_model(
 def _split_layers(
     model: nn.Module, mesh: DeviceMesh, layout: MeshLayout, cfg: ModelConfig, variant: ModelVariant, plan: ShardingPlan
 ) -> None:
-    """Tensor parallelism over the mesh's `tp` dimension (none without one), noted in the plan."""
-    tp_mesh = mesh["tp"] if layout.tp_size > 1 else None
+    """Tensor parallelism over the mesh's `tp` dimension (none without one), noted in the plan. A model without an
+    LM head (a value or reward model's scalar head) is refused: its head's loss is not the vocabulary's."""
+    if layout.tp_size == 1:
+        return
+    if model.get_output_embeddings() is None:  # type: ignore[operator]
+        raise UserError(
+            f"model.tensor_parallel_size = {layout.tp_size}: tensor parallelism serves causal LMs (the LM head split "
+            f"by vocabulary); {type(model).__name__} has no LM head; set model.tensor_parallel_size: 1"
+        )
     own_plan: dict[str, str] = dict(cfg.tensor_parallel_plan)
-    split = apply_tensor_parallel(model, tp_mesh, head_name(model), variant.split_modules, own_plan)
+    split = apply_tensor_parallel(model, mesh["tp"], head_name(model), variant.split_modules, own_plan)
     if split:
         whose = "model.tensor_parallel_plan" if own_plan else "the family's transformers TP plan"
         plan.notes.append(

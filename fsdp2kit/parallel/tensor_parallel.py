@@ -110,17 +110,15 @@ def _check_splittable(model: nn.Module, modules: dict[str, str]) -> None:
 
 def apply_tensor_parallel(
     model: nn.Module,
-    tp_mesh: DeviceMesh | None,
+    tp_mesh: DeviceMesh,
     head: str,
     split: Callable[[nn.Module, dict[str, str]], dict[str, str]] = lambda _, modules: modules,
     own_plan: dict[str, str] | None = None,
 ) -> dict[str, str]:
-    """Split `model` in place over `tp_mesh` (None: nothing to split) by its family's plan (or the user's
+    """Split `model` in place over `tp_mesh` by its family's plan (or the user's
     `own_plan`, model.tensor_parallel_plan), as `split` (the model variant's `split_modules`) translates it; the LM
     head `head` by vocabulary (its weight's rows, and the bias's), a tied head sharing the embedding's rows. Returns
     the split modules and their styles."""
-    if tp_mesh is None:
-        return {}
     config = getattr(model, "config", None)
     split_heads_check(getattr(config, "text_config", None) or config, tp_mesh.size())
     tied = model.get_submodule(head).weight is model.get_input_embeddings().weight  # type: ignore[operator]
