@@ -35,6 +35,7 @@ from fsdp2kit.parallel.document_attention import document_route
 from fsdp2kit.parallel.expert_parallel import describe_expert_parallel
 from fsdp2kit.parallel.float8 import describe_float8
 from fsdp2kit.parallel.fsdp import describe_groups
+from fsdp2kit.parallel.mesh import MeshLayout
 from fsdp2kit.parallel.module_paths import model_class_name
 from fsdp2kit.parallel.plan import ShardingPlan
 from fsdp2kit.strategy import INFER_COMMAND, TRAIN_COMMAND
@@ -123,6 +124,26 @@ def checked_files(cfg: JobConfig) -> dict[str, str]:
     }
 
 
+def _layout_fields(layout: MeshLayout) -> dict[str, Any]:
+    """The mesh and the groups laid over it."""
+    return {
+        "mesh": {"shape": list(layout.shape), "dim_names": list(layout.dim_names)},
+        # Ulysses: groups of consecutive ranks that share samples, each rank holding a slice of their tokens.
+        "sequence_parallel": {
+            "size": layout.ulysses_size,
+            "groups": layout.sequence_parallel_groups(),
+            "data_parallel_size": layout.data_parallel_size,
+        },
+        # Context parallel: groups across the Ulysses groups; each rank's share of every sequence (`token_order`).
+        "context_parallel": context_parallel_layout(layout),
+        # Tensor parallelism: groups of consecutive ranks that split each layer and share samples.
+        "tensor_parallel": {"size": layout.tp_size, "groups": layout.tensor_parallel_groups()},
+        # The mesh in the dimensions Accelerate and torchtitan name: replicas, FSDP's shards beside the sequence
+        # groups (which FSDP shards over too), context and Ulysses groups, tp.
+        "parallel_dims": layout.parallel_dims(),
+    }
+
+
 def describe(cfg: JobConfig, runtime: Runtime) -> dict:
     training = cfg.strategy_args.strategy_name == "fsdp2_train"
     sharded = build_sharded_model(
@@ -146,20 +167,7 @@ def describe(cfg: JobConfig, runtime: Runtime) -> dict:
     attention_note = resolve_attention(cfg.model.attn_implementation, layout.sequence_size)[1]
     return {
         "world_size": runtime.world_size,
-        "mesh": {"shape": list(sharded.layout.shape), "dim_names": list(sharded.layout.dim_names)},
-        # Ulysses: groups of consecutive ranks that share samples, each rank holding a slice of their tokens.
-        "sequence_parallel": {
-            "size": layout.ulysses_size,
-            "groups": layout.sequence_parallel_groups(),
-            "data_parallel_size": layout.data_parallel_size,
-        },
-        # Context parallel: groups across the Ulysses groups; each rank's share of every sequence (`token_order`).
-        "context_parallel": context_parallel_layout(layout),
-        # Tensor parallelism: groups of consecutive ranks that split each layer and share samples.
-        "tensor_parallel": {"size": layout.tp_size, "groups": layout.tensor_parallel_groups()},
-        # The mesh in the dimensions Accelerate and torchtitan name: replicas, FSDP's shards beside the sequence
-        # groups (which FSDP shards over too), context and Ulysses groups, tp.
-        "parallel_dims": layout.parallel_dims(),
+        **_layout_fields(layout),
         # Expert parallelism: the experts' own mesh, the modules split over it, and each rank's experts.
         "expert_parallel": describe_expert_parallel(model, plan.expert_parallel, sharded.layout),
         "strategy": cfg.strategy_args.strategy_name,
