@@ -7,7 +7,6 @@ attention runs on each rank's own heads."""
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from typing import Any
 
@@ -64,26 +63,16 @@ def tp_plan(model: nn.Module, head: str) -> dict[str, str]:
     return {key: style for key, style in plan.items() if key != head}
 
 
-def _matches(pattern: str, names: list[str]) -> list[str]:
-    regex = re.compile(re.escape(pattern).replace(r"\*", r"[^.]+") + "$")
-    return [name for name in names if regex.match(name)]
-
-
-def planned_modules(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
-    """{module path: style} of the modules the plan's patterns match."""
-    names = [name for name, _ in model.named_modules()]
-    return {name: style for pattern, style in plan.items() for name in _matches(pattern, names)}
-
-
-def users_modules(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
-    """{module path: style} of the modules `model.tensor_parallel_plan`'s patterns match; one that matches nothing
-    is refused."""
+def planned_modules(model: nn.Module, plan: dict[str, str], users: bool = False) -> dict[str, str]:
+    """{module path: style} of the modules the plan's patterns match (transformers' `*` is one path segment, as in
+    the strategy's own patterns). In the user's plan (`users`: model.tensor_parallel_plan) a pattern that matches
+    nothing is refused; the family's plan names modules a model may not have (a dense MLP's in a MoE layer)."""
     names = [name for name, _ in model.named_modules() if name]
     modules: dict[str, str] = {}
     for pattern, style in plan.items():
         regex = compile_pattern(pattern)
         hits = [name for name in names if regex.fullmatch(name)]
-        if not hits:
+        if users and not hits:
             example = next((n for n in names if n.count(".") == pattern.count(".")), names[0] if names else "")
             raise UserError(
                 f"model.tensor_parallel_plan: pattern '{pattern}' matches no module of the model "
@@ -122,7 +111,7 @@ def apply_tensor_parallel(
     config = getattr(model, "config", None)
     split_heads_check(getattr(config, "text_config", None) or config, tp_mesh.size())
     tied = model.get_submodule(head).weight is model.get_input_embeddings().weight  # type: ignore[operator]
-    planned = users_modules(model, own_plan) if own_plan else planned_modules(model, tp_plan(model, head))
+    planned = planned_modules(model, own_plan, users=True) if own_plan else planned_modules(model, tp_plan(model, head))
     modules = split(model, {name: style for name, style in planned.items() if name != head})
     _check_splittable(model, modules)
     styles = _styles()

@@ -268,13 +268,14 @@ def train_step(
     marks). The `tp_size` ranks of a tensor-parallel group hold the same micro-batches and compute the same loss: it
     counts once, and FSDP averages the gradients over the world / tp_size ranks that shard each split tensor."""
     loss = loss if loss is not None else TokenCrossEntropy()
-    world_size, sp_size = dist.get_world_size() // tp_size, (sp_group.size() if sp_group is not None else 1) * tp_size
+    ranks = dist.get_world_size()
+    averaged_over, sharing = ranks // tp_size, (sp_group.size() if sp_group is not None else 1) * tp_size
     agree_on_micro_batch_count(len(micro_batches), micro_batches[0]["input_ids"].device)
     tokens = torch.stack([input_token_count(mb) for mb in micro_batches]).sum().double()
     known = [loss.weight(i, mb) for i, mb in enumerate(micro_batches)]
     run = _Accumulation(
         loss,
-        torch.tensor(world_size * guard.scaler.scale, dtype=torch.float64, device=tokens.device),
+        torch.tensor(averaged_over * guard.scaler.scale, dtype=torch.float64, device=tokens.device),
         aux_loss_coef,
         sp_group,
         shard_batch,
@@ -282,13 +283,13 @@ def train_step(
         sync_each_batch,
         tp_size,
     )
-    known_weight = _normalise_before(run, known, sp_size)
+    known_weight = _normalise_before(run, known, sharing)
     sums = _forward_backward(model, micro_batches, run)
     params = _stepped_parameters(model, optimizer)
-    all_reduce_replicated_grads(params, dist.get_world_size())
+    all_reduce_replicated_grads(params, ranks)
     fingerprint = _metric_fingerprint(sums)
     fingerprints = tokens.new_tensor([fingerprint, fingerprint**2])
-    totals = torch.stack([sums.loss, sums.weight, tokens / sp_size, *fingerprints, sums.unusable])
+    totals = torch.stack([sums.loss, sums.weight, tokens / sharing, *fingerprints, sums.unusable])
     dist.all_reduce(totals)
     global_weight = totals[1] if known_weight is None else known_weight
     if known_weight is None:  # the weights came with the losses: the gradients are sums, divided by it now
@@ -298,7 +299,6 @@ def train_step(
     # The step's one host read of device values (on CUDA, one wait for the device), all together.
     read = torch.stack([totals[0] / global_weight, norm.to(totals), totals[2], global_weight, *totals[3:]])
     loss_value, grad_norm, input_tokens, weight, names_sum, names_square_sum, unusable = read.tolist()
-    ranks = dist.get_world_size()
     _refuse_unusable(optimizer, weight, ranks * names_square_sum != names_sum**2 or names_sum < 0, unusable)
     metrics = _averaged_metrics(sums.metrics, sums.counted) if names_sum else {}
     result = StepResult(loss_value, grad_norm, 0.0, input_tokens, False, metrics)
@@ -307,14 +307,14 @@ def train_step(
     return result
 
 
-def _normalise_before(run: _Accumulation, known: list[torch.Tensor | None], sp_size: int) -> torch.Tensor | None:
+def _normalise_before(run: _Accumulation, known: list[torch.Tensor | None], sharing: int) -> torch.Tensor | None:
     """Where every micro-batch's weight is known before its forward: the global weight (on the device: no host read
     before the forward), which each backward is then normalised by. None where the weights come with the losses."""
     if any(w is None for w in known):
         return None
     global_weight = torch.stack([w.double() for w in known if w is not None]).sum()
     dist.all_reduce(global_weight)
-    global_weight /= sp_size  # every rank of a sequence-parallel group holds the group's whole micro-batches
+    global_weight /= sharing  # every rank of a sequence (or tp) group holds the group's whole micro-batches
     # FSDP averages gradients over all ranks; scale so the result is the global mean (times the fp16 loss scale,
     # 1 otherwise). With sequence parallel each rank of a group holds a part of the group's gradient, and the
     # average over all ranks sums those parts.
