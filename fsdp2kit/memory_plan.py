@@ -52,7 +52,7 @@ from fsdp2kit.models.build import attention_implementation
 from fsdp2kit.models.heads import ValueHead
 from fsdp2kit.models.sharded import ShardedModel, build_sharded_model
 from fsdp2kit.parallel.activation_offload import Departed, apply_activation_offload
-from fsdp2kit.parallel.document_attention import document_route
+from fsdp2kit.parallel.document_attention import DOCUMENT_FLEX, document_route
 from fsdp2kit.parallel.float8 import gathered_element_size
 from fsdp2kit.parallel.fsdp import before_micro_batch, fsdp_states, stays_gathered
 from fsdp2kit.parallel.token_logprobs import chunk_tokens, install_token_head
@@ -218,8 +218,9 @@ def _traced(cfg: JobConfig, world_size: int) -> dict[str, object]:
         )
         model = sharded.model
         # How the run on PLANNED_DEVICE attends packed documents. The fake world's model was built for the CPU (sdpa
-        # or eager, under Ulysses too), which keeps the dense mask unless FlexAttention would replace it there.
-        flex, document_attention = document_route(model, cfg.model, cfg.data, PLANNED_DEVICE)
+        # or eager, under Ulysses too; DOCUMENT_SDPA falls back to the dense mask on fake tensors), which keeps the dense
+        # mask unless FlexAttention would replace it there.
+        switch, document_attention = document_route(model, cfg.model, cfg.data, PLANNED_DEVICE)
         here = this_device()  # and how a run on this machine attends them, as `check` here says
         document_attention_here = document_route(model, cfg.model, cfg.data, here)[1]
         # Only eager attention holds a layer's [heads, queries, keys] scores: sdpa, FlexAttention and flash never do.
@@ -228,7 +229,7 @@ def _traced(cfg: JobConfig, world_size: int) -> dict[str, object]:
         # saved activations leave the device as they do on CUDA (only their shapes are kept).
         apply_activation_offload(model, sharded.plan.activation_offload_modules, Departed(), torch.device("cpu"))
         accumulation = cfg.training.gradient_accumulation_steps
-        synthetic = [_synthetic_micro_batch(cfg, not flex) for _ in range(accumulation)]
+        synthetic = [_synthetic_micro_batch(cfg, switch != DOCUMENT_FLEX) for _ in range(accumulation)]
         loss, micro_batches = _training_loss(sharded, cfg, synthetic)
         with FakeTensorMode(allow_non_fake_inputs=True), GroupedMMInAnyDtype():
             model.to_empty(device="cpu")

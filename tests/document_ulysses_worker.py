@@ -85,7 +85,8 @@ def run(model_dir: str, out: str) -> None:
     parallel = ("ulysses_size", "context_parallel_size")
     seen = {f"dense {name}": sequence_logits(model_dir, name) for name in parallel}
     seen["kept context_parallel_size"] = kept_for_backward(model_dir)
-    document_attention.document_path = lambda *_: (True, "as on CUDA")  # type: ignore[assignment]
+    flex = (document_attention.DOCUMENT_FLEX, "as on CUDA")
+    document_attention.document_path = lambda *_: flex  # type: ignore[assignment]
     seen.update({f"flex {name}": sequence_logits(model_dir, name) for name in parallel})
     if dist.get_rank() == 0:
         torch.save(seen, out)

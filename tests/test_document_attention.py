@@ -60,13 +60,14 @@ def test_the_block_mask_equals_the_dense_mask_and_each_document_alone(llama_dir,
     """fsdp2kit's sharded model (FSDP, one rank), switched at build time as on CUDA: packed logits through
     FlexAttention equal the dense document mask's and those of every document on its own."""
     ids, positions = packed_batch()
+    monkeypatch.setattr(document_attention, "document_path", lambda *_: (None, "the dense mask"))
     with process_group(1) as runtime:
         model = sharded_model(job(llama_dir), runtime, training=False).model
-        assert model.config._attn_implementation == "sdpa"  # a CPU keeps the dense mask
+        assert model.config._attn_implementation == "sdpa"
         dense = model(input_ids=ids, position_ids=positions, use_cache=False).logits
         alone = each_document_alone(model, ids)
         mixed = model(input_ids=ids, use_cache=False).logits  # one causal sequence: documents attend to each other
-    monkeypatch.setattr(document_attention, "document_path", lambda *_: (True, "as on CUDA"))
+    monkeypatch.setattr(document_attention, "document_path", lambda *_: (DOCUMENT_FLEX, "as on CUDA"))
     with process_group(1) as runtime:
         model = sharded_model(job(llama_dir), runtime, training=False).model
         assert model.config._attn_implementation == DOCUMENT_FLEX
@@ -119,20 +120,24 @@ def test_what_flex_attention_cannot_apply_is_refused():
 
 
 CUDA, CPU = torch.device("cuda"), torch.device("cpu")
+FLEX, SDPA = "document_flex", "document_sdpa"
 
 
 @pytest.mark.parametrize(
     "requested, documents, ulysses, device, current, flex, switch, says",
     [
-        ("auto", True, 1, CUDA, "sdpa", True, True, "FlexAttention with a document block mask"),
-        ("auto", True, 1, CPU, "sdpa", True, False, "dense [T, T] document mask (FlexAttention has no backward"),
-        ("auto", True, 2, CUDA, "sdpa", True, True, "block mask over the gathered sequence (Ulysses) (no [T, T]"),
-        ("auto", True, 2, CUDA, "ulysses_document_flex_group1", True, False, "block mask over the gathered sequence"),
-        ("auto", True, 2, CPU, "ulysses_sdpa_group1", True, False, "dense [T, T] document mask over the gathered"),
-        ("sdpa", True, 1, CUDA, "sdpa", True, False, "model.attn_implementation: sdpa; auto picks FlexAttention"),
-        ("auto", True, 1, CUDA, "eager", False, False, "the family has no FlexAttention"),
-        ("flash_attention_2", True, 1, CUDA, "flash_attention_2", True, False, "variable-length"),
-        ("auto", False, 1, CUDA, "sdpa", True, False, None),
+        ("auto", True, 1, CUDA, "sdpa", True, FLEX, "FlexAttention with a document block mask"),
+        ("auto", True, 1, CPU, "sdpa", True, SDPA, "sdpa by documents (the fused causal kernel per document"),
+        ("sdpa", True, 1, CPU, "sdpa", False, SDPA, "sdpa by documents"),
+        ("auto", True, 1, CPU, "document_sdpa", True, SDPA, "sdpa by documents"),
+        ("eager", True, 1, CPU, "eager", True, None, "eager with a dense [T, T] document mask (model.attn_impl"),
+        ("auto", True, 2, CUDA, "sdpa", True, FLEX, "block mask over the gathered sequence (Ulysses) (no [T, T]"),
+        ("auto", True, 2, CUDA, "ulysses_document_flex_group1", True, None, "block mask over the gathered sequence"),
+        ("auto", True, 2, CPU, "ulysses_sdpa_group1", True, None, "dense [T, T] document mask over the gathered"),
+        ("sdpa", True, 1, CUDA, "sdpa", True, None, "model.attn_implementation: sdpa; auto picks FlexAttention"),
+        ("auto", True, 1, CUDA, "eager", False, None, "the family has no FlexAttention"),
+        ("flash_attention_2", True, 1, CUDA, "flash_attention_2", True, None, "variable-length"),
+        ("auto", False, 1, CUDA, "sdpa", True, None, None),
     ],
 )
 def test_the_path_is_chosen_by_platform_and_request(requested, documents, ulysses, device, current, flex, switch, says):
@@ -144,15 +149,15 @@ def test_the_path_is_chosen_by_platform_and_request(requested, documents, ulysse
 @pytest.mark.parametrize(
     "requested, documents, device, current, flex, switch, says",
     [
-        ("auto", True, CUDA, "sdpa", True, True, "FlexAttention with a block mask of each rank's queries"),
-        ("auto", False, CUDA, "sdpa", True, True, "FlexAttention with a block mask of each rank's queries"),
-        ("auto", True, CUDA, "ulysses_document_flex_group1", True, False, "block mask of each rank's queries"),
-        ("sdpa", True, CUDA, "sdpa", True, False, "dense [T/2, T] document mask over the gathered keys (model."),
-        ("sdpa", False, CUDA, "sdpa", True, False, None),
-        ("auto", True, CUDA, "eager", False, False, "(the family has no FlexAttention"),
-        ("auto", True, CPU, "ulysses_sdpa_group1", True, False, "sdpa by blocks of the fused kernel within documents"),
-        ("auto", True, CPU, "eager", True, False, "dense [T/2, T] document mask over the gathered keys (FlexAtt"),
-        ("auto", False, CPU, "sdpa", True, False, None),
+        ("auto", True, CUDA, "sdpa", True, FLEX, "FlexAttention with a block mask of each rank's queries"),
+        ("auto", False, CUDA, "sdpa", True, FLEX, "FlexAttention with a block mask of each rank's queries"),
+        ("auto", True, CUDA, "ulysses_document_flex_group1", True, None, "block mask of each rank's queries"),
+        ("sdpa", True, CUDA, "sdpa", True, None, "dense [T/2, T] document mask over the gathered keys (model."),
+        ("sdpa", False, CUDA, "sdpa", True, None, None),
+        ("auto", True, CUDA, "eager", False, None, "(the family has no FlexAttention"),
+        ("auto", True, CPU, "ulysses_sdpa_group1", True, None, "sdpa by blocks of the fused kernel within documents"),
+        ("auto", True, CPU, "eager", True, None, "dense [T/2, T] document mask over the gathered keys (FlexAtt"),
+        ("auto", False, CPU, "sdpa", True, None, None),
     ],
 )
 def test_context_parallel_attends_through_flex_attention_on_cuda(
@@ -181,19 +186,17 @@ def test_a_model_with_attention_sinks_keeps_sdpa():
     for parallel in ({}, {"context_parallel_size": 2}):
         cfg = ModelConfig(name_or_path="x", **parallel)
         switched, says = document_route(model, cfg, DataConfig(pack=True, document_mask=True), CUDA)
-        assert not switched and "attention sinks" in str(says)
+        assert switched is None and "attention sinks" in str(says)
 
 
 def test_check_names_the_path(llama_dir):
-    """On this CPU: transformers' sdpa with the dense mask, and why; without document masking, nothing."""
+    """On this CPU: sdpa by documents; without document masking, nothing."""
     from fsdp2kit.check import describe
 
     with process_group(1) as runtime:
         described = describe(job(llama_dir), runtime)
-    assert (
-        described["document_attention"]
-        == "sdpa with a dense [T, T] document mask (FlexAttention has no backward on cpu)"
-    )
+    assert described["document_attention"].startswith("sdpa by documents (the fused causal kernel per document")
+    assert described["attn_implementation"] == "document_sdpa"
     no_documents = job(llama_dir)
     no_documents.data.document_mask = False
     with process_group(1) as runtime:

@@ -111,7 +111,7 @@ def test_packed_and_budgeted_steps_equal_the_padded_computation(model_dir, tmp_p
 def test_packed_rows_through_flex_attention_equal_the_padded_computation(model_dir, tmp_path, monkeypatch):
     """Where the build picks FlexAttention for packed documents (CUDA; forced here, forward only: torch has no CPU
     backward for it), forward_step's stream goes through its block mask and equals the padded computation."""
-    monkeypatch.setattr(document_attention, "document_path", lambda *_: (True, "as on CUDA"))
+    monkeypatch.setattr(document_attention, "document_path", lambda *_: (DOCUMENT_FLEX, "as on CUDA"))
     batch = padded_batch(0)
     expected = reference(model_dir, [batch])
     with strategy(config(str(model_dir), str(tmp_path), remove_padding=True)) as s:

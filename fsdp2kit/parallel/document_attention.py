@@ -8,8 +8,9 @@ sliding window) and hands it to `document_block_mask`, which makes a BlockMask o
 full or partial — so attention computes only the blocks inside documents and no [T, T] tensor exists.
 
 On CUDA the block mask and the attention are compiled (Triton kernels). On a CPU they run eagerly and forward only
-(torch has no CPU backward for FlexAttention), so a CPU run keeps the dense mask; `document_path` decides, the build
-applies it, `check` prints it and `plan` counts what it picks. Under Ulysses the same choice holds: the wrapper
+(torch has no CPU backward for FlexAttention), so a CPU run under sdpa attends document by document through the fused
+kernel instead (parallel/document_sdpa.py); `document_path` decides, the build applies it, `check` prints it and
+`plan` counts what it picks. Under Ulysses the same choice holds: the wrapper
 (`parallel/ulysses.py`) runs DOCUMENT_FLEX over the gathered sequence with a block mask made from the whole
 sequence's documents (`parallel/sequence_masks.py`). Under context parallel a rank's rows (its two chunks) over the
 gathered keys need a mask with or without documents: on CUDA DOCUMENT_FLEX takes it too, as a block mask of those
@@ -27,6 +28,7 @@ import torch
 
 from fsdp2kit.config.schema import DataConfig, ModelConfig
 from fsdp2kit.parallel.context_attention import has_attention_sinks
+from fsdp2kit.parallel.document_sdpa import DOCUMENT_SDPA, TILE_TOKENS, use_document_sdpa
 from fsdp2kit.transformers_compat import mask_interface_function
 
 DOCUMENT_FLEX = "document_flex"
@@ -40,32 +42,37 @@ def document_path(
     current: str,
     supports_flex: bool,
     context_parallel_size: int = 1,
-) -> tuple[bool, str | None]:
-    """Whether a run switches to DOCUMENT_FLEX, and how its packed documents are attended (None: no documents).
-    `requested` is model.attn_implementation as written, `current` what the model resolved it to."""
+) -> tuple[str | None, str | None]:
+    """The attention implementation a run switches to for its packed documents (DOCUMENT_FLEX, DOCUMENT_SDPA or None:
+    none), and how they are attended (None: no documents). `requested` is model.attn_implementation as written,
+    `current` what the model resolved it to (sdpa where the build switched it to DOCUMENT_SDPA already)."""
+    current = "sdpa" if current == DOCUMENT_SDPA else current
     if context_parallel_size > 1:
         return _context_parallel_path(requested, documents, device, current, supports_flex, context_parallel_size)
     if not documents:
-        return False, None
+        return None, None
     gathered = " over the gathered sequence (Ulysses)" if ulysses_size > 1 else ""
     flex = f"FlexAttention with a document block mask{gathered} (no [T, T] mask)"
     if DOCUMENT_FLEX in current:  # switched already: alone, or inside Ulysses' wrapper (ulysses_document_flex_...)
-        return False, flex
+        return None, flex
     if current.startswith("flash_attention"):
-        return False, f"{current}, variable-length from the position ids (no [T, T] mask)"
+        return None, f"{current}, variable-length from the position ids (no [T, T] mask)"
     dense = f"{current} with a dense [T, T] document mask{gathered}"
+    if device.type != "cuda" and current == "sdpa" and ulysses_size == 1:
+        by_documents = f"sdpa by documents (the fused causal kernel per document, short ones in {TILE_TOKENS}-token "
+        return DOCUMENT_SDPA, by_documents + "tiles; the [T, T] document mask is read, not attended through)"
     if requested != "auto":
-        return False, f"{dense} (model.attn_implementation: {requested}; auto picks FlexAttention on CUDA)"
+        return None, f"{dense} (model.attn_implementation: {requested}; auto picks FlexAttention on CUDA)"
     if not supports_flex:
-        return False, f"{dense} (the family has no FlexAttention, or attention sinks)"
+        return None, f"{dense} (the family has no FlexAttention, or attention sinks)"
     if device.type != "cuda":
-        return False, f"{dense} (FlexAttention has no backward on {device.type})"
-    return True, flex
+        return None, f"{dense} (FlexAttention has no backward on {device.type})"
+    return DOCUMENT_FLEX, flex
 
 
 def _context_parallel_path(
     requested: str, documents: bool, device: torch.device, current: str, supports_flex: bool, size: int
-) -> tuple[bool, str | None]:
+) -> tuple[str | None, str | None]:
     """`document_path` under context parallel, where each rank attends for its queries (two chunks of T/2c) over the
     gathered keys, a mask (causal by global index, documents, padding, a window) no kernel applies by itself, with or
     without documents. On CUDA FlexAttention takes it as a block mask of those rows (the kernel skips every block
@@ -73,24 +80,26 @@ def _context_parallel_path(
     (parallel/context_attention.py); else the dense [T/c, T] mask."""
     flex = f"FlexAttention with a block mask of each rank's queries over the gathered keys (no [T/{size}, T] mask)"
     if DOCUMENT_FLEX in current:
-        return False, flex
+        return None, flex
     if device.type == "cuda" and requested == "auto" and supports_flex:
-        return True, flex
+        return DOCUMENT_FLEX, flex
     if not documents:
-        return False, None
+        return None, None
     if device.type != "cuda":
         if "sdpa" in current:
             blocks = "sdpa by blocks of the fused kernel within documents over the gathered keys"
-            return False, f"{blocks} (no [T/{size}, T] mask)"
+            return None, f"{blocks} (no [T/{size}, T] mask)"
         why = f"FlexAttention has no backward on {device.type}"
     elif requested != "auto":
         why = f"model.attn_implementation: {requested}; auto picks FlexAttention on CUDA"
     else:
         why = "the family has no FlexAttention, or attention sinks"
-    return False, f"{current} with a dense [T/{size}, T] document mask over the gathered keys ({why})"
+    return None, f"{current} with a dense [T/{size}, T] document mask over the gathered keys ({why})"
 
 
-def document_route(model: Any, cfg: ModelConfig, data: DataConfig, device: torch.device) -> tuple[bool, str | None]:
+def document_route(
+    model: Any, cfg: ModelConfig, data: DataConfig, device: torch.device
+) -> tuple[str | None, str | None]:
     """`document_path` for a built model: what its decoder's attention resolved to, and whether its family has
     FlexAttention that DOCUMENT_FLEX can run: not with attention sinks (GPT-OSS), which it refuses."""
     current = str(model.config.get_text_config()._attn_implementation)
@@ -105,12 +114,14 @@ def document_route(model: Any, cfg: ModelConfig, data: DataConfig, device: torch
 def attend_documents(
     model: Any, cfg: ModelConfig, data: DataConfig, device: torch.device, sub_config: str | None
 ) -> bool:
-    """The build's step (before Ulysses, which then wraps DOCUMENT_FLEX): switch to DOCUMENT_FLEX where
-    `document_path` says so; whether it did."""
-    switched = document_route(model, cfg, data, device)[0]
-    if switched:
+    """The build's step (before Ulysses, which then wraps DOCUMENT_FLEX): switch to DOCUMENT_FLEX or DOCUMENT_SDPA
+    where `document_path` says so; whether it switched to DOCUMENT_FLEX (whose batches carry a BlockMask)."""
+    switch = document_route(model, cfg, data, device)[0]
+    if switch == DOCUMENT_FLEX:
         use_document_attention(model, sub_config)
-    return switched
+    elif switch == DOCUMENT_SDPA:
+        use_document_sdpa(model, sub_config)
+    return switch == DOCUMENT_FLEX
 
 
 def use_document_attention(model: Any, sub_config: str | None) -> None:
