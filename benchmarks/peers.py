@@ -7,6 +7,9 @@ transformers' `Trainer` with Accelerate's FSDP2, and TRL's `SFTTrainer` on it, e
 `Strategy.train_step` on the same SFT rows (benchmarks/peers_trainer.py, in the main environment with the `bench`
 extra, all under torchrun; one optimizer step is the timed call).
 
+The RL engines run two workloads each, their own defaults first (no entropy bonus: verl's `entropy_coeff: 0`, ROLL's
+`entropy_loss_coef: 0`), then with the bonus of 0.01 their RL tests train with (`--workloads` picks); every table is
+printed under the line of its settings.
 Per launch the worker is built, then its two calls are each called twice as the frameworks' trainers call them
 (verl: infer_batch (log-probs + entropy), train_mini_batch (two mini-batches, an optimizer step each), again both;
 ROLL: compute_log_probs, train_step, again both). Launches alternate fsdp2kit / peer (A/B/A/B, `--repeats` each) at
@@ -19,7 +22,8 @@ sides that disagree by more than 1e-4 computed different things: their ratios ar
 Prints one JSON object; ratios are fsdp2kit / peer (< 1: fsdp2kit faster or smaller).
 
 Run: make bench-peers, or
-  .venv/bin/python benchmarks/peers.py [--repeats 3] [--world-sizes 1 2] [--frameworks verl roll trainer trl] [--quick]
+  .venv/bin/python benchmarks/peers.py [--repeats 3] [--world-sizes 1 2] [--frameworks verl roll trainer trl]
+      [--workloads defaults "entropy bonus"] [--quick]
 """
 
 from __future__ import annotations
@@ -62,6 +66,12 @@ FRAMEWORKS = {
     "trainer": {"peer": "trainer", "python": ".venv", "script": "peers_trainer.py", "path": []},
     "trl": {"peer": "sft_trainer", "python": ".venv", "script": "peers_trainer.py", "path": []},
 }
+# Each framework's workloads, its own defaults first: the RL engines without an entropy bonus (verl's
+# `entropy_coeff: 0`, ROLL's `entropy_loss_coef: 0`; verl's trainer still asks the log-prob call for entropies,
+# ROLL's returns them), then with the bonus their RL tests train with (0.01: the update computes entropies too);
+# the Trainer and TRL arms have one, SFT.
+RL_WORKLOADS = {"defaults": {"entropy_coeff": 0.0}, "entropy bonus": {"entropy_coeff": 0.01}}
+WORKLOADS = {"verl": RL_WORKLOADS, "roll": RL_WORKLOADS, "trainer": {"sft": {}}, "trl": {"sft": {}}}
 # The Trainer and TRL arms' SFT: per optimizer step 8 rows of up to 256 tokens (prompts without targets, right
 # padding) in micro-batches of 2 rows over all ranks, 4 steps per launch; quick: rows of 64 tokens, 2 steps.
 SFT = {"rows_per_step": 8, "micro_rows": 2, "length": 256, "steps": 4}
@@ -189,13 +199,15 @@ def memory_figures(launches: list[list[dict]], key: str) -> list[float]:
     return [statistics.median(launch[rank][key] for launch in launches) for rank in range(len(launches[0]))]
 
 
-def summarise(peer: str, by_backend: dict[str, list[list[dict]]]) -> dict[str, Any]:
-    """One framework at one world size: {backend: [launch: [rank figures]]} -> medians, ratios fsdp2kit / peer
-    (None where the two sides disagree) and the agreement."""
+def summarise(
+    peer: str, by_backend: dict[str, list[list[dict]]], settings: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """One workload at one world size: {backend: [launch: [rank figures]]} -> medians, ratios fsdp2kit / peer
+    (None where the two sides disagree), the agreement, and the `settings` it ran with."""
     ours, theirs = by_backend["fsdp2kit"], by_backend[peer]
     agree = agreement(ours, theirs)
     void = agree["void"] is not None
-    result: dict[str, Any] = {"agreement": agree, "calls": {}, "memory": {}}
+    result: dict[str, Any] = {"peer": peer, "settings": settings or {}, "agreement": agree, "calls": {}, "memory": {}}
     for call in ours[0][0]["calls"]:
         mine, other = call_figures(ours, call), call_figures(theirs, call)
         result["calls"][call] = {
@@ -215,28 +227,38 @@ def summarise(peer: str, by_backend: dict[str, list[list[dict]]]) -> dict[str, A
 
 
 def headline(results: dict[str, dict[str, dict]]) -> dict[str, dict[str, Any]]:
-    """The ratios at a glance: CPU time per call and peak RSS, per framework and world size."""
+    """The ratios at a glance: CPU time per call and peak RSS, per workload (`results`' keys) and world size."""
     return {
-        f"{framework} @{ranks}": {
+        f"{workload} @{ranks}": {
             **{f"{call} cpu": figures["ratio_cpu"] for call, figures in result["calls"].items()},
             "peak_rss": result["memory"]["peak_rss_bytes"]["ratio_largest_rank"],
         }
-        for framework, by_ranks in results.items()
+        for workload, by_ranks in results.items()
         for ranks, result in by_ranks.items()
     }
 
 
+def settings_line(workload: str, settings: dict[str, Any]) -> str:
+    """What a table's rows ran with, in one line above them."""
+    return f"{workload}: " + ", ".join(f"{key} {value}" for key, value in settings.items())
+
+
 def table(results: dict[str, dict[str, dict]]) -> str:
-    """The summaries as a markdown table (medians of rank 0's seconds per call; peak RSS of the largest rank)."""
-    lines = [
-        "| peer | ranks | call | fsdp2kit CPU s | peer CPU s | ratio CPU | fsdp2kit wall s | peer wall s | ratio wall "
-        "|",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
-    ]
+    """The summaries as markdown tables, one a workload under the line of its settings (medians of rank 0's seconds
+    per call; peak RSS of the largest rank)."""
     show = lambda ratio: "void" if ratio is None else f"{ratio:.3f}"  # noqa: E731
+    lines = []
     for framework, by_ranks in results.items():
-        peer = FRAMEWORKS[framework]["peer"]
+        lines += [
+            "",
+            settings_line(framework, next(iter(by_ranks.values()))["settings"]),
+            "",
+            "| peer | ranks | call | fsdp2kit CPU s | peer CPU s | ratio CPU | fsdp2kit wall s | peer wall s | "
+            "ratio wall |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        ]
         for ranks, result in by_ranks.items():
+            peer = result["peer"]
             for call, figures in result["calls"].items():
                 ours, theirs = figures["fsdp2kit"], figures[peer]
                 lines.append(
@@ -357,26 +379,49 @@ def launch(framework: str, backend: str, ranks: int, settings: dict, out: Path) 
     return [json.loads(Path(f"{out}.rank{rank}.json").read_text()) for rank in range(ranks)]
 
 
-def measure(framework: str, args: argparse.Namespace, workdir: Path) -> dict[str, dict]:
-    """Every world size: fsdp2kit and the peer alternately, `repeats` launches each; the summaries."""
+def workload_settings(framework: str, workload: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """What a workload's launches run with, as its table prints it."""
+    model = QUICK if args.quick else QWEN2_22M
+    shape = f"Qwen2 {model['num_hidden_layers']} x {model['hidden_size']}, vocabulary {model['vocab_size']}, fp32"
+    if framework in ("trainer", "trl"):
+        sft = QUICK_SFT if args.quick else SFT
+        return {"model": shape, **sft, "recompute": False, "repeats": args.repeats}
+    rollout = QUICK_ROLLOUT if args.quick else ROLLOUT
+    settings = {"model": shape, "rollouts": f"8 x ({rollout['prompt']} + {rollout['response']}) tokens"}
+    settings.update(workload if framework == "verl" else {"entropy_loss_coef": workload["entropy_coeff"]})
+    if framework == "verl":
+        settings["max_token_len_per_gpu"] = args.max_tokens
+        settings["update computes entropy"] = workload["entropy_coeff"] != 0
+    settings["recompute"] = framework == "verl" or not args.roll_no_recompute
+    return {**settings, "repeats": args.repeats}
+
+
+def measure(framework: str, args: argparse.Namespace, workdir: Path) -> dict[str, dict[str, dict]]:
+    """Every workload and world size: fsdp2kit and the peer alternately, `repeats` launches each; the summaries by
+    "framework, workload" and world size."""
     peer = FRAMEWORKS[framework]["peer"]
     if framework == "roll" and not (ROLL_SOURCE / "roll").is_dir():
         raise SystemExit(f"peers: no ROLL snapshot at {ROLL_SOURCE} (set ROLL_SOURCE=..., or --frameworks verl)")
     folder = workdir / framework / "model"
     folder.parent.mkdir(parents=True)
     make_model(framework, folder, QUICK if args.quick else QWEN2_22M)
-    settings = {"model": str(folder), **(QUICK_ROLLOUT if args.quick else ROLLOUT), "max_tokens": args.max_tokens}
-    settings["roll_recompute"] = not args.roll_no_recompute
-    settings["sft"] = QUICK_SFT if args.quick else SFT
-    results = {}
-    for ranks in args.world_sizes:
-        launches: dict[str, list[list[dict]]] = {"fsdp2kit": [], peer: []}
-        for repeat in range(args.repeats):
-            for backend in launches:
-                out = workdir / framework / f"{backend}-{ranks}-{repeat}"
-                launches[backend].append(launch(framework, backend, ranks, settings, out))
-                print(f"{framework} {backend} ranks {ranks} repeat {repeat}: done", file=sys.stderr, flush=True)
-        results[str(ranks)] = summarise(peer, launches)
+    base = {"model": str(folder), **(QUICK_ROLLOUT if args.quick else ROLLOUT), "max_tokens": args.max_tokens}
+    base["roll_recompute"] = not args.roll_no_recompute
+    base["sft"] = QUICK_SFT if args.quick else SFT
+    results: dict[str, dict[str, dict]] = {}
+    for name, workload in WORKLOADS[framework].items():
+        if args.workloads and name not in args.workloads and len(WORKLOADS[framework]) > 1:
+            continue
+        settings, by_ranks = {**base, **workload}, {}
+        for ranks in args.world_sizes:
+            launches: dict[str, list[list[dict]]] = {"fsdp2kit": [], peer: []}
+            for repeat in range(args.repeats):
+                for backend in launches:
+                    out = workdir / framework / f"{name.replace(' ', '_')}-{backend}-{ranks}-{repeat}"
+                    launches[backend].append(launch(framework, backend, ranks, settings, out))
+                    print(f"{framework} {name} {backend} ranks {ranks} repeat {repeat}: done", file=sys.stderr)
+            by_ranks[str(ranks)] = summarise(peer, launches, workload_settings(framework, workload, args))
+        results[f"{framework}, {name}"] = by_ranks
     return results
 
 
@@ -390,6 +435,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--frameworks", nargs="+", choices=list(FRAMEWORKS), default=list(FRAMEWORKS))
     parser.add_argument("--max-tokens", type=int, default=1024, help="verl's max_token_len_per_gpu (dynamic batch)")
+    parser.add_argument(
+        "--workloads", nargs="+", choices=list(RL_WORKLOADS), help="the RL engines' workloads (default: both)"
+    )
     parser.add_argument(
         "--roll-no-recompute",
         action="store_true",
@@ -408,18 +456,17 @@ def main() -> None:
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="fsdp2kit-peers-") as workdir:
         for framework in args.frameworks:
-            results[framework] = measure(framework, args, Path(workdir))
+            results.update(measure(framework, args, Path(workdir)))
     report = {
         "benchmark": "peers",
         "model": QUICK if args.quick else QWEN2_22M,
         "rollouts": {"rows": 8, **(QUICK_ROLLOUT if args.quick else ROLLOUT)},
         "repeats": args.repeats,
         "sft": QUICK_SFT if args.quick else SFT,
-        "recompute": {"verl": True, "roll": not args.roll_no_recompute, "trainer": False, "trl": False},
         "nproc": os.cpu_count(),
         "loadavg": {"before": before, "after": load_average()},
         "headline_ratios_fsdp2kit_over_peer": headline(results),
-        "frameworks": results,
+        "workloads": results,
     }
     print(table(results), file=sys.stderr)
     print(json.dumps(report))

@@ -1,7 +1,7 @@
 """One rank of benchmarks/peers.py's ROLL arm, in ROLL's environment: ROLL's RLVR `ActorWorker` (built by
 tests_roll/roll_worker.py from tests_roll/rlvr_tiny.yaml on the engine `backend` names: fsdp2kit's or ROLL's
 FSDP2TrainStrategy; recomputing as ROLL does by default, unless told not to) on 8 rollouts, called as ROLL's
-pipeline calls it: compute_log_probs, train_step, again both; those two timed."""
+pipeline calls it: compute_log_probs, train_step, again both; those two timed; the entropy bonus the workload's."""
 
 from __future__ import annotations
 
@@ -23,9 +23,10 @@ def main() -> None:
     settings = json.loads(sys.argv[1])
     # ROLL's default recompute (every decoder layer) unless --roll-no-recompute (tests_roll/rlvr_tiny.yaml's setting)
     model_args = {"disable_gradient_checkpointing": not settings["roll_recompute"]}
-    worker, _ = roll_worker.build(
+    worker, config = roll_worker.build(
         settings["backend"], "actor", settings["model"], settings["out"], settings["ranks"], model_args
     )
+    config.entropy_loss_coef = settings["entropy_coeff"]  # the workload's (ROLL's default: 0), read at each loss
     record = Record()
     record.setup_done()
     worker.compute_log_probs = record.timed("compute_log_probs", worker.compute_log_probs, barrier)

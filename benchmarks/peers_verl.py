@@ -1,7 +1,9 @@
 """One rank of benchmarks/peers.py's verl arm, in verl's environment: verl's actor (`TrainingWorker` with verl's PPO
 loss, built by tests_verl/verl_driver.py from the engine config `backend` names: fsdp2kit's or verl's FSDP2) on 8
 rollouts, called as verl's PPO trainer calls it (verl_driver.infer / verl_driver.update): log-probs and entropy,
-an update (two mini-batches), another, log-probs again; `infer_batch` and `train_mini_batch` timed."""
+an update (two mini-batches), another, log-probs again; `infer_batch` and `train_mini_batch` timed. The log-prob
+calls compute entropies (verl's `_compute_old_log_prob` always asks), the updates only under an entropy bonus
+(`entropy_coeff` not 0, as verl's `_update_actor` decides)."""
 
 from __future__ import annotations
 
@@ -27,10 +29,11 @@ def main() -> None:
     record.setup_done()
     actor.infer_batch = record.timed("infer_batch", actor.infer_batch, dist.barrier)
     actor.train_mini_batch = record.timed("train_mini_batch", actor.train_mini_batch, dist.barrier)
+    bonus = settings["entropy_coeff"] != 0
     before = driver.infer(actor, rollout, "log_probs", entropy=True)
     batch = rollout.union(DataProto.from_single_dict({"old_log_probs": before["log_probs"]}))
-    first = driver.update(actor, batch, entropy=True)
-    driver.update(actor, batch, entropy=True)
+    first = driver.update(actor, batch, entropy=bonus)
+    driver.update(actor, batch, entropy=bonus)
     driver.infer(actor, rollout, "log_probs", entropy=True)
     losses = {key: value for key, value in first["reduced"].items() if "loss" in key}
     record.write(settings["out"], dist.get_rank(), before["log_probs"].tolist(), losses)

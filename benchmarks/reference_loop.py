@@ -9,7 +9,9 @@ over tokens and divided by the global target-token count, as fsdp2kit does:
 - `ddp`: torch's `DistributedDataParallel` as it comes, `no_sync` while accumulating (what NO_SHARD is measured by);
 - `accelerate`: `Accelerator().prepare(...)` with `accumulate()`; on a CPU-only machine Accelerate runs DDP.
 
-With `--synthetic-batches` the micro-batches are random tokens made up front (no data pipeline at all), and with
+With `--without-position-ids` the packed rows go in without their position ids (each row one causal sequence, as
+a minimal loop on packed data often feeds them). With `--synthetic-batches` the micro-batches are random tokens made
+up front (no data pipeline at all), and with
 `--track-memory` the whole loop runs under torch's MemTracker (live tensor bytes, the base class of the tracker
 fsdp2kit's `training.track_memory` uses).
 
@@ -187,6 +189,12 @@ def main() -> None:
         action="store_true",
         help="random token batches made up front instead of fsdp2kit's data pipeline (what the pipeline costs)",
     )
+    parser.add_argument(
+        "--without-position-ids",
+        action="store_true",
+        help="feed the packed rows without their position ids: one causal sequence a row, the documents attending "
+        "to each other (a minimal loop on packed data as commonly written)",
+    )
     parser.add_argument("--bf16", action="store_true", help="fsdp2: bf16 compute, fp32 reduce; fused AdamW on CUDA")
     parser.add_argument("--compile", action="store_true", help="fsdp2: each decoder layer compiled (torch.compile)")
     parser.add_argument(
@@ -221,6 +229,8 @@ def main() -> None:
         steps = synthetic_micro_batches(args, rank, model.config.vocab_size)
     else:
         steps = micro_batches_per_step(args, rank, world_size)
+    if args.without_position_ids:
+        steps = [[{k: v for k, v in mb.items() if k != "position_ids"} for mb in step] for step in steps]
     model.train()
     if accelerator is None:
         model, clip = wrap(model, args.impl, device, args.bf16, args.compile)

@@ -218,8 +218,8 @@ def _traced(cfg: JobConfig, world_size: int) -> dict[str, object]:
         )
         model = sharded.model
         # How the run on PLANNED_DEVICE attends packed documents. The fake world's model was built for the CPU (sdpa
-        # or eager, under Ulysses too; DOCUMENT_SDPA falls back to the dense mask on fake tensors), which keeps the dense
-        # mask unless FlexAttention would replace it there.
+        # or eager, under Ulysses too; DOCUMENT_SDPA takes the dense mask on fake tensors), which keeps the dense mask
+        # unless FlexAttention would replace it there.
         switch, document_attention = document_route(model, cfg.model, cfg.data, PLANNED_DEVICE)
         here = this_device()  # and how a run on this machine attends them, as `check` here says
         document_attention_here = document_route(model, cfg.model, cfg.data, here)[1]

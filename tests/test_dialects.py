@@ -1064,6 +1064,7 @@ def test_set_that_changes_the_key_which_implied_another_takes_the_implication_ba
 def test_flash_attention_2_runs_as_transformers_choice_on_cpu_and_check_says_so(tmp_path):
     cfg = load_config("examples/demo.yaml", ["model.attn_implementation=flash_attention_2"])
     plan = plan_of(cfg)
-    assert plan["attn_implementation"] == "sdpa"  # Llama's: transformers picks sdpa where a family has it
+    # Llama's: transformers picks sdpa where a family has it, which attends the demo's packed documents one by one
+    assert plan["attn_implementation"] == "document_sdpa"
     note = "model.attn_implementation: flash_attention_2 needs CUDA; transformers' choice runs the same attention"
     assert note in plan["notes"]

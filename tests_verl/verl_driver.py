@@ -279,10 +279,11 @@ class DeltaSync:
 
 
 def actor_worker(settings: dict) -> TrainingWorker:
-    """verl's actor: the worker with verl's PPO loss (entropy bonus on)."""
+    """verl's actor: the worker with verl's PPO loss (an entropy bonus of 0.01 unless settings say otherwise)."""
     actor = worker(settings, "language_model", settings["model"])
+    bonus = settings.get("entropy_coeff", 0.01)
     config = FSDPActorConfig(
-        strategy="fsdp2", rollout_n=1, ppo_mini_batch_size=ROWS // 2, use_dynamic_bsz=True, entropy_coeff=0.01
+        strategy="fsdp2", rollout_n=1, ppo_mini_batch_size=ROWS // 2, use_dynamic_bsz=True, entropy_coeff=bonus
     )
     actor.set_loss_fn(partial(ppo_loss, config=config))
     return actor
