@@ -82,7 +82,8 @@ def test_the_plain_demo_says_its_layout(run_main):
         )
         lines = run_layout(sharded, cfg.model, cfg.data, cfg.training, runtime.device)
     assert lines[0] == "layout: mesh fsdp 1 (1 rank); data-parallel 1; each rank holds whole rows"
-    assert "attention sdpa" in lines[1] and "optimizer adamw: every trainable parameter" in lines[1]
+    assert "attention document_sdpa; packed documents: sdpa by documents" in lines[1]
+    assert "optimizer adamw: every trainable parameter" in lines[1]
 
 
 def test_context_parallel_size_under_strategy_config_is_answered_with_its_key(run_main):
