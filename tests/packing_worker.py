@@ -79,12 +79,29 @@ def policy_loss_with_rows(log_probs: torch.Tensor, batch: Batch) -> tuple[torch.
     return (*policy_loss(log_probs, batch), {"rows": float(batch["input_ids"].shape[0])})
 
 
+def attention_calls_by_documents() -> list[bool | None]:
+    """Wrap the CPU's document attention with a record of each call: whether it attended by documents (None: no
+    mask at all, one document a stream, plain causal)."""
+    from fsdp2kit.parallel import document_sdpa
+
+    calls: list[bool | None] = []
+    attend = document_sdpa.document_sdpa_attention
+
+    def recorded(module: Any, query: Any, key: Any, value: Any, mask: Any, **kwargs: Any) -> Any:
+        calls.append(None if mask is None else getattr(mask, "document_spans", None) is not None)
+        return attend(module, query, key, value, mask, **kwargs)
+
+    document_sdpa.document_sdpa_attention = recorded  # type: ignore[assignment]
+    return calls
+
+
 def run(model_dir: str, out: str) -> None:
+    by_documents = attention_calls_by_documents()
     strategy = fsdp2kit.Strategy.from_config(config(model_dir, out + ".dp", True))
     rank = dist.get_rank()
     whole = padded_batch(0)
     mine = {k: v[rank * 2 : rank * 2 + 2] for k, v in whole.items()}
-    seen: dict[str, Any] = {}
+    seen: dict[str, Any] = {"dp_attention": strategy.model.config._attn_implementation, "by_documents": by_documents}
     seen["dp_log_probs"] = strategy.forward_step(mine)["log_probs"]
     seen["dp"] = step_gradients(strategy, lambda: strategy.train_step([mine], policy_loss))
     # Unequal token totals: rank 0's rows need more micro-batches within the budget than rank 1's (rank 1 adds

@@ -108,11 +108,13 @@ def tied_reference(config_file):
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(TIED_CASES))
 def test_tied_embeddings_match_single_process_reference(case, config_file, tied_reference, tmp_path):
-    """Losses and gradient norms per step, and the exported weights after the last: one tied tensor."""
+    """Losses and gradient norms per step (2 ranks attending by documents against one process with the dense
+    mask), and the exported weights after the last: one tied tensor."""
     settings = SMALL | TIED | {"training.gradient_accumulation_steps": GLOBAL_BATCH // 2}
     settings |= TIED_CASES[case] | {"training.output_dir": str(tmp_path)}
     result = run_cli("train", config_file, "--nproc", 2, *set_args(settings))
     assert result.returncode == 0, result.stderr[-3000:]
+    assert "attention document_sdpa" in result.stdout + result.stderr  # the reference: the dense mask, one process
     records = read_metrics(tmp_path)
     for key in ("loss", "grad_norm"):
         pairs = [(record[key], getattr(ref, key)) for record, ref in zip(records, tied_reference.results, strict=True)]

@@ -160,6 +160,10 @@ def test_packed_and_budgeted_steps_at_two_ranks_and_ulysses(model_dir, tmp_path)
     out = tmp_path / "out.pt"
     launch_two_ranks("packing_worker.py", model_dir, out, timeout=300)
     seen = torch.load(out, weights_only=False)
+    # the data-parallel steps attended each packed stream by documents (the CPU's path), never through the dense
+    # mask (a stream of one document needs none); the reference is the padded computation
+    masked = [call for call in seen["by_documents"] if call is not None]
+    assert seen["dp_attention"] == "document_sdpa" and masked and all(masked)
     expected = reference(model_dir, [whole])
     rank_zero = {k: v[:2] for k, v in whole.items()}
     assert_outputs(seen["dp_log_probs"], expected["log_probs"][0][:2], rank_zero)

@@ -120,8 +120,8 @@ def document_sdpa_attention(
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     spans = getattr(attention_mask, "document_spans", None)
-    plain = not (dropout or kwargs.get("softcap") is not None or kwargs.get("position_bias") is not None)
-    if spans is None or not plain or kwargs.get("s_aux") is not None or torch.compiler.is_compiling():
+    unsupported = dropout or any(kwargs.get(name) is not None for name in ("softcap", "position_bias", "s_aux"))
+    if spans is None or unsupported or torch.compiler.is_compiling():
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
